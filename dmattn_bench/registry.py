@@ -1,0 +1,110 @@
+"""The one list of attention backends: name, launchers, support check, default configs.
+
+Every backend has the same launch interface so the autograd wrapper, the validator and the
+tuner treat them alike: inputs already checked and normalised by `dmattn_bench.api`
+(mask/bias as 4-D broadcast views), outputs preallocated by the caller.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dmattn_bench import reference
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A kernel family. `forward`/`backward` fill preallocated outputs (see `dmattn_kernels`)."""
+
+    name: str
+    forward: Callable[..., None]
+    backward: Callable[..., None]
+    is_supported: Callable[[FwdConfig | BwdConfig, AttentionShape], str | None]
+
+
+def _reference_forward(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap, config, out, lse):
+    del config  # the reference has no tiles
+    with torch.no_grad():
+        result, result_lse = reference.attention(
+            q, k, v, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
+            softcap=softcap, return_lse=True,
+        )
+    out.copy_(result)
+    lse.copy_(result_lse)
+
+
+def _reference_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal, softmax_scale, softcap,
+                        config, dq, dk, dv, dbias):
+    del out, lse, config  # recomputed by autograd through the reference
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    bias_leaf = bias.detach().requires_grad_(dbias is not None) if bias is not None else None
+    with torch.enable_grad():
+        result = reference.attention(
+            *leaves, mask, bias_leaf, is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap,
+        )
+        inputs = leaves + ([bias_leaf] if dbias is not None else [])
+        grads = torch.autograd.grad(result, inputs, dout)
+    for target, grad in zip((dq, dk, dv, dbias), grads):
+        target.copy_(grad)
+
+
+def _reference_is_supported(config, shape) -> str | None:
+    del config, shape
+    return None
+
+
+def _triton_backend() -> Backend:
+    # Imported on first use: importing Triton kernels fixes whether the interpreter is used.
+    from dmattn_kernels import triton as triton_kernels
+
+    return Backend(
+        name="triton",
+        forward=triton_kernels.attention_forward,
+        backward=triton_kernels.attention_backward,
+        is_supported=triton_kernels.is_supported,
+    )
+
+
+_REFERENCE = Backend("reference", _reference_forward, _reference_backward, _reference_is_supported)
+BACKEND_NAMES = ("triton", "reference")
+_loaded: dict[str, Backend] = {"reference": _REFERENCE}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called `name`.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend: got {name!r}, expected one of {('auto',) + BACKEND_NAMES}")
+    if name not in _loaded:
+        _loaded[name] = _triton_backend()
+    return _loaded[name]
+
+
+def default_configs(head_dim: int, device: torch.device) -> tuple[FwdConfig, BwdConfig]:
+    """The heuristic configs used when no tuned table has an entry.
+
+    GPU tiles follow FlashAttention-2's Triton defaults: 128x64 forward tiles up to D=64, 64x64
+    beyond; the backward holds two (BLOCK_N, D) fp32 accumulators plus K and V, so its tiles
+    shrink as D grows to stay inside shared memory and registers. The interpreter gets small
+    tiles: it runs every tile element in numpy, so fewer wasted (out-of-bounds) lanes is faster.
+    """
+    if device.type != "cuda":
+        return FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1)
+    if head_dim <= 64:
+        return FwdConfig(128, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)
+    if head_dim <= 128:
+        return FwdConfig(64, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)
+    return FwdConfig(64, 32, 4, 2), BwdConfig(16, 32, 32, 16, 4, 1)

@@ -1,0 +1,106 @@
+"""Triton helpers shared by the forward and backward dynamic-mask attention kernels.
+
+Both directions must agree bit for bit on which positions are visible and on the scores, so the
+visibility rule and the score pipeline live here once:
+
+    visible_ij = (i < Lq) & (j < Lk) & [causal: j <= i + Lk - Lq] & [mask: mask_ij != 0]
+    s_ij       = scale * q_i . k_j
+    s_ij       = softcap * tanh(s_ij / softcap)        (softcap > 0)
+    s_ij       = s_ij + bias_ij                        (bias present; never scaled)
+    s_ij       = -inf where not visible_ij             (bias at excluded positions is ignored)
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) == exp2(x * LOG2E), and exp2 is the native unit
+
+
+@triton.jit
+def tanh(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 (exp overflows to inf, 2/inf = 0)
+    instead of producing inf/inf, and needs no libdevice call, so it also runs in the interpreter."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def visible_tile(
+    mask_base,
+    offs_m,
+    offs_n,
+    stride_mm,
+    stride_mn,
+    seqlen_q,
+    seqlen_k,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    """Boolean (BLOCK_M, BLOCK_N) tile of positions that take part in the softmax.
+
+    The mask is read only inside the sequence bounds (predicated loads), so memory past a
+    sliced mask's logical extent never matters.
+    """
+    visible = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+    if IS_CAUSAL:
+        # bottom-right alignment: query i sees key j iff j <= i + Lk - Lq
+        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
+    if HAS_MASK:
+        keep = tl.load(
+            mask_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+            mask=visible,
+            other=0,
+        )
+        visible = visible & (keep != 0)
+    return visible
+
+
+@triton.jit
+def scores_tile(
+    q,
+    k,
+    bias_base,
+    offs_m,
+    offs_n,
+    stride_bm,
+    stride_bn,
+    visible,
+    softmax_scale,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Scores of one tile, -inf where not visible.
+
+    Returns:
+        (s, capped): the masked scores (fp32) and tanh(scale*qk/softcap) (the softcap backward
+        needs 1 - capped^2; it is a dummy when HAS_SOFTCAP is off).
+    """
+    s = tl.dot(q, tl.trans(k)) * softmax_scale
+    capped = s
+    if HAS_SOFTCAP:
+        capped = tanh(s / softcap)
+        s = softcap * capped
+    if HAS_BIAS:
+        # Predicated on `visible`: NaN/inf bias at excluded positions is never even loaded.
+        bias = tl.load(
+            bias_base + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn,
+            mask=visible,
+            other=0.0,
+        )
+        s = s + bias.to(tl.float32)
+    s = tl.where(visible, s, float("-inf"))
+    return s, capped
+
+
+@triton.jit
+def tile_is_active(visible, HAS_MASK: tl.constexpr):
+    """Whether a tile inside the loop bounds must be computed.
+
+    With a mask, a tile with no visible position is skipped (no K/V/bias loads, no dots).
+    Without one the answer is the constant True, which the compiler folds away so the key loop
+    stays a straight, pipelinable loop.
+    """
+    if HAS_MASK:
+        return tl.max(visible.to(tl.int32)) > 0
+    else:
+        return tl.full([], 1, tl.int1)

@@ -1,0 +1,265 @@
+"""Flash dynamic-mask attention, backward, in Triton: deterministic, no atomics.
+
+Given dO and the forward's out and lse (layouts as in `flash_fwd.py`), with scores s as in
+`common.py` and P_ij = exp(s_ij - lse_i) recomputed tile by tile:
+    delta_i = sum_d dO_id * out_id                           (`flash_bwd_preprocess_kernel`)
+    dV_j   += sum_i P_ij dO_i
+    dP_ij   = dO_i . v_j
+    dS_ij   = P_ij (dP_ij - delta_i)                          = dBias_ij (before broadcast sums)
+    dS_ij  *= 1 - tanh^2(scale q_i.k_j / softcap)             (softcap > 0)
+    dK_j   += scale * sum_i dS_ij q_i
+    dQ_i   += scale * sum_j dS_ij k_j
+Dead rows have lse = -inf; they are given lse = +inf here so P = exp(s - inf) = 0 and they
+contribute nothing (their dQ row is 0).
+
+Work split (FlashAttention-2 style, without atomics, so results are bitwise reproducible):
+- `flash_bwd_dkdv_kernel`: one program per (key block, batch, kv head); it loops over the query
+  heads of its GQA group and all query blocks, so dK/dV of a kv head are summed in registers.
+  It also writes dBias partials (see below).
+- `flash_bwd_dq_kernel`: one program per (query block, batch, query head), looping over keys.
+
+dBias partials: the kernel writes into `dbias_ptr`, shaped (B, Hp, Rp, Lk), where
+    Hp = H   if the bias has one slice per query head of a GQA group (DBIAS_PER_QHEAD), else Hkv
+         (the group's query heads are summed in registers);
+    Rp = Lq  if the bias has a query dim (DBIAS_ROWS), else the number of query blocks (each
+         block's rows are summed in registers).
+Each element has exactly one writer. The launcher sums the remaining broadcast dims on the host.
+"""
+
+import triton
+import triton.language as tl
+
+from dmattn_kernels.triton.common import LOG2E, tile_is_active, scores_tile, visible_tile
+
+
+@triton.jit
+def flash_bwd_preprocess_kernel(
+    out_ptr, dout_ptr, delta_ptr,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_deltab, stride_deltah, stride_deltam,
+    num_heads, seqlen_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_heads).to(tl.int64)
+    h = (pid_bh % num_heads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tile_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    out = tl.load(out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, mask=tile_in, other=0.0)
+    dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=tile_in, other=0.0)
+    delta = tl.sum(out.to(tl.float32) * dout.to(tl.float32), 1)
+    tl.store(delta_ptr + b * stride_deltab + h * stride_deltah + offs_m * stride_deltam, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _probabilities_and_ds(
+    q, k, v, dout, lse, delta,
+    bias_base, offs_m, offs_n, stride_bm, stride_bn, visible,
+    softmax_scale, softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Recomputes P for one tile and returns (P, dS before softcap, dS after the softcap chain)."""
+    s, capped = scores_tile(
+        q, k, bias_base, offs_m, offs_n, stride_bm, stride_bn, visible, softmax_scale, softcap,
+        HAS_SOFTCAP, HAS_BIAS,
+    )
+    p = tl.exp2((s - lse[:, None]) * LOG2E)
+    dp = tl.dot(dout, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    ds_raw = ds
+    if HAS_SOFTCAP:
+        ds_raw = ds * (1.0 - capped * capped)
+    return p, ds, ds_raw
+
+
+@triton.jit
+def _load_row_stats(lse_ptr, delta_ptr, offs_m, stride_lm, seqlen_q):
+    """lse and delta of a query block; dead rows (lse = -inf) become +inf so that P = 0."""
+    row_in = offs_m < seqlen_q
+    lse = tl.load(lse_ptr + offs_m * stride_lm, mask=row_in, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(delta_ptr + offs_m * stride_lm, mask=row_in, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _store_dbias(dbias_base, db, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, DBIAS_ROWS: tl.constexpr):
+    """Stores a dBias tile (DBIAS_ROWS) or the row-sum of one query block at row start_m // BLOCK_M."""
+    if DBIAS_ROWS:
+        tile_in = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+        tl.store(dbias_base + offs_m[:, None] * stride_dbm + offs_n[None, :] * stride_dbn, db.to(dbias_base.dtype.element_ty), mask=tile_in)
+    else:
+        row = start_m // BLOCK_M
+        tl.store(dbias_base + row * stride_dbm + offs_n * stride_dbn, db.to(dbias_base.dtype.element_ty), mask=offs_n < seqlen_k)
+
+
+@triton.jit
+def flash_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr,
+    dk_ptr, dv_ptr, dbias_ptr,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+    num_heads_kv, seqlen_q, seqlen_k,
+    mask_head_div, bias_head_div,
+    softmax_scale, softcap,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
+    DBIAS_ROWS: tl.constexpr,
+    DBIAS_PER_QHEAD: tl.constexpr,
+):
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_heads_kv).to(tl.int64)
+    h_kv = (pid_bh % num_heads_kv).to(tl.int64)
+    num_heads = num_heads_kv * GROUP
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    m_start = 0
+    if IS_CAUSAL:
+        # the first query that sees key n0 is n0 - (Lk - Lq); earlier query blocks are all excluded
+        m_start = tl.maximum(pid_n * BLOCK_N - (seqlen_k - seqlen_q), 0) // BLOCK_M * BLOCK_M
+
+    for start_m in range(m_start, seqlen_q, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+        if HAS_DBIAS:
+            if DBIAS_ROWS:
+                dbias_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            else:
+                dbias_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for g in range(GROUP):
+            h = h_kv * GROUP + g
+            mask_base = mask_ptr + b * stride_mb + (h // mask_head_div) * stride_mh
+            visible = visible_tile(
+                mask_base, offs_m, offs_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK
+            )
+            if tile_is_active(visible, HAS_MASK):
+                # -- load q, dO and the row statistics of this query head --
+                q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
+                dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
+                row_base = b * stride_lb + h * stride_lh
+                lse, delta = _load_row_stats(lse_ptr + row_base, delta_ptr + row_base, offs_m, stride_lm, seqlen_q)
+                bias_base = bias_ptr + b * stride_bb + (h // bias_head_div) * stride_bh
+                # -- recompute P, then dV, dS, dK --
+                p, ds, ds_raw = _probabilities_and_ds(
+                    q, k, v, dout, lse, delta, bias_base, offs_m, offs_n, stride_bm, stride_bn,
+                    visible, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+                )
+                dv += tl.dot(tl.trans(p.to(dout.dtype)), dout)
+                dk += tl.dot(tl.trans(ds_raw.to(q.dtype)), q)
+                if HAS_DBIAS:
+                    if DBIAS_PER_QHEAD:
+                        _store_dbias(dbias_ptr + b * stride_dbb + h * stride_dbh, ds, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
+                    else:
+                        if DBIAS_ROWS:
+                            dbias_acc += ds
+                        else:
+                            dbias_acc += tl.sum(ds, 0)
+        if HAS_DBIAS:
+            if not DBIAS_PER_QHEAD:
+                _store_dbias(dbias_ptr + b * stride_dbb + h_kv * stride_dbh, dbias_acc, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
+
+    # epilogue
+    dk = dk * softmax_scale
+    tl.store(dk_ptr + b * stride_dkb + h_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty), mask=kv_in)
+    tl.store(dv_ptr + b * stride_dvb + h_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=kv_in)
+
+
+@triton.jit
+def flash_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+    num_heads, seqlen_q, seqlen_k,
+    mask_head_div, bias_head_div,
+    softmax_scale, softcap,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_heads).to(tl.int64)
+    h = (pid_bh % num_heads).to(tl.int64)
+    h_kv = h // GROUP
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
+    dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
+    row_base = b * stride_lb + h * stride_lh
+    lse, delta = _load_row_stats(lse_ptr + row_base, delta_ptr + row_base, offs_m, stride_lm, seqlen_q)
+    k_base = k_ptr + b * stride_kb + h_kv * stride_kh
+    v_base = v_ptr + b * stride_vb + h_kv * stride_vh
+    mask_base = mask_ptr + b * stride_mb + (h // mask_head_div) * stride_mh
+    bias_base = bias_ptr + b * stride_bb + (h // bias_head_div) * stride_bh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    n_end = seqlen_k
+    if IS_CAUSAL:
+        n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
+
+    for start_n in range(0, n_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        visible = visible_tile(
+            mask_base, offs_m, offs_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK
+        )
+        if tile_is_active(visible, HAS_MASK):
+            kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
+            _, _, ds_raw = _probabilities_and_ds(
+                q, k, v, dout, lse, delta, bias_base, offs_m, offs_n, stride_bm, stride_bn,
+                visible, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+            )
+            dq += tl.dot(ds_raw.to(k.dtype), k)
+
+    # epilogue
+    dq = dq * softmax_scale
+    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(dq_ptr.dtype.element_ty), mask=q_in)

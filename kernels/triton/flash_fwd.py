@@ -1,0 +1,141 @@
+"""Flash dynamic-mask attention, forward, in Triton.
+
+Layouts (strides are passed, only the head dim must be contiguous):
+    q    (B, Lq, H, D)        k, v (B, Lk, Hkv, D)       query head h reads kv head h // GROUP
+    mask (B|1, H|Hkv|1, Lq|1, Lk|1) as stride-0 views     bias: same broadcast rule
+    out  (B, Lq, H, D)        lse  (B, H, Lq) fp32
+
+Math, per (b, h) and query row i (scores as in `common.py`):
+    m_i   = max_j s_ij
+    l_i   = sum_j exp(s_ij - m_i)
+    out_i = sum_j exp(s_ij - m_i) v_j / l_i
+    lse_i = m_i + log(l_i)
+computed online over key tiles (FlashAttention-2). A row with no visible key (m_i = -inf) is
+"dead": out_i = 0, lse_i = -inf, never NaN.
+
+Skipped work: key tiles beyond the causal diagonal are outside the loop bounds; with a mask, a
+tile whose mask is all False loads no K, V or bias and issues no dot.
+"""
+
+import triton
+import triton.language as tl
+
+from dmattn_kernels.triton.common import LOG2E, tile_is_active, scores_tile, visible_tile
+
+
+@triton.jit
+def _online_softmax_step(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_base,
+    v_base,
+    bias_base,
+    offs_m,
+    offs_n,
+    offs_d,
+    visible,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    stride_bm,
+    stride_bn,
+    seqlen_k,
+    softmax_scale,
+    softcap,
+    HEAD_DIM: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    # -- load k, v (rows past Lk and lanes past HEAD_DIM read as 0, never as memory) --
+    kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
+    s, _ = scores_tile(
+        q, k, bias_base, offs_m, offs_n, stride_bm, stride_bn, visible, softmax_scale, softcap,
+        HAS_SOFTCAP, HAS_BIAS,
+    )
+    # -- online softmax: a row that has seen nothing visible keeps m = -inf and shifts by 0 --
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2((m_i - m_shift) * LOG2E)
+    p = tl.exp2((s - m_shift[:, None]) * LOG2E)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def flash_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    num_heads, seqlen_q, seqlen_k,
+    mask_head_div, bias_head_div,
+    softmax_scale, softcap,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_heads).to(tl.int64)
+    h = (pid_bh % num_heads).to(tl.int64)
+    h_kv = h // GROUP
+
+    q_base = q_ptr + b * stride_qb + h * stride_qh
+    k_base = k_ptr + b * stride_kb + h_kv * stride_kh
+    v_base = v_ptr + b * stride_vb + h_kv * stride_vh
+    mask_base = mask_ptr + b * stride_mb + (h // mask_head_div) * stride_mh
+    bias_base = bias_ptr + b * stride_bb + (h // bias_head_div) * stride_bh
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    n_end = seqlen_k
+    if IS_CAUSAL:
+        # the last row of this block sees keys up to (pid_m + 1) * BLOCK_M - 1 + Lk - Lq
+        n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
+
+    for start_n in range(0, n_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        visible = visible_tile(
+            mask_base, offs_m, offs_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK
+        )
+        if tile_is_active(visible, HAS_MASK):
+            m_i, l_i, acc = _online_softmax_step(
+                q, m_i, l_i, acc, k_base, v_base, bias_base, offs_m, offs_n, offs_d, visible,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                seqlen_k, softmax_scale, softcap, HEAD_DIM, HAS_SOFTCAP, HAS_BIAS,
+            )
+
+    # epilogue: a row with a visible key has l_i >= 1 (its max contributes exp(0)); l_i == 0 is dead
+    dead = l_i == 0.0
+    l_safe = tl.where(dead, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(dead, float("-inf"), m_i + tl.log(l_safe))
+    out_base = out_ptr + b * stride_ob + h * stride_oh
+    tl.store(out_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=q_in)
+    lse_base = lse_ptr + b * stride_lb + h * stride_lh
+    tl.store(lse_base + offs_m * stride_lm, lse, mask=offs_m < seqlen_q)

@@ -1,0 +1,215 @@
+"""Launchers for the Triton kernels: explicit configs in, preallocated outputs filled.
+
+Callers (the autograd wrapper, the validator, the tuner) own allocation, so the validator can
+hand in NaN-poisoned buffers and check that every element was written. Inputs arrive already
+checked by `dmattn_bench.api`: q (B, Lq, H, D), k/v (B, Lk, Hkv, D) with a contiguous head dim,
+mask/bias as 4-D views (B|1, H|Hkv|1, Lq|1, Lk|1) or None. Nothing here copies or pads them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
+from dmattn_kernels.triton.flash_bwd import (
+    flash_bwd_dkdv_kernel,
+    flash_bwd_dq_kernel,
+    flash_bwd_preprocess_kernel,
+)
+from dmattn_kernels.triton.flash_fwd import flash_fwd_kernel
+
+MAX_HEAD_DIM = 256  # the largest head dim whose fp32 accumulator tile fits the register file
+MIN_BLOCK = 16  # tl.dot needs every tile dim >= 16
+MAX_BLOCK = 256
+WARP_CHOICES = (1, 2, 4, 8, 16)
+MAX_STAGES = 8
+PREPROCESS_BLOCK_M = 64  # delta = rowsum(dO * O) is memory-bound; any reasonable tile will do
+
+
+def head_block(head_dim: int) -> int:
+    """The power-of-two lane count covering `head_dim` (masked lanes handle the rest)."""
+    return max(MIN_BLOCK, triton.next_power_of_2(head_dim))
+
+
+def _check_block(name: str, value: int) -> str | None:
+    if value < MIN_BLOCK or value > MAX_BLOCK or value & (value - 1):
+        return f"{name}={value} is not a power of two in [{MIN_BLOCK}, {MAX_BLOCK}]"
+    return None
+
+
+def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | None:
+    """The reason `config` cannot run `shape`, or None when it can.
+
+    Only structural limits live here; shared-memory and register fit per arch are pruned by
+    cross-compilation in the tuner.
+    """
+    if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 8:
+        return f"head_dim={shape.head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
+    if shape.num_heads % shape.num_heads_kv:
+        return f"num_heads={shape.num_heads} is not a multiple of num_heads_kv={shape.num_heads_kv}"
+    blocks = ["block_m", "block_n"] + (["block_m_dq", "block_n_dq"] if isinstance(config, BwdConfig) else [])
+    for name in blocks:
+        reason = _check_block(name, getattr(config, name))
+        if reason:
+            return reason
+    if config.num_warps not in WARP_CHOICES:
+        return f"num_warps={config.num_warps} is not one of {WARP_CHOICES}"
+    if not 1 <= config.num_stages <= MAX_STAGES:
+        return f"num_stages={config.num_stages} is not in [1, {MAX_STAGES}]"
+    return None
+
+
+def _broadcast_operand(t: torch.Tensor | None, num_heads: int, group: int, fallback: torch.Tensor):
+    """Pointer, 4 strides and head divisor of a broadcast mask/bias view (stride 0 on size-1 dims).
+
+    A head dim of H maps query head h to slice h; of Hkv (when H != Hkv) to slice h // group.
+    """
+    if t is None:
+        return fallback, (0, 0, 0, 0), 1
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)  # same itemsize: a reinterpretation, not a copy
+    strides = tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+    head_div = group if (t.shape[1] != num_heads and t.shape[1] != 1) else 1
+    return t, strides, head_div
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    softmax_scale: float,
+    softcap: float,
+    config: FwdConfig,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_heads_kv
+    mask_arg, mask_strides, mask_head_div = _broadcast_operand(mask, num_heads, group, q)
+    bias_arg, bias_strides, bias_head_div = _broadcast_operand(bias, num_heads, group, q)
+    grid = (triton.cdiv(seqlen_q, config.block_m), batch * num_heads)
+    flash_fwd_kernel[grid](
+        q, k, v, mask_arg, bias_arg, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out.stride(), *lse.stride(),
+        num_heads, seqlen_q, seqlen_k,
+        mask_head_div, bias_head_div,
+        softmax_scale, softcap if softcap > 0 else 1.0,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=head_block(head_dim),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        IS_CAUSAL=is_causal,
+        HAS_MASK=mask is not None,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap > 0,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def _dbias_partial(dbias: torch.Tensor, bias_shape, batch, num_heads, num_heads_kv, seqlen_q, seqlen_k, block_m):
+    """The buffer the dK/dV kernel writes dBias into, and how to finish it.
+
+    Returns:
+        (partial, rows, per_qhead, reduce_dims): the kernel target (zeroed: skipped tiles are
+        never written), whether it keeps query rows, whether it keeps one slice per query head,
+        and the dims still to sum into `dbias` (empty when `partial` is `dbias` itself).
+    """
+    bias_b, bias_h, bias_m, bias_n = bias_shape
+    rows = bias_m != 1 or seqlen_q == 1
+    per_qhead = bias_h == num_heads and num_heads != num_heads_kv
+    partial_shape = (
+        batch,
+        num_heads if per_qhead else num_heads_kv,
+        seqlen_q if rows else triton.cdiv(seqlen_q, block_m),
+        seqlen_k,
+    )
+    reduce_dims = tuple(
+        dim for dim, (have, want) in enumerate(zip(partial_shape, bias_shape)) if have != want
+    )
+    if not reduce_dims and dbias.is_contiguous():
+        dbias.zero_()
+        return dbias, rows, per_qhead, reduce_dims
+    partial = torch.zeros(partial_shape, dtype=torch.float32, device=dbias.device)
+    return partial, rows, per_qhead, reduce_dims
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    softmax_scale: float,
+    softcap: float,
+    config: BwdConfig,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    dbias: torch.Tensor | None,
+) -> None:
+    """Writes dq, dk, dv and, when given, dbias (the bias's own 4-D shape and dtype)."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_heads_kv
+    block_d = head_block(head_dim)
+    mask_arg, mask_strides, mask_head_div = _broadcast_operand(mask, num_heads, group, q)
+    bias_arg, bias_strides, bias_head_div = _broadcast_operand(bias, num_heads, group, q)
+    flags = dict(
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=is_causal,
+        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
+    )
+    scalars = (mask_head_div, bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0)
+
+    # -- delta = rowsum(dO * O) --
+    delta = torch.empty_like(lse)
+    flash_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * num_heads)](
+        out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), num_heads, seqlen_q,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK_M,
+    )
+
+    # -- dK, dV (and dBias partials): one program per key block and kv head --
+    if dbias is not None:
+        partial, rows, per_qhead, reduce_dims = _dbias_partial(
+            dbias, bias.shape, batch, num_heads, num_heads_kv, seqlen_q, seqlen_k, config.block_m
+        )
+    else:
+        partial, rows, per_qhead, reduce_dims = q, True, False, ()
+    partial_strides = partial.stride() if dbias is not None else (0, 0, 0, 0)
+    flash_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, config.block_n), batch * num_heads_kv)](
+        q, k, v, mask_arg, bias_arg, dout, lse, delta, dk, dv, partial,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
+        *lse.stride(), *dk.stride(), *dv.stride(), *partial_strides,
+        num_heads_kv, seqlen_q, seqlen_k, *scalars,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows, DBIAS_PER_QHEAD=per_qhead,
+        num_warps=config.num_warps, num_stages=config.num_stages, **flags,
+    )
+
+    # -- dQ: one program per query block and query head --
+    flash_bwd_dq_kernel[(triton.cdiv(seqlen_q, config.block_m_dq), batch * num_heads)](
+        q, k, v, mask_arg, bias_arg, dout, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
+        *lse.stride(), *dq.stride(),
+        num_heads, seqlen_q, seqlen_k, *scalars,
+        BLOCK_M=config.block_m_dq, BLOCK_N=config.block_n_dq,
+        num_warps=config.num_warps, num_stages=config.num_stages, **flags,
+    )
+
+    # -- finish dBias: sum the broadcast dims the kernel could not (deterministic reductions) --
+    if dbias is not None and partial is not dbias:
+        finished = partial.sum(dim=reduce_dims, keepdim=True) if reduce_dims else partial
+        dbias.copy_(finished)
