@@ -1,0 +1,253 @@
+"""The adversarial suite of DESIGN.md §2: case definitions and their input builders.
+
+A `Case` is a small declarative record; `build_inputs` turns it into tensors. Cases that depend
+on tile sizes (fully masked tiles, a mask that is True only in tile corners) are built on the
+tile sizes of the configuration under test, so each config is attacked on its own tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+MASK_KINDS = ("none", "random", "dead_rows", "all_false", "corner", "tile_holes", "window")
+MASK_SHAPES = ("full", "kv_head", "key")  # (B,H,Lq,Lk), (B,Hkv,Lq,Lk), (B,1,1,Lk)
+BIAS_KINDS = ("none", "full", "kv_head", "per_key")  # ..., (B,Hkv,1,Lk)
+POISONS = (None, "nan", "+inf", "-inf", "finfo.min")
+KEEP_PROBABILITY = 0.7  # random masks keep 70% of positions: most tiles mixed, a few rows sparse
+NAN_TAIL = 7  # extra rows/cols of NaN around sliced operands: odd so it straddles any tile
+LARGE_LOGIT_FACTOR = 8.0  # q and k scaled x8: logits of O(100) stress the online max
+LARGE_BIAS = {torch.bfloat16: 1e4, torch.float16: 1e3, torch.float32: 1e3}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One adversarial input configuration (sizes, features, and what is poisoned)."""
+
+    name: str
+    batch: int = 1
+    heads: int = 2
+    heads_kv: int = 2
+    seqlen_q: int = 33
+    seqlen_k: int = 33
+    head_dim: int = 32
+    causal: bool = False
+    mask: str = "none"
+    mask_shape: str = "full"
+    bias: str = "none"
+    bias_grad: bool = True
+    bias_fp32: bool = False
+    bias_poison: str | None = None  # value written into the bias wherever it is excluded
+    bias_neg_inf_allowed: bool = False  # -inf bias at some allowed positions (one whole row)
+    sliced: bool = False  # k, v, mask and bias are views into larger NaN-tailed buffers
+    bhld_views: bool = False  # q, k, v are transposes of contiguous (B, H, L, D) tensors
+    logit_factor: float = 1.0
+    large_bias: bool = False
+    softcap: float = 0.0
+    window: int = 0  # for mask="window": keys i - window < j <= i (bottom-right aligned)
+    tile_m: int = 16  # tile sizes the tile-aware masks are built on (set from the config)
+    tile_n: int = 16
+    tags: tuple[str, ...] = field(default=())
+
+    def key(self) -> str:
+        return self.name
+
+
+@dataclass
+class Inputs:
+    """Tensors of one case, as the user would pass them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    bias: torch.Tensor | None
+    dout: torch.Tensor
+
+
+def _within(buffer_shape, values: torch.Tensor, fill) -> torch.Tensor:
+    """`values` placed at the start of a larger `fill`-tailed buffer, returned as a view."""
+    buffer = torch.full(buffer_shape, fill, dtype=values.dtype, device=values.device)
+    view = buffer[tuple(slice(0, n) for n in values.shape)]
+    view.copy_(values)
+    return view
+
+
+def _causal_visible(lq: int, lk: int, device) -> torch.Tensor:
+    rows = torch.arange(lq, device=device)[:, None]
+    cols = torch.arange(lk, device=device)[None, :]
+    return cols <= rows + (lk - lq)
+
+
+def _mask_values(case: Case, shape, generator, device) -> torch.Tensor:
+    """The boolean mask values of `shape` = (b, h, lq|1, lk) for the case's mask kind."""
+    b, h, lq, lk = shape
+    rows = torch.arange(lq, device=device)[:, None]
+    cols = torch.arange(lk, device=device)[None, :]
+    if case.mask == "all_false":
+        return torch.zeros(shape, dtype=torch.bool, device=device)
+    if case.mask == "corner":
+        corner = (rows % case.tile_m == case.tile_m - 1) & (cols % case.tile_n == case.tile_n - 1)
+        return corner.expand(shape).clone()
+    if case.mask == "window":
+        offset = case.seqlen_k - case.seqlen_q
+        inside = (cols <= rows + offset) & (cols > rows + offset - case.window)
+        return inside.expand(shape).clone()
+    keep = torch.rand(shape, generator=generator, device=device) < KEEP_PROBABILITY
+    if case.mask == "dead_rows" and lq > 1:
+        keep[..., 0, :] = False
+        keep[..., lq // 2, :] = False
+    if case.mask == "tile_holes":
+        tile_row = rows // case.tile_m
+        tile_col = cols // case.tile_n
+        keep &= ((tile_row + tile_col) % 2 == 1)  # checkerboard of fully masked tiles
+    return keep
+
+
+def _mask_shape(case: Case) -> tuple[int, int, int, int]:
+    b, h, hkv, lq, lk = case.batch, case.heads, case.heads_kv, case.seqlen_q, case.seqlen_k
+    return {"full": (b, h, lq, lk), "kv_head": (b, hkv, lq, lk), "key": (b, 1, 1, lk)}[case.mask_shape]
+
+
+def _bias_shape(case: Case) -> tuple[int, int, int, int]:
+    b, h, hkv, lq, lk = case.batch, case.heads, case.heads_kv, case.seqlen_q, case.seqlen_k
+    return {"full": (b, h, lq, lk), "kv_head": (b, hkv, lq, lk), "per_key": (b, hkv, 1, lk)}[case.bias]
+
+
+def _excluded_positions(case: Case, mask: torch.Tensor | None, bias_shape, device) -> torch.Tensor:
+    """Bias positions that no query head ever sees (mask False for all its readers, or causal)."""
+    b, hb, lqb, lk = bias_shape
+    excluded = torch.zeros(bias_shape, dtype=torch.bool, device=device)
+    if mask is not None and lqb > 1:
+        m = mask.expand(case.batch, mask.shape[1], case.seqlen_q, lk)
+        if mask.shape[1] != hb:
+            if hb == case.heads and mask.shape[1] == case.heads_kv:
+                m = m.repeat_interleave(case.heads // case.heads_kv, dim=1)
+            else:
+                m = m.any(dim=1, keepdim=True).expand(case.batch, hb, case.seqlen_q, lk)
+        excluded |= ~m[:b]
+    if case.causal and lqb > 1:
+        excluded |= ~_causal_visible(case.seqlen_q, lk, device)
+    return excluded
+
+
+def build_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Inputs:
+    """Random inputs for `case` (seeded), with every adversarial feature applied."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(shape, scale=1.0, dt=dtype):
+        return (torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * scale).to(dt)
+
+    b, h, hkv, lq, lk, d = case.batch, case.heads, case.heads_kv, case.seqlen_q, case.seqlen_k, case.head_dim
+    if case.bhld_views:
+        q = randn((b, h, lq, d), case.logit_factor).transpose(1, 2)
+    else:
+        q = randn((b, lq, h, d), case.logit_factor)
+
+    def kv_tensor(scale):
+        if case.sliced:
+            return _within((b, lk + NAN_TAIL, hkv + 1, d + 8), randn((b, lk, hkv, d), scale), float("nan"))
+        if case.bhld_views:
+            return randn((b, hkv, lk, d), scale).transpose(1, 2)
+        return randn((b, lk, hkv, d), scale)
+
+    k = kv_tensor(case.logit_factor)
+    v = kv_tensor(1.0)
+
+    mask = None
+    if case.mask != "none":
+        shape = _mask_shape(case)
+        values = _mask_values(case, shape, generator, device)
+        if case.sliced:
+            padded = tuple(n + NAN_TAIL if n > 1 else n for n in shape)
+            # the tails hold True: reading them would let excluded keys in
+            mask = _within(padded, values, True)
+        else:
+            mask = values
+
+    bias = None
+    if case.bias != "none":
+        bias_dtype = torch.float32 if case.bias_fp32 else dtype
+        shape = _bias_shape(case)
+        scale = LARGE_BIAS[dtype] if case.large_bias else 1.0
+        values = randn(shape, scale, torch.float32)
+        if case.bias_poison is not None:
+            poison = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf"),
+                      "finfo.min": torch.finfo(bias_dtype).min}[case.bias_poison]
+            values[_excluded_positions(case, mask, shape, device)] = poison
+        if case.bias_neg_inf_allowed:
+            holes = torch.rand(shape, generator=generator, device=device) < 0.1
+            values[holes] = float("-inf")
+            values[..., shape[2] // 2, :] = float("-inf")  # a row dead through its bias alone
+        values = values.to(bias_dtype)
+        if case.sliced:
+            padded = tuple(n + NAN_TAIL if n > 1 else n for n in shape)
+            bias = _within(padded, values, float("nan"))
+        else:
+            bias = values
+    dout = randn((b, lq, h, d))
+    return Inputs(q, k, v, mask, bias, dout)
+
+
+def _quick_cases() -> list[Case]:
+    """CPU-interpreter sized: every §2 feature, lengths <= 113."""
+    return [
+        Case("sliced_nan_tails", batch=2, heads=4, heads_kv=2, seqlen_q=17, seqlen_k=40, head_dim=40,
+             mask="random", mask_shape="kv_head", bias="full", sliced=True),
+        Case("bias_nan_at_masked", seqlen_q=20, seqlen_k=33, mask="random", bias="full", bias_poison="nan", causal=True),
+        Case("bias_posinf_at_masked", seqlen_q=20, seqlen_k=33, mask="random", bias="full", bias_poison="+inf"),
+        Case("bias_neginf_at_masked", seqlen_q=20, seqlen_k=33, mask="random", bias="full", bias_poison="-inf"),
+        Case("bias_finfo_min_at_masked", seqlen_q=20, seqlen_k=33, mask="random", mask_shape="kv_head",
+             heads=4, heads_kv=2, bias="kv_head", bias_poison="finfo.min"),
+        Case("bias_neginf_at_allowed", seqlen_q=20, seqlen_k=33, mask="random", bias="full", bias_neg_inf_allowed=True),
+        Case("dead_rows", heads=4, heads_kv=1, seqlen_q=24, seqlen_k=40, mask="dead_rows", bias="per_key"),
+        Case("fully_masked_tiles", seqlen_q=40, seqlen_k=40, mask="tile_holes", bias="full"),
+        Case("all_false_mask", seqlen_q=17, seqlen_k=24, mask="all_false", bias="full"),
+        Case("tile_corner_mask", seqlen_q=40, seqlen_k=40, mask="corner", bias="kv_head", heads=2, heads_kv=1),
+        Case("causal_lq_lt_lk", seqlen_q=17, seqlen_k=40, causal=True, mask="random", mask_shape="key"),
+        Case("causal_lq_gt_lk", seqlen_q=40, seqlen_k=17, causal=True, bias="full"),
+        Case("decode_lq1", seqlen_q=1, seqlen_k=113, causal=True, bias="per_key", mask="random"),
+        Case("single_key_lk1", seqlen_q=17, seqlen_k=1, causal=True, bias="full"),
+        Case("odd_lengths_113", heads=1, heads_kv=1, seqlen_q=113, seqlen_k=113, head_dim=72, mask="random", bias="per_key"),
+        Case("head_dim_40_gqa", heads=4, heads_kv=2, seqlen_q=17, seqlen_k=17, head_dim=40, bias="kv_head", mask="random"),
+        Case("large_logits", seqlen_q=33, seqlen_k=33, logit_factor=LARGE_LOGIT_FACTOR, mask="random", bias="full"),
+        Case("large_bias", seqlen_q=33, seqlen_k=33, large_bias=True, mask="random", bias="full"),
+        Case("softcap_mask_bias", seqlen_q=33, seqlen_k=33, softcap=5.0, mask="random", bias="full", causal=True),
+        Case("bhld_views_mqa", heads=4, heads_kv=1, seqlen_q=24, seqlen_k=24, bhld_views=True, bias="per_key", mask="random"),
+        Case("fp32_bias", seqlen_q=24, seqlen_k=24, bias="full", bias_fp32=True, mask="random"),
+    ]
+
+
+def _full_cases() -> list[Case]:
+    """GPU sized: the quick cases plus the lengths, head dims and seed cases of §2."""
+    cases = [replace(c, batch=2 * c.batch) for c in _quick_cases()]
+    cases += [
+        Case("len_203_d96", seqlen_q=203, seqlen_k=203, head_dim=96, mask="random", bias="full"),
+        Case("len_1000_d192", seqlen_q=1000, seqlen_k=1000, head_dim=192, mask="random", mask_shape="key", bias="kv_head"),
+        Case("len_4097_causal", heads=2, heads_kv=1, seqlen_q=4097, seqlen_k=4097, head_dim=64, causal=True, mask="random",
+             mask_shape="kv_head", bias="per_key"),
+        Case("head_dim_72", seqlen_q=113, seqlen_k=203, head_dim=72, mask="random", bias="per_key"),
+        Case("head_dim_192_causal", seqlen_q=203, seqlen_k=113, head_dim=192, causal=True, bias="full"),
+        Case("seed_long_window_bf16", batch=1, heads=8, heads_kv=8, seqlen_q=4096, seqlen_k=4096, head_dim=128,
+             mask="window", window=2048, bias="full"),
+        Case("seed_short_causal", batch=1, heads=1, heads_kv=1, seqlen_q=256, seqlen_k=256, head_dim=64, causal=True),
+    ]
+    return cases
+
+
+SUITES = {"quick": _quick_cases, "full": _full_cases}
+
+
+def adversarial_cases(suite: str, tiles: list[tuple[int, int]]) -> list[Case]:
+    """The cases of `suite`; tile-aware cases are repeated for each distinct (tile_m, tile_n)."""
+    if suite not in SUITES:
+        raise ValueError(f"suite: got {suite!r}, expected one of {sorted(SUITES)}")
+    cases = []
+    for case in SUITES[suite]():
+        if case.mask in ("corner", "tile_holes"):
+            for tile_m, tile_n in dict.fromkeys(tiles):
+                cases.append(replace(case, name=f"{case.name}@{tile_m}x{tile_n}", tile_m=tile_m, tile_n=tile_n))
+        else:
+            cases.append(case)
+    return cases

@@ -1,0 +1,283 @@
+"""Finiteness and equivalence of a kernel run against the single reference (DESIGN.md §2).
+
+For every checked tensor X in {out, lse, dq, dk, dv, dbias}:
+  1. X is finite everywhere, except lse == -inf exactly on the reference's dead rows;
+  2. max|X - X_ref| <= factor * max|X_lowp - X_ref| + ATOL_FLOOR[dtype], where X_ref is the
+     reference in fp64 (CPU) / fp32 (GPU) and X_lowp the same reference run in the kernel's
+     dtype: the error an honest same-precision implementation makes. factor = 2 for the forward,
+     3 for gradients. No percent-of-elements escape hatch.
+  3. Every output buffer is filled with NaN before the kernel runs, so an element the kernel
+     forgot to write fails rule 1.
+A second run must reproduce every tensor bitwise (determinism).
+
+A kernel failure is data: it becomes a status and a one-line reason, never an exception.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from dmattn_bench import reference
+from dmattn_bench.adversarial import Case, Inputs, adversarial_cases, build_inputs
+from dmattn_bench.registry import Backend, get_backend
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
+
+# Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
+# exact low-precision reference (error 0 on a tensor) does not demand an exact kernel.
+ATOL_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+FWD_FACTOR = 2.0  # FlashAttention's test rule for out and lse
+BWD_FACTOR = 3.0  # gradients go through one more low-precision product chain
+CHECKED = ("out", "lse", "dq", "dk", "dv", "dbias")
+# Failure statuses, most severe first; "ok" is success.
+STATUSES = ("crash", "launch_error", "oom", "timeout", "compile_error", "nonfinite", "mismatch", "unsupported", "ok")
+
+
+@dataclass
+class TensorCheck:
+    """One tensor's verdict: worst error, its bound, their ratio (> 1 fails)."""
+
+    name: str
+    error: float
+    bound: float
+    ratio: float
+    finite: bool
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.finite and self.error <= self.bound
+
+
+@dataclass
+class CaseResult:
+    case: str
+    status: str
+    reason: str = ""
+    checks: dict[str, TensorCheck] = field(default_factory=dict)
+
+    @property
+    def worst_ratio(self) -> float:
+        return max((c.ratio for c in self.checks.values()), default=0.0)
+
+
+@dataclass
+class SuiteResult:
+    """Outcome of the adversarial suite for one (backend, configs, dtype)."""
+
+    backend: str
+    fwd_config: FwdConfig
+    bwd_config: BwdConfig
+    dtype: str
+    cases: list[CaseResult]
+
+    @property
+    def status(self) -> str:
+        return min((c.status for c in self.cases), key=STATUSES.index, default="ok")
+
+    def worst_ratios(self) -> dict[str, float]:
+        """Worst error-to-bound ratio per tensor over all cases that ran."""
+        worst: dict[str, float] = {}
+        for case in self.cases:
+            for name, check in case.checks.items():
+                worst[name] = max(worst.get(name, 0.0), check.ratio)
+        return worst
+
+    def to_dict(self) -> dict:
+        return {
+            "backend": self.backend,
+            "fwd_config": self.fwd_config.to_dict(),
+            "bwd_config": self.bwd_config.to_dict(),
+            "dtype": self.dtype,
+            "status": self.status,
+            "worst_ratios": self.worst_ratios(),
+            "cases": [
+                {"case": c.case, "status": c.status, "reason": c.reason,
+                 "checks": {n: asdict(t) for n, t in c.checks.items()}}
+                for c in self.cases
+            ],
+        }
+
+
+def classify_failure(exc: BaseException) -> tuple[str, str]:
+    """Maps a kernel exception to a trial status and a one-line reason."""
+    name = type(exc).__name__
+    text = str(exc).strip().splitlines()
+    reason = f"{name}: {text[0] if text else ''}"[:300]
+    lowered = f"{name} {exc}".lower()
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in lowered:
+        return "oom", reason
+    if "compilationerror" in lowered or "outofresources" in lowered or name == "CompilationError":
+        return "compile_error", reason
+    if "cuda error" in lowered or "illegal" in lowered or "launch" in lowered:
+        return "launch_error", reason
+    return "crash", reason
+
+
+def _shape_of(case: Case) -> AttentionShape:
+    return AttentionShape(
+        batch=case.batch, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, num_heads=case.heads,
+        num_heads_kv=case.heads_kv, head_dim=case.head_dim, is_causal=case.causal,
+        has_mask=case.mask != "none", has_bias=case.bias != "none",
+        bias_requires_grad=case.bias != "none" and case.bias_grad, softcap=case.softcap,
+    )
+
+
+def _as_4d(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.dim() == 4 else t[(None,) * (4 - t.dim())]
+
+
+def run_kernel(backend: Backend, inputs: Inputs, case: Case, fwd_config: FwdConfig,
+               bwd_config: BwdConfig) -> dict[str, torch.Tensor]:
+    """Forward + backward through `backend` into NaN-poisoned buffers."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    mask, bias = _as_4d(inputs.mask), _as_4d(inputs.bias)
+    options = dict(is_causal=case.causal, softmax_scale=case.head_dim ** -0.5, softcap=case.softcap)
+    nan = float("nan")
+    out = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), nan, dtype=torch.float32, device=q.device)
+    backend.forward(q, k, v, mask, bias, config=fwd_config, out=out, lse=lse, **options)
+    dq = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
+    dk = torch.full(k.shape, nan, dtype=k.dtype, device=k.device)
+    dv = torch.full(v.shape, nan, dtype=v.dtype, device=v.device)
+    with_dbias = bias is not None and case.bias_grad
+    dbias = torch.full(bias.shape, nan, dtype=bias.dtype, device=bias.device) if with_dbias else None
+    backend.backward(inputs.dout, q, k, v, out, lse, mask, bias, config=bwd_config, dq=dq, dk=dk,
+                     dv=dv, dbias=dbias, **options)
+    result = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    if with_dbias:
+        result["dbias"] = dbias.view(inputs.bias.shape)
+    return result
+
+
+def run_reference(inputs: Inputs, case: Case, compute_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The reference's out, lse and gradients; `compute_dtype=None` means high precision."""
+    high = compute_dtype is None
+    dtype = (torch.float64 if inputs.q.device.type == "cpu" else torch.float32) if high else compute_dtype
+
+    def leaf(t):
+        return t.detach().to(dtype if high else t.dtype).requires_grad_()
+
+    q, k, v = leaf(inputs.q), leaf(inputs.k), leaf(inputs.v)
+    with_dbias = inputs.bias is not None and case.bias_grad
+    bias = None
+    if inputs.bias is not None:
+        bias = leaf(inputs.bias) if with_dbias else inputs.bias.detach().to(dtype if high else inputs.bias.dtype)
+    with torch.enable_grad():
+        out, lse = reference.attention(
+            q, k, v, inputs.mask, bias, is_causal=case.causal, softmax_scale=case.head_dim ** -0.5,
+            softcap=case.softcap, return_lse=True, compute_dtype=dtype,
+        )
+        wrt = [q, k, v] + ([bias] if with_dbias else [])
+        grads = torch.autograd.grad(out, wrt, inputs.dout.to(out.dtype))
+    result = {"out": out.detach(), "lse": lse.detach()}
+    result.update(zip(("dq", "dk", "dv", "dbias"), grads))
+    return result
+
+
+def _worst_element(diff: torch.Tensor) -> str:
+    index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    return f"worst at {index}"
+
+
+def compare(name: str, x: torch.Tensor, x_ref: torch.Tensor, x_lowp: torch.Tensor, dtype: torch.dtype) -> TensorCheck:
+    """Applies rules 1 and 2 to one tensor."""
+    factor = FWD_FACTOR if name in ("out", "lse") else BWD_FACTOR
+    x, x_ref, x_lowp = x.double(), x_ref.double(), x_lowp.double()
+    finite = bool(torch.isfinite(x).all())
+    detail = ""
+    if name == "lse":
+        dead = x_ref == float("-inf")
+        if not bool((x[dead] == float("-inf")).all()):
+            return TensorCheck(name, float("inf"), 0.0, float("inf"), False, "dead row without lse == -inf")
+        finite = bool(torch.isfinite(x[~dead]).all())
+        live = ~dead
+        x, x_ref, x_lowp = x[live], x_ref[live], torch.where(torch.isfinite(x_lowp[live]), x_lowp[live], x_ref[live])
+    if not finite:
+        bad = (~torch.isfinite(x)).sum().item()
+        return TensorCheck(name, float("inf"), 0.0, float("inf"), False, f"{bad} non-finite element(s)")
+    if x.numel() == 0:
+        return TensorCheck(name, 0.0, ATOL_FLOOR[dtype], 0.0, True)
+    diff = (x - x_ref).abs()
+    error = diff.max().item()
+    lowp_error = (x_lowp - x_ref).abs().nan_to_num(0.0).max().item()
+    bound = factor * lowp_error + ATOL_FLOOR[dtype]
+    if error > bound:
+        detail = _worst_element(diff.view(-1) if diff.dim() == 0 else diff)
+    return TensorCheck(name, error, bound, error / bound, True, detail)
+
+
+def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.device | str,
+               fwd_config: FwdConfig, bwd_config: BwdConfig, seed: int = 0) -> CaseResult:
+    """Runs one case twice through the kernel and once through each reference; never raises."""
+    device = torch.device(device)
+    shape = _shape_of(case)
+    for config in (fwd_config, bwd_config):
+        reason = backend.is_supported(config, shape)
+        if reason:
+            return CaseResult(case.name, "unsupported", reason)
+    inputs = build_inputs(case, dtype, device, seed)
+    try:
+        first = run_kernel(backend, inputs, case, fwd_config, bwd_config)
+        second = run_kernel(backend, inputs, case, fwd_config, bwd_config)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - a failed candidate is data, not a crash
+        status, reason = classify_failure(exc)
+        return CaseResult(case.name, status, reason)
+    high = run_reference(inputs, case, None)
+    low = run_reference(inputs, case, dtype)
+    checks = {name: compare(name, first[name], high[name], low[name], dtype) for name in CHECKED if name in first}
+    failed = [c for c in checks.values() if not c.passed]
+    if any(not c.finite for c in failed):
+        bad = next(c for c in failed if not c.finite)
+        return CaseResult(case.name, "nonfinite", f"{bad.name}: {bad.detail}", checks)
+    if failed:
+        bad = max(failed, key=lambda c: c.ratio)
+        reason = f"{bad.name}: error {bad.error:.3g} > bound {bad.bound:.3g} (x{bad.ratio:.2f}), {bad.detail}"
+        return CaseResult(case.name, "mismatch", reason, checks)
+    for name in first:
+        if not torch.equal(first[name], second[name]):
+            return CaseResult(case.name, "mismatch", f"{name}: a repeat run differs bitwise (non-deterministic)", checks)
+    return CaseResult(case.name, "ok", "", checks)
+
+
+def config_tiles(fwd_config: FwdConfig, bwd_config: BwdConfig) -> list[tuple[int, int]]:
+    """Every (rows, cols) tile the configs use: tile-aware cases are built on each."""
+    return [
+        (fwd_config.block_m, fwd_config.block_n),
+        (bwd_config.block_m, bwd_config.block_n),
+        (bwd_config.block_m_dq, bwd_config.block_n_dq),
+    ]
+
+
+def validate(backend_name: str, fwd_config: FwdConfig, bwd_config: BwdConfig, dtype: torch.dtype,
+             device: torch.device | str, suite: str = "quick",
+             on_case: Callable[[CaseResult], None] | None = None,
+             only: Callable[[Case], bool] | None = None) -> SuiteResult:
+    """The adversarial suite for one backend and config pair.
+
+    Args:
+        backend_name: a name from `dmattn_bench.registry`.
+        fwd_config, bwd_config: the tiles under test.
+        dtype: the kernel dtype (fp16/bf16 on GPU; fp32/fp16 in the interpreter).
+        device: where the kernel runs.
+        suite: "quick" (interpreter sized) or "full" (DESIGN §2 sizes, for GPUs).
+        on_case: called after each case (progress reporting).
+        only: optional filter over the suite's cases.
+
+    Returns:
+        A `SuiteResult`; its `status` is "ok" only if every case passed.
+    """
+    backend = get_backend(backend_name)
+    results = []
+    for case in adversarial_cases(suite, config_tiles(fwd_config, bwd_config)):
+        if only is not None and not only(case):
+            continue
+        result = check_case(backend, case, dtype, device, fwd_config, bwd_config)
+        results.append(result)
+        if on_case is not None:
+            on_case(result)
+    return SuiteResult(backend_name, fwd_config, bwd_config, str(dtype).removeprefix("torch."), results)

@@ -1,0 +1,369 @@
+"""CPU-tier tests of the public wrapper `flash_dmattn_func` (DESIGN.md §1) on the Triton backend.
+
+Kernels run through the Triton interpreter (set up in conftest.py) on tiny shapes and are
+compared with `dmattn_bench.reference.attention` run on fp64 copies of the inputs. This is a
+functional test: the strict equivalence bound of DESIGN.md §2 is the validator's job.
+"""
+
+import math
+
+import pytest
+import torch
+
+import dmattn_kernels.triton.launch as launch
+from dmattn_bench import BwdConfig, FwdConfig, flash_dmattn_func
+from dmattn_bench.reference import attention
+from dmattn_bench.registry import interpreter_enabled
+
+F16, F32, F64 = torch.float16, torch.float32, torch.float64
+
+# Max abs error allowed, relative to max(1, max|ref|) of the tensor compared.
+TOL = {F32: 1e-4, F16: 2e-2}
+
+# The interpreter's defaults, and a non-default pair with unequal tiles (a dBias partial with
+# fewer rows than Lq, dQ tiles different from dK/dV tiles).
+FWD_SMALL, BWD_SMALL = FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1)
+FWD_WIDE, BWD_WIDE = FwdConfig(32, 16, 1, 1), BwdConfig(16, 32, 32, 16, 2, 1)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def assert_close(actual, expected, dtype, what):
+    """Max abs error <= TOL[dtype] * max(1, max|expected|); equal infinities count as exact."""
+    assert actual is not None, f"{what}: got None"
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{what}: got shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    )
+    a, e = actual.detach().to(F64), expected.detach().to(F64)
+    err = torch.where(a == e, torch.zeros_like(a), (a - e).abs())
+    err = torch.nan_to_num(err, nan=math.inf)
+    finite = e[torch.isfinite(e)]
+    scale = max(1.0, finite.abs().max().item() if finite.numel() else 0.0)
+    bound = TOL[dtype] * scale
+    worst = err.max().item() if err.numel() else 0.0
+    if not worst <= bound:
+        idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+        raise AssertionError(
+            f"{what}: max abs err {worst:.3e} at {idx} (got {a[idx].item():.6g}, ref "
+            f"{e[idx].item():.6g}) > bound {bound:.3e} (ratio {worst / bound:.2f})"
+        )
+
+
+def qkv(B, H, Hkv, Lq, Lk, D, dtype):
+    q = torch.randn(B, Lq, H, D, dtype=dtype)
+    k = torch.randn(B, Lk, Hkv, D, dtype=dtype)
+    v = torch.randn(B, Lk, Hkv, D, dtype=dtype)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def random_mask(shape):
+    return torch.rand(shape) > 0.3
+
+
+def reference(q, k, v, mask, bias, dout, **kwargs):
+    """(out, lse, dq, dk, dv, dbias) of the reference on fp64 copies; dbias None without grad."""
+    leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v)]
+    bias64 = None
+    if bias is not None:
+        bias64 = bias.detach().to(F64).requires_grad_(bias.requires_grad)
+    out, lse = attention(*leaves, mask, bias64, return_lse=True, **kwargs)
+    inputs = leaves + ([bias64] if bias is not None and bias.requires_grad else [])
+    grads = list(torch.autograd.grad(out, inputs, dout.to(F64)))
+    return (out, lse, *grads[:3], grads[3] if len(grads) > 3 else None)
+
+
+def kernel(q, k, v, mask, bias, dout, fwd=FWD_SMALL, bwd=BWD_SMALL, grad_inputs=None, **kwargs):
+    """(out, lse, *grads) of the Triton backend; grads w.r.t. `grad_inputs` (default q, k, v[, bias])."""
+    out, lse = flash_dmattn_func(
+        q, k, v, mask, bias, return_lse=True, backend="triton", fwd_config=fwd, bwd_config=bwd,
+        **kwargs,
+    )
+    if grad_inputs is None:
+        grad_inputs = [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
+    grads = torch.autograd.grad(out, grad_inputs, dout)
+    return (out, lse, *grads)
+
+
+def compare_all(got, ref, dtype, case):
+    names = ("out", "lse", "dq", "dk", "dv", "dbias")
+    for name, g, r in zip(names, got, ref):
+        if r is None:
+            continue
+        assert_close(g, r, F32 if name == "lse" else dtype, f"{case} {name}")
+
+
+# ----------------------------------------------------------------------------- correctness
+
+# (dtype, B, H, Hkv, Lq, Lk, D, mask shape, bias shape, bias dtype, causal, extra kwargs, configs)
+CASES = [
+    pytest.param(F32, 2, 2, 2, 33, 40, 40, "BHLL", "BHLL", F32, False, {}, (FWD_SMALL, BWD_SMALL),
+                 id="fp32-mha-d40"),
+    pytest.param(F16, 1, 4, 2, 24, 17, 16, "BKLL", "1HLL", F16, True, {}, (FWD_WIDE, BWD_WIDE),
+                 id="fp16-gqa-causal-lq>lk-deadrows"),
+    pytest.param(F32, 2, 2, 1, 17, 33, 16, "B11L", "BHLL", F32, True, {"softmax_scale": 0.3},
+                 (FWD_WIDE, BWD_WIDE), id="fp32-mqa-causal-lq<lk"),
+    pytest.param(F16, 1, 4, 2, 40, 24, 40, "LL", "1K1L", F32, False, {"softcap": 5.0},
+                 (FWD_SMALL, BWD_SMALL), id="fp16-gqa-softcap-fp32bias"),
+]
+
+
+def _shape(code, B, H, Hkv, Lq, Lk):
+    sizes = {"B": B, "H": H, "K": Hkv, "L": None, "1": 1}
+    if code == "LL":
+        return (Lq, Lk)
+    dims = [sizes[c] for c in code]
+    dims[2] = Lq if code[2] == "L" else 1
+    dims[3] = Lk if code[3] == "L" else 1
+    return tuple(dims)
+
+
+@pytest.mark.parametrize("dtype,B,H,Hkv,Lq,Lk,D,mcode,bcode,bdtype,causal,extra,configs", CASES)
+def test_matches_reference(dtype, B, H, Hkv, Lq, Lk, D, mcode, bcode, bdtype, causal, extra, configs):
+    q, k, v = qkv(B, H, Hkv, Lq, Lk, D, dtype)
+    mask = random_mask(_shape(mcode, B, H, Hkv, Lq, Lk))
+    bias = torch.randn(_shape(bcode, B, H, Hkv, Lq, Lk), dtype=bdtype).requires_grad_()
+    dout = torch.randn(B, Lq, H, D, dtype=dtype)
+    fwd, bwd = configs
+    got = kernel(q, k, v, mask, bias, dout, fwd, bwd, is_causal=causal, **extra)
+    ref = reference(q, k, v, mask, bias, dout, is_causal=causal, **extra)
+    compare_all(got, ref, dtype, f"{fwd} {bwd}")
+    out, lse, dq, dk, dv, dbias = got
+    assert out.dtype == dtype and lse.dtype == F32 and tuple(lse.shape) == (B, H, Lq)
+    assert (dq.dtype, dk.dtype, dv.dtype, dbias.dtype) == (dtype, dtype, dtype, bdtype)
+
+
+# (bias shape code, q dtype, bias dtype, configs); B=2, H=4, Hkv=2 so every broadcast dim differs.
+DBIAS_CASES = [
+    pytest.param("BHLL", F16, F32, (FWD_SMALL, BWD_SMALL), id="BHLL-fp16q-fp32bias"),
+    pytest.param("1KLL", F32, F32, (FWD_WIDE, BWD_WIDE), id="1KLL-fp32"),
+    pytest.param("BK1L", F16, F16, (FWD_WIDE, BWD_WIDE), id="BK1L-gqa-fp16"),
+    pytest.param("B11L", F32, F32, (FWD_SMALL, BWD_SMALL), id="B11L-fp32"),
+    pytest.param("11L1", F16, F32, (FWD_SMALL, BWD_WIDE), id="11L1-fp16q-fp32bias"),
+]
+
+
+@pytest.mark.parametrize("bcode,dtype,bdtype,configs", DBIAS_CASES)
+def test_dbias_broadcast_shapes(bcode, dtype, bdtype, configs):
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 20, 24, 16
+    q, k, v = qkv(B, H, Hkv, Lq, Lk, D, dtype)
+    mask = random_mask((B, 1, Lq, Lk))
+    bias = torch.randn(_shape(bcode, B, H, Hkv, Lq, Lk), dtype=bdtype).requires_grad_()
+    dout = torch.randn(B, Lq, H, D, dtype=dtype)
+    got = kernel(q, k, v, mask, bias, dout, *configs)
+    ref = reference(q, k, v, mask, bias, dout)
+    compare_all(got, ref, dtype, f"bias {tuple(bias.shape)}")
+    dq, dk, dv, dbias = got[2:]
+    assert (dq.dtype, dk.dtype, dv.dtype) == (dtype,) * 3
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+
+
+def test_bias_without_grad_gets_no_dbias():
+    B, H, Hkv, Lq, Lk, D = 1, 2, 2, 20, 20, 16
+    q, k, v = qkv(B, H, Hkv, Lq, Lk, D, F32)
+    bias = torch.randn(B, H, Lq, Lk)
+    dout = torch.randn(B, Lq, H, D)
+    out = flash_dmattn_func(q, k, v, None, bias, backend="triton", fwd_config=FWD_SMALL,
+                            bwd_config=BWD_SMALL)
+    out.backward(dout)
+    assert bias.grad is None
+    ref = reference(q, k, v, None, bias, dout)
+    compare_all((out, None, q.grad, k.grad, v.grad), ref[:1] + (None,) + ref[2:5], F32, "no-dbias")
+
+
+# ----------------------------------------------------------------------------- no copies
+
+
+class _PointerSpy:
+    """Stands in for a Triton kernel; records the data_ptr of its first 5 args (q, k, v, mask, bias)."""
+
+    def __init__(self, kernel_fn, name, log):
+        self.kernel_fn, self.name, self.log = kernel_fn, name, log
+
+    def __getitem__(self, grid):
+        launch_fn = self.kernel_fn[grid]
+
+        def call(*args, **kwargs):
+            self.log.append((self.name, [a.data_ptr() for a in args[:5]]))
+            return launch_fn(*args, **kwargs)
+
+        return call
+
+
+@pytest.fixture
+def pointer_log(monkeypatch):
+    """Every q/k/v/mask/bias pointer handed to the forward, dK/dV and dQ kernels."""
+    log = []
+    for name in ("flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"):
+        monkeypatch.setattr(launch, name, _PointerSpy(getattr(launch, name), name, log))
+    return log
+
+
+def _assert_pointers(log, tensors):
+    expected = [t.data_ptr() for t in tensors]
+    names = sorted({name for name, _ in log})
+    assert names == ["flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "flash_fwd_kernel"], names
+    for name, got in log:
+        assert got == expected, f"{name}: got pointers {got}, expected the user tensors' {expected}"
+
+
+def test_bhld_views_stride0_mask_and_1d_bias_are_not_copied(pointer_log):
+    B, H, Hkv, Lq, Lk, D = 2, 2, 1, 17, 24, 40
+    q_base = torch.randn(B, H, Lq, D, requires_grad=True)
+    k_base = torch.randn(B, Hkv, Lk, D, requires_grad=True)
+    v_base = torch.randn(B, Hkv, Lk, D, requires_grad=True)
+    q, k, v = (t.transpose(1, 2) for t in (q_base, k_base, v_base))  # BHLD views of BLHD
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    mask = random_mask((1, 1, 1, Lk)).expand(B, H, Lq, Lk)
+    bias = torch.randn(Lk, requires_grad=True)
+    dout = torch.randn(B, Lq, H, D)
+
+    got = kernel(q, k, v, mask, bias, dout, grad_inputs=[q_base, k_base, v_base, bias])
+    _assert_pointers(pointer_log, (q, k, v, mask, bias))
+    got = got[:2] + tuple(g.transpose(1, 2) for g in got[2:5]) + got[5:]
+
+    # The same values laid out contiguously: the same arithmetic, so bitwise the same results.
+    pointer_log.clear()
+    qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    bias_c = bias.detach().clone().requires_grad_()
+    contiguous = kernel(qc, kc, vc, mask, bias_c, dout)
+    _assert_pointers(pointer_log, (qc, kc, vc, mask, bias_c))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, contiguous):
+        assert torch.equal(a, b), f"{name}: BHLD-view result differs from contiguous result"
+
+    compare_all(got, reference(q, k, v, mask, bias, dout), F32, "bhld-views")
+
+
+def test_expanded_bias_and_2d_mask_are_not_copied(pointer_log):
+    B, H, Hkv, Lq, Lk, D = 2, 2, 2, 20, 17, 16
+    q, k, v = qkv(B, H, Hkv, Lq, Lk, D, F16)
+    bias_base = torch.randn(1, H, 1, Lk, requires_grad=True)
+    bias = bias_base.expand(B, H, Lq, Lk)
+    mask = random_mask((Lq, Lk))
+    dout = torch.randn(B, Lq, H, D, dtype=F16)
+    got = kernel(q, k, v, mask, bias, dout, FWD_WIDE, BWD_WIDE, grad_inputs=[q, k, v, bias_base])
+    _assert_pointers(pointer_log, (q, k, v, mask, bias))
+    ref = reference(q, k, v, mask, bias_base, dout)
+    compare_all(got, ref, F16, "expanded-bias")
+    assert got[5].shape == bias_base.shape and got[5].dtype == F32
+
+
+# ----------------------------------------------------------------------------- lse, backends
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
+def test_return_lse_and_reference_backend(dtype):
+    B, H, Lq, Lk, D = 1, 2, 17, 20, 16
+    q, k, v = (t.detach() for t in qkv(B, H, H, Lq, Lk, D, dtype))
+    mask = random_mask((B, H, Lq, Lk))
+    result = flash_dmattn_func(q, k, v, mask, backend="triton", return_lse=True,
+                               fwd_config=FWD_SMALL)
+    assert isinstance(result, tuple) and len(result) == 2
+    out, lse = result
+    assert out.dtype == dtype and tuple(out.shape) == (B, Lq, H, D)
+    assert lse.dtype == F32 and tuple(lse.shape) == (B, H, Lq)
+    plain = flash_dmattn_func(q, k, v, mask, backend="triton", fwd_config=FWD_SMALL)
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
+
+    ref_out, ref_lse = flash_dmattn_func(q, k, v, mask, backend="reference", return_lse=True)
+    assert ref_out.dtype == dtype
+    assert_close(out, ref_out, dtype, "triton vs reference backend out")
+    assert_close(lse, ref_lse, F32, "triton vs reference backend lse")
+
+
+@pytest.mark.xfail(strict=True, reason="reference backend on CPU returns fp64 lse; DESIGN §1 says fp32")
+def test_reference_backend_lse_is_float32():
+    q, k, v = (t.detach() for t in qkv(1, 2, 2, 8, 8, 16, F32))
+    _, lse = flash_dmattn_func(q, k, v, backend="reference", return_lse=True)
+    assert lse.dtype == F32
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+def test_repeat_runs_are_bitwise_identical():
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 33, 33, 16
+    q, k, v = qkv(B, H, Hkv, Lq, Lk, D, F16)
+    mask = random_mask((B, H, Lq, Lk))
+    bias = torch.randn(B, Hkv, 1, Lk, requires_grad=True)  # dBias summed over rows: a reduction
+    dout = torch.randn(B, Lq, H, D, dtype=F16)
+    first = kernel(q, k, v, mask, bias, dout, FWD_WIDE, BWD_WIDE, is_causal=True)
+    second = kernel(q, k, v, mask, bias, dout, FWD_WIDE, BWD_WIDE, is_causal=True)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), first, second):
+        assert torch.equal(a, b), f"{name}: two identical runs differ"
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _err_inputs(dtype=F32, D=16, H=2, Hkv=2):
+    return (torch.randn(2, 5, H, D, dtype=dtype), torch.randn(2, 7, Hkv, D, dtype=dtype),
+            torch.randn(2, 7, Hkv, D, dtype=dtype))
+
+
+def _wrong_mask():
+    mask = torch.ones(2, 3, 5, 7, dtype=torch.bool)
+    return (*_err_inputs(), mask), {}, ValueError, ["attn_mask", "(2, 3, 5, 7)"]
+
+
+def _key_other_d():
+    q, k, v = _err_inputs()
+    return (q, torch.randn(2, 7, 2, 24), torch.randn(2, 7, 2, 24)), {}, ValueError, ["key", "(2, 7, 2, 24)"]
+
+
+def _heads_not_divisible():
+    return _err_inputs(H=3, Hkv=2), {}, ValueError, ["key", "Hkv"]
+
+
+def _float_mask():
+    return (*_err_inputs(), torch.ones(2, 2, 5, 7)), {}, TypeError, ["attn_mask", "torch.float32"]
+
+
+def _head_dim_36():
+    return _err_inputs(D=36), {}, ValueError, ["head dim", "36"]
+
+
+def _bf16_on_cpu():
+    return _err_inputs(dtype=torch.bfloat16), {}, TypeError, ["query", "bfloat16", "interpreter"]
+
+
+def _query_stride():
+    q, k, v = _err_inputs()
+    q = torch.randn(2, 5, 2, 32)[..., ::2]
+    return (q, k, v), {}, ValueError, ["query", "stride"]
+
+
+def _unknown_backend():
+    return _err_inputs(), {"backend": "nope"}, ValueError, ["backend", "nope"]
+
+
+def _non_tensor_query():
+    q, k, v = _err_inputs()
+    return (q.tolist(), k, v), {}, TypeError, ["query", "list"]
+
+
+def _negative_softcap():
+    return _err_inputs(), {"softcap": -1.0}, ValueError, ["softcap", "-1.0"]
+
+
+ERROR_CASES = [_wrong_mask, _key_other_d, _heads_not_divisible, _float_mask, _head_dim_36,
+               _bf16_on_cpu, _query_stride, _unknown_backend, _non_tensor_query, _negative_softcap]
+
+
+@pytest.mark.parametrize("make", ERROR_CASES, ids=[f.__name__.lstrip("_") for f in ERROR_CASES])
+def test_errors_name_the_argument(make, monkeypatch):
+    if make is _bf16_on_cpu and not interpreter_enabled():
+        pytest.skip("the bf16 rule checked here is the interpreter's")
+    args, kwargs, exc, needles = make()
+    kwargs.setdefault("backend", "triton")
+
+    def no_launch(*_, **__):
+        raise AssertionError("a kernel was launched for invalid inputs")
+
+    monkeypatch.setattr(launch, "flash_fwd_kernel", type("NoLaunch", (), {"__getitem__": no_launch})())
+    with pytest.raises(exc) as info:
+        flash_dmattn_func(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message, f"multi-line message: {message!r}"
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
