@@ -150,10 +150,11 @@ def flash_dmattn_func(
     name = "triton" if backend == "auto" else backend
     selected = get_backend(name)
     if selected.name == "reference":
-        return reference.attention(
+        out, lse = reference.attention(
             query, key, value, attn_mask, attn_bias, is_causal=is_causal,
-            softmax_scale=softmax_scale, softcap=softcap, return_lse=return_lse,
+            softmax_scale=softmax_scale, softcap=softcap, return_lse=True,
         )
+        return (out, lse.float()) if return_lse else out
     _check_kernel_inputs(query, key, value, attn_bias)
     default_fwd, default_bwd = default_configs(query.shape[-1], query.device)
     out, lse = _FlashDMAttnFunction.apply(

@@ -93,18 +93,31 @@ def get_backend(name: str) -> Backend:
     return _loaded[name]
 
 
-def default_configs(head_dim: int, device: torch.device) -> tuple[FwdConfig, BwdConfig]:
-    """The heuristic configs used when no tuned table has an entry.
+# Heuristic defaults per head-dim class: (largest head dim of the class, fwd, bwd). GPU tiles
+# follow FlashAttention-2's Triton defaults: 128x64 forward tiles up to D=64, 64x64 beyond; the
+# backward holds K, V and two (BLOCK_N, D) fp32 accumulators, so its tiles shrink as D grows.
+GPU_DEFAULTS = (
+    (64, FwdConfig(128, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)),
+    (128, FwdConfig(64, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)),
+    (256, FwdConfig(64, 32, 4, 2), BwdConfig(16, 32, 32, 16, 4, 1)),
+)
+# The interpreter runs each tile op in numpy; small tiles waste the fewest out-of-bounds lanes.
+INTERPRETER_DEFAULT = (256, FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1))
 
-    GPU tiles follow FlashAttention-2's Triton defaults: 128x64 forward tiles up to D=64, 64x64
-    beyond; the backward holds two (BLOCK_N, D) fp32 accumulators plus K and V, so its tiles
-    shrink as D grows to stay inside shared memory and registers. The interpreter gets small
-    tiles: it runs every tile element in numpy, so fewer wasted (out-of-bounds) lanes is faster.
-    """
-    if device.type != "cuda":
-        return FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1)
-    if head_dim <= 64:
-        return FwdConfig(128, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)
-    if head_dim <= 128:
-        return FwdConfig(64, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)
-    return FwdConfig(64, 32, 4, 2), BwdConfig(16, 32, 32, 16, 4, 1)
+
+def default_entries(device: torch.device | str) -> list[tuple[int, int, FwdConfig, BwdConfig]]:
+    """The default configs as (smallest head dim, largest head dim, fwd, bwd) classes."""
+    classes = GPU_DEFAULTS if torch.device(device).type == "cuda" else (INTERPRETER_DEFAULT,)
+    entries, low = [], 8
+    for high, fwd, bwd in classes:
+        entries.append((low, high, fwd, bwd))
+        low = high + 8
+    return entries
+
+
+def default_configs(head_dim: int, device: torch.device | str) -> tuple[FwdConfig, BwdConfig]:
+    """The heuristic configs used for `head_dim` when no tuned table has an entry."""
+    for low, high, fwd, bwd in default_entries(device):
+        if low <= head_dim <= high:
+            return fwd, bwd
+    raise ValueError(f"head_dim: got {head_dim}, expected a multiple of 8 in [8, 256]")

@@ -22,7 +22,7 @@ import torch
 
 from dmattn_bench import reference
 from dmattn_bench.adversarial import Case, Inputs, adversarial_cases, build_inputs
-from dmattn_bench.registry import Backend, get_backend
+from dmattn_bench.registry import Backend, default_entries, get_backend
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 
 # Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
@@ -109,7 +109,10 @@ def classify_failure(exc: BaseException) -> tuple[str, str]:
     lowered = f"{name} {exc}".lower()
     if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in lowered:
         return "oom", reason
-    if "compilationerror" in lowered or "outofresources" in lowered or name == "CompilationError":
+    if name == "OutOfResources":
+        # the tile does not fit this GPU's shared memory / registers for this head dim
+        return "unsupported", reason
+    if name == "CompilationError" or "compilationerror" in lowered:
         return "compile_error", reason
     if "cuda error" in lowered or "illegal" in lowered or "launch" in lowered:
         return "launch_error", reason
@@ -256,7 +259,7 @@ def config_tiles(fwd_config: FwdConfig, bwd_config: BwdConfig) -> list[tuple[int
 def validate(backend_name: str, fwd_config: FwdConfig, bwd_config: BwdConfig, dtype: torch.dtype,
              device: torch.device | str, suite: str = "quick",
              on_case: Callable[[CaseResult], None] | None = None,
-             only: Callable[[Case], bool] | None = None) -> SuiteResult:
+             cases: list[Case] | None = None) -> SuiteResult:
     """The adversarial suite for one backend and config pair.
 
     Args:
@@ -266,18 +269,48 @@ def validate(backend_name: str, fwd_config: FwdConfig, bwd_config: BwdConfig, dt
         device: where the kernel runs.
         suite: "quick" (interpreter sized) or "full" (DESIGN §2 sizes, for GPUs).
         on_case: called after each case (progress reporting).
-        only: optional filter over the suite's cases.
+        cases: run these instead of the whole suite (e.g. the cases of one head-dim class).
 
     Returns:
         A `SuiteResult`; its `status` is "ok" only if every case passed.
     """
     backend = get_backend(backend_name)
+    if cases is None:
+        cases = adversarial_cases(suite, config_tiles(fwd_config, bwd_config))
     results = []
-    for case in adversarial_cases(suite, config_tiles(fwd_config, bwd_config)):
-        if only is not None and not only(case):
-            continue
+    for case in cases:
         result = check_case(backend, case, dtype, device, fwd_config, bwd_config)
         results.append(result)
         if on_case is not None:
             on_case(result)
     return SuiteResult(backend_name, fwd_config, bwd_config, str(dtype).removeprefix("torch."), results)
+
+
+@dataclass(frozen=True)
+class PlannedSuite:
+    """One dispatchable config pair and the suite cases it answers for."""
+
+    label: str
+    fwd_config: FwdConfig
+    bwd_config: BwdConfig
+    cases: list[Case]
+
+
+def plan_default_configs(device: torch.device | str, suite: str) -> list[PlannedSuite]:
+    """The heuristic default configs, each with the suite cases of its head-dim class."""
+    plan = []
+    for low, high, fwd, bwd in default_entries(device):
+        cases = [c for c in adversarial_cases(suite, config_tiles(fwd, bwd)) if low <= c.head_dim <= high]
+        if cases:
+            plan.append(PlannedSuite(f"D {low}-{high}", fwd, bwd, cases))
+    return plan
+
+
+def run_plan(backend_name: str, dtype: torch.dtype, device: torch.device | str, plan: list[PlannedSuite],
+             on_case: Callable[[CaseResult], None] | None = None) -> list[tuple[str, SuiteResult]]:
+    """Validates every planned config pair on its cases."""
+    return [
+        (item.label, validate(backend_name, item.fwd_config, item.bwd_config, dtype, device,
+                              on_case=on_case, cases=item.cases))
+        for item in plan
+    ]

@@ -271,7 +271,6 @@ def test_return_lse_and_reference_backend(dtype):
     assert_close(lse, ref_lse, F32, "triton vs reference backend lse")
 
 
-@pytest.mark.xfail(strict=True, reason="reference backend on CPU returns fp64 lse; DESIGN §1 says fp32")
 def test_reference_backend_lse_is_float32():
     q, k, v = (t.detach() for t in qkv(1, 2, 2, 8, 8, 16, F32))
     _, lse = flash_dmattn_func(q, k, v, backend="reference", return_lse=True)

@@ -13,7 +13,7 @@ visibility rule and the score pipeline live here once:
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) == exp2(x * LOG2E), and exp2 is the native unit
+LOG2E = tl.constexpr(1.4426950408889634)  # 1/ln(2): exp(x) == exp2(x * LOG2E); exp2 is the native unit
 
 
 @triton.jit
@@ -75,7 +75,14 @@ def scores_tile(
         (s, capped): the masked scores (fp32) and tanh(scale*qk/softcap) (the softcap backward
         needs 1 - capped^2; it is a dummy when HAS_SOFTCAP is off).
     """
-    s = tl.dot(q, tl.trans(k)) * softmax_scale
+    if q.dtype == tl.float32:
+        # fp32 (the interpreter tier): exact fp64 products, one rounding, so the backward's
+        # recomputed scores equal the forward's bit for bit whatever the tile shapes. With logits
+        # near 250 one ulp of disagreement is 1.5e-5 relative in P; measured: dV 3x over the §2
+        # bound (large_logits case, forward 16x32 vs backward 32x16 tiles, interpreter, 2026-11-21).
+        s = tl.dot(q.to(tl.float64), tl.trans(k.to(tl.float64))).to(tl.float32) * softmax_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * softmax_scale
     capped = s
     if HAS_SOFTCAP:
         capped = tanh(s / softcap)

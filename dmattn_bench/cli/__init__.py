@@ -1,0 +1,60 @@
+"""The `dmattn-bench` command line: one command per module; this file wires them and maps
+errors to exit codes (0 ok, 1 error, 2 usage, 3 validation failures)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from dmattn_bench import __version__
+from dmattn_bench.errors import DmattnError
+
+
+def _prepare_interpreter() -> None:
+    """Without a GPU, run the Triton kernels on the CPU: must precede any kernel import."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="dmattn-bench")
+def cli() -> None:
+    """Autotune, validate and dispatch flash dynamic-mask attention kernels."""
+
+
+def _register() -> None:
+    from dmattn_bench.cli.info import info
+    from dmattn_bench.cli.verify import verify
+
+    cli.add_command(verify)
+    cli.add_command(info)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: one-line errors unless DMATTN_BENCH_DEBUG=1."""
+    _prepare_interpreter()
+    _register()
+    try:
+        cli.main(args=argv, prog_name="dmattn-bench", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        sys.exit(done.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except DmattnError as exc:
+        if os.environ.get("DMATTN_BENCH_DEBUG") == "1":
+            raise
+        from dmattn_bench import output
+
+        output.error(exc.one_line())
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)

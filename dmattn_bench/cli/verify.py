@@ -1,0 +1,86 @@
+"""`dmattn-bench verify`: the adversarial suite for every config the dispatch can choose."""
+
+from __future__ import annotations
+
+import click
+import torch
+from rich.table import Table
+
+from dmattn_bench import output
+from dmattn_bench.errors import NoGpuError, ValidationFailed
+from dmattn_bench.validator import CHECKED, SuiteResult, plan_default_configs, run_plan
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _summary_table(results: list[tuple[str, SuiteResult]], dtype: str, device: str) -> Table:
+    table = Table(title=f"verify: {dtype} on {device}")
+    for column in ("head dims", "backend", "fwd config", "bwd config", "cases ok", "status", *CHECKED):
+        table.add_column(column, justify="right" if column in CHECKED else "left")
+    for label, result in results:
+        ok = sum(c.status == "ok" for c in result.cases)
+        worst = result.worst_ratios()
+        status = result.status
+        style = "green" if status == "ok" else "red"
+        table.add_row(
+            label, result.backend,
+            "{block_m}x{block_n}/w{num_warps}/s{num_stages}".format(**result.fwd_config.to_dict()),
+            "{block_m}x{block_n}+{block_m_dq}x{block_n_dq}/w{num_warps}/s{num_stages}".format(**result.bwd_config.to_dict()),
+            f"{ok}/{len(result.cases)}", f"[{style}]{status}[/{style}]",
+            *(f"{worst[name]:.3f}" if name in worst else "-" for name in CHECKED),
+        )
+    table.caption = "tensor columns: worst error / bound over all cases (must be <= 1)"
+    return table
+
+
+def _failure_table(results: list[tuple[str, SuiteResult]]) -> Table | None:
+    rows = [(label, c) for label, r in results for c in r.cases if c.status != "ok"]
+    if not rows:
+        return None
+    table = Table(title="failures")
+    for column in ("head dims", "case", "status", "reason"):
+        table.add_column(column)
+    for label, case in rows:
+        table.add_row(label, case.case, case.status, case.reason)
+    return table
+
+
+@click.command()
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,
+              help="Kernel dtype. Default: bf16 on a GPU, fp32 in the CPU interpreter.")
+@click.option("--backend", type=click.Choice(["triton", "reference"]), default="triton", show_default=True,
+              help="Kernel backend to verify.")
+@click.option("--suite", type=click.Choice(["quick", "full"]), default=None,
+              help="Adversarial suite. Default: full on a GPU, quick (interpreter sized) on the CPU.")
+@click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
+              help="Result format on stdout.")
+def verify(dtype: str | None, backend: str, suite: str | None, fmt: str) -> None:
+    """Validate the default configs with the adversarial suite (exit 3 on any failure)."""
+    has_gpu = torch.cuda.is_available()
+    dtype = dtype or ("bf16" if has_gpu else "fp32")
+    if not has_gpu and dtype == "bf16":
+        raise NoGpuError("bf16 needs a CUDA GPU: the Triton interpreter has no bf16 arithmetic",
+                         "use --dtype fp32 or --dtype fp16 on this machine")
+    if has_gpu and dtype == "fp32":
+        raise click.BadParameter("fp32 runs only in the CPU interpreter; use bf16 or fp16 on a GPU",
+                                 param_hint="--dtype")
+    device = "cuda" if has_gpu else "cpu"
+    suite = suite or ("full" if has_gpu else "quick")
+    if not has_gpu:
+        output.info("no CUDA GPU: running the Triton kernels through the interpreter "
+                    f"(TRITON_INTERPRET=1) on the {suite} suite")
+    plan = plan_default_configs(device, suite)
+    with output.progress(f"verify {dtype}", total=sum(len(item.cases) for item in plan)) as advance:
+        results = run_plan(backend, DTYPES[dtype], device, plan, on_case=lambda r: advance(f"{r.case}: {r.status}"))
+    device_name = torch.cuda.get_device_name() if has_gpu else "cpu (interpreter)"
+    tables = [_summary_table(results, dtype, device_name)]
+    failures = _failure_table(results)
+    if failures is not None:
+        tables.append(failures)
+    document = {"dtype": dtype, "device": device_name, "suite": suite,
+                "entries": [dict(head_dims=label, **r.to_dict()) for label, r in results]}
+    output.render(document, tables, fmt)
+    # strict: a default config that cannot run a case would fail that shape at run time
+    failed = [label for label, r in results if r.status != "ok"]
+    if failed:
+        raise ValidationFailed(f"validation failed for head dims {', '.join(failed)}")

@@ -1,0 +1,63 @@
+"""GPU tier: the full adversarial suite (DESIGN §2 sizes, both seed cases) in bf16 and fp16 on
+three tile configurations per direction, and the autograd wrapper at a realistic size.
+
+Run on a CUDA machine with `DMATTN_TEST_GPU=1 python -m pytest -m gpu` (add `-n 6` with
+pytest-xdist to compile the configs in parallel). Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmattn_bench import flash_dmattn_func
+from dmattn_bench.adversarial import Case, adversarial_cases, build_inputs
+from dmattn_bench.space import BwdConfig, FwdConfig
+from dmattn_bench.validator import compare, config_tiles, run_reference, validate
+
+pytestmark = pytest.mark.gpu
+
+# Three tile shapes per direction: square 64-tiles, tall 128x32 forward with 8 warps and
+# wide-key backward, and small 32-tiles that fit every head dim up to 256.
+GPU_CONFIGS = {
+    "fwd64x64-bwd32x64": (FwdConfig(64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 1)),
+    "fwd128x32-bwd64x32": (FwdConfig(128, 32, 8, 2), BwdConfig(64, 32, 32, 64, 8, 1)),
+    "fwd32x32-bwd16x32": (FwdConfig(32, 32, 4, 1), BwdConfig(16, 32, 32, 16, 4, 1)),
+}
+SEED_CASES = {"seed_long_window_bf16", "seed_short_causal"}
+LARGE_HEAD_DIM = 128  # above this a tile may not fit shared memory: "unsupported" is allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", list(GPU_CONFIGS), ids=list(GPU_CONFIGS))
+def test_full_suite(dtype, config):
+    fwd, bwd = GPU_CONFIGS[config]
+    result = validate("triton", fwd, bwd, dtype, "cuda", suite="full")
+    failures = [f"{c.case}: {c.status} {c.reason}" for c in result.cases
+                if c.status not in ("ok", "unsupported")]
+    assert not failures, "\n".join(failures)
+    cases = {c.name: c for c in adversarial_cases("full", config_tiles(fwd, bwd))}
+    unsupported = [c for c in result.cases if c.status == "unsupported"]
+    assert all(cases[c.case].head_dim > LARGE_HEAD_DIM for c in unsupported), \
+        [f"{c.case}: {c.reason}" for c in unsupported]
+    passed = {c.case for c in result.cases if c.status == "ok"}
+    assert SEED_CASES <= passed
+    assert all(ratio <= 1.0 for ratio in result.worst_ratios().values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_wrapper_doge_gqa_shape(dtype):
+    """flash_dmattn_func end to end (autograd) on a Doge-style GQA problem."""
+    case = Case("doge", batch=2, heads=16, heads_kv=4, seqlen_q=1024, seqlen_k=1024, head_dim=128,
+                causal=True, mask="random", mask_shape="kv_head", bias="per_key")
+    inputs = build_inputs(case, dtype, "cuda", seed=3)
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    bias = inputs.bias.detach().requires_grad_()
+    out, lse = flash_dmattn_func(q, k, v, inputs.mask, bias, is_causal=True, return_lse=True)
+    dq, dk, dv, dbias = torch.autograd.grad(out, (q, k, v, bias), inputs.dout)
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dbias": dbias}
+    high = run_reference(inputs, case, None)
+    low = run_reference(inputs, case, dtype)
+    for name, tensor in got.items():
+        check = compare(name, tensor, high[name], low[name], dtype)
+        assert check.passed, f"{name}: error {check.error:.3g} bound {check.bound:.3g} {check.detail}"

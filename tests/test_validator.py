@@ -1,0 +1,193 @@
+"""The validator: the quick adversarial suite passes for the Triton kernels on several configs,
+and deliberately broken backends are caught with the right status."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dmattn_bench.adversarial import Case, adversarial_cases, build_inputs
+from dmattn_bench.registry import Backend, get_backend
+from dmattn_bench.space import BwdConfig, FwdConfig
+from dmattn_bench.validator import check_case, classify_failure, validate
+
+SMALL_FWD, SMALL_BWD = FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1)
+
+# (dtype, fwd, bwd): the default interpreter tiles and two non-default tile shapes.
+SUITE_CONFIGS = [
+    (torch.float32, SMALL_FWD, SMALL_BWD),
+    (torch.float16, FwdConfig(32, 16, 2, 1), BwdConfig(16, 32, 32, 16, 2, 1)),
+    (torch.float32, FwdConfig(16, 32, 1, 2), BwdConfig(32, 16, 16, 32, 1, 1)),
+]
+
+
+def _suite_id(params) -> str:
+    dtype, fwd, bwd = params
+    return f"{str(dtype)[6:]}-fwd{fwd.block_m}x{fwd.block_n}-bwd{bwd.block_m}x{bwd.block_n}"
+
+
+@pytest.mark.parametrize("params", SUITE_CONFIGS, ids=_suite_id)
+def test_quick_suite_passes_for_triton(params):
+    dtype, fwd, bwd = params
+    result = validate("triton", fwd, bwd, dtype, "cpu", suite="quick")
+    failures = [f"{c.case}: {c.status} {c.reason}" for c in result.cases if c.status != "ok"]
+    assert not failures, "\n".join(failures)
+    assert set(result.worst_ratios()) == {"out", "lse", "dq", "dk", "dv", "dbias"}
+    assert all(ratio <= 1.0 for ratio in result.worst_ratios().values())
+
+
+def test_suite_builds_tile_aware_cases_per_distinct_tile():
+    cases = adversarial_cases("quick", [(16, 16), (32, 16), (16, 16)])
+    corner = [c for c in cases if c.mask == "corner"]
+    assert sorted((c.tile_m, c.tile_n) for c in corner) == [(16, 16), (32, 16)]
+
+
+def test_sliced_inputs_really_have_nan_tails():
+    case = Case("s", seqlen_q=5, seqlen_k=9, mask="random", bias="full", sliced=True)
+    inputs = build_inputs(case, torch.float32, "cpu")
+    k_storage = torch.as_tensor(inputs.k.untyped_storage(), dtype=torch.uint8)
+    assert inputs.k.untyped_storage().nbytes() > inputs.k.numel() * 4
+    assert k_storage.numel() > 0
+    full_bias = torch.as_strided(inputs.bias, (1, 2, 5 + 7, 9 + 7), inputs.bias.stride())
+    assert torch.isnan(full_bias[..., 5:, :]).all() and torch.isnan(full_bias[..., :, 9:]).all()
+
+
+def test_poisoned_bias_only_at_excluded_positions():
+    case = Case("p", seqlen_q=8, seqlen_k=8, mask="random", bias="full", bias_poison="nan", causal=True)
+    inputs = build_inputs(case, torch.float32, "cpu")
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    visible = inputs.mask & causal
+    assert torch.isnan(inputs.bias[~visible]).all()
+    assert torch.isfinite(inputs.bias[visible]).all()
+
+
+# -- broken backends: each must be caught -----------------------------------------------------
+
+REFERENCE = get_backend("reference")
+CASE = Case("probe", heads=2, heads_kv=1, seqlen_q=12, seqlen_k=20, mask="dead_rows", bias="per_key", causal=True)
+
+
+def _broken(forward=None, backward=None, is_supported=None) -> Backend:
+    return Backend(
+        "broken",
+        forward or REFERENCE.forward,
+        backward or REFERENCE.backward,
+        is_supported or REFERENCE.is_supported,
+    )
+
+
+def _check(backend: Backend, case: Case = CASE, dtype=torch.float32):
+    return check_case(backend, case, dtype, "cpu", SMALL_FWD, SMALL_BWD)
+
+
+def test_reference_backend_passes():
+    result = _check(REFERENCE)
+    assert result.status == "ok", result.reason
+    assert result.worst_ratio <= 1.0
+
+
+def test_unwritten_output_element_is_nonfinite():
+    def forward(q, k, v, mask, bias, *, out, lse, **kw):
+        poisoned = out[0, 3, 1, 5].item()  # the caller poisoned it with NaN
+        REFERENCE.forward(q, k, v, mask, bias, out=out, lse=lse, **kw)
+        out[0, 3, 1, 5] = poisoned  # "forgets" to write one element
+
+    result = _check(_broken(forward=forward))
+    assert result.status == "nonfinite"
+    assert "out" in result.reason
+
+
+def test_top_left_causal_is_a_mismatch():
+    def forward(q, k, v, mask, bias, *, is_causal, out, lse, **kw):
+        lq, lk = q.shape[1], k.shape[1]
+        top_left = torch.ones(lq, lk, dtype=torch.bool).tril()  # flash-dmattn Triton's rule
+        combined = top_left if mask is None else mask & top_left
+        REFERENCE.forward(q, k, v, combined, bias, is_causal=False, out=out, lse=lse, **kw)
+
+    result = _check(_broken(forward=forward))
+    assert result.status in ("mismatch", "nonfinite")
+
+
+def test_error_just_above_bound_is_a_mismatch():
+    def backward(*args, dq, **kw):
+        REFERENCE.backward(*args, dq=dq, **kw)
+        dq.add_(1e-3)  # 100x the fp32 floor; the lowp reference is ~1e-7 away
+
+    result = _check(_broken(backward=backward))
+    assert result.status == "mismatch"
+    assert result.reason.startswith("dq:")
+    assert result.checks["dq"].ratio > 1.0
+
+
+def test_dead_row_with_finite_lse_fails():
+    def forward(q, k, v, mask, bias, *, out, lse, **kw):
+        REFERENCE.forward(q, k, v, mask, bias, out=out, lse=lse, **kw)
+        lse.nan_to_num_(neginf=0.0)
+
+    result = _check(_broken(forward=forward))
+    assert result.status == "nonfinite"
+    assert "lse" in result.reason
+
+
+def test_nondeterminism_is_a_mismatch():
+    calls = []
+
+    def backward(*args, dk, **kw):
+        REFERENCE.backward(*args, dk=dk, **kw)
+        calls.append(1)
+        dk.add_(1e-9 * len(calls))  # far inside the bound, but not bitwise reproducible
+
+    result = _check(_broken(backward=backward))
+    assert result.status == "mismatch"
+    assert "bitwise" in result.reason
+
+
+@pytest.mark.parametrize(
+    "exc, status",
+    [
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), "launch_error"),
+        (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "oom"),
+        (ValueError("something unexpected"), "crash"),
+    ],
+)
+def test_kernel_exceptions_become_statuses(exc, status):
+    def forward(*args, **kw):
+        raise exc
+
+    result = _check(_broken(forward=forward))
+    assert result.status == status
+    assert "\n" not in result.reason and result.reason
+
+
+def test_compile_errors_are_classified():
+    class CompilationError(Exception):
+        pass
+
+    class OutOfResources(Exception):
+        pass
+
+    assert classify_failure(CompilationError("at 3:4: bad"))[0] == "compile_error"
+    status, reason = classify_failure(OutOfResources("out of resource: shared memory, Required: 262144"))
+    assert status == "unsupported" and "shared memory" in reason
+
+
+def test_unsupported_config_is_reported_not_run():
+    ran = []
+
+    def forward(*args, **kw):
+        ran.append(1)
+
+    backend = _broken(forward=forward, is_supported=lambda config, shape: "block_m too large")
+    result = _check(backend)
+    assert result.status == "unsupported" and result.reason == "block_m too large"
+    assert not ran
+
+
+def test_suite_status_is_the_worst_case_status():
+    result = validate("reference", SMALL_FWD, SMALL_BWD, torch.float32, "cpu", only=lambda c: c.seqlen_q <= 20)
+    assert result.status == "ok"
+    failing = dataclasses.replace(result, cases=result.cases + [dataclasses.replace(result.cases[0], status="mismatch")])
+    assert failing.status == "mismatch"
+    assert failing.to_dict()["status"] == "mismatch"
