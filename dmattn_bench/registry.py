@@ -7,8 +7,12 @@ tuner treat them alike: inputs already checked and normalised by `dmattn_bench.a
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -78,6 +82,29 @@ def _triton_backend() -> Backend:
 _REFERENCE = Backend("reference", _reference_forward, _reference_backward, _reference_is_supported)
 BACKEND_NAMES = ("triton", "reference")
 _loaded: dict[str, Backend] = {"reference": _REFERENCE}
+
+
+# Where each kernel backend's sources live (a package of the project's own `dmattn_kernels`).
+KERNEL_PACKAGES = {"triton": "dmattn_kernels.triton", "reference": "dmattn_bench.reference"}
+
+
+@lru_cache(maxsize=None)
+def kernel_source_hash(name: str) -> str:
+    """sha256 of a backend's kernel sources: a table tuned on other sources is stale.
+
+    Read from the files (never by importing the kernels), so it is safe before the interpreter
+    switch and cheap at run time.
+    """
+    spec = importlib.util.find_spec(KERNEL_PACKAGES[name])
+    if spec is None or spec.origin is None:
+        raise ValueError(f"backend: cannot locate the sources of {name!r}")
+    origin = Path(spec.origin)
+    files = sorted(origin.parent.glob("*.py")) if origin.name == "__init__.py" else [origin]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return "sha256:" + digest.hexdigest()[:32]
 
 
 def get_backend(name: str) -> Backend:

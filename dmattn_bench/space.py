@@ -86,3 +86,96 @@ class AttentionShape:
     has_bias: bool = False
     bias_requires_grad: bool = False
     softcap: float = 0.0
+
+
+# -- search spaces ------------------------------------------------------------------------------
+
+DIRECTIONS = ("fwd", "bwd")
+CONFIG_CLASSES = {"fwd": FwdConfig, "bwd": BwdConfig}
+# Arch families with their own search-space section, and how a compute capability maps to one.
+ARCH_FAMILIES = ("sm80", "sm86_89", "sm90", "sm120")
+
+
+def arch_family(major: int, minor: int) -> str:
+    """The search-space section for a compute capability (e.g. (9, 0) -> "sm90")."""
+    if major == 8:
+        return "sm80" if minor == 0 else "sm86_89"
+    if major == 9:
+        return "sm90"
+    if major >= 10:
+        return "sm120"
+    raise ValueError(f"compute capability {major}.{minor} is older than sm80 (Ampere); not supported")
+
+
+def expand_grid(direction: str, axes: dict[str, list[int]], where: str) -> list[FwdConfig | BwdConfig]:
+    """The Cartesian product of `axes` as configs of `direction` (field order of the dataclass).
+
+    Raises:
+        ValueError: a missing or unknown key, or a value that is not a positive int (names `where`).
+    """
+    cls = CONFIG_CLASSES[direction]
+    names = [f.name for f in fields(cls)]
+    missing = [n for n in names if n not in axes]
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {missing}; expected {names}")
+    grid: list[dict[str, int]] = [{}]
+    for name in names:
+        values = axes[name] if isinstance(axes[name], list) else [axes[name]]
+        grid = [dict(point, **{name: value}) for point in grid for value in values]
+    try:
+        return [config_from_dict(cls, point) for point in grid]
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+# -- table keys ---------------------------------------------------------------------------------
+
+OPERAND_KINDS = ("none", "full", "kv_head", "per_key", "shared")
+
+
+def operand_kind(dims: tuple[int, int, int, int] | None, num_heads: int, num_heads_kv: int, seqlen_q: int) -> str:
+    """Names a mask/bias layout from its 4-D broadcast dims (b, h, lq, lk).
+
+    none: absent; per_key: no query dim (a key-only padding mask, or a (B, Hkv|1, 1, Lk) bias);
+    full: one slice per query head; kv_head: one per KV head (GQA); shared: one for all heads.
+    """
+    if dims is None:
+        return "none"
+    _, heads, rows, _ = dims
+    if rows == 1 and seqlen_q > 1:
+        return "per_key"
+    if heads == num_heads:
+        return "full"
+    if heads == num_heads_kv:
+        return "kv_head"
+    return "shared"
+
+
+def seqlen_bucket(seqlen: int) -> int:
+    """The power-of-two bucket of a sequence length (nearest in log distance, ties up)."""
+    if seqlen <= 1:
+        return 1
+    low = 1 << (seqlen.bit_length() - 1)
+    high = low << 1
+    return low if seqlen / low < high / seqlen else high
+
+
+@dataclass(frozen=True)
+class TableKey:
+    """The categorical and bucketed key of a dispatch-table entry (DESIGN §3)."""
+
+    direction: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    mask: str
+    bias: str  # in the bwd direction a bias with grad gets "+grad" (dBias changes the kernel)
+    gqa_ratio: int
+    seqlen_q_bucket: int
+    seqlen_k_bucket: int
+
+    def categorical(self) -> tuple:
+        return (self.direction, self.dtype, self.head_dim, self.causal, self.mask, self.bias, self.gqa_ratio)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,119 @@
+"""The local GPU's fingerprint and the per-arch resource limits used to prune configs.
+
+Limits are the CUDA programming guide's per-compute-capability table (shared memory a block can
+opt into, registers, resident warps); they let the tuner reject a candidate before any GPU time,
+and let `compile-check` judge candidates for GPUs that are not present.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from dmattn_bench.space import arch_family
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    """Per-block / per-SM limits of one compute capability."""
+
+    arch: str  # e.g. "sm90"
+    compute_capability: tuple[int, int]
+    shared_memory_per_block: int  # bytes a block may opt into (cudaFuncSetAttribute maximum)
+    registers_per_sm: int
+    max_registers_per_thread: int
+    max_warps_per_sm: int
+    max_threads_per_block: int = 1024
+
+
+# CUDA C++ Programming Guide, "Technical Specifications per Compute Capability".
+ARCH_LIMITS = {
+    "sm80": ArchLimits("sm80", (8, 0), 163 * 1024, 65536, 255, 64),
+    "sm86": ArchLimits("sm86", (8, 6), 99 * 1024, 65536, 255, 48),
+    "sm89": ArchLimits("sm89", (8, 9), 99 * 1024, 65536, 255, 48),
+    "sm90": ArchLimits("sm90", (9, 0), 227 * 1024, 65536, 255, 64),
+    "sm120": ArchLimits("sm120", (12, 0), 99 * 1024, 65536, 255, 48),
+}
+
+
+def parse_arch(name: str) -> ArchLimits:
+    """`"sm90"`, `"90"` or `"9.0"` -> its limits.
+
+    Raises:
+        ValueError: an arch that is not one of ARCH_LIMITS.
+    """
+    text = name.strip().lower().removeprefix("sm_").removeprefix("sm").replace(".", "")
+    key = f"sm{text}"
+    if key not in ARCH_LIMITS:
+        raise ValueError(f"arch: got {name!r}, expected one of {', '.join(ARCH_LIMITS)}")
+    return ARCH_LIMITS[key]
+
+
+def search_section(limits: ArchLimits) -> str:
+    """The search-space section (`configs/space/*.yaml`) for an arch."""
+    return arch_family(*limits.compute_capability)
+
+
+@dataclass(frozen=True)
+class DeviceFingerprint:
+    """What identifies a GPU for a dispatch table: a table tuned on another one is foreign."""
+
+    name: str
+    compute_capability: str  # "9.0"
+    sm_count: int
+    shared_memory_per_block: int  # opt-in bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def slug(self) -> str:
+        """A file-name-safe id, e.g. "nvidia-h200-sm90" (shipped tables are named by it)."""
+        name = "".join(ch if ch.isalnum() else "-" for ch in self.name.lower()).strip("-")
+        while "--" in name:
+            name = name.replace("--", "-")
+        return f"{name}-sm{self.compute_capability.replace('.', '')}"
+
+
+CPU_FINGERPRINT = DeviceFingerprint("cpu-interpreter", "0.0", 0, 0)
+
+
+def device_fingerprint(device: torch.device | str | None = None) -> DeviceFingerprint:
+    """The fingerprint of a CUDA device, or CPU_FINGERPRINT for the interpreter."""
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if device.type != "cuda":
+        return CPU_FINGERPRINT
+    props = torch.cuda.get_device_properties(device)
+    shared = getattr(props, "shared_memory_per_block_optin", 0) or 0
+    return DeviceFingerprint(props.name, f"{props.major}.{props.minor}", props.multi_processor_count, int(shared))
+
+
+def local_limits(device: torch.device | str | None = None) -> ArchLimits | None:
+    """Limits of the local GPU (its own reading of shared memory wins over the table)."""
+    fingerprint = device_fingerprint(device)
+    if fingerprint is CPU_FINGERPRINT:
+        return None
+    major, minor = (int(x) for x in fingerprint.compute_capability.split("."))
+    known = ARCH_LIMITS.get(f"sm{major}{minor}")
+    base = known or ArchLimits(f"sm{major}{minor}", (major, minor), fingerprint.shared_memory_per_block, 65536, 255, 48)
+    if fingerprint.shared_memory_per_block:
+        base = ArchLimits(base.arch, base.compute_capability, fingerprint.shared_memory_per_block,
+                          base.registers_per_sm, base.max_registers_per_thread, base.max_warps_per_sm)
+    return base
+
+
+def software_versions() -> dict[str, str | None]:
+    """torch, triton, CUDA runtime, driver and dmattn-bench versions (for tables)."""
+    import triton
+
+    from dmattn_bench import __version__
+
+    driver = None
+    if torch.cuda.is_available():
+        try:
+            driver = str(torch.cuda.driver_version()) if hasattr(torch.cuda, "driver_version") else None
+        except Exception:  # noqa: BLE001 - optional information
+            driver = None
+    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "driver": driver, "dmattn_bench": __version__}
