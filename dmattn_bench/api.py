@@ -11,9 +11,11 @@ import math
 
 import torch
 
-from dmattn_bench import reference
+from dmattn_bench import dispatch, reference
 from dmattn_bench.registry import Backend, default_configs, get_backend, interpreter_enabled
-from dmattn_bench.space import BwdConfig, FwdConfig
+from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, operand_kind, seqlen_bucket
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 # The Triton interpreter runs numpy, which has no bfloat16 arithmetic.
@@ -63,8 +65,8 @@ class _FlashDMAttnFunction(torch.autograd.Function):
     """Autograd wiring only: all numerics live in the backend's launchers."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, bias, backend: Backend, fwd_config, bwd_config, is_causal,
-                softmax_scale, softcap):
+    def forward(ctx, q, k, v, mask, bias, backend: Backend, bwd_backend: Backend, fwd_config, bwd_config,
+                is_causal, softmax_scale, softcap):
         batch, seqlen_q, num_heads, _ = q.shape
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -73,7 +75,7 @@ class _FlashDMAttnFunction(torch.autograd.Function):
             config=fwd_config, out=out, lse=lse,
         )
         ctx.save_for_backward(q, k, v, out, lse, mask, bias)
-        ctx.backend, ctx.bwd_config = backend, bwd_config
+        ctx.backend, ctx.bwd_config = bwd_backend, bwd_config
         ctx.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -92,7 +94,7 @@ class _FlashDMAttnFunction(torch.autograd.Function):
             dout, q, k, v, out, lse, mask, bias, config=ctx.bwd_config, dq=dq, dk=dk, dv=dv,
             dbias=dbias, **ctx.options,
         )
-        return dq, dk, dv, None, dbias, None, None, None, None, None, None
+        return dq, dk, dv, None, dbias, None, None, None, None, None, None, None
 
 
 def flash_dmattn_func(
@@ -107,6 +109,7 @@ def flash_dmattn_func(
     return_lse: bool = False,
     backend: str = "auto",
     *,
+    table: str | None = None,
     fwd_config: FwdConfig | None = None,
     bwd_config: BwdConfig | None = None,
 ):
@@ -126,9 +129,9 @@ def flash_dmattn_func(
         softmax_scale: defaults to 1/sqrt(D).
         softcap: > 0 applies `softcap * tanh(S / softcap)` before the bias; 0 disables.
         return_lse: also return the (B, H, Lq) fp32 natural-log sum-exp (not differentiable).
-        backend: "auto", "triton" or "reference".
-        fwd_config, bwd_config: explicit kernel tiles (the tuner and validator use these);
-            by default the heuristic default for the head dim.
+        backend: "auto" (the dispatch table, else the heuristic default), "triton" or "reference".
+        table: a dispatch-table path for this call (overrides `use_table` and DMATTN_BENCH_TABLE).
+        fwd_config, bwd_config: explicit kernel tiles, overriding the table for that direction.
 
     Returns:
         out (B, Lq, H, D) in the query's dtype, or (out, lse) with `return_lse`.
@@ -147,19 +150,51 @@ def flash_dmattn_func(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(query.shape[-1])
 
-    name = "triton" if backend == "auto" else backend
-    selected = get_backend(name)
-    if selected.name == "reference":
+    if backend == "reference":
         out, lse = reference.attention(
             query, key, value, attn_mask, attn_bias, is_causal=is_causal,
             softmax_scale=softmax_scale, softcap=softcap, return_lse=True,
         )
         return (out, lse.float()) if return_lse else out
+    if backend != "auto":
+        get_backend(backend)  # names the known backends on a typo
     _check_kernel_inputs(query, key, value, attn_bias)
-    default_fwd, default_bwd = default_configs(query.shape[-1], query.device)
+    mask4, bias4 = _as_4d(attn_mask), _as_4d(attn_bias)
+    (fwd_backend, fwd_config), (bwd_backend, bwd_config) = _select(
+        query, key, mask4, bias4, bool(is_causal), backend, table, fwd_config, bwd_config
+    )
     out, lse = _FlashDMAttnFunction.apply(
-        query, key, value, _as_4d(attn_mask), _as_4d(attn_bias), selected,
-        fwd_config or default_fwd, bwd_config or default_bwd, bool(is_causal),
-        float(softmax_scale), float(softcap),
+        query, key, value, mask4, bias4, fwd_backend, bwd_backend, fwd_config, bwd_config,
+        bool(is_causal), float(softmax_scale), float(softcap),
     )
     return (out, lse) if return_lse else out
+
+
+def table_keys(query, key, mask4, bias4, is_causal: bool, bias_requires_grad: bool) -> tuple[TableKey, TableKey]:
+    """The (fwd, bwd) dispatch keys of a call, derived as the tuner derives them for workloads."""
+    batch, seqlen_q, num_heads, head_dim = query.shape
+    seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
+    mask_kind = operand_kind(None if mask4 is None else tuple(mask4.shape), num_heads, num_heads_kv, seqlen_q)
+    bias_kind = operand_kind(None if bias4 is None else tuple(bias4.shape), num_heads, num_heads_kv, seqlen_q)
+    common = dict(dtype=_DTYPE_NAMES[query.dtype], head_dim=head_dim, causal=is_causal, mask=mask_kind,
+                  gqa_ratio=num_heads // num_heads_kv, seqlen_q_bucket=seqlen_bucket(seqlen_q),
+                  seqlen_k_bucket=seqlen_bucket(seqlen_k))
+    bwd_bias = bias_kind + "+grad" if bias_requires_grad and bias_kind != "none" else bias_kind
+    return TableKey(direction="fwd", bias=bias_kind, **common), TableKey(direction="bwd", bias=bwd_bias, **common)
+
+
+def _select(query, key, mask4, bias4, is_causal, backend, table, fwd_config, bwd_config):
+    """(backend, config) per direction: explicit configs, else the dispatch table / default."""
+    if backend != "auto":
+        chosen = get_backend(backend)
+        default_fwd, default_bwd = default_configs(query.shape[-1], query.device)
+        return (chosen, fwd_config or default_fwd), (chosen, bwd_config or default_bwd)
+    fwd_key, bwd_key = table_keys(query, key, mask4, bias4, is_causal, bias4 is not None and bias4.requires_grad)
+    picks = []
+    for explicit, table_key in ((fwd_config, fwd_key), (bwd_config, bwd_key)):
+        if explicit is not None:
+            picks.append((get_backend("triton"), explicit))
+        else:
+            choice = dispatch.choose(table_key, query.device, table=table)
+            picks.append((get_backend(choice.backend), choice.config))
+    return picks[0], picks[1]

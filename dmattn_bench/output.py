@@ -33,7 +33,21 @@ def error(message: str) -> None:
 
 @contextmanager
 def progress(description: str, total: int) -> Iterator[Any]:
-    """A progress bar with ETA on stderr; yields a function that advances it by one."""
+    """A progress bar with ETA on stderr; yields a function that advances it by one.
+
+    When stderr is not a terminal (CI logs, redirects) a bar cannot redraw, so each step is one
+    plain line instead.
+    """
+    if not stderr.is_terminal:
+        done = 0
+
+        def log_step(last: str = "") -> None:
+            nonlocal done
+            done += 1
+            info(f"{description} [{done}/{total}] {last}")
+
+        yield log_step
+        return
     bar = Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),

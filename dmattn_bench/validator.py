@@ -22,7 +22,7 @@ import torch
 
 from dmattn_bench import reference
 from dmattn_bench.adversarial import Case, Inputs, adversarial_cases, build_inputs
-from dmattn_bench.registry import Backend, default_entries, get_backend
+from dmattn_bench.registry import Backend, default_configs, default_entries, get_backend
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 
 # Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
@@ -119,7 +119,7 @@ def classify_failure(exc: BaseException) -> tuple[str, str]:
     return "crash", reason
 
 
-def _shape_of(case: Case) -> AttentionShape:
+def shape_of_case(case: Case) -> AttentionShape:
     return AttentionShape(
         batch=case.batch, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, num_heads=case.heads,
         num_heads_kv=case.heads_kv, head_dim=case.head_dim, is_causal=case.causal,
@@ -216,7 +216,7 @@ def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.d
                fwd_config: FwdConfig, bwd_config: BwdConfig, seed: int = 0) -> CaseResult:
     """Runs one case twice through the kernel and once through each reference; never raises."""
     device = torch.device(device)
-    shape = _shape_of(case)
+    shape = shape_of_case(case)
     for config in (fwd_config, bwd_config):
         reason = backend.is_supported(config, shape)
         if reason:
@@ -303,6 +303,42 @@ def plan_default_configs(device: torch.device | str, suite: str) -> list[Planned
         cases = [c for c in adversarial_cases(suite, config_tiles(fwd, bwd)) if low <= c.head_dim <= high]
         if cases:
             plan.append(PlannedSuite(f"D {low}-{high}", fwd, bwd, cases))
+    return plan
+
+
+def entry_case(key, batch: int = 1, heads_kv: int = 2) -> Case:
+    """A case with the shape and features of a dispatch-table key (lengths = the buckets)."""
+    mask_shape = {"full": "full", "kv_head": "kv_head", "per_key": "key"}.get(key.mask, "full")
+    bias = key.bias.removesuffix("+grad")
+    if bias == "shared":
+        bias = "full"
+    return Case(
+        name=f"entry {key.direction} D{key.head_dim} L{key.seqlen_q_bucket}x{key.seqlen_k_bucket} "
+             f"mask={key.mask} bias={key.bias} gqa{key.gqa_ratio}{' causal' if key.causal else ''}",
+        batch=batch, heads=heads_kv * key.gqa_ratio, heads_kv=heads_kv, seqlen_q=key.seqlen_q_bucket,
+        seqlen_k=key.seqlen_k_bucket, head_dim=key.head_dim, causal=key.causal,
+        mask="none" if key.mask == "none" else "random", mask_shape=mask_shape, bias=bias,
+        bias_grad=key.bias.endswith("+grad") or key.direction == "fwd",
+    )
+
+
+def plan_table_entries(entries, dtype_name: str, device: torch.device | str, suite: str) -> list[PlannedSuite]:
+    """One suite per distinct (direction, config) of a table's `dtype_name` entries.
+
+    Each config is paired with the default of the other direction (for its head dim) and runs
+    the whole adversarial suite on its own tiles plus one case shaped like each of its entries.
+    """
+    grouped: dict[tuple, list] = {}
+    for entry in entries:
+        if entry.key.dtype == dtype_name:
+            grouped.setdefault((entry.key.direction, entry.backend, entry.config), []).append(entry)
+    plan = []
+    for (direction, backend, config), group in grouped.items():
+        default_fwd, default_bwd = default_configs(group[0].key.head_dim, device)
+        fwd, bwd = (config, default_bwd) if direction == "fwd" else (default_fwd, config)
+        cases = adversarial_cases(suite, config_tiles(fwd, bwd)) + [entry_case(e.key) for e in group]
+        fields_ = " ".join(f"{v}" for v in config.to_dict().values())
+        plan.append(PlannedSuite(f"{backend} {direction} [{fields_}] ({len(group)} entries)", fwd, bwd, cases))
     return plan
 
 

@@ -28,10 +28,12 @@ def cli() -> None:
 
 def _register() -> None:
     from dmattn_bench.cli.info import info
+    from dmattn_bench.cli.show import show
+    from dmattn_bench.cli.tune import tune_command
     from dmattn_bench.cli.verify import verify
 
-    cli.add_command(verify)
-    cli.add_command(info)
+    for command in (tune_command, verify, show, info):
+        cli.add_command(command)
 
 
 def main(argv: list[str] | None = None) -> None:

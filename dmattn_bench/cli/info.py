@@ -30,6 +30,9 @@ def _environment() -> dict:
         }
     else:
         doc["gpu"] = None
+    from dmattn_bench.dispatch import DISPATCHER
+
+    doc["active_table"] = DISPATCHER.active_table("cuda" if doc["gpu"] else "cpu")
     doc["default_configs"] = [
         {"head_dims": f"{low}-{high}", "fwd": fwd.to_dict(), "bwd": bwd.to_dict()}
         for low, high, fwd, bwd in default_entries("cuda" if doc["gpu"] else "cpu")
@@ -41,12 +44,12 @@ def _environment() -> dict:
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
 def info(fmt: str) -> None:
-    """Show the GPU, the software, the backends available and the default configs."""
+    """Show the GPU, the software, the backends available, the active table and the defaults."""
     doc = _environment()
     table = Table(title="dmattn-bench info", show_header=False)
     table.add_column("key")
     table.add_column("value")
-    for key in ("dmattn_bench", "python", "torch", "triton", "cuda_runtime", "interpreter", "backends"):
+    for key in ("dmattn_bench", "python", "torch", "triton", "cuda_runtime", "interpreter", "backends", "active_table"):
         table.add_row(key, str(doc[key]))
     gpu = doc["gpu"]
     table.add_row("gpu", "none (kernels run in the Triton interpreter)" if gpu is None else

@@ -8,14 +8,17 @@ from rich.table import Table
 
 from dmattn_bench import output
 from dmattn_bench.errors import NoGpuError, ValidationFailed
-from dmattn_bench.validator import CHECKED, SuiteResult, plan_default_configs, run_plan
+from dmattn_bench.dispatch import TableError, load_table
+from dmattn_bench.dispatch.lookup import ENV_VAR
+from dmattn_bench.errors import DmattnError
+from dmattn_bench.validator import CHECKED, SuiteResult, plan_default_configs, plan_table_entries, run_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _summary_table(results: list[tuple[str, SuiteResult]], dtype: str, device: str) -> Table:
     table = Table(title=f"verify: {dtype} on {device}")
-    for column in ("head dims", "backend", "fwd config", "bwd config", "cases ok", "status", *CHECKED):
+    for column in ("configs", "backend", "fwd config", "bwd config", "cases ok", "status", *CHECKED):
         table.add_column(column, justify="right" if column in CHECKED else "left")
     for label, result in results:
         ok = sum(c.status == "ok" for c in result.cases)
@@ -38,14 +41,35 @@ def _failure_table(results: list[tuple[str, SuiteResult]]) -> Table | None:
     if not rows:
         return None
     table = Table(title="failures")
-    for column in ("head dims", "case", "status", "reason"):
+    for column in ("configs", "case", "status", "reason"):
         table.add_column(column)
     for label, case in rows:
         table.add_row(label, case.case, case.status, case.reason)
     return table
 
 
+def _plan(table_path: str | None, dtype: str, device: str, suite: str):
+    """The table's entries of `dtype` (or the defaults when no table is given or set)."""
+    import os
+
+    table_path = table_path or os.environ.get(ENV_VAR)
+    if table_path is None:
+        output.info("no table given (--table or DMATTN_BENCH_TABLE): verifying the default configs")
+        return "defaults", plan_default_configs(device, suite)
+    try:
+        table = load_table(table_path)
+    except TableError as exc:
+        raise DmattnError(str(exc), "fix the field or re-create the table with `dmattn-bench tune`") from None
+    plan = plan_table_entries(table.entries, dtype, device, suite)
+    if not plan:
+        raise DmattnError(f"{table_path}: no {dtype} entries to verify",
+                          f"pass the --dtype the table was tuned for ({sorted({e.key.dtype for e in table.entries})})")
+    return str(table_path), plan
+
+
 @click.command()
+@click.option("--table", "table_path", type=click.Path(dir_okay=False), default=None,
+              help="Dispatch table whose entries to verify. Default: $DMATTN_BENCH_TABLE, else the default configs.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,
               help="Kernel dtype. Default: bf16 on a GPU, fp32 in the CPU interpreter.")
 @click.option("--backend", type=click.Choice(["triton", "reference"]), default="triton", show_default=True,
@@ -54,8 +78,11 @@ def _failure_table(results: list[tuple[str, SuiteResult]]) -> Table | None:
               help="Adversarial suite. Default: full on a GPU, quick (interpreter sized) on the CPU.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
-def verify(dtype: str | None, backend: str, suite: str | None, fmt: str) -> None:
-    """Validate the default configs with the adversarial suite (exit 3 on any failure)."""
+def verify(table_path: str | None, dtype: str | None, backend: str, suite: str | None, fmt: str) -> None:
+    """Validate every entry of a table (or the default configs) with the adversarial suite.
+
+    Exits 3 when any case fails.
+    """
     has_gpu = torch.cuda.is_available()
     dtype = dtype or ("bf16" if has_gpu else "fp32")
     if not has_gpu and dtype == "bf16":
@@ -69,7 +96,7 @@ def verify(dtype: str | None, backend: str, suite: str | None, fmt: str) -> None
     if not has_gpu:
         output.info("no CUDA GPU: running the Triton kernels through the interpreter "
                     f"(TRITON_INTERPRET=1) on the {suite} suite")
-    plan = plan_default_configs(device, suite)
+    source, plan = _plan(table_path, dtype, device, suite)
     with output.progress(f"verify {dtype}", total=sum(len(item.cases) for item in plan)) as advance:
         results = run_plan(backend, DTYPES[dtype], device, plan, on_case=lambda r: advance(f"{r.case}: {r.status}"))
     device_name = torch.cuda.get_device_name() if has_gpu else "cpu (interpreter)"
@@ -77,10 +104,10 @@ def verify(dtype: str | None, backend: str, suite: str | None, fmt: str) -> None
     failures = _failure_table(results)
     if failures is not None:
         tables.append(failures)
-    document = {"dtype": dtype, "device": device_name, "suite": suite,
-                "entries": [dict(head_dims=label, **r.to_dict()) for label, r in results]}
+    document = {"dtype": dtype, "device": device_name, "suite": suite, "source": source,
+                "entries": [dict(configs=label, **r.to_dict()) for label, r in results]}
     output.render(document, tables, fmt)
     # strict: a default config that cannot run a case would fail that shape at run time
     failed = [label for label, r in results if r.status != "ok"]
     if failed:
-        raise ValidationFailed(f"validation failed for head dims {', '.join(failed)}")
+        raise ValidationFailed(f"validation failed for {', '.join(failed)}")

@@ -1,0 +1,77 @@
+"""`dmattn-bench show TABLE`: what a dispatch table holds and whether it is usable here."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table as RichTable
+
+from dmattn_bench import output
+from dmattn_bench.dispatch.table import Table, TableError, load_table, table_to_dict
+from dmattn_bench.errors import DmattnError
+from dmattn_bench.registry import kernel_source_hash
+
+KEY_COLUMNS = ("direction", "dtype", "head_dim", "causal", "mask", "bias", "gqa_ratio",
+               "seqlen_q_bucket", "seqlen_k_bucket")
+KEY_HEADERS = ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "Lq", "Lk")
+# Evidence shown as columns, with their formats; the rest stays in `--format json`.
+EVIDENCE_COLUMNS = (("median_ms", "{:.4g}"), ("tflops", "{:.1f}"), ("speedup_vs_default", "{:.2f}x"))
+
+
+def _hash_status(table: Table) -> dict[str, str]:
+    status = {}
+    for name, recorded in table.kernel_hashes.items():
+        try:
+            status[name] = "current" if recorded == kernel_source_hash(name) else "stale"
+        except ValueError:  # the sources are not installed here: nothing can match them
+            status[name] = "stale"
+    return status
+
+
+def _evidence(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _summary(path: str, table: Table, status: dict[str, str]) -> RichTable:
+    summary = RichTable(title=f"dispatch table {path}", show_header=False)
+    summary.add_column("key")
+    summary.add_column("value")
+    summary.add_row("schema_version", str(table.schema_version))
+    summary.add_row("created", table.created)
+    summary.add_row("device", ", ".join(f"{k}={v}" for k, v in table.device.to_dict().items()))
+    summary.add_row("interpreter", "yes (timings not meaningful)" if table.interpreter else "no")
+    summary.add_row("software", ", ".join(f"{k}={v}" for k, v in sorted(table.software.items())))
+    for name, recorded in sorted(table.kernel_hashes.items()):
+        summary.add_row(f"kernel hash {name}", f"{recorded} ({status[name]})")
+    summary.add_row("entries", str(len(table.entries)))
+    return summary
+
+
+def _entries(doc: dict) -> RichTable:
+    entries = RichTable(title="entries")
+    for header in KEY_HEADERS + ("backend", "config") + tuple(name for name, _ in EVIDENCE_COLUMNS):
+        entries.add_column(header, justify="right" if header in ("D", "gqa", "Lq", "Lk") else "left")
+    for entry in doc["entries"]:  # table_to_dict has sorted them by key
+        key, evidence = entry["key"], entry["evidence"]
+        cells = [str(key[name]) for name in KEY_COLUMNS]
+        cells += [entry["backend"], " ".join(f"{k}={v}" for k, v in entry["config"].items())]
+        for name, fmt in EVIDENCE_COLUMNS:
+            value = evidence.get(name)
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            cells.append(fmt.format(value) if is_number else _evidence(value))
+        entries.add_row(*cells)
+    return entries
+
+
+@click.command()
+@click.argument("table_path", metavar="TABLE")
+@click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
+              help="Result format on stdout.")
+def show(table_path: str, fmt: str) -> None:
+    """Summarise the dispatch table TABLE: device, software, kernel hashes and entries."""
+    try:
+        table = load_table(table_path)
+    except TableError as exc:
+        raise DmattnError(str(exc), fix="fix the field or re-create the table with `dmattn-bench tune`") from None
+    status = _hash_status(table)
+    doc = {"path": table_path, "kernel_hash_status": status, **table_to_dict(table)}
+    output.render(doc, [_summary(table_path, table, status), _entries(doc)], fmt)

@@ -1,0 +1,152 @@
+"""`dmattn-bench tune`: sweep the search space over the workloads and write a dispatch table."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+import torch
+from rich.table import Table
+
+from dmattn_bench import output
+from dmattn_bench.dispatch import Entry, dump_table, new_table
+from dmattn_bench.errors import DmattnError
+from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
+from dmattn_bench.prune import load_ci_space, load_space
+from dmattn_bench.tuner import TuneResult, candidate_list, tune
+from dmattn_bench.workloads import load_workloads
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+CI_FILE = CONFIGS_DIR / "ci.yaml"
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)?\s*$")
+_UNIT_SECONDS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
+
+
+def parse_duration(text: str | None) -> float | None:
+    """"90s", "20m", "1.5h" or plain seconds -> seconds."""
+    if text is None:
+        return None
+    match = _DURATION.match(text)
+    if not match:
+        raise click.BadParameter(f"got {text!r}, expected a duration like 90s, 20m or 1.5h", param_hint="--budget")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[str, list]:
+    if not on_gpu and not space_files:
+        return {d: load_ci_space(CI_FILE, backend, d) for d in ("fwd", "bwd")}
+    files = space_files or tuple(str(CONFIGS_DIR / "space" / f"{backend}-{d}.yaml") for d in ("fwd", "bwd"))
+    section = search_section(local_limits()) if on_gpu else "sm90"
+    spaces: dict[str, list] = {}
+    for path in files:
+        if Path(path).name == "ci.yaml":
+            return {d: load_ci_space(path, backend, d) for d in ("fwd", "bwd")}
+        direction = "fwd" if "fwd" in Path(path).name else "bwd"
+        spaces[direction] = load_space(path, backend, direction, section)
+    missing = {"fwd", "bwd"} - set(spaces)
+    if missing:
+        raise click.BadParameter(f"no search space given for {sorted(missing)}", param_hint="--space")
+    return spaces
+
+
+def _winners_table(result: TuneResult) -> Table:
+    title = "tuned entries" + ("" if result.meaningful_timings else " (interpreter: timings not meaningful)")
+    table = Table(title=title)
+    for column in ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "Lq~", "Lk~", "config", "ms", "TFLOP/s", "vs default"):
+        table.add_column(column, justify="right" if column in ("ms", "TFLOP/s", "vs default") else "left")
+    for winner in result.winners:
+        k, e = winner.key, winner.evidence
+        table.add_row(k.direction, k.dtype, str(k.head_dim), str(k.causal), k.mask, k.bias, str(k.gqa_ratio),
+                      str(k.seqlen_q_bucket), str(k.seqlen_k_bucket),
+                      " ".join(f"{n}={v}" for n, v in winner.config.to_dict().items()),
+                      f"{e['median_ms']:.4f}", f"{e['tflops']:.1f}", f"{e['speedup_vs_default'] or 0:.2f}x")
+    return table
+
+
+def _counts_table(result: TuneResult) -> Table:
+    table = Table(title=f"trials by status (wall {result.wall_s:.0f} s)")
+    table.add_column("status")
+    table.add_column("trials", justify="right")
+    for status, count in sorted(result.counts().items()):
+        table.add_row(status, str(count))
+    return table
+
+
+def geometric_mean_speedup(result: TuneResult) -> float | None:
+    speedups = [w.evidence["speedup_vs_default"] for w in result.winners if w.evidence.get("speedup_vs_default")]
+    if not speedups:
+        return None
+    product = 1.0
+    for value in speedups:
+        product *= value
+    return product ** (1 / len(speedups))
+
+
+def _announce_phase(name: str, count: int):
+    output.info(f"{name}: {count} candidate launches in parallel worker processes")
+    return lambda: None
+
+
+@click.command("tune")
+@click.option("--space", "space_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Search-space YAML (repeat for fwd and bwd). Default: configs/space/<backend>-{fwd,bwd}.yaml "
+                   "on a GPU, configs/ci.yaml without one.")
+@click.option("--workloads", "workloads_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Workloads YAML. Default: configs/workloads/default.yaml on a GPU, configs/ci.yaml without one.")
+@click.option("--grid", default="default", show_default=True, help="Grid of the workloads file to run.")
+@click.option("--backend", type=click.Choice(["triton", "cuda", "all"]), default="triton", show_default=True,
+              help="Kernel backend(s) to tune.")
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Kernel dtype(s); repeat for several. Default: the workloads file's.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="Table to write. Default: ./<device>.yaml (e.g. nvidia-h200-sm90.yaml).")
+@click.option("--budget", default=None, help="Stop starting new trials after this long (e.g. 20m); finished work is kept.")
+@click.option("--suite", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
+              help="Adversarial suite every winner must pass on its own tiles.")
+@click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
+              help="Result format on stdout.")
+def tune_command(space_files, workloads_file, grid, backend, dtypes, out_path, budget, suite, fmt) -> None:
+    """Tune the kernels on this machine's GPU and write a dispatch table."""
+    budget_s = parse_duration(budget)
+    if backend != "triton":
+        raise DmattnError("backend cuda is not built in this version", "use --backend triton")
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    if not on_gpu:
+        output.info("no CUDA GPU: tuning through the Triton interpreter on configs/ci.yaml; "
+                    "the pipeline runs end to end but timings are not meaningful")
+        if any(d == "bf16" for d in dtypes):
+            raise click.BadParameter("bf16 needs a CUDA GPU (the interpreter has no bf16)", param_hint="--dtype")
+    workloads_file = workloads_file or str(CONFIGS_DIR / "workloads" / "default.yaml" if on_gpu else CI_FILE)
+    try:
+        workloads = load_workloads(workloads_file, grid, list(dtypes) or None)
+        spaces = _spaces(space_files, backend, on_gpu)
+    except ValueError as exc:
+        raise DmattnError(str(exc).splitlines()[0], "fix the YAML file") from None
+    fingerprint = device_fingerprint(device)
+    out = Path(out_path or f"{fingerprint.slug()}.yaml")
+    trials_path = out.with_name(out.name + ".trials.jsonl")
+    output.info(f"{len(workloads)} workloads x ({len(spaces['fwd'])} fwd + {len(spaces['bwd'])} bwd) candidates; "
+                f"table -> {out}, trials -> {trials_path}")
+    total = sum(len(candidate_list(d, spaces[d], w, device)) for w in workloads for d in ("fwd", "bwd"))
+    with trials_path.open("w") as journal, output.progress("tune", total=total) as advance:
+        def on_trial(trial):
+            journal.write(json.dumps(trial.to_dict()) + "\n")
+            journal.flush()
+            advance(f"{trial.direction} {trial.status}")
+
+        result = tune(workloads, spaces, device, backend, budget_s=budget_s, suite=suite, on_trial=on_trial,
+                      on_phase=_announce_phase)
+    entries = [Entry(w.key, w.backend, w.config, w.evidence) for w in result.winners]
+    dump_table(new_table(entries, fingerprint, interpreter=not on_gpu), out)
+    speedup = geometric_mean_speedup(result)
+    document = {"table": str(out), "trials_file": str(trials_path), "wall_s": round(result.wall_s, 1),
+                "counts": result.counts(), "entries": len(entries), "geomean_speedup_vs_default": speedup,
+                "timings_meaningful": result.meaningful_timings,
+                "winners": [dict(key=w.key.to_dict(), config=w.config.to_dict(), evidence=w.evidence)
+                            for w in result.winners]}
+    output.render(document, [_winners_table(result), _counts_table(result)], fmt)
+    output.info(f"wrote {out} ({len(entries)} entries); geometric-mean speed-up over the defaults: "
+                + (f"{speedup:.3f}x" if speedup else "n/a"))

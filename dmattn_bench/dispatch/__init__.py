@@ -1,0 +1,34 @@
+"""Dispatch tables: the YAML schema (`table`) and run-time selection (`lookup`).
+
+Imported by the attention call path, so nothing here imports click, rich or pytest.
+"""
+
+from dmattn_bench.dispatch.lookup import (
+    DISPATCHER,
+    ENV_VAR,
+    Choice,
+    Dispatcher,
+    DispatchWarning,
+    choose,
+    clear_cache,
+    nearest,
+    use_table,
+)
+from dmattn_bench.dispatch.table import (
+    MAX_TABLE_BYTES,
+    SCHEMA_VERSION,
+    Entry,
+    Table,
+    TableError,
+    dump_table,
+    load_table,
+    new_table,
+    table_from_dict,
+    table_to_dict,
+)
+
+__all__ = [
+    "DISPATCHER", "ENV_VAR", "MAX_TABLE_BYTES", "SCHEMA_VERSION", "Choice", "DispatchWarning", "Dispatcher",
+    "Entry", "Table", "TableError", "choose", "clear_cache", "dump_table", "load_table", "nearest",
+    "new_table", "table_from_dict", "table_to_dict", "use_table",
+]

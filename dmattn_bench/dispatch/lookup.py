@@ -1,0 +1,262 @@
+"""Run-time selection of a backend and config for a shape key (DESIGN §3).
+
+A table is chosen by, in order: a `table=` argument to `choose` or `use_table(path)`; the
+`DMATTN_BENCH_TABLE` environment variable; the table shipped in `results/tables/` for this device;
+else the heuristic default of `registry.default_configs`. A table that cannot be used (unreadable,
+invalid, tuned on another device, or whose kernels changed since) never breaks a call: it is skipped
+with one `DispatchWarning` per (file, reason) per process, and the next source is tried.
+
+Within the chosen table: exact match on the categorical key, then the nearest sequence-length
+buckets (log2 distance); a key the table does not cover gets the default config, silently.
+
+Choices are memoised per (table selection, device, key) until `clear_cache()` or `use_table()`,
+so a repeated call costs a dict lookup (a few µs). Edit a table in a running process? Call
+`clear_cache()`: parsed tables are re-read only if their (mtime_ns, size) changed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import dmattn_bench
+from dmattn_bench.dispatch.table import Entry, Table, TableError, load_table
+from dmattn_bench.hardware import DeviceFingerprint, device_fingerprint
+from dmattn_bench.registry import default_configs, kernel_source_hash
+from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
+
+ENV_VAR = "DMATTN_BENCH_TABLE"
+# Tables committed from real GPUs, named `<DeviceFingerprint.slug()>.yaml`; read at call time so
+# tests can point it elsewhere.
+SHIPPED_TABLES_DIR = Path(dmattn_bench.__file__).parents[1] / "results" / "tables"
+DEFAULT_BACKEND = "triton"
+
+
+class DispatchWarning(UserWarning):
+    """A dispatch table was skipped (unreadable, invalid, foreign or stale); a fallback was used."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What to run for a key.
+
+    Attributes:
+        backend: a name of `registry.BACKEND_NAMES`.
+        config: FwdConfig or BwdConfig, matching the key's direction.
+        source: "table:<path>" or "default".
+    """
+
+    backend: str
+    config: FwdConfig | BwdConfig
+    source: str
+
+
+@dataclass(frozen=True)
+class _Usable:
+    """A parsed table reduced to what lookup needs: fresh entries grouped by categorical key."""
+
+    table: Table
+    by_category: dict[tuple, tuple[Entry, ...]]
+    stale: tuple[str, ...]  # backends whose kernel sources changed since tuning
+
+
+def _log_distance(key: TableKey, entry: Entry) -> float:
+    return (abs(math.log2(key.seqlen_q_bucket) - math.log2(entry.key.seqlen_q_bucket))
+            + abs(math.log2(key.seqlen_k_bucket) - math.log2(entry.key.seqlen_k_bucket)))
+
+
+def nearest(key: TableKey, entries: tuple[Entry, ...]) -> Entry:
+    """The entry whose buckets are closest to `key`'s in log2 distance; ties go to larger buckets.
+
+    Larger wins a tie because a config tuned for longer sequences keeps more programs busy on a
+    shorter one than the reverse loses (an assumption, not yet measured).
+    """
+    return min(entries, key=lambda e: (_log_distance(key, e), -e.key.seqlen_q_bucket, -e.key.seqlen_k_bucket))
+
+
+def _current_hash(backend: str) -> str | None:
+    try:
+        return kernel_source_hash(backend)
+    except (ValueError, OSError):  # sources not found: nothing can match, so the entries are stale
+        return None
+
+
+class Dispatcher:
+    """Chooses a backend and config per key; holds the caches and the warned set."""
+
+    def __init__(self) -> None:
+        self._explicit: str | None = None
+        self._choices: dict[tuple, Choice] = {}
+        self._tables: dict[str, tuple[tuple[int, int], _Usable | str]] = {}
+        self._fingerprints: dict[Any, DeviceFingerprint] = {}
+        self._warned: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()  # slow path only: loads, warnings
+
+    # -- public -----------------------------------------------------------------------------
+
+    def use_table(self, path: str | os.PathLike | None) -> None:
+        """Selects `path` ahead of the environment and shipped tables; None clears the selection.
+
+        The file is read at the next `choose`; calling this again with the same path re-reads it.
+        """
+        self._explicit = os.fspath(path) if path is not None else None
+        self._choices.clear()
+
+    def clear_cache(self) -> None:
+        """Forgets memoised choices, parsed tables and fingerprints (not the warnings already given)."""
+        self._choices.clear()
+        self._tables.clear()
+        self._fingerprints.clear()
+
+    def choose(self, key: TableKey, device: torch.device | str | None = None, *,
+               table: str | os.PathLike | None = None) -> Choice:
+        """The backend and config to run `key` with on `device`.
+
+        Args:
+            key: the shape key (buckets from `space.seqlen_bucket`).
+            device: where the call runs (None: the current CUDA device, else the CPU interpreter).
+            table: a table file that takes precedence over every other source for this call.
+
+        Returns:
+            the Choice; its source says which table (or "default") it came from.
+
+        Raises:
+            ValueError: only for a head_dim no default covers; never because of a table.
+        """
+        requested = os.fspath(table) if table is not None else self._explicit
+        memo = (requested, os.environ.get(ENV_VAR) or None, device, key)
+        choice = self._choices.get(memo)
+        if choice is None:
+            choice = self._choose(key, device, requested, memo[1])
+            self._choices[memo] = choice
+        return choice
+
+    def active_table(self, device: torch.device | str | None = None) -> str | None:
+        """The table a call would consult first on `device` (None: heuristic defaults only)."""
+        local = self._fingerprint(device)
+        for path, must_exist in self._sources(local, self._explicit, os.environ.get(ENV_VAR) or None):
+            if (must_exist or os.path.exists(path)) and self._usable(path, local) is not None:
+                return path
+        return None
+
+    # -- slow path ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _sources(local: DeviceFingerprint, requested: str | None, env: str | None) -> list[tuple[str, bool]]:
+        """Candidate tables in precedence order, each with whether it must exist."""
+        shipped = SHIPPED_TABLES_DIR / f"{local.slug()}.yaml"
+        ordered = [(requested, True), (env, True), (os.fspath(shipped), False)]
+        unique: dict[str, bool] = {}
+        for path, must_exist in ordered:
+            if path is not None and path not in unique:
+                unique[path] = must_exist
+        return list(unique.items())
+
+    def _fingerprint(self, device) -> DeviceFingerprint:
+        fingerprint = self._fingerprints.get(device)
+        if fingerprint is None:
+            fingerprint = self._fingerprints[device] = device_fingerprint(device)
+        return fingerprint
+
+    def _choose(self, key: TableKey, device, requested: str | None, env: str | None) -> Choice:
+        local = self._fingerprint(device)
+        for path, must_exist in self._sources(local, requested, env):
+            if not must_exist and not os.path.exists(path):
+                continue  # most devices have no shipped table: nothing to warn about
+            usable = self._usable(path, local)
+            if usable is None:
+                continue
+            matches = usable.by_category.get(key.categorical())
+            if not matches:
+                break  # the chosen table does not cover this key: the default, silently
+            entry = nearest(key, matches)
+            return Choice(entry.backend, entry.config, f"table:{path}")
+        return self._default(key, device)
+
+    @staticmethod
+    def _default(key: TableKey, device) -> Choice:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        fwd, bwd = default_configs(key.head_dim, device)
+        return Choice(DEFAULT_BACKEND, fwd if key.direction == "fwd" else bwd, "default")
+
+    def _usable(self, path: str, local: DeviceFingerprint) -> _Usable | None:
+        """The table at `path` if it can be used here, else None after warning once."""
+        loaded = self._load(path)
+        if isinstance(loaded, str):
+            self._warn(path, "invalid", f"dispatch table ignored: {loaded}")
+            return None
+        device = loaded.table.device
+        if device != local:
+            self._warn(path, "foreign", f"dispatch table {path} ignored: tuned on {device.name} "
+                       f"(sm{device.compute_capability}, {device.sm_count} SMs), this is {local.name} "
+                       f"(sm{local.compute_capability}, {local.sm_count} SMs); re-tune with `dmattn-bench tune`")
+            return None
+        for backend in loaded.stale:
+            self._warn(path, f"stale:{backend}", f"dispatch table {path}: {backend} entries ignored, the "
+                       f"{backend} kernel sources changed since tuning; re-tune with `dmattn-bench tune`")
+        if not loaded.by_category:
+            return None  # nothing fresh left: as if there were no table here
+        return loaded
+
+    def _load(self, path: str) -> _Usable | str:
+        """Parses `path` (cached by mtime and size); a string is the reason it cannot be used."""
+        try:
+            stat = os.stat(path)
+        except OSError as exc:
+            return f"{path}: cannot read: {exc.strerror or exc}"
+        signature = (stat.st_mtime_ns, stat.st_size)
+        cache_key = os.path.abspath(path)
+        cached = self._tables.get(cache_key)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        try:
+            table = load_table(path)
+        except TableError as exc:
+            result: _Usable | str = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a table must never break an attention call
+            result = f"{path}: {type(exc).__name__}: {exc}"
+        else:
+            hashes = {backend: _current_hash(backend) for backend in {e.backend for e in table.entries}}
+            stale = tuple(sorted(b for b, current in hashes.items() if table.kernel_hashes.get(b) != current))
+            groups: dict[tuple, list[Entry]] = {}
+            for entry in table.entries:
+                if entry.backend not in stale:
+                    groups.setdefault(entry.key.categorical(), []).append(entry)
+            result = _Usable(table, {k: tuple(v) for k, v in groups.items()}, stale)
+        self._tables[cache_key] = (signature, result)
+        return result
+
+    def _warn(self, path: str, reason: str, message: str) -> None:
+        with self._lock:
+            if (path, reason) in self._warned:
+                return
+            self._warned.add((path, reason))
+        # stacklevel 5: _warn, _usable, _choose, Dispatcher.choose, then the caller of choose().
+        warnings.warn(message, DispatchWarning, stacklevel=5)
+
+
+DISPATCHER = Dispatcher()
+
+
+def choose(key: TableKey, device: torch.device | str | None = None, *,
+           table: str | os.PathLike | None = None) -> Choice:
+    """`DISPATCHER.choose`: the backend and config for `key` on `device`."""
+    return DISPATCHER.choose(key, device, table=table)
+
+
+def use_table(path: str | os.PathLike | None) -> None:
+    """Selects the table every later call uses first (None: back to env var / shipped / default)."""
+    DISPATCHER.use_table(path)
+
+
+def clear_cache() -> None:
+    """Forgets memoised choices and parsed tables (e.g. after rewriting a table in this process)."""
+    DISPATCHER.clear_cache()

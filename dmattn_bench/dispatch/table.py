@@ -1,0 +1,372 @@
+"""The dispatch table: one YAML file per device mapping shape keys to a tuned backend and config.
+
+Layout (DESIGN §3)::
+
+    schema_version: 1
+    created: '2025-01-01T00:00:00+00:00'
+    device: {name, compute_capability, sm_count, shared_memory_per_block}
+    software: {torch, triton, cuda, driver, dmattn_bench}
+    kernel_hashes: {triton: 'sha256:...'}
+    interpreter: false
+    entries:
+    - key: {direction, dtype, head_dim, causal, mask, bias, gqa_ratio, seqlen_q_bucket, seqlen_k_bucket}
+      backend: triton
+      config: {block_m, block_n, num_warps, num_stages}
+      evidence: {median_ms, tflops, speedup_vs_default, ...}
+
+A table is data from disk, possibly hand-edited or from another version: it is read with
+`yaml.safe_load` only, size-capped before parsing, and every field is checked so that a bad file
+fails with one line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dmattn_bench.hardware import DeviceFingerprint, software_versions
+from dmattn_bench.registry import BACKEND_NAMES, kernel_source_hash
+from dmattn_bench.space import CONFIG_CLASSES, DIRECTIONS, OPERAND_KINDS, BwdConfig, FwdConfig, TableKey
+
+SCHEMA_VERSION = 1
+# Real tables hold hundreds of entries (~100 KiB); the cap keeps a wrong or hostile file from
+# costing the YAML parser (pure Python per node) minutes and gigabytes.
+MAX_TABLE_BYTES = 16 * 1024 * 1024
+DTYPES = ("bf16", "fp16", "fp32")  # the spellings of `dmattn-bench verify --dtype`
+GRAD_SUFFIX = "+grad"  # a bwd bias with grad: dBias changes the kernel, so it is its own key
+
+TOP_KEYS = ("schema_version", "created", "device", "software", "kernel_hashes", "interpreter", "entries")
+DEVICE_KEYS = tuple(f.name for f in fields(DeviceFingerprint))
+KEY_KEYS = tuple(f.name for f in fields(TableKey))
+ENTRY_KEYS = ("key", "backend", "config", "evidence")
+
+
+class TableError(ValueError):
+    """A table that cannot be used; the message is one line: `FILE: FIELD: what is wrong`."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tuned choice: for shapes matching `key`, run `backend` with `config`.
+
+    Attributes:
+        key: the categorical key and the sequence-length buckets it was tuned at.
+        backend: a name of `registry.BACKEND_NAMES`.
+        config: FwdConfig or BwdConfig, as `key.direction` says.
+        evidence: measurements behind the choice (median_ms, tflops, speedup_vs_default, ...).
+    """
+
+    key: TableKey
+    backend: str
+    config: FwdConfig | BwdConfig
+    evidence: dict
+
+
+@dataclass(frozen=True)
+class Table:
+    """A parsed dispatch table (see the module docstring for the file layout)."""
+
+    schema_version: int
+    created: str
+    device: DeviceFingerprint
+    software: dict
+    kernel_hashes: dict[str, str]
+    interpreter: bool
+    entries: tuple[Entry, ...]
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+class _Bad(Exception):
+    """A field error before the file name is known: (field path, message)."""
+
+    def __init__(self, where: str, message: str):
+        super().__init__(where, message)
+        self.where, self.message = where, message
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _mapping(value: Any, where: str, required: tuple[str, ...] | None) -> dict:
+    """`value` as a dict; with `required`, exactly those keys."""
+    if not isinstance(value, dict):
+        raise _Bad(where, f"expected a mapping, got {type(value).__name__} {_show(value)}")
+    if required is not None:
+        unknown = sorted(str(k) for k in value if k not in required)
+        if unknown:
+            raise _Bad(where, f"unknown key(s) {unknown}; expected {list(required)}")
+        missing = [k for k in required if k not in value]
+        if missing:
+            raise _Bad(where, f"missing key(s) {missing}")
+    return value
+
+
+def _int(value: Any, where: str, minimum: int = 1) -> int:
+    # bool is an int subclass; `causal: true` in an int slot is a mistake, not 1.
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        kind = "a positive int" if minimum == 1 else "an int >= 0"
+        raise _Bad(where, f"expected {kind}, got {_show(value)}")
+    return value
+
+
+def _bucket(value: Any, where: str) -> int:
+    value = _int(value, where)
+    if value & (value - 1):
+        raise _Bad(where, f"expected a power of two (sequence lengths are bucketed by seqlen_bucket), got {value}")
+    return value
+
+
+def _str(value: Any, where: str, choices: tuple[str, ...] | None = None) -> str:
+    if not isinstance(value, str) or not value:
+        raise _Bad(where, f"expected a non-empty string, got {_show(value)}")
+    if choices is not None and value not in choices:
+        raise _Bad(where, f"expected one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad(where, f"expected true or false, got {_show(value)}")
+    return value
+
+
+def _plain(value: Any, where: str) -> Any:
+    """Checks that evidence is plain YAML data (so dump/load round-trips it unchanged)."""
+    # Subclasses (TorchVersion, numpy.float64) become their base type: safe_dump refuses them.
+    if value is None or isinstance(value, bool):
+        return value
+    for base in (int, float, str):
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, list):
+        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        for name in value:
+            if not isinstance(name, str):
+                raise _Bad(where, f"expected string keys, got {_show(name)}")
+        return {name: _plain(item, f"{where}.{name}") for name, item in value.items()}
+    raise _Bad(where, f"expected a number, string, list or mapping, got {type(value).__name__}")
+
+
+def _device(doc: Any) -> DeviceFingerprint:
+    doc = _mapping(doc, "device", DEVICE_KEYS)
+    capability = doc["compute_capability"]
+    if isinstance(capability, float):  # a hand-written `9.0` parses as a float
+        capability = str(capability)
+    capability = _str(capability, "device.compute_capability")
+    major, _, minor = capability.partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        raise _Bad("device.compute_capability", f"expected 'MAJOR.MINOR' like '9.0', got {capability!r}")
+    return DeviceFingerprint(
+        name=_str(doc["name"], "device.name"),
+        compute_capability=capability,
+        sm_count=_int(doc["sm_count"], "device.sm_count", minimum=0),  # 0 on the CPU interpreter
+        shared_memory_per_block=_int(doc["shared_memory_per_block"], "device.shared_memory_per_block", minimum=0),
+    )
+
+
+def _key(doc: Any, where: str) -> TableKey:
+    doc = _mapping(doc, where, KEY_KEYS)
+    direction = _str(doc["direction"], f"{where}.direction", DIRECTIONS)
+    bias = _str(doc["bias"], f"{where}.bias")
+    base = bias.removesuffix(GRAD_SUFFIX)
+    if base not in OPERAND_KINDS:
+        raise _Bad(f"{where}.bias",
+                   f"expected one of {list(OPERAND_KINDS)}, optionally with {GRAD_SUFFIX!r}, got {bias!r}")
+    if bias != base and (direction != "bwd" or base == "none"):
+        raise _Bad(f"{where}.bias",
+                   f"{GRAD_SUFFIX!r} only applies to a present bias in the bwd direction, got {bias!r}")
+    return TableKey(
+        direction=direction,
+        dtype=_str(doc["dtype"], f"{where}.dtype", DTYPES),
+        head_dim=_int(doc["head_dim"], f"{where}.head_dim"),
+        causal=_bool(doc["causal"], f"{where}.causal"),
+        mask=_str(doc["mask"], f"{where}.mask", OPERAND_KINDS),
+        bias=bias,
+        gqa_ratio=_int(doc["gqa_ratio"], f"{where}.gqa_ratio"),
+        seqlen_q_bucket=_bucket(doc["seqlen_q_bucket"], f"{where}.seqlen_q_bucket"),
+        seqlen_k_bucket=_bucket(doc["seqlen_k_bucket"], f"{where}.seqlen_k_bucket"),
+    )
+
+
+def _entry(doc: Any, where: str) -> Entry:
+    doc = _mapping(doc, where, ENTRY_KEYS)
+    key = _key(doc["key"], f"{where}.key")
+    cls = CONFIG_CLASSES[key.direction]
+    # Every tunable is written out: a table must not depend on this version's dataclass defaults.
+    config = _mapping(doc["config"], f"{where}.config", tuple(f.name for f in fields(cls)))
+    values = {name: _int(value, f"{where}.config.{name}") for name, value in config.items()}
+    return Entry(
+        key=key,
+        backend=_str(doc["backend"], f"{where}.backend", BACKEND_NAMES),
+        config=cls(**values),
+        evidence=_plain(_mapping(doc["evidence"], f"{where}.evidence", None), f"{where}.evidence"),
+    )
+
+
+def _table(doc: Any) -> Table:
+    if not isinstance(doc, dict):
+        raise _Bad("(top level)", f"expected a mapping, got {type(doc).__name__} {_show(doc)}")
+    # The version is checked before anything else: a newer layout says so instead of failing on a field.
+    if "schema_version" in doc:
+        version = doc["schema_version"]
+        if version != SCHEMA_VERSION or isinstance(version, bool):
+            raise _Bad("schema_version",
+                       f"unknown schema version {_show(version)} (this dmattn-bench reads {SCHEMA_VERSION})")
+    doc = _mapping(doc, "(top level)", TOP_KEYS)
+    created = doc["created"]
+    if isinstance(created, (_dt.date, _dt.datetime)):  # an unquoted timestamp parses as a datetime
+        created = created.isoformat()
+    software = {}
+    for name, value in _mapping(doc["software"], "software", None).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # a hand-written `cuda: 12.4` parses as a number
+        if not isinstance(name, str) or not (value is None or isinstance(value, str)):
+            raise _Bad(f"software.{name}", f"expected a version string or null, got {_show(value)}")
+        software[name] = None if value is None else str(value)  # torch's TorchVersion is a str subclass
+    hashes = _mapping(doc["kernel_hashes"], "kernel_hashes", None)
+    for name, value in hashes.items():
+        _str(name, "kernel_hashes", BACKEND_NAMES)
+        _str(value, f"kernel_hashes.{name}")
+    if not isinstance(doc["entries"], list):
+        raise _Bad("entries", f"expected a list, got {type(doc['entries']).__name__} {_show(doc['entries'])}")
+    entries = tuple(_entry(item, f"entries[{i}]") for i, item in enumerate(doc["entries"]))
+    seen: dict[TableKey, int] = {}
+    for i, entry in enumerate(entries):
+        if entry.key in seen:
+            raise _Bad(f"entries[{i}].key", f"duplicate of entries[{seen[entry.key]}].key (one choice per key)")
+        seen[entry.key] = i
+    return Table(
+        schema_version=SCHEMA_VERSION,
+        created=_str(created, "created"),
+        device=_device(doc["device"]),
+        software=software,
+        kernel_hashes=dict(hashes),
+        interpreter=_bool(doc["interpreter"], "interpreter"),
+        entries=entries,
+    )
+
+
+def table_from_dict(doc: Any, source: str) -> Table:
+    """Validates a parsed YAML document and builds the Table.
+
+    Args:
+        doc: what `yaml.safe_load` returned.
+        source: the file name, used in error messages.
+
+    Raises:
+        TableError: `"{source}: {field path}: {problem}"` for the first bad field.
+    """
+    try:
+        return _table(doc)
+    except _Bad as bad:
+        raise TableError(f"{source}: {bad.where}: {bad.message}") from None
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+def _sort_key(entry: Entry) -> tuple:
+    key = entry.key
+    return key.categorical() + (key.seqlen_q_bucket, key.seqlen_k_bucket)
+
+
+def table_to_dict(table: Table) -> dict:
+    """The YAML document of a table (plain types, fixed key order, entries sorted by key)."""
+    return {
+        "schema_version": table.schema_version,
+        "created": table.created,
+        "device": table.device.to_dict(),
+        "software": dict(sorted(table.software.items())),
+        "kernel_hashes": dict(sorted(table.kernel_hashes.items())),
+        "interpreter": table.interpreter,
+        "entries": [
+            {"key": entry.key.to_dict(), "backend": entry.backend, "config": entry.config.to_dict(),
+             "evidence": dict(sorted(entry.evidence.items()))}
+            for entry in sorted(table.entries, key=_sort_key)
+        ],
+    }
+
+
+def dump_table(table: Table, path: str | os.PathLike) -> None:
+    """Writes `table` to `path` atomically (a reader sees the old file or the new one, never half).
+
+    Raises:
+        TableError: the table does not validate (nothing is written).
+        OSError: the directory is not writable.
+    """
+    path = Path(path)
+    # Validate first: never write a file this version could not read back. Dumping the validated
+    # copy also turns str/float subclasses (TorchVersion, numpy.float64) into plain YAML types.
+    doc = table_to_dict(table_from_dict(table_to_dict(table), str(path)))
+    header = (f"# dmattn-bench dispatch table (schema {SCHEMA_VERSION}) for {table.device.name} "
+              f"sm{table.device.compute_capability.replace('.', '')}; see `dmattn-bench show {path.name}`\n")
+    text = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a table is meant to be shared and committed
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_table(path: str | os.PathLike) -> Table:
+    """Reads and validates a table file.
+
+    Raises:
+        TableError: missing, too large, not UTF-8, not safe YAML, or a bad field (one line).
+    """
+    source = str(path)
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_TABLE_BYTES:
+            raise TableError(f"{source}: file is {size} bytes, over the {MAX_TABLE_BYTES}-byte limit for a table")
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_TABLE_BYTES + 1)  # the file may have grown since stat
+    except OSError as exc:
+        raise TableError(f"{source}: cannot read: {exc.strerror or exc}") from None
+    if len(data) > MAX_TABLE_BYTES:
+        raise TableError(f"{source}: file is over the {MAX_TABLE_BYTES}-byte limit for a table")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TableError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        # safe_load only: a python/object tag in a table must fail, never construct or run anything.
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise TableError(f"{source}: not a valid YAML table ({where}{' '.join(str(problem).split())})") from None
+    if doc is None:
+        raise TableError(f"{source}: empty file (expected a dispatch table)")
+    return table_from_dict(doc, source)
+
+
+def new_table(entries, device: DeviceFingerprint, interpreter: bool) -> Table:
+    """A table for `entries` stamped with now (UTC), this software and the current kernel hashes."""
+    entries = tuple(entries)
+    backends = sorted({entry.backend for entry in entries} | {"triton"})
+    return Table(
+        schema_version=SCHEMA_VERSION,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        device=device,
+        software={name: None if value is None else str(value) for name, value in software_versions().items()},
+        kernel_hashes={name: kernel_source_hash(name) for name in backends},
+        interpreter=bool(interpreter),
+        entries=entries,
+    )

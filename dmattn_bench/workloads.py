@@ -1,0 +1,140 @@
+"""Workloads: the shapes the tuner tunes for, read from `configs/workloads/*.yaml` or `configs/ci.yaml`.
+
+A grid is the Cartesian product of its axes (head_dim, seqlen, causal, gqa_ratio, variants,
+dtype); the batch is chosen so every shape carries about `tokens` query tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from dmattn_bench.adversarial import Case
+from dmattn_bench.space import OPERAND_KINDS, TableKey, operand_kind, seqlen_bucket
+
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+# workload mask kind -> the adversarial builder's mask shape
+_MASK_SHAPES = {"full": "full", "kv_head": "kv_head", "per_key": "key"}
+_BIAS_KINDS = ("none", "full", "kv_head", "per_key")
+GRID_KEYS = {"tokens", "heads", "head_dim", "seqlen", "causal", "gqa_ratio", "variants", "dtype"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One problem shape with its features and dtype."""
+
+    batch: int
+    heads: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool
+    mask: str  # none | full | kv_head | per_key
+    bias: str  # none | full | kv_head | per_key
+    bias_grad: bool
+    dtype: str  # bf16 | fp16 | fp32
+
+    @property
+    def label(self) -> str:
+        gqa = f" gqa{self.heads // self.heads_kv}" if self.heads != self.heads_kv else ""
+        return (f"{self.dtype} B{self.batch} H{self.heads}{gqa} L{self.seqlen_q}x{self.seqlen_k} D{self.head_dim}"
+                f"{' causal' if self.causal else ''} mask={self.mask} bias={self.bias}{'+grad' if self.bias_grad else ''}")
+
+    def case(self) -> Case:
+        """The input builder's description (random mask keeping 70%, unit-scale bias)."""
+        return Case(
+            name=self.label, batch=self.batch, heads=self.heads, heads_kv=self.heads_kv,
+            seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, head_dim=self.head_dim, causal=self.causal,
+            mask="none" if self.mask == "none" else "random", mask_shape=_MASK_SHAPES.get(self.mask, "full"),
+            bias=self.bias, bias_grad=self.bias_grad,
+        )
+
+    def operand_dims(self, which: str) -> tuple[int, int, int, int] | None:
+        kind = self.mask if which == "mask" else self.bias
+        b, h, hkv, lq, lk = self.batch, self.heads, self.heads_kv, self.seqlen_q, self.seqlen_k
+        if kind == "none":
+            return None
+        if kind == "per_key":
+            return (b, 1, 1, lk) if which == "mask" else (b, hkv, 1, lk)
+        return (b, h if kind == "full" else hkv, lq, lk)
+
+    def key(self, direction: str) -> TableKey:
+        """The dispatch-table key, derived exactly as the runtime derives it from tensors."""
+        bias = operand_kind(self.operand_dims("bias"), self.heads, self.heads_kv, self.seqlen_q)
+        if direction == "bwd" and bias != "none" and self.bias_grad:
+            bias += "+grad"
+        return TableKey(
+            direction=direction, dtype=self.dtype, head_dim=self.head_dim, causal=self.causal,
+            mask=operand_kind(self.operand_dims("mask"), self.heads, self.heads_kv, self.seqlen_q),
+            bias=bias, gqa_ratio=self.heads // self.heads_kv,
+            seqlen_q_bucket=seqlen_bucket(self.seqlen_q), seqlen_k_bucket=seqlen_bucket(self.seqlen_k),
+        )
+
+    def visible_pairs(self) -> int:
+        """(query, key) pairs the causal rule leaves (the mask's sparsity is not counted)."""
+        lq, lk = self.seqlen_q, self.seqlen_k
+        if not self.causal:
+            return lq * lk
+        return sum(max(0, min(lk, i + lk - lq + 1)) for i in range(lq))
+
+    def flops(self, direction: str) -> float:
+        """Matmul FLOPs actually needed: 2 GEMMs forward, 5 backward (FlashAttention's count)."""
+        per_pair = 2 * 2 * self.head_dim * (1 if direction == "fwd" else 2.5)
+        return float(per_pair * self.batch * self.heads * self.visible_pairs())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _axis(grid: dict, name: str, where: str) -> list:
+    value = grid[name]
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        raise ValueError(f"{where}.{name}: expected a non-empty list")
+    return values
+
+
+def _expand(grid: dict, where: str, dtypes: list[str] | None) -> list[Workload]:
+    unknown = sorted(set(grid) - GRID_KEYS)
+    missing = sorted(GRID_KEYS - set(grid))
+    if unknown or missing:
+        raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+    tokens, heads = int(grid["tokens"]), int(grid["heads"])
+    workloads = []
+    axes = [_axis(grid, n, where) for n in ("head_dim", "seqlen", "causal", "gqa_ratio", "variants")]
+    for dtype in dtypes or _axis(grid, "dtype", where):
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"{where}.dtype: got {dtype!r}, expected one of {DTYPE_NAMES}")
+        for head_dim, seqlen, causal, gqa, variant in itertools.product(*axes):
+            mask, bias = variant.get("mask", "none"), variant.get("bias", "none")
+            if mask not in OPERAND_KINDS or bias not in _BIAS_KINDS:
+                raise ValueError(f"{where}.variants: unknown kind in {variant}")
+            if heads % int(gqa):
+                raise ValueError(f"{where}.gqa_ratio: {gqa} does not divide heads={heads}")
+            workloads.append(Workload(
+                batch=max(1, tokens // int(seqlen)), heads=heads, heads_kv=heads // int(gqa),
+                seqlen_q=int(seqlen), seqlen_k=int(seqlen), head_dim=int(head_dim), causal=bool(causal),
+                mask=mask, bias=bias, bias_grad=bool(variant.get("bias_grad", False)) and bias != "none",
+                dtype=dtype,
+            ))
+    return workloads
+
+
+def load_workloads(path: str | Path, grid: str = "default", dtypes: list[str] | None = None) -> list[Workload]:
+    """The workloads of `grid` in a workloads YAML (or the `workloads:` section of configs/ci.yaml).
+
+    Raises:
+        ValueError: a missing grid or a malformed axis, naming the file and the key.
+    """
+    path = Path(path)
+    document = yaml.safe_load(path.read_text())
+    if not isinstance(document, dict):
+        raise ValueError(f"{path}: expected a mapping of grids")
+    grids = document.get("workloads", document)
+    if grid not in grids:
+        raise ValueError(f"{path}: no grid {grid!r}; it has {sorted(grids)}")
+    return _expand(grids[grid], f"{path}:{grid}", dtypes)

@@ -1,0 +1,301 @@
+"""Dispatch tables: schema round-trip, refusal of malformed files, run-time lookup and fallbacks."""
+
+import json
+import warnings
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from dmattn_bench.cli.show import show
+from dmattn_bench.dispatch import lookup
+from dmattn_bench.dispatch.lookup import DispatchWarning, choose, clear_cache, use_table
+from dmattn_bench.dispatch.table import (
+    MAX_TABLE_BYTES,
+    Entry,
+    TableError,
+    dump_table,
+    load_table,
+    new_table,
+    table_from_dict,
+    table_to_dict,
+)
+from dmattn_bench.hardware import CPU_FINGERPRINT, DeviceFingerprint, device_fingerprint
+from dmattn_bench.registry import default_configs
+from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
+
+H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 232448)
+TUNED_FWD = FwdConfig(32, 32, 2, 1)  # differs from the CPU default, so a table hit is visible
+
+
+def key(direction="fwd", q=1024, k=1024, head_dim=64, dtype="fp32", bias="none") -> TableKey:
+    return TableKey(direction, dtype, head_dim, False, "none", bias, 1, q, k)
+
+
+def entry(k: TableKey, config=None, backend="triton", **evidence) -> Entry:
+    config = config or (TUNED_FWD if k.direction == "fwd" else BwdConfig(16, 32, 32, 16, 2, 1))
+    return Entry(k, backend, config, dict(evidence))
+
+
+def write(path, entries, device=CPU_FINGERPRINT):
+    dump_table(new_table(entries, device, interpreter=True), path)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dispatcher(monkeypatch, tmp_path):
+    """No shipped table, no env var, no explicit table, empty caches around every test."""
+    monkeypatch.setattr(lookup, "SHIPPED_TABLES_DIR", tmp_path / "shipped")
+    monkeypatch.delenv(lookup.ENV_VAR, raising=False)
+    use_table(None)
+    clear_cache()
+    yield
+    use_table(None)
+    clear_cache()
+
+
+def default_fwd():
+    return default_configs(64, "cpu")[0]
+
+
+# -- schema ---------------------------------------------------------------------------------------
+
+def test_round_trip(tmp_path):
+    entries = [entry(key(q=4096, k=8192), median_ms=1.25, tflops=312.5, speedup_vs_default=1.4,
+                     error_ratio={"out": 0.1, "dq": 0.2}),
+               entry(key("bwd", bias="full+grad")), entry(key(head_dim=128), backend="reference")]
+    table = new_table(entries, H200, interpreter=False)
+    path = tmp_path / "t.yaml"
+    dump_table(table, path)
+    loaded = load_table(path)
+    assert table_to_dict(loaded) == table_to_dict(table)
+    assert {e.key: e for e in loaded.entries} == {e.key: e for e in table.entries}
+    assert loaded.kernel_hashes.keys() == {"triton", "reference"}
+    text = path.read_text()
+    assert text.startswith("# dmattn-bench dispatch table")
+    dump_table(loaded, path)  # sorted, stable output: a second dump is byte-identical
+    assert path.read_text() == text
+    assert [p.name for p in tmp_path.iterdir()] == ["t.yaml"]  # no temp file left behind
+
+
+def good_doc():
+    return table_to_dict(new_table([entry(key())], CPU_FINGERPRINT, interpreter=True))
+
+
+@pytest.mark.parametrize("edit, field, problem", [
+    (lambda d: d["entries"][0]["config"].__setitem__("block_m", "x"), "entries[0].config.block_m",
+     "expected a positive int, got 'x'"),
+    (lambda d: d["entries"][0]["key"].__setitem__("head_dim", -1), "entries[0].key.head_dim", "got -1"),
+    (lambda d: d["entries"][0]["key"].__setitem__("causal", "yes"), "entries[0].key.causal", "true or false"),
+    (lambda d: d["entries"][0]["key"].__setitem__("direction", "sideways"), "entries[0].key.direction", "sideways"),
+    (lambda d: d["entries"][0]["key"].__setitem__("bias", "full+grad"), "entries[0].key.bias", "bwd"),
+    (lambda d: d["entries"][0]["key"].__setitem__("mask", "diagonal"), "entries[0].key.mask", "diagonal"),
+    (lambda d: d["entries"][0]["key"].__setitem__("seqlen_q_bucket", 1000), "entries[0].key.seqlen_q_bucket",
+     "power of two"),
+    (lambda d: d["entries"][0].__setitem__("backend", "cutlass"), "entries[0].backend", "cutlass"),
+    (lambda d: d["entries"][0]["config"].pop("num_stages"), "entries[0].config", "missing"),
+    (lambda d: d["entries"][0]["config"].__setitem__("block_k", 16), "entries[0].config", "unknown"),
+    (lambda d: d["entries"].append(d["entries"][0]), "entries[1].key", "duplicate"),
+    (lambda d: d["device"].__setitem__("sm_count", 1.5), "device.sm_count", "1.5"),
+    (lambda d: d.__setitem__("interpreter", "no"), "interpreter", "true or false"),
+    (lambda d: d.__setitem__("extra", 1), "(top level)", "unknown"),
+    (lambda d: d.__setitem__("schema_version", 2), "schema_version",
+     "unknown schema version 2 (this dmattn-bench reads 1)"),
+])
+def test_bad_field_is_named(tmp_path, edit, field, problem):
+    doc = good_doc()
+    edit(doc)
+    path = tmp_path / "T.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(TableError) as info:
+        load_table(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {field}: ") and problem in message
+    assert "\n" not in message
+    with pytest.raises(TableError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        table_from_dict(doc, "T.yaml")
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.5, 0.9])
+def test_truncated_file(tmp_path, cut):
+    path = write(tmp_path / "T.yaml", [entry(key(q=2 ** i)) for i in range(6, 12)])
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: int(len(data) * cut)])
+    with pytest.raises(TableError) as info:
+        load_table(path)
+    assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["", "[1, 2", "just a string", "\x00\x01garbage: [", "- 1\n- 2\n"])
+def test_garbage(tmp_path, text):
+    path = tmp_path / "T.yaml"
+    path.write_text(text)
+    with pytest.raises(TableError, match=f"^{path}: "):
+        load_table(path)
+
+
+def test_python_tag_is_not_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "T.yaml"
+    path.write_text(f"schema_version: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(TableError, match="python/object/apply"):
+        load_table(path)
+    assert not marker.exists()
+
+
+def test_oversized_file_is_refused_before_parsing(tmp_path, monkeypatch):
+    path = tmp_path / "T.yaml"
+    with open(path, "wb") as handle:
+        handle.truncate(17 * 1024 * 1024)
+    assert path.stat().st_size > MAX_TABLE_BYTES
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("parsed an oversized table")
+
+    monkeypatch.setattr(yaml, "safe_load", no_parse)
+    with pytest.raises(TableError, match="limit"):
+        load_table(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(TableError, match="cannot read"):
+        load_table(tmp_path / "nope.yaml")
+
+
+# -- lookup ---------------------------------------------------------------------------------------
+
+def test_exact_key(tmp_path):
+    path = write(tmp_path / "t.yaml", [entry(key()), entry(key("bwd"), BwdConfig(16, 16, 16, 16, 2, 2))])
+    choice = choose(key(), "cpu", table=path)
+    assert (choice.backend, choice.config, choice.source) == ("triton", TUNED_FWD, f"table:{path}")
+    assert choose(key("bwd"), "cpu", table=path).config == BwdConfig(16, 16, 16, 16, 2, 2)
+
+
+@pytest.mark.parametrize("q, expected", [(2048, 1024), (4096, 8192), (1024, 1024), (64, 1024), (65536, 8192)])
+def test_nearest_bucket(tmp_path, q, expected):
+    configs = {1024: FwdConfig(16, 16, 1, 1), 8192: FwdConfig(32, 32, 1, 1)}
+    path = write(tmp_path / "t.yaml", [entry(key(q=b, k=b), c) for b, c in configs.items()])
+    assert choose(key(q=q, k=q), "cpu", table=path).config == configs[expected]
+
+
+def test_tie_goes_to_larger_bucket(tmp_path):
+    configs = {1024: FwdConfig(16, 16, 1, 1), 4096: FwdConfig(32, 32, 1, 1)}
+    path = write(tmp_path / "t.yaml", [entry(key(q=b, k=2048), c) for b, c in configs.items()])
+    assert choose(key(q=2048, k=2048), "cpu", table=path).config == configs[4096]
+
+
+def test_categorical_miss_is_default_without_warning(tmp_path):
+    path = write(tmp_path / "t.yaml", [entry(key())])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        choice = choose(key(head_dim=32), "cpu", table=path)
+    assert (choice.backend, choice.config, choice.source) == ("triton", default_fwd(), "default")
+
+
+def assert_default_with_one_warning(path, match):
+    with pytest.warns(DispatchWarning) as record:
+        first = choose(key(), "cpu", table=path)
+        clear_cache()  # the second call reloads the table: the warning must still not repeat
+        second = choose(key(q=2048), "cpu", table=path)
+    assert first.source == second.source == "default" and first.config == default_fwd()
+    assert len(record) == 1 and match in str(record[0].message)
+
+
+def test_foreign_table(tmp_path):
+    assert_default_with_one_warning(write(tmp_path / "t.yaml", [entry(key())], device=H200), "H200")
+
+
+def test_stale_kernel_hash(tmp_path):
+    table = new_table([entry(key())], CPU_FINGERPRINT, interpreter=True)
+    doc = table_to_dict(table)
+    doc["kernel_hashes"]["triton"] = "sha256:" + "0" * 32
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert_default_with_one_warning(str(path), "triton entries ignored")
+
+
+def test_stale_backend_spares_the_others(tmp_path):
+    doc = table_to_dict(new_table([entry(key()), entry(key(head_dim=32), backend="reference")],
+                                  CPU_FINGERPRINT, interpreter=True))
+    doc["kernel_hashes"]["triton"] = "sha256:" + "0" * 32
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.warns(DispatchWarning, match="triton entries ignored"):
+        assert choose(key(), "cpu", table=str(path)).source == "default"
+    assert choose(key(head_dim=32), "cpu", table=str(path)).backend == "reference"
+
+
+@pytest.mark.parametrize("content", ["schema_version: 1\nentries: [", None])
+def test_invalid_or_missing_file(tmp_path, content):
+    path = tmp_path / "t.yaml"
+    if content is not None:
+        path.write_text(content)
+    assert_default_with_one_warning(str(path), str(path))
+
+
+def test_env_var_and_precedence(tmp_path, monkeypatch):
+    env_config, explicit_config, arg_config = FwdConfig(16, 16, 1, 1), FwdConfig(32, 32, 1, 1), FwdConfig(64, 64, 1, 1)
+    env = write(tmp_path / "env.yaml", [entry(key(), env_config)])
+    explicit = write(tmp_path / "explicit.yaml", [entry(key(), explicit_config)])
+    argument = write(tmp_path / "arg.yaml", [entry(key(), arg_config)])
+    assert choose(key(), "cpu").source == "default"
+    monkeypatch.setenv(lookup.ENV_VAR, env)
+    assert choose(key(), "cpu").config == env_config
+    use_table(explicit)
+    assert choose(key(), "cpu").config == explicit_config
+    assert choose(key(), "cpu", table=argument).config == arg_config
+    use_table(None)
+    assert choose(key(), "cpu").source == f"table:{env}"
+
+
+def test_unusable_explicit_falls_back_to_env(tmp_path, monkeypatch):
+    env = write(tmp_path / "env.yaml", [entry(key())])
+    monkeypatch.setenv(lookup.ENV_VAR, env)
+    use_table(write(tmp_path / "foreign.yaml", [entry(key())], device=H200))
+    with pytest.warns(DispatchWarning, match="foreign.yaml"):
+        assert choose(key(), "cpu").source == f"table:{env}"
+
+
+def test_shipped_table(tmp_path):
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    path = write(shipped / f"{device_fingerprint('cpu').slug()}.yaml", [entry(key())])
+    assert choose(key(), "cpu").source == f"table:{path}"
+
+
+def test_rewritten_table_is_reread_after_clear_cache(tmp_path):
+    path = write(tmp_path / "t.yaml", [entry(key())])
+    assert choose(key(), "cpu", table=path).config == TUNED_FWD
+    write(tmp_path / "t.yaml", [entry(key(), FwdConfig(64, 64, 1, 1))])
+    assert choose(key(), "cpu", table=path).config == TUNED_FWD  # memoised until cleared
+    clear_cache()
+    assert choose(key(), "cpu", table=path).config == FwdConfig(64, 64, 1, 1)
+
+
+# -- show -----------------------------------------------------------------------------------------
+
+def test_show_human_and_json(tmp_path):
+    path = write(tmp_path / "t.yaml", [entry(key(), median_ms=0.5, tflops=123.4, speedup_vs_default=1.25)])
+    human = CliRunner().invoke(show, [path])
+    assert human.exit_code == 0, human.output
+    assert "cpu-interpreter" in human.output and "current" in human.output and "1.25x" in human.output
+    result = CliRunner().invoke(show, [path, "--format", "json"])
+    doc = json.loads(result.output)
+    assert doc["kernel_hash_status"] == {"triton": "current"}
+    assert doc["entries"][0]["evidence"]["tflops"] == 123.4
+
+
+def test_show_truncated_table_is_one_line_exit_1(tmp_path, capsys):
+    from dmattn_bench import cli
+
+    cli.cli.add_command(show)  # until cli/__init__.py registers it
+    path = write(tmp_path / "t.yaml", [entry(key(q=2 ** i)) for i in range(6, 12)])
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    with pytest.raises(SystemExit) as done:
+        cli.main(["show", path])
+    assert done.value.code == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and path in lines[0] and lines[0].startswith("error:")
