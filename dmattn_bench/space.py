@@ -55,6 +55,14 @@ class BwdConfig:
         return asdict(self)
 
 
+def config_label(config: "FwdConfig | BwdConfig") -> str:
+    """Compact human label: fwd "128x64 w4 s3", bwd "32x64 dq64x32 w4 s2"."""
+    label = f"{config.block_m}x{config.block_n}"
+    if isinstance(config, BwdConfig):
+        label += f" dq{config.block_m_dq}x{config.block_n_dq}"
+    return f"{label} w{config.num_warps} s{config.num_stages}"
+
+
 def config_from_dict(cls: type, data: dict[str, Any]):
     """Builds a config from a mapping, naming any unknown or non-integer field.
 

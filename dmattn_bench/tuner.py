@@ -15,10 +15,7 @@ Every candidate becomes a `Trial` with a status and reason; a failing kernel nev
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -29,6 +26,7 @@ from dmattn_bench.registry import default_configs, get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
 from dmattn_bench.timing import Timing, time_kernel
 from dmattn_bench.validator import classify_failure, compare, run_reference, shape_of_case, validate
+from dmattn_bench.workers import parallel_map
 from dmattn_bench.workloads import Workload
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -38,7 +36,6 @@ FINAL_REPEATS = 25  # second pass for the contenders
 INTERPRETER_REPEATS = 1
 FINALISTS_FRACTION = 0.25
 MIN_FINALISTS = 3
-MAX_COMPILE_WORKERS = 8  # each worker holds a CUDA context and one workload's inputs
 
 
 @dataclass
@@ -147,13 +144,9 @@ def _as_4d(t):
     return t if t is None or t.dim() == 4 else t[(None,) * (4 - t.dim())]
 
 
-# -- parallel compilation (GPU only) ------------------------------------------------------------
+# -- parallel work (GPU only) ------------------------------------------------------------------
 
 _worker_problems: dict = {}
-
-
-def _worker_init() -> None:
-    os.environ.pop("TRITON_INTERPRET", None)
 
 
 def _warm_one(job: tuple) -> tuple[str, str]:
@@ -171,23 +164,19 @@ def _warm_one(job: tuple) -> tuple[str, str]:
         return classify_failure(exc)
 
 
-def _compile_in_parallel(jobs: list[tuple], on_done: Callable[[], None] | None) -> dict[tuple, tuple[str, str]]:
-    results: dict[tuple, tuple[str, str]] = {}
-    if not jobs:
-        return results
-    workers = max(1, min(MAX_COMPILE_WORKERS, os.cpu_count() or 1, len(jobs)))
-    context = multiprocessing.get_context("spawn")
-    try:
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) as pool:
-            for job, outcome in zip(jobs, pool.map(_warm_one, jobs, chunksize=1)):
-                results[job] = outcome
-                if on_done:
-                    on_done()
-    except Exception as exc:  # noqa: BLE001 - a dead worker pool: the remaining jobs are data
-        status, reason = classify_failure(exc)
-        for job in jobs:
-            results.setdefault(job, ("crash", f"compile worker died: {reason}"))
-    return results
+def _suite_one(job: tuple) -> tuple[str, str]:
+    """Worker: the adversarial suite for one (direction, config) paired with the defaults."""
+    backend_name, direction, config, head_dim, dtype_name, suite = job
+    fwd, bwd = _pair(direction, config, head_dim, "cuda")
+    result = validate(backend_name, fwd, bwd, DTYPES[dtype_name], "cuda", suite=suite)
+    return _suite_verdict(result, suite)
+
+
+def _suite_verdict(result, suite: str) -> tuple[str, str]:
+    bad = next((c for c in result.cases if c.status != "ok"), None)
+    if bad is None:
+        return "ok", f"{suite} suite, {len(result.cases)} cases"
+    return bad.status, f"adversarial {bad.case}: {bad.reason}"
 
 
 # -- the loop -----------------------------------------------------------------------------------
@@ -228,8 +217,6 @@ def tune(
     backend = get_backend(backend_name)
     start = time.monotonic()
     trials: list[Trial] = []
-    winners: list[Winner] = []
-    suite_cache: dict[tuple, tuple[str, str]] = {}
 
     def out_of_budget() -> bool:
         return budget_s is not None and time.monotonic() - start > budget_s
@@ -240,8 +227,11 @@ def tune(
         jobs = [(w, d, c, backend_name) for w, d, cands in plan for c in cands
                 if backend.is_supported(c, _shape(w)) is None]
         done = on_phase("compile", len(jobs)) if on_phase else None
-        compiled = _compile_in_parallel(jobs, done)
+        outcomes = parallel_map(_warm_one, jobs, on_crash=lambda job, reason: ("crash", reason),
+                                on_done=(lambda job, result: done()) if done else None)
+        compiled = dict(zip(jobs, outcomes))
 
+    ranked: list[tuple[Workload, str, TableKey, list]] = []
     for workload in workloads:
         problem = _Problem(workload, device)
         for direction in ("fwd", "bwd"):
@@ -267,12 +257,25 @@ def tune(
                 if on_trial:
                     on_trial(trial)
             _retime_finalists(timed, problem, backend, direction, device, workload)
-            winner = _choose(timed, key, backend_name, direction, device, workload, suite, suite_cache)
-            if winner is not None:
-                winners.append(winner)
+            ranked.append((workload, direction, key, sorted(timed, key=lambda tc: tc[0].median_ms)))
         del problem
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    # -- the adversarial suite for each key's fastest candidate (in parallel on a GPU) --
+    suite_cache: dict[tuple, tuple[str, str]] = {}
+    if device.type == "cuda":
+        jobs = list(dict.fromkeys(
+            (backend_name, d, timed[0][1], w.head_dim, w.dtype, suite) for w, d, _, timed in ranked if timed))
+        done = on_phase("adversarial suite", len(jobs)) if on_phase else None
+        verdicts = parallel_map(_suite_one, jobs, on_crash=lambda job, reason: ("crash", reason),
+                                on_done=(lambda job, result: done()) if done else None)
+        suite_cache = {_suite_key(job[1], job[2], job[3], job[4], device): v for job, v in zip(jobs, verdicts)}
+    winners = []
+    for workload, direction, key, timed in ranked:
+        winner = _choose(timed, key, backend_name, direction, device, workload, suite, suite_cache)
+        if winner is not None:
+            winners.append(winner)
     return TuneResult(winners, trials, time.monotonic() - start, device.type == "cuda")
 
 
@@ -324,19 +327,22 @@ def _retime_finalists(timed, problem, backend, direction, device, workload) -> N
             trial.status, trial.reason = classify_failure(exc)
 
 
+def _suite_key(direction: str, config, head_dim: int, dtype: str, device) -> tuple:
+    """Suites are shared by every key whose candidate pairs to the same (fwd, bwd) configs."""
+    return (_pair(direction, config, head_dim, device), dtype)
+
+
 def _choose(timed, key: TableKey, backend_name: str, direction: str, device, workload: Workload, suite: str,
             suite_cache: dict) -> Winner | None:
     """The fastest timed candidate that also passes the adversarial suite on its tiles."""
     ok = sorted((tc for tc in timed if tc[0].status == "ok"), key=lambda tc: tc[0].median_ms)
     default = next((t for t, _ in timed if t.is_default and t.status == "ok"), None)
     for trial, config in ok:
-        cache_key = (direction, config, workload.dtype)
+        cache_key = _suite_key(direction, config, workload.head_dim, workload.dtype, device)
         if cache_key not in suite_cache:
             fwd, bwd = _pair(direction, config, workload.head_dim, device)
             result = validate(backend_name, fwd, bwd, DTYPES[workload.dtype], device, suite=suite)
-            bad = next((c for c in result.cases if c.status != "ok"), None)
-            suite_cache[cache_key] = ("ok", f"{suite} suite, {len(result.cases)} cases") if bad is None else (
-                bad.status, f"adversarial {bad.case}: {bad.reason}")
+            suite_cache[cache_key] = _suite_verdict(result, suite)
         status, note = suite_cache[cache_key]
         if status != "ok":
             trial.status, trial.reason = status, note

@@ -23,7 +23,7 @@ import torch
 from dmattn_bench import reference
 from dmattn_bench.adversarial import Case, Inputs, adversarial_cases, build_inputs
 from dmattn_bench.registry import Backend, default_configs, default_entries, get_backend
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, config_label
 
 # Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
 # exact low-precision reference (error 0 on a tensor) does not demand an exact kernel.
@@ -323,28 +323,55 @@ def entry_case(key, batch: int = 1, heads_kv: int = 2) -> Case:
 
 
 def plan_table_entries(entries, dtype_name: str, device: torch.device | str, suite: str) -> list[PlannedSuite]:
-    """One suite per distinct (direction, config) of a table's `dtype_name` entries.
+    """One suite per distinct (fwd, bwd) pair the table's `dtype_name` entries can form.
 
-    Each config is paired with the default of the other direction (for its head dim) and runs
-    the whole adversarial suite on its own tiles plus one case shaped like each of its entries.
+    Each entry's config is paired with the default of the other direction (for its head dim);
+    each pair runs the whole adversarial suite on its own tiles plus one case shaped like each
+    of its entries.
     """
     grouped: dict[tuple, list] = {}
     for entry in entries:
         if entry.key.dtype == dtype_name:
-            grouped.setdefault((entry.key.direction, entry.backend, entry.config), []).append(entry)
+            default_fwd, default_bwd = default_configs(entry.key.head_dim, device)
+            pair = (entry.config, default_bwd) if entry.key.direction == "fwd" else (default_fwd, entry.config)
+            grouped.setdefault((entry.backend, *pair), []).append(entry)
     plan = []
-    for (direction, backend, config), group in grouped.items():
-        default_fwd, default_bwd = default_configs(group[0].key.head_dim, device)
-        fwd, bwd = (config, default_bwd) if direction == "fwd" else (default_fwd, config)
+    for (backend, fwd, bwd), group in grouped.items():
         cases = adversarial_cases(suite, config_tiles(fwd, bwd)) + [entry_case(e.key) for e in group]
-        fields_ = " ".join(f"{v}" for v in config.to_dict().values())
-        plan.append(PlannedSuite(f"{backend} {direction} [{fields_}] ({len(group)} entries)", fwd, bwd, cases))
+        label = f"{backend} fwd {config_label(fwd)} / bwd {config_label(bwd)} ({len(group)} entries)"
+        plan.append(PlannedSuite(label, fwd, bwd, cases))
     return plan
+
+
+def _validate_planned(job: tuple) -> SuiteResult:
+    """Worker entry: one planned suite (module level so spawned workers can import it)."""
+    backend_name, dtype, device, item = job
+    return validate(backend_name, item.fwd_config, item.bwd_config, dtype, device, cases=item.cases)
 
 
 def run_plan(backend_name: str, dtype: torch.dtype, device: torch.device | str, plan: list[PlannedSuite],
              on_case: Callable[[CaseResult], None] | None = None) -> list[tuple[str, SuiteResult]]:
-    """Validates every planned config pair on its cases."""
+    """Validates every planned config pair on its cases.
+
+    On a GPU the planned suites run in parallel worker processes (compilation dominates and is
+    single-threaded per process); on the CPU they run here, one after the other.
+    """
+    if torch.device(device).type == "cuda" and len(plan) > 1:
+        from dmattn_bench.workers import parallel_map
+
+        def crashed(job, reason):
+            item = job[3]
+            return SuiteResult(backend_name, item.fwd_config, item.bwd_config, str(dtype).removeprefix("torch."),
+                               [CaseResult(c.name, "crash", reason) for c in item.cases])
+
+        def report(job, result):
+            for case in result.cases:
+                if on_case is not None:
+                    on_case(case)
+
+        jobs = [(backend_name, dtype, str(device), item) for item in plan]
+        results = parallel_map(_validate_planned, jobs, on_crash=crashed, on_done=report)
+        return [(item.label, result) for item, result in zip(plan, results)]
     return [
         (item.label, validate(backend_name, item.fwd_config, item.bwd_config, dtype, device,
                               on_case=on_case, cases=item.cases))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 from rich.table import Table as RichTable
 
+from dmattn_bench.space import CONFIG_CLASSES, config_label
 from dmattn_bench import output
 from dmattn_bench.dispatch.table import Table, TableError, load_table, table_to_dict
 from dmattn_bench.errors import DmattnError
@@ -53,7 +54,8 @@ def _entries(doc: dict) -> RichTable:
     for entry in doc["entries"]:  # table_to_dict has sorted them by key
         key, evidence = entry["key"], entry["evidence"]
         cells = [str(key[name]) for name in KEY_COLUMNS]
-        cells += [entry["backend"], " ".join(f"{k}={v}" for k, v in entry["config"].items())]
+        config_class = CONFIG_CLASSES[key["direction"]]
+        cells += [entry["backend"], config_label(config_class(**entry["config"]))]
         for name, fmt in EVIDENCE_COLUMNS:
             value = evidence.get(name)
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 import torch
+import yaml
 from rich.table import Table
 
 from dmattn_bench import output
@@ -15,6 +16,7 @@ from dmattn_bench.dispatch import Entry, dump_table, new_table
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.prune import load_ci_space, load_space
+from dmattn_bench.space import config_label
 from dmattn_bench.tuner import TuneResult, candidate_list, tune
 from dmattn_bench.workloads import load_workloads
 
@@ -35,16 +37,20 @@ def parse_duration(text: str | None) -> float | None:
 
 
 def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[str, list]:
+    """Candidate configs per direction from space files (per-direction files with arch sections,
+    or a CI-style file holding `space.<backend>.<direction>`)."""
     if not on_gpu and not space_files:
-        return {d: load_ci_space(CI_FILE, backend, d) for d in ("fwd", "bwd")}
+        space_files = (str(CI_FILE),)
     files = space_files or tuple(str(CONFIGS_DIR / "space" / f"{backend}-{d}.yaml") for d in ("fwd", "bwd"))
     section = search_section(local_limits()) if on_gpu else "sm90"
     spaces: dict[str, list] = {}
     for path in files:
-        if Path(path).name == "ci.yaml":
-            return {d: load_ci_space(path, backend, d) for d in ("fwd", "bwd")}
-        direction = "fwd" if "fwd" in Path(path).name else "bwd"
-        spaces[direction] = load_space(path, backend, direction, section)
+        document = yaml.safe_load(Path(path).read_text()) or {}
+        if "space" in document:
+            spaces.update({d: load_ci_space(path, backend, d) for d in ("fwd", "bwd")})
+        else:
+            direction = document.get("direction")
+            spaces[direction] = load_space(path, backend, direction, section)
     missing = {"fwd", "bwd"} - set(spaces)
     if missing:
         raise click.BadParameter(f"no search space given for {sorted(missing)}", param_hint="--space")
@@ -60,7 +66,7 @@ def _winners_table(result: TuneResult) -> Table:
         k, e = winner.key, winner.evidence
         table.add_row(k.direction, k.dtype, str(k.head_dim), str(k.causal), k.mask, k.bias, str(k.gqa_ratio),
                       str(k.seqlen_q_bucket), str(k.seqlen_k_bucket),
-                      " ".join(f"{n}={v}" for n, v in winner.config.to_dict().items()),
+                      config_label(winner.config),
                       f"{e['median_ms']:.4f}", f"{e['tflops']:.1f}", f"{e['speedup_vs_default'] or 0:.2f}x")
     return table
 

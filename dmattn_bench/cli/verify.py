@@ -11,6 +11,7 @@ from dmattn_bench.errors import NoGpuError, ValidationFailed
 from dmattn_bench.dispatch import TableError, load_table
 from dmattn_bench.dispatch.lookup import ENV_VAR
 from dmattn_bench.errors import DmattnError
+from dmattn_bench.space import config_label
 from dmattn_bench.validator import CHECKED, SuiteResult, plan_default_configs, plan_table_entries, run_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -27,8 +28,7 @@ def _summary_table(results: list[tuple[str, SuiteResult]], dtype: str, device: s
         style = "green" if status == "ok" else "red"
         table.add_row(
             label, result.backend,
-            "{block_m}x{block_n}/w{num_warps}/s{num_stages}".format(**result.fwd_config.to_dict()),
-            "{block_m}x{block_n}+{block_m_dq}x{block_n_dq}/w{num_warps}/s{num_stages}".format(**result.bwd_config.to_dict()),
+            config_label(result.fwd_config), config_label(result.bwd_config),
             f"{ok}/{len(result.cases)}", f"[{style}]{status}[/{style}]",
             *(f"{worst[name]:.3f}" if name in worst else "-" for name in CHECKED),
         )

@@ -1,0 +1,129 @@
+"""Pruning: search spaces load, the estimate prunes without compiling, cross-compilation for absent
+archs reports real shared memory, and a candidate that does not fit is data, not an exception.
+
+Cross-compiles run in spawned workers (a few seconds each on 2 cores): only a handful here.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from dmattn_bench import prune
+from dmattn_bench.cli.compile_check import compile_check
+from dmattn_bench.hardware import ARCH_LIMITS
+from dmattn_bench.prune import (
+    Candidate,
+    check_space,
+    compile_candidate,
+    estimate_shared_bytes,
+    load_ci_space,
+    load_space,
+)
+from dmattn_bench.space import ARCH_FAMILIES, BwdConfig, FwdConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SPACE_DIR = ROOT / "configs" / "space"
+SMALL_FWD = FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("section", ARCH_FAMILIES)
+def test_shipped_spaces_load(direction, section):
+    configs = load_space(SPACE_DIR / f"triton-{direction}.yaml", "triton", direction, section)
+    assert configs
+    assert all(isinstance(c, FwdConfig if direction == "fwd" else BwdConfig) for c in configs)
+    assert len(set(configs)) == len(configs)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_ci_space_loads(direction):
+    assert load_ci_space(ROOT / "configs" / "ci.yaml", "triton", direction)
+
+
+def test_malformed_space_names_file_and_section(tmp_path):
+    path = tmp_path / "triton-fwd.yaml"
+    path.write_text(yaml.safe_dump({"backend": "triton", "direction": "fwd", "arch": {
+        "sm90": {"block_m": [64], "block_n": [0], "num_warps": [4], "num_stages": [2]}}}))
+    with pytest.raises(ValueError, match=rf"{path}.*arch\.sm90.*block_n"):
+        load_space(path, "triton", "fwd", "sm90")
+    with pytest.raises(ValueError, match=rf"{path}.*sm80"):
+        load_space(path, "triton", "fwd", "sm80")
+    with pytest.raises(ValueError, match=rf"{path}.*direction"):
+        load_space(path, "triton", "bwd", "sm90")
+
+
+def test_estimate_prunes_absurd_config_without_compiling(monkeypatch):
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled a candidate the estimate should have pruned")
+
+    monkeypatch.setattr(prune, "_compile_all", no_compiling)
+    absurd = FwdConfig(block_m=256, block_n=256, num_warps=8, num_stages=8)
+    [candidate] = check_space({"fwd": [absurd]}, ["sm120"], [256], "bf16")
+    assert candidate.status == "unsupported" and candidate.check == "estimate"
+    assert candidate.shared_bytes == estimate_shared_bytes("fwd", absurd, 256, 2)
+    assert candidate.shared_bytes > ARCH_LIMITS["sm120"].shared_memory_per_block
+    assert "sm120" in candidate.reason
+
+
+def test_structural_prune_without_compiling(monkeypatch):
+    monkeypatch.setattr(prune, "_compile_all", None)
+    [candidate] = check_space({"fwd": [FwdConfig(48, 32, 4, 2)]}, ["sm90"], [64])
+    assert candidate.status == "unsupported" and "block_m=48" in candidate.reason
+
+
+def test_cross_compile_fits_for_sm90_and_sm80():
+    seen = []
+    results = check_space({"fwd": [SMALL_FWD]}, ["sm90", "sm80"], [64], "bf16", jobs=2, on_result=seen.append)
+    assert [c.arch for c in results] == ["sm90", "sm80"]
+    assert len(seen) == 2
+    for candidate in results:
+        assert candidate.status == "fits", candidate.reason
+        assert 0 < candidate.shared_bytes <= ARCH_LIMITS[candidate.arch].shared_memory_per_block
+        assert candidate.compile_s > 0
+
+
+def test_real_shared_memory_over_limit_is_data():
+    # Unmasked, the key loop is pipelined: 3 stages of k, v and an fp32 bias tile pass the
+    # estimate (a lower bound) but exceed sm120's 99 KiB once compiled.
+    config = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    limit = ARCH_LIMITS["sm120"].shared_memory_per_block
+    assert estimate_shared_bytes("fwd", config, 128, 2) <= limit
+    candidate = compile_candidate("fwd", config, "sm120", 128, "bf16", features={"HAS_MASK": False})
+    assert isinstance(candidate, Candidate)
+    assert candidate.status == "unsupported" and candidate.check == "shared", candidate.reason
+    assert candidate.shared_bytes > limit
+    assert "limit of sm120" in candidate.reason
+
+
+def test_failed_worker_is_a_compile_error():
+    future = Future()
+    future.set_exception(RuntimeError("long compiler message\nerror: the last line says why"))
+    candidate = prune._run_guarded(future, "fwd", SMALL_FWD, "sm90", 64, "bf16")
+    assert candidate.status == "compile_error"
+    assert candidate.reason == "RuntimeError: error: the last line says why"
+
+
+def test_cli_json_on_tiny_space(tmp_path):
+    space = {"backend": "triton", "direction": "fwd", "arch": {
+        "sm90": {"block_m": [64], "block_n": [32, 64], "num_warps": [4], "num_stages": [2]}}}
+    (tmp_path / "triton-fwd.yaml").write_text(yaml.safe_dump(space))  # no bwd file: fwd only
+    result = CliRunner().invoke(compile_check, ["--arch", "sm90", "--head-dim", "64", "--space-dir", str(tmp_path),
+                                                "--format", "json", "--jobs", "2"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert len(document["candidates"]) == 2
+    assert {c["status"] for c in document["candidates"]} == {"fits"}
+    assert document["summary"][0]["candidates"] == 2
+
+
+def test_cli_rejects_unknown_arch_and_cuda(tmp_path):
+    result = CliRunner().invoke(compile_check, ["--arch", "sm75"])
+    assert result.exit_code == 2 and "sm75" in result.output
+    result = CliRunner().invoke(compile_check, ["--arch", "sm90", "--backend", "cuda"])
+    assert result.exit_code != 0 and "backend cuda is not built" in str(result.exception)

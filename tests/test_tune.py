@@ -1,0 +1,131 @@
+"""Tuning end to end on the CPU (interpreter): workloads, keys, the tune/show/verify commands and
+run-time dispatch of the table they write."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import click
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from dmattn_bench import api, dispatch, flash_dmattn_func
+from dmattn_bench.adversarial import build_inputs
+from dmattn_bench.cli.show import show
+from dmattn_bench.cli.tune import parse_duration, tune_command
+from dmattn_bench.cli.verify import verify
+from dmattn_bench.dispatch import DispatchWarning, load_table
+from dmattn_bench.registry import default_configs
+from dmattn_bench.space import FwdConfig, seqlen_bucket
+from dmattn_bench.workloads import load_workloads
+
+CPU_FWD, CPU_BWD = default_configs(32, "cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dispatcher():
+    dispatch.use_table(None)
+    dispatch.clear_cache()
+    yield
+    dispatch.use_table(None)
+    dispatch.clear_cache()
+
+
+def _write(path, document) -> str:
+    path.write_text(yaml.safe_dump(document))
+    return str(path)
+
+
+def _tiny_inputs(tmp_path, fwd_alternative: dict):
+    """A one-workload file and a space whose only non-default fwd config is `fwd_alternative`."""
+    workloads = _write(tmp_path / "w.yaml", {"default": {
+        "tokens": 20, "heads": 2, "head_dim": [32], "seqlen": [20], "causal": [True], "gqa_ratio": [1],
+        "variants": [{"mask": "kv_head", "bias": "per_key", "bias_grad": True}], "dtype": ["fp32"]}})
+    space = _write(tmp_path / "ci.yaml", {"space": {"triton": {
+        "fwd": {k: [v] for k, v in fwd_alternative.items()},
+        "bwd": {k: [v] for k, v in CPU_BWD.to_dict().items()}}}})
+    return workloads, space
+
+
+def test_parse_duration():
+    assert parse_duration("90s") == 90 and parse_duration("20m") == 1200 and parse_duration("1.5h") == 5400
+    assert parse_duration("7") == 7 and parse_duration(None) is None
+    with pytest.raises(click.BadParameter):
+        parse_duration("soon")
+
+
+def test_workload_keys_match_the_runtime_keys():
+    """The tuner's key for a workload equals the key the runtime derives from its tensors."""
+    for workload in load_workloads("configs/ci.yaml"):
+        inputs = build_inputs(workload.case(), torch.float32, "cpu")
+        bias = inputs.bias.requires_grad_(workload.bias_grad) if inputs.bias is not None else None
+        fwd_key, bwd_key = api.table_keys(inputs.q, inputs.k, api._as_4d(inputs.mask), api._as_4d(bias),
+                                          workload.causal, bias is not None and bias.requires_grad)
+        assert fwd_key == workload.key("fwd")
+        assert bwd_key == workload.key("bwd")
+
+
+def test_bad_workloads_file_names_the_key(tmp_path):
+    path = _write(tmp_path / "w.yaml", {"default": {"tokens": 8, "heads": 2, "head_dim": [32]}})
+    with pytest.raises(ValueError, match="missing keys"):
+        load_workloads(path)
+
+
+def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
+    alternative = dict(CPU_FWD.to_dict(), block_m=32)
+    workloads, space = _tiny_inputs(tmp_path, alternative)
+    out = tmp_path / "T.yaml"
+    runner = CliRunner()
+    result = runner.invoke(tune_command, ["--workloads", workloads, "--space", space, "--out", str(out),
+                                          "--format", "json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    # fwd: the default and the alternative; bwd: the space holds only the default (deduplicated)
+    assert document["entries"] == 2 and document["counts"] == {"ok": 3}
+    table = load_table(out)  # passes the schema
+    assert {e.key.direction for e in table.entries} == {"fwd", "bwd"}
+    assert table.interpreter is True
+    trials = (tmp_path / "T.yaml.trials.jsonl").read_text().splitlines()
+    assert len(trials) == 3 and all(json.loads(line)["status"] == "ok" for line in trials)
+
+    shown = runner.invoke(show, [str(out)])
+    assert shown.exit_code == 0 and "entries" in shown.stdout
+
+    verified = runner.invoke(verify, ["--table", str(out), "--dtype", "fp32", "--format", "json"])
+    assert verified.exit_code == 0, verified.output
+    assert json.loads(verified.stdout)["source"] == str(out)
+
+    # the runtime picks the tuned fwd config for this shape, and stays correct
+    fwd_entry = next(e for e in table.entries if e.key.direction == "fwd")
+    inputs = build_inputs(load_workloads(workloads)[0].case(), torch.float32, "cpu")
+    (_, fwd_config), _ = api._select(inputs.q, inputs.k, api._as_4d(inputs.mask), api._as_4d(inputs.bias),
+                                     True, "auto", str(out), None, None)
+    assert fwd_config == fwd_entry.config
+
+
+def test_broken_table_warns_once_and_falls_back(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("schema_version: 1\nentries: [\n")
+    q = torch.randn(1, 20, 2, 32)
+    k = torch.randn(1, 20, 2, 32)
+    v = torch.randn(1, 20, 2, 32)
+    expected = flash_dmattn_func(q, k, v, is_causal=True, backend="reference")
+    dispatch.use_table(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = flash_dmattn_func(q, k, v, is_causal=True)
+        second = flash_dmattn_func(q, k, v, is_causal=True)
+    dispatch_warnings = [w for w in caught if issubclass(w.category, DispatchWarning)]
+    assert len(dispatch_warnings) == 1 and "broken.yaml" in str(dispatch_warnings[0].message)
+    assert torch.allclose(first, expected, atol=1e-5) and torch.equal(first, second)
+
+
+def test_explicit_config_overrides_the_table(tmp_path):
+    q = torch.randn(1, 20, 2, 32)
+    chosen = FwdConfig(32, 16, 1, 1)
+    (_, fwd_config), (_, bwd_config) = api._select(q, q, None, None, False, "auto", None, chosen, None)
+    assert fwd_config == chosen and bwd_config == CPU_BWD
+    assert seqlen_bucket(20) == 16
