@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 
 from dmattn_bench.adversarial import Inputs, build_inputs
+from dmattn_bench.hardware import local_limits
+from dmattn_bench.prune import precheck
 from dmattn_bench.registry import default_configs, get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
 from dmattn_bench.timing import Timing, time_kernel
@@ -224,12 +226,19 @@ def tune(
     plan = [(w, d, candidate_list(d, spaces[d], w, device)) for w in workloads for d in ("fwd", "bwd")]
     compiled: dict[tuple, tuple[str, str]] = {}
     if device.type == "cuda":
+        # pruned before any GPU time: structure, threads per block, estimated shared memory
+        limits = local_limits(device)
+        for w, d, cands in plan:
+            for c in cands:
+                pruned = precheck(d, c, limits, w.head_dim, w.dtype)
+                if pruned is not None:
+                    compiled[(w, d, c, backend_name)] = ("unsupported", pruned.reason)
         jobs = [(w, d, c, backend_name) for w, d, cands in plan for c in cands
-                if backend.is_supported(c, _shape(w)) is None]
+                if (w, d, c, backend_name) not in compiled and backend.is_supported(c, _shape(w)) is None]
         done = on_phase("compile", len(jobs)) if on_phase else None
         outcomes = parallel_map(_warm_one, jobs, on_crash=lambda job, reason: ("crash", reason),
                                 on_done=(lambda job, result: done()) if done else None)
-        compiled = dict(zip(jobs, outcomes))
+        compiled.update(zip(jobs, outcomes))
 
     ranked: list[tuple[Workload, str, TableKey, list]] = []
     for workload in workloads:
