@@ -231,6 +231,9 @@ def _full_cases() -> list[Case]:
         Case("head_dim_192_causal", seqlen_q=203, seqlen_k=113, head_dim=192, causal=True, bias="full"),
         Case("seed_long_window_bf16", batch=1, heads=8, heads_kv=8, seqlen_q=4096, seqlen_k=4096, head_dim=128,
              mask="window", window=2048, bias="full"),
+        # found by the tuner's on-shape check: the pipelined (maskless) dK path at D=128, GQA
+        Case("gqa_causal_no_mask_d128", batch=2, heads=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000, head_dim=128,
+             causal=True),
         Case("seed_short_causal", batch=1, heads=1, heads_kv=1, seqlen_q=256, seqlen_k=256, head_dim=64, causal=True),
     ]
     return cases

@@ -7,7 +7,9 @@ reinterpreted as uint8 (same itemsize), and q/k/v only need a contiguous last di
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 
@@ -172,11 +174,21 @@ def flash_dmattn_func(
 
 def table_keys(query, key, mask4, bias4, is_causal: bool, bias_requires_grad: bool) -> tuple[TableKey, TableKey]:
     """The (fwd, bwd) dispatch keys of a call, derived as the tuner derives them for workloads."""
-    batch, seqlen_q, num_heads, head_dim = query.shape
-    seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
-    mask_kind = operand_kind(None if mask4 is None else tuple(mask4.shape), num_heads, num_heads_kv, seqlen_q)
-    bias_kind = operand_kind(None if bias4 is None else tuple(bias4.shape), num_heads, num_heads_kv, seqlen_q)
-    common = dict(dtype=_DTYPE_NAMES[query.dtype], head_dim=head_dim, causal=is_causal, mask=mask_kind,
+    return _table_keys(
+        tuple(query.shape), key.shape[1], key.shape[2], query.dtype,
+        None if mask4 is None else tuple(mask4.shape), None if bias4 is None else tuple(bias4.shape),
+        is_causal, bias_requires_grad,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _table_keys(q_shape, seqlen_k, num_heads_kv, dtype, mask_dims, bias_dims, is_causal, bias_requires_grad):
+    # cached on plain tuples: a training loop repeats a handful of shapes, and building the
+    # frozen keys is most of the dispatch cost
+    batch, seqlen_q, num_heads, head_dim = q_shape
+    mask_kind = operand_kind(mask_dims, num_heads, num_heads_kv, seqlen_q)
+    bias_kind = operand_kind(bias_dims, num_heads, num_heads_kv, seqlen_q)
+    common = dict(dtype=_DTYPE_NAMES[dtype], head_dim=head_dim, causal=is_causal, mask=mask_kind,
                   gqa_ratio=num_heads // num_heads_kv, seqlen_q_bucket=seqlen_bucket(seqlen_q),
                   seqlen_k_bucket=seqlen_bucket(seqlen_k))
     bwd_bias = bias_kind + "+grad" if bias_requires_grad and bias_kind != "none" else bias_kind
@@ -190,11 +202,36 @@ def _select(query, key, mask4, bias4, is_causal, backend, table, fwd_config, bwd
         default_fwd, default_bwd = default_configs(query.shape[-1], query.device)
         return (chosen, fwd_config or default_fwd), (chosen, bwd_config or default_bwd)
     fwd_key, bwd_key = table_keys(query, key, mask4, bias4, is_causal, bias4 is not None and bias4.requires_grad)
+    env = os.environ.get(dispatch.ENV_VAR)
     picks = []
     for explicit, table_key in ((fwd_config, fwd_key), (bwd_config, bwd_key)):
         if explicit is not None:
             picks.append((get_backend("triton"), explicit))
         else:
-            choice = dispatch.choose(table_key, query.device, table=table)
+            choice = dispatch.choose(table_key, query.device, table=table, env=env)
             picks.append((get_backend(choice.backend), choice.config))
     return picks[0], picks[1]
+
+
+def dispatch_overhead_us(device: torch.device | str, calls: int = 2000) -> float:
+    """Host time `backend="auto"` adds to a call over launching the kernels directly.
+
+    That is the key derivation plus the (cached) table lookup, i.e. `_select`; median over
+    `calls` after a warm-up call. The kernels are the same whichever way the config was chosen.
+    """
+    import statistics
+    import time
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.zeros(1, 128, 8, 64, dtype=dtype, device=device)
+    k = torch.zeros(1, 128, 2, 64, dtype=dtype, device=device)
+    mask = torch.ones(1, 2, 128, 128, dtype=torch.bool, device=device)
+    bias = torch.zeros(1, 2, 1, 128, dtype=dtype, device=device, requires_grad=True)
+    _select(q, k, mask, bias, True, "auto", None, None, None)  # warm the caches
+    times = []
+    for _ in range(calls):
+        begin = time.perf_counter()
+        _select(q, k, mask, bias, True, "auto", None, None, None)
+        times.append(time.perf_counter() - begin)
+    return round(statistics.median(times) * 1e6, 2)

@@ -41,11 +41,17 @@ def _environment() -> dict:
 
 
 @click.command()
+@click.option("--measure-dispatch", is_flag=True, default=False,
+              help="Also measure the host time backend='auto' adds per call over a direct kernel launch (median of 2000, µs).")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
-def info(fmt: str) -> None:
+def info(measure_dispatch: bool, fmt: str) -> None:
     """Show the GPU, the software, the backends available, the active table and the defaults."""
     doc = _environment()
+    if measure_dispatch:
+        from dmattn_bench.api import dispatch_overhead_us
+
+        doc["dispatch_overhead_us"] = dispatch_overhead_us("cuda" if doc["gpu"] else "cpu")
     table = Table(title="dmattn-bench info", show_header=False)
     table.add_column("key")
     table.add_column("value")
@@ -54,6 +60,8 @@ def info(fmt: str) -> None:
     gpu = doc["gpu"]
     table.add_row("gpu", "none (kernels run in the Triton interpreter)" if gpu is None else
                   ", ".join(f"{k}={v}" for k, v in gpu.items()))
+    if "dispatch_overhead_us" in doc:
+        table.add_row("dispatch overhead", f"{doc['dispatch_overhead_us']} µs per call (backend='auto' vs direct launch)")
     for entry in doc["default_configs"]:
         table.add_row(f"default D {entry['head_dims']}", f"fwd {entry['fwd']}  bwd {entry['bwd']}")
     output.render(doc, [table], fmt)

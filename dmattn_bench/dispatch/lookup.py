@@ -33,6 +33,7 @@ from dmattn_bench.registry import default_configs, kernel_source_hash
 from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
 
 ENV_VAR = "DMATTN_BENCH_TABLE"
+_READ_ENV = object()  # sentinel: choose() reads the environment itself
 # Tables committed from real GPUs, named `<DeviceFingerprint.slug()>.yaml`; read at call time so
 # tests can point it elsewhere.
 SHIPPED_TABLES_DIR = Path(dmattn_bench.__file__).parents[1] / "results" / "tables"
@@ -116,13 +117,15 @@ class Dispatcher:
         self._fingerprints.clear()
 
     def choose(self, key: TableKey, device: torch.device | str | None = None, *,
-               table: str | os.PathLike | None = None) -> Choice:
+               table: str | os.PathLike | None = None, env: str | None | object = _READ_ENV) -> Choice:
         """The backend and config to run `key` with on `device`.
 
         Args:
             key: the shape key (buckets from `space.seqlen_bucket`).
             device: where the call runs (None: the current CUDA device, else the CPU interpreter).
             table: a table file that takes precedence over every other source for this call.
+            env: the value of DMATTN_BENCH_TABLE when the caller already read it (a call that
+                chooses for both directions reads the environment once; it costs ~2 µs).
 
         Returns:
             the Choice; its source says which table (or "default") it came from.
@@ -131,7 +134,9 @@ class Dispatcher:
             ValueError: only for a head_dim no default covers; never because of a table.
         """
         requested = os.fspath(table) if table is not None else self._explicit
-        memo = (requested, os.environ.get(ENV_VAR) or None, device, key)
+        if env is _READ_ENV:
+            env = os.environ.get(ENV_VAR)
+        memo = (requested, env or None, device, key)
         choice = self._choices.get(memo)
         if choice is None:
             choice = self._choose(key, device, requested, memo[1])
@@ -247,9 +252,9 @@ DISPATCHER = Dispatcher()
 
 
 def choose(key: TableKey, device: torch.device | str | None = None, *,
-           table: str | os.PathLike | None = None) -> Choice:
+           table: str | os.PathLike | None = None, env: str | None | object = _READ_ENV) -> Choice:
     """`DISPATCHER.choose`: the backend and config for `key` on `device`."""
-    return DISPATCHER.choose(key, device, table=table)
+    return DISPATCHER.choose(key, device, table=table, env=env)
 
 
 def use_table(path: str | os.PathLike | None) -> None:

@@ -26,8 +26,8 @@ def tanh(x):
 @triton.jit
 def visible_tile(
     mask_base,
-    offs_m,
-    offs_n,
+    rows,
+    cols,
     stride_mm,
     stride_mn,
     seqlen_q,
@@ -35,32 +35,44 @@ def visible_tile(
     IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
 ):
-    """Boolean (BLOCK_M, BLOCK_N) tile of positions that take part in the softmax.
+    """Boolean tile of positions that take part in the softmax.
 
-    The mask is read only inside the sequence bounds (predicated loads), so memory past a
-    sliced mask's logical extent never matters.
+    `rows` (query indices) and `cols` (key indices) are broadcastable 2-D index tensors:
+    `offs_m[:, None], offs_n[None, :]` gives a (BLOCK_M, BLOCK_N) tile, `offs_m[None, :],
+    offs_n[:, None]` its key-major transpose. The mask is read only inside the sequence bounds
+    (predicated loads), so memory past a sliced mask's logical extent never matters.
     """
-    visible = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+    visible = (rows < seqlen_q) & (cols < seqlen_k)
     if IS_CAUSAL:
         # bottom-right alignment: query i sees key j iff j <= i + Lk - Lq
-        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
+        visible = visible & (cols <= rows + (seqlen_k - seqlen_q))
     if HAS_MASK:
-        keep = tl.load(
-            mask_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
-            mask=visible,
-            other=0,
-        )
+        keep = tl.load(mask_base + rows * stride_mm + cols * stride_mn, mask=visible, other=0)
         visible = visible & (keep != 0)
     return visible
 
 
 @triton.jit
+def score_dot(a, b):
+    """a @ b for the scores; fp32 inputs (the interpreter tier) take exact fp64 products.
+
+    fp32: one rounding of an exact product, so the backward's recomputed scores equal the
+    forward's bit for bit whatever the tile shapes. With logits near 250 one ulp of
+    disagreement is 1.5e-5 relative in P; measured: dV 3x over the §2 bound (large_logits case,
+    forward 16x32 vs backward 32x16 tiles, interpreter, 2026-11-21).
+    """
+    if a.dtype == tl.float32:
+        return tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def scores_tile(
-    q,
-    k,
+    qk,
     bias_base,
-    offs_m,
-    offs_n,
+    rows,
+    cols,
     stride_bm,
     stride_bn,
     visible,
@@ -69,31 +81,20 @@ def scores_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    """Scores of one tile, -inf where not visible.
+    """Scores of one tile from its raw q.k products, -inf where not visible.
 
     Returns:
         (s, capped): the masked scores (fp32) and tanh(scale*qk/softcap) (the softcap backward
         needs 1 - capped^2; it is a dummy when HAS_SOFTCAP is off).
     """
-    if q.dtype == tl.float32:
-        # fp32 (the interpreter tier): exact fp64 products, one rounding, so the backward's
-        # recomputed scores equal the forward's bit for bit whatever the tile shapes. With logits
-        # near 250 one ulp of disagreement is 1.5e-5 relative in P; measured: dV 3x over the §2
-        # bound (large_logits case, forward 16x32 vs backward 32x16 tiles, interpreter, 2026-11-21).
-        s = tl.dot(q.to(tl.float64), tl.trans(k.to(tl.float64))).to(tl.float32) * softmax_scale
-    else:
-        s = tl.dot(q, tl.trans(k)) * softmax_scale
+    s = qk * softmax_scale
     capped = s
     if HAS_SOFTCAP:
         capped = tanh(s / softcap)
         s = softcap * capped
     if HAS_BIAS:
         # Predicated on `visible`: NaN/inf bias at excluded positions is never even loaded.
-        bias = tl.load(
-            bias_base + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn,
-            mask=visible,
-            other=0.0,
-        )
+        bias = tl.load(bias_base + rows * stride_bm + cols * stride_bn, mask=visible, other=0.0)
         s = s + bias.to(tl.float32)
     s = tl.where(visible, s, float("-inf"))
     return s, capped

@@ -24,12 +24,19 @@ dBias partials: the kernel writes into `dbias_ptr`, shaped (B, Hp, Rp, Lk), wher
     Rp = Lq  if the bias has a query dim (DBIAS_ROWS), else the number of query blocks (each
          block's rows are summed in registers).
 Each element has exactly one writer. The launcher sums the remaining broadcast dims on the host.
+
+Orientation: the dK/dV kernel works on key-major tiles (S^T, P^T, dS^T of shape
+(BLOCK_N, BLOCK_M), as in Triton's fused-attention tutorial), so the products dV += P^T dO and
+dK += dS^T Q take an MMA result as the left operand directly. Transposing an MMA result in
+registers (`tl.trans(ds)`) is miscompiled on Hopper by Triton 3.4+ (fla-org/flash-linear-attention
+PR #826); measured here before the change: dK 5-21x over the §2 bound, dV exact, H200, bf16,
+D=128, BLOCK_M=32, no mask, triton 3.6, 2026-11-21.
 """
 
 import triton
 import triton.language as tl
 
-from dmattn_kernels.triton.common import LOG2E, tile_is_active, scores_tile, visible_tile
+from dmattn_kernels.triton.common import LOG2E, score_dot, scores_tile, tile_is_active, visible_tile
 
 
 @triton.jit
@@ -57,28 +64,6 @@ def flash_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _probabilities_and_ds(
-    q, k, v, dout, lse, delta,
-    bias_base, offs_m, offs_n, stride_bm, stride_bn, visible,
-    softmax_scale, softcap,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    """Recomputes P for one tile and returns (P, dS before softcap, dS after the softcap chain)."""
-    s, capped = scores_tile(
-        q, k, bias_base, offs_m, offs_n, stride_bm, stride_bn, visible, softmax_scale, softcap,
-        HAS_SOFTCAP, HAS_BIAS,
-    )
-    p = tl.exp2((s - lse[:, None]) * LOG2E)
-    dp = tl.dot(dout, tl.trans(v))
-    ds = p * (dp - delta[:, None])
-    ds_raw = ds
-    if HAS_SOFTCAP:
-        ds_raw = ds * (1.0 - capped * capped)
-    return p, ds, ds_raw
-
-
-@triton.jit
 def _load_row_stats(lse_ptr, delta_ptr, offs_m, stride_lm, seqlen_q):
     """lse and delta of a query block; dead rows (lse = -inf) become +inf so that P = 0."""
     row_in = offs_m < seqlen_q
@@ -89,14 +74,18 @@ def _load_row_stats(lse_ptr, delta_ptr, offs_m, stride_lm, seqlen_q):
 
 
 @triton.jit
-def _store_dbias(dbias_base, db, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, DBIAS_ROWS: tl.constexpr):
-    """Stores a dBias tile (DBIAS_ROWS) or the row-sum of one query block at row start_m // BLOCK_M."""
+def _store_dbias_t(dbias_base, ds_t, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k,
+                   BLOCK_M: tl.constexpr, DBIAS_ROWS: tl.constexpr):
+    """Stores a key-major dBias tile (DBIAS_ROWS) through transposed addresses, or the row-sum
+    vector of one query block at partial row start_m // BLOCK_M."""
     if DBIAS_ROWS:
-        tile_in = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
-        tl.store(dbias_base + offs_m[:, None] * stride_dbm + offs_n[None, :] * stride_dbn, db.to(dbias_base.dtype.element_ty), mask=tile_in)
+        tile_in = (offs_n[:, None] < seqlen_k) & (offs_m[None, :] < seqlen_q)
+        tl.store(dbias_base + offs_n[:, None] * stride_dbn + offs_m[None, :] * stride_dbm,
+                 ds_t.to(dbias_base.dtype.element_ty), mask=tile_in)
     else:
         row = start_m // BLOCK_M
-        tl.store(dbias_base + row * stride_dbm + offs_n * stride_dbn, db.to(dbias_base.dtype.element_ty), mask=offs_n < seqlen_k)
+        tl.store(dbias_base + row * stride_dbm + offs_n * stride_dbn, ds_t.to(dbias_base.dtype.element_ty),
+                 mask=offs_n < seqlen_k)
 
 
 @triton.jit
@@ -135,7 +124,6 @@ def flash_bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_heads_kv).to(tl.int64)
     h_kv = (pid_bh % num_heads_kv).to(tl.int64)
-    num_heads = num_heads_kv * GROUP
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -155,40 +143,51 @@ def flash_bwd_dkdv_kernel(
         q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
         if HAS_DBIAS:
             if DBIAS_ROWS:
-                dbias_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                dbias_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             else:
                 dbias_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for g in range(GROUP):
             h = h_kv * GROUP + g
             mask_base = mask_ptr + b * stride_mb + (h // mask_head_div) * stride_mh
-            visible = visible_tile(
-                mask_base, offs_m, offs_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK
+            # key-major tile: rows of the tile are keys, columns are queries
+            visible_t = visible_tile(
+                mask_base, offs_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                IS_CAUSAL, HAS_MASK,
             )
-            if tile_is_active(visible, HAS_MASK):
+            if tile_is_active(visible_t, HAS_MASK):
                 # -- load q, dO and the row statistics of this query head --
                 q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
                 dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
                 row_base = b * stride_lb + h * stride_lh
                 lse, delta = _load_row_stats(lse_ptr + row_base, delta_ptr + row_base, offs_m, stride_lm, seqlen_q)
                 bias_base = bias_ptr + b * stride_bb + (h // bias_head_div) * stride_bh
-                # -- recompute P, then dV, dS, dK --
-                p, ds, ds_raw = _probabilities_and_ds(
-                    q, k, v, dout, lse, delta, bias_base, offs_m, offs_n, stride_bm, stride_bn,
-                    visible, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+                # -- recompute P^T, then dV, dS^T, dK --
+                s_t, capped_t = scores_tile(
+                    score_dot(k, tl.trans(q)), bias_base, offs_m[None, :], offs_n[:, None], stride_bm, stride_bn,
+                    visible_t, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
                 )
-                dv += tl.dot(tl.trans(p.to(dout.dtype)), dout)
-                dk += tl.dot(tl.trans(ds_raw.to(q.dtype)), q)
+                p_t = tl.exp2((s_t - lse[None, :]) * LOG2E)
+                dv += tl.dot(p_t.to(dout.dtype), dout)
+                dp_t = tl.dot(v, tl.trans(dout))
+                ds_t = p_t * (dp_t - delta[None, :])
+                ds_raw_t = ds_t
+                if HAS_SOFTCAP:
+                    ds_raw_t = ds_t * (1.0 - capped_t * capped_t)
+                dk += tl.dot(ds_raw_t.to(q.dtype), q)
                 if HAS_DBIAS:
                     if DBIAS_PER_QHEAD:
-                        _store_dbias(dbias_ptr + b * stride_dbb + h * stride_dbh, ds, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
+                        db = ds_t if DBIAS_ROWS else tl.sum(ds_t, 1)
+                        _store_dbias_t(dbias_ptr + b * stride_dbb + h * stride_dbh, db, start_m, offs_m, offs_n,
+                                       stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
                     else:
                         if DBIAS_ROWS:
-                            dbias_acc += ds
+                            dbias_acc += ds_t
                         else:
-                            dbias_acc += tl.sum(ds, 0)
+                            dbias_acc += tl.sum(ds_t, 1)
         if HAS_DBIAS:
             if not DBIAS_PER_QHEAD:
-                _store_dbias(dbias_ptr + b * stride_dbb + h_kv * stride_dbh, dbias_acc, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
+                _store_dbias_t(dbias_ptr + b * stride_dbb + h_kv * stride_dbh, dbias_acc, start_m, offs_m, offs_n,
+                               stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
 
     # epilogue
     dk = dk * softmax_scale
@@ -248,17 +247,24 @@ def flash_bwd_dq_kernel(
     for start_n in range(0, n_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         visible = visible_tile(
-            mask_base, offs_m, offs_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK
+            mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
+            IS_CAUSAL, HAS_MASK,
         )
         if tile_is_active(visible, HAS_MASK):
             kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
             k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
-            _, _, ds_raw = _probabilities_and_ds(
-                q, k, v, dout, lse, delta, bias_base, offs_m, offs_n, stride_bm, stride_bn,
+            # -- recompute P, then dS = P (dP - delta) --
+            s, capped = scores_tile(
+                score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
                 visible, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
             )
-            dq += tl.dot(ds_raw.to(k.dtype), k)
+            p = tl.exp2((s - lse[:, None]) * LOG2E)
+            dp = tl.dot(dout, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - capped * capped)
+            dq += tl.dot(ds.to(k.dtype), k)
 
     # epilogue
     dq = dq * softmax_scale

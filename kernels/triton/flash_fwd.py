@@ -20,7 +20,7 @@ tile whose mask is all False loads no K, V or bias and issues no dot.
 import triton
 import triton.language as tl
 
-from dmattn_kernels.triton.common import LOG2E, tile_is_active, scores_tile, visible_tile
+from dmattn_kernels.triton.common import LOG2E, score_dot, scores_tile, tile_is_active, visible_tile
 
 
 @triton.jit
@@ -53,8 +53,8 @@ def _online_softmax_step(
     kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
     s, _ = scores_tile(
-        q, k, bias_base, offs_m, offs_n, stride_bm, stride_bn, visible, softmax_scale, softcap,
-        HAS_SOFTCAP, HAS_BIAS,
+        score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
+        visible, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
     )
     # -- online softmax: a row that has seen nothing visible keeps m = -inf and shifts by 0 --
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -121,7 +121,8 @@ def flash_fwd_kernel(
     for start_n in range(0, n_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         visible = visible_tile(
-            mask_base, offs_m, offs_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK
+            mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
+            IS_CAUSAL, HAS_MASK,
         )
         if tile_is_active(visible, HAS_MASK):
             m_i, l_i, acc = _online_softmax_step(
