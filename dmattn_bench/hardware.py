@@ -103,17 +103,24 @@ def local_limits(device: torch.device | str | None = None) -> ArchLimits | None:
     return base
 
 
+def _driver_version() -> str | None:
+    """The NVIDIA driver version (e.g. "580.159.04") from nvidia-smi; None when unavailable."""
+    import subprocess
+
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip().splitlines()[0] if result.stdout.strip() else None
+
+
 def software_versions() -> dict[str, str | None]:
     """torch, triton, CUDA runtime, driver and dmattn-bench versions (for tables)."""
     import triton
 
     from dmattn_bench import __version__
 
-    driver = None
-    if torch.cuda.is_available():
-        try:
-            driver = str(torch.cuda.driver_version()) if hasattr(torch.cuda, "driver_version") else None
-        except Exception:  # noqa: BLE001 - optional information
-            driver = None
+    driver = _driver_version() if torch.cuda.is_available() else None
     return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "driver": driver, "dmattn_bench": __version__}

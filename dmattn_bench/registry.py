@@ -8,6 +8,7 @@ tuner treat them alike: inputs already checked and normalised by `dmattn_bench.a
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -107,6 +108,31 @@ def kernel_source_hash(name: str) -> str:
     return "sha256:" + digest.hexdigest()[:32]
 
 
+PLUGINS_ENV = "DMATTN_BENCH_PLUGINS"  # comma-separated modules imported when backends first load
+_plugins_loaded = False
+
+
+def override_backend(backend: Backend) -> None:
+    """Replaces the implementation behind a backend name (for plugins: instrumented kernels,
+    fault injection in tests, experiments). The name must be a known one."""
+    if backend.name not in BACKEND_NAMES:
+        raise ValueError(f"backend: got {backend.name!r}, expected one of {BACKEND_NAMES}")
+    _loaded[backend.name] = backend
+
+
+def _load_plugins() -> None:
+    """Imports the modules named in DMATTN_BENCH_PLUGINS once (they may call override_backend).
+
+    Spawned workers inherit the environment, so a plugin applies to them too.
+    """
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        importlib.import_module(module)
+
+
 def get_backend(name: str) -> Backend:
     """The backend called `name`.
 
@@ -117,6 +143,7 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"backend: got {name!r}, expected one of {('auto',) + BACKEND_NAMES}")
     if name not in _loaded:
         _loaded[name] = _triton_backend()
+    _load_plugins()
     return _loaded[name]
 
 

@@ -2,21 +2,31 @@
 
 For each workload and direction:
   1. every candidate (the heuristic default first, then the search space) is checked for
-     structural support; on a GPU all candidates are compiled in parallel worker processes first
-     (each runs the kernel once on the workload; Triton's on-disk cache hands the binaries to
-     the timing process);
-  2. each candidate runs once into NaN-poisoned buffers and is validated on the workload itself
-     against the reference (DESIGN §2 bound), then timed briefly; the best quarter is re-timed
-     with more repeats (successive halving: slow candidates cost little);
-  3. the fastest validated candidate must also pass the adversarial suite on its own tiles
-     (cached per config); if it fails, the next fastest is tried.
-Every candidate becomes a `Trial` with a status and reason; a failing kernel never stops the run.
+     structural support and estimated shared memory (no GPU time); on a GPU the rest are
+     compiled in parallel worker processes (Triton's on-disk cache hands the binaries on);
+  2. each candidate runs in the measuring worker (one subprocess per GPU, reused): once into
+     NaN-poisoned buffers, validated on the workload itself against the reference (DESIGN §2
+     bound), then timed. A crash, a hang past the trial timeout or an OOM becomes that trial's
+     status and the worker is restarted, so one bad config never ends the run;
+  3. the fastest validated candidate of each key must also pass the adversarial suite on its
+     own tiles (cached per config pair); if it fails, the next fastest is tried.
+
+Every finished trial and suite verdict is appended to a journal (one flushed JSON line each);
+`resume=True` skips what the journal already holds, and the winners are always computed from
+the journal's records, so a resumed run writes the table an uninterrupted run would have
+written from the same measurements.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import math
+import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -25,19 +35,20 @@ from dmattn_bench.adversarial import Inputs, build_inputs
 from dmattn_bench.hardware import local_limits
 from dmattn_bench.prune import precheck
 from dmattn_bench.registry import default_configs, get_backend
-from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
+from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, config_label
 from dmattn_bench.timing import Timing, time_kernel
 from dmattn_bench.validator import classify_failure, compare, run_reference, shape_of_case, validate
-from dmattn_bench.workers import parallel_map
+from dmattn_bench.workers import Worker, WorkerCrashed, WorkerTimedOut, parallel_map
 from dmattn_bench.workloads import Workload
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SCREEN_REPEATS = 5  # first pass: enough to rank, cheap for the slow majority
-FINAL_REPEATS = 25  # second pass for the contenders
+WARMUP = 2
+REPEATS = 15  # medians of 15 L2-flushed runs: spread under 2% on H200 in the first tunes
 # Interpreter timings rank nothing real (DESIGN §4): measure once, to exercise the pipeline.
 INTERPRETER_REPEATS = 1
-FINALISTS_FRACTION = 0.25
-MIN_FINALISTS = 3
+DEFAULT_TRIAL_TIMEOUT_S = 300.0  # a first candidate of a workload also builds its references
+DEFAULT_SUITE_TIMEOUT_S = 1800.0  # one adversarial suite: ~20-35 cases, each a new compile
+STAGES = ("pruned", "compiled", "validated", "timed", "adversarial")
 
 
 @dataclass
@@ -56,6 +67,8 @@ class Trial:
     tflops: float | None = None
     validation: dict = field(default_factory=dict)  # tensor -> error / bound on this workload
     is_default: bool = False
+    # furthest stage reached: pruned | compiled | validated | timed | adversarial (passed the suite)
+    stage: str = "pruned"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,10 +90,18 @@ class TuneResult:
     meaningful_timings: bool
 
     def counts(self) -> dict[str, int]:
+        """Trials by final status."""
         counts: dict[str, int] = {}
         for trial in self.trials:
             counts[trial.status] = counts.get(trial.status, 0) + 1
         return counts
+
+    def funnel(self) -> dict[str, int]:
+        """How many trials reached each stage (a trial that reached "timed" was also compiled...)."""
+        order = STAGES
+        return {stage: sum(order.index(t.stage) >= order.index(stage) for t in self.trials if t.status != "skipped")
+                for stage in order[1:]} | {"pruned_before_gpu": sum(t.stage == "pruned" and t.status == "unsupported"
+                                                                    for t in self.trials)}
 
 
 def _pair(direction: str, config, head_dim: int, device) -> tuple[FwdConfig, BwdConfig]:
@@ -146,47 +167,170 @@ def _as_4d(t):
     return t if t is None or t.dim() == 4 else t[(None,) * (4 - t.dim())]
 
 
-# -- parallel work (GPU only) ------------------------------------------------------------------
+# -- worker side: these run in subprocesses -----------------------------------------------------
 
-_worker_problems: dict = {}
+_problems: dict = {}  # the worker's current workload (one at a time: tensors can be large)
 
 
-def _warm_one(job: tuple) -> tuple[str, str]:
-    """Worker: compile (and run once) one candidate; returns (status, reason)."""
+def _problem_for(workload: Workload, device: torch.device, with_reference: bool) -> _Problem:
+    problem = _problems.get((workload, with_reference))
+    if problem is None:
+        _problems.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        problem = _problems[(workload, with_reference)] = _Problem(workload, device, with_reference)
+    return problem
+
+
+def warm_job(job: tuple) -> tuple[str, str]:
+    """Compile worker: compile one candidate without launching it; returns (status, reason)."""
+    from dmattn_kernels.triton import compile_only
+
     workload, direction, config, backend_name = job
     try:
-        problem = _worker_problems.get(workload)
-        if problem is None:
-            _worker_problems.clear()  # one workload's tensors at a time per worker
-            problem = _worker_problems[workload] = _Problem(workload, torch.device("cuda"), with_reference=False)
-        problem.launcher(get_backend(backend_name), direction, config)()
-        torch.cuda.synchronize()
+        problem = _problem_for(workload, torch.device("cuda"), with_reference=False)
+        with compile_only():
+            problem.launcher(get_backend(backend_name), direction, config)()
         return "ok", ""
     except Exception as exc:  # noqa: BLE001 - a failed candidate is data
         return classify_failure(exc)
 
 
-def _suite_one(job: tuple) -> tuple[str, str]:
-    """Worker: the adversarial suite for one (direction, config) paired with the defaults."""
-    backend_name, direction, config, head_dim, dtype_name, suite = job
-    fwd, bwd = _pair(direction, config, head_dim, "cuda")
-    result = validate(backend_name, fwd, bwd, DTYPES[dtype_name], "cuda", suite=suite)
-    return _suite_verdict(result, suite)
+def measure_job(workload: Workload, direction: str, config, backend_name: str, device_name: str) -> dict:
+    """Measuring worker: validate one candidate on its workload and time it; returns trial fields."""
+    device = torch.device(device_name)
+    problem = _problem_for(workload, device, with_reference=True)
+    trial = Trial(workload.label, {}, direction, backend_name, config.to_dict(), "ok")
+    _measure(trial, problem, get_backend(backend_name), direction, config, device, workload)
+    return {name: getattr(trial, name) for name in ("status", "reason", "median_ms", "spread", "tflops",
+                                                     "validation", "stage")}
 
 
-def _suite_verdict(result, suite: str) -> tuple[str, str]:
+def suite_job(backend_name: str, fwd: FwdConfig, bwd: BwdConfig, dtype_name: str, suite: str,
+              device_name: str) -> tuple[str, str]:
+    """Worker: the adversarial suite for one config pair; returns (status, note)."""
+    result = validate(backend_name, fwd, bwd, DTYPES[dtype_name], device_name, suite=suite)
     bad = next((c for c in result.cases if c.status != "ok"), None)
     if bad is None:
         return "ok", f"{suite} suite, {len(result.cases)} cases"
     return bad.status, f"adversarial {bad.case}: {bad.reason}"
 
 
-# -- the loop -----------------------------------------------------------------------------------
+def _suite_job_tuple(job: tuple) -> tuple[str, str]:
+    return suite_job(*job)
+
+
+def _shape(workload: Workload):
+    return shape_of_case(workload.case())
+
+
+def _measure(trial: Trial, problem: _Problem, backend, direction: str, config, device, workload: Workload) -> None:
+    """Validate on the workload (poisoned outputs) and time one candidate, in place."""
+    launch = problem.launcher(backend, direction, config)
+    try:
+        problem.poison()
+        launch()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        trial.stage = "compiled"
+        checks = problem.checks(direction)
+        trial.validation = {n: round(c.ratio, 4) for n, c in checks.items()}
+        failed = [c for c in checks.values() if not c.passed]
+        if failed:
+            bad = max(failed, key=lambda c: c.ratio)
+            trial.status = "nonfinite" if not bad.finite else "mismatch"
+            trial.reason = f"{bad.name}: {bad.detail or f'error/bound {bad.ratio:.2f}'}"
+            return
+        trial.stage = "validated"
+        if device.type == "cuda":
+            timing = time_kernel(launch, device, warmup=WARMUP, repeats=REPEATS)
+        else:
+            timing = time_kernel(launch, device, warmup=0, repeats=INTERPRETER_REPEATS)
+        _record_timing(trial, timing, workload, direction)
+    except Exception as exc:  # noqa: BLE001 - a failed candidate is data
+        trial.status, trial.reason = classify_failure(exc)
+
+
+def _record_timing(trial: Trial, timing: Timing, workload: Workload, direction: str) -> None:
+    trial.stage = "timed"
+    trial.median_ms = round(timing.median_ms, 5)
+    trial.spread = round(timing.spread, 4)
+    trial.tflops = round(workload.flops(direction) / (timing.median_ms * 1e-3) / 1e12, 3)
+
+
+# -- the journal --------------------------------------------------------------------------------
+
+
+class JournalError(ValueError):
+    """The journal cannot be used (locked by another tuner, or exists without resume)."""
+
+
+def trial_id(workload: Workload, direction: str, backend_name: str, config) -> str:
+    return f"{workload.label}|{direction}|{backend_name}|{config_label(config)}"
+
+
+def suite_id(backend_name: str, fwd: FwdConfig, bwd: BwdConfig, dtype: str, suite: str) -> str:
+    return f"{backend_name}|fwd {config_label(fwd)}|bwd {config_label(bwd)}|{dtype}|{suite}"
+
+
+class Journal:
+    """Append-only record of finished trials and suite verdicts: one flushed JSON line each.
+
+    Held under an exclusive lock for the whole run, so two tuners never interleave in one file.
+    A line cut short by a kill is ignored on resume (that trial simply runs again).
+    """
+
+    def __init__(self, path: Path, resume: bool):
+        self.path = Path(path)
+        self.trials: dict[str, dict] = {}
+        self.suites: dict[str, tuple[str, str]] = {}
+        self.dropped_lines = 0
+        if self.path.exists() and self.path.stat().st_size > 0 and not resume:
+            raise JournalError(f"{self.path} holds trials of an earlier run; pass --resume to continue it "
+                               f"or delete it to start over")
+        self._file = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise JournalError(f"{self.path} is locked by another running tune") from None
+        self._file.seek(0)
+        text = self._file.read()
+        if text and not text.endswith("\n"):
+            self._file.write("\n")  # a kill mid-line: the next record starts on a line of its own
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                self.dropped_lines += 1
+                continue
+            if record.get("kind") == "trial":
+                self.trials[record["id"]] = record
+            elif record.get("kind") == "suite":
+                self.suites[record["id"]] = (record["status"], record["note"])
+
+    def append(self, record: dict) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if record["kind"] == "trial":
+            self.trials[record["id"]] = record
+        else:
+            self.suites[record["id"]] = (record["status"], record["note"])
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# -- the orchestrator ---------------------------------------------------------------------------
 
 
 def candidate_list(direction: str, space: list, workload: Workload, device) -> list:
     default = default_configs(workload.head_dim, device)[0 if direction == "fwd" else 1]
     return list(dict.fromkeys([default, *space]))
+
+
+RESTART_AFTER = ("launch_error", "crash", "timeout")  # statuses that may leave a poisoned CUDA context
 
 
 def tune(
@@ -198,6 +342,10 @@ def tune(
     suite: str = "quick",
     on_trial: Callable[[Trial], None] | None = None,
     on_phase: Callable[[str, int], Callable[[], None]] | None = None,
+    journal_path: str | Path | None = None,
+    resume: bool = False,
+    trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
+    suite_timeout_s: float = DEFAULT_SUITE_TIMEOUT_S,
 ) -> TuneResult:
     """Tunes every workload in both directions.
 
@@ -208,157 +356,194 @@ def tune(
         backend_name: the kernel family.
         budget_s: stop starting new trials after this many seconds (finished work is kept).
         suite: adversarial suite for the winners ("quick" or "full").
-        on_trial: called with every finished trial (progress).
-        on_phase: optional factory for progress of the parallel compile phase: called with a
-            description and a total, returns a per-job callback.
+        on_trial: called with every finished trial (progress), resumed ones included.
+        on_phase: progress factory for parallel phases: (description, total) -> per-job callback.
+        journal_path: where trials are journaled (None: a temporary journal is not kept).
+        resume: continue the journal at `journal_path` instead of refusing to overwrite it.
+        trial_timeout_s: a candidate running longer is killed: status "timeout".
+        suite_timeout_s: the same for one adversarial suite run.
 
     Returns:
         Winners (one per key), every trial, and the wall time.
+
+    Raises:
+        JournalError: the journal is locked, or exists and `resume` is False.
     """
     device = torch.device(device)
     backend = get_backend(backend_name)
     start = time.monotonic()
-    trials: list[Trial] = []
+    owned_dir = None
+    if journal_path is None:
+        owned_dir = tempfile.TemporaryDirectory()
+        journal_path = Path(owned_dir.name) / "trials.jsonl"
+    journal = Journal(Path(journal_path), resume)
+    worker = Worker(interpret=device.type != "cuda")
+    try:
+        return _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase,
+                    journal, worker, trial_timeout_s, suite_timeout_s, start)
+    finally:
+        worker.stop()
+        journal.close()
+        if owned_dir is not None:
+            owned_dir.cleanup()
 
+
+def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase, journal, worker,
+         trial_timeout_s, suite_timeout_s, start) -> TuneResult:
     def out_of_budget() -> bool:
         return budget_s is not None and time.monotonic() - start > budget_s
 
-    plan = [(w, d, candidate_list(d, spaces[d], w, device)) for w in workloads for d in ("fwd", "bwd")]
-    compiled: dict[tuple, tuple[str, str]] = {}
-    if device.type == "cuda":
-        # pruned before any GPU time: structure, threads per block, estimated shared memory
-        limits = local_limits(device)
-        for w, d, cands in plan:
-            for c in cands:
-                pruned = precheck(d, c, limits, w.head_dim, w.dtype)
-                if pruned is not None:
-                    compiled[(w, d, c, backend_name)] = ("unsupported", pruned.reason)
-        jobs = [(w, d, c, backend_name) for w, d, cands in plan for c in cands
-                if (w, d, c, backend_name) not in compiled and backend.is_supported(c, _shape(w)) is None]
-        done = on_phase("compile", len(jobs)) if on_phase else None
-        outcomes = parallel_map(_warm_one, jobs, on_crash=lambda job, reason: ("crash", reason),
-                                on_done=(lambda job, result: done()) if done else None)
-        compiled.update(zip(jobs, outcomes))
+    plan = [(w, d, c, index == 0) for w in workloads for d in ("fwd", "bwd")
+            for index, c in enumerate(candidate_list(d, spaces[d], w, device))]
+    trials: dict[str, Trial] = {}
 
-    ranked: list[tuple[Workload, str, TableKey, list]] = []
-    for workload in workloads:
-        problem = _Problem(workload, device)
-        for direction in ("fwd", "bwd"):
-            candidates = candidate_list(direction, spaces[direction], workload, device)
-            key = workload.key(direction)
-            timed: list[tuple[Trial, object]] = []
-            for index, config in enumerate(candidates):
-                trial = Trial(workload.label, key.to_dict(), direction, backend_name, config.to_dict(),
-                              "ok", is_default=index == 0)
-                reason = backend.is_supported(config, _shape(workload))
-                warm = compiled.get((workload, direction, config, backend_name))
-                if out_of_budget():
-                    trial.status, trial.reason = "skipped", "time budget exhausted"
-                elif reason:
-                    trial.status, trial.reason = "unsupported", reason
-                elif warm is not None and warm[0] != "ok":
-                    trial.status, trial.reason = warm
-                else:
-                    _measure(trial, problem, backend, direction, config, device, workload)
-                    if trial.status == "ok":
-                        timed.append((trial, config))
-                trials.append(trial)
-                if on_trial:
-                    on_trial(trial)
-            _retime_finalists(timed, problem, backend, direction, device, workload)
-            ranked.append((workload, direction, key, sorted(timed, key=lambda tc: tc[0].median_ms)))
-        del problem
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    def finish(workload, direction, config, is_default, fields, journaled=True) -> None:
+        key = workload.key(direction)
+        trial = Trial(workload.label, key.to_dict(), direction, backend_name, config.to_dict(),
+                      is_default=is_default, **fields)
+        identifier = trial_id(workload, direction, backend_name, config)
+        trials[identifier] = trial
+        if journaled and trial.status != "skipped":
+            journal.append({"kind": "trial", "id": identifier, **trial.to_dict()})
+        if on_trial:
+            on_trial(trial)
 
-    # -- the adversarial suite for each key's fastest candidate (in parallel on a GPU) --
-    suite_cache: dict[tuple, tuple[str, str]] = {}
-    if device.type == "cuda":
-        jobs = list(dict.fromkeys(
-            (backend_name, d, timed[0][1], w.head_dim, w.dtype, suite) for w, d, _, timed in ranked if timed))
-        done = on_phase("adversarial suite", len(jobs)) if on_phase else None
-        verdicts = parallel_map(_suite_one, jobs, on_crash=lambda job, reason: ("crash", reason),
-                                on_done=(lambda job, result: done()) if done else None)
-        suite_cache = {_suite_key(job[1], job[2], job[3], job[4], device): v for job, v in zip(jobs, verdicts)}
-    winners = []
-    for workload, direction, key, timed in ranked:
-        winner = _choose(timed, key, backend_name, direction, device, workload, suite, suite_cache)
-        if winner is not None:
-            winners.append(winner)
-    return TuneResult(winners, trials, time.monotonic() - start, device.type == "cuda")
-
-
-def _shape(workload: Workload):
-    return shape_of_case(workload.case())
-
-
-def _measure(trial: Trial, problem: _Problem, backend, direction: str, config, device, workload: Workload) -> None:
-    """Validate on the workload (poisoned outputs) and screen-time one candidate, in place."""
-    launch = problem.launcher(backend, direction, config)
-    try:
-        problem.poison()
-        launch()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        checks = problem.checks(direction)
-        trial.validation = {n: round(c.ratio, 4) for n, c in checks.items()}
-        failed = [c for c in checks.values() if not c.passed]
-        if failed:
-            bad = max(failed, key=lambda c: c.ratio)
-            trial.status = "nonfinite" if not bad.finite else "mismatch"
-            trial.reason = f"{bad.name}: {bad.detail or f'error/bound {bad.ratio:.2f}'}"
-            return
-        repeats = SCREEN_REPEATS if device.type == "cuda" else INTERPRETER_REPEATS
-        warmup = 1 if device.type == "cuda" else 0
-        _record_timing(trial, time_kernel(launch, device, warmup=warmup, repeats=repeats), workload, direction)
-    except Exception as exc:  # noqa: BLE001 - a failed candidate is data
-        trial.status, trial.reason = classify_failure(exc)
-
-
-def _record_timing(trial: Trial, timing: Timing, workload: Workload, direction: str) -> None:
-    trial.median_ms = round(timing.median_ms, 5)
-    trial.spread = round(timing.spread, 4)
-    trial.tflops = round(workload.flops(direction) / (timing.median_ms * 1e-3) / 1e12, 3)
-
-
-def _retime_finalists(timed, problem, backend, direction, device, workload) -> None:
-    """Re-times the fastest quarter (and the default, the speed-up's denominator) with more repeats."""
-    if not timed or device.type != "cuda":
-        return
-    ranked = sorted(timed, key=lambda tc: tc[0].median_ms)
-    count = max(MIN_FINALISTS, int(len(ranked) * FINALISTS_FRACTION))
-    finalists = ranked[:count] + [tc for tc in ranked[count:] if tc[0].is_default]
-    for trial, config in finalists:
-        try:
-            timing = time_kernel(problem.launcher(backend, direction, config), device, warmup=2, repeats=FINAL_REPEATS)
-            _record_timing(trial, timing, workload, direction)
-        except Exception as exc:  # noqa: BLE001
-            trial.status, trial.reason = classify_failure(exc)
-
-
-def _suite_key(direction: str, config, head_dim: int, dtype: str, device) -> tuple:
-    """Suites are shared by every key whose candidate pairs to the same (fwd, bwd) configs."""
-    return (_pair(direction, config, head_dim, device), dtype)
-
-
-def _choose(timed, key: TableKey, backend_name: str, direction: str, device, workload: Workload, suite: str,
-            suite_cache: dict) -> Winner | None:
-    """The fastest timed candidate that also passes the adversarial suite on its tiles."""
-    ok = sorted((tc for tc in timed if tc[0].status == "ok"), key=lambda tc: tc[0].median_ms)
-    default = next((t for t, _ in timed if t.is_default and t.status == "ok"), None)
-    for trial, config in ok:
-        cache_key = _suite_key(direction, config, workload.head_dim, workload.dtype, device)
-        if cache_key not in suite_cache:
-            fwd, bwd = _pair(direction, config, workload.head_dim, device)
-            result = validate(backend_name, fwd, bwd, DTYPES[workload.dtype], device, suite=suite)
-            suite_cache[cache_key] = _suite_verdict(result, suite)
-        status, note = suite_cache[cache_key]
-        if status != "ok":
-            trial.status, trial.reason = status, note
+    # -- resumed trials, and what needs no GPU time --
+    todo = []
+    for workload, direction, config, is_default in plan:
+        record = journal.trials.get(trial_id(workload, direction, backend_name, config))
+        if record is not None:
+            fields = {k: record[k] for k in ("status", "reason", "median_ms", "spread", "tflops", "validation", "stage")}
+            finish(workload, direction, config, is_default, fields, journaled=False)
             continue
-        speedup = round(default.median_ms / trial.median_ms, 4) if default else None
-        evidence = {"median_ms": trial.median_ms, "spread": trial.spread, "tflops": trial.tflops,
-                    "speedup_vs_default": speedup, "validation": trial.validation, "adversarial": note,
-                    "workload": workload.label}
-        return Winner(key, backend_name, config, evidence)
-    return None
+        reason = backend.is_supported(config, _shape(workload))
+        if reason is None and device.type == "cuda":
+            pruned = precheck(direction, config, local_limits(device), workload.head_dim, workload.dtype)
+            reason = pruned.reason if pruned is not None else None
+        if reason:
+            finish(workload, direction, config, is_default, {"status": "unsupported", "reason": reason})
+        else:
+            todo.append((workload, direction, config, is_default))
+
+    # -- compile in parallel (GPU): a failure here is the trial's status --
+    if device.type == "cuda" and todo:
+        jobs = [(w, d, c, backend_name) for w, d, c, _ in todo]
+        done = on_phase("compile", len(jobs)) if on_phase else None
+        outcomes = parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason),
+                                on_done=(lambda job, result: done()) if done else None)
+        remaining = []
+        for (w, d, c, is_default), (status, reason) in zip(todo, outcomes):
+            if status == "ok":
+                remaining.append((w, d, c, is_default))
+            else:
+                stage = "pruned" if status in ("compile_error", "unsupported") else "compiled"
+                finish(w, d, c, is_default, {"status": status, "reason": reason, "stage": stage})
+        todo = remaining
+
+    # -- validate and time, one candidate at a time, in the measuring worker --
+    for workload, direction, config, is_default in todo:
+        if out_of_budget():
+            finish(workload, direction, config, is_default, {"status": "skipped", "reason": "time budget exhausted"})
+            continue
+        try:
+            fields = worker.call(measure_job, (workload, direction, config, backend_name, str(device)), trial_timeout_s)
+        except WorkerTimedOut as exc:
+            fields = {"status": "timeout", "reason": str(exc), "stage": "compiled"}
+        except (WorkerCrashed, RuntimeError) as exc:
+            fields = {"status": "crash", "reason": str(exc)[:300], "stage": "compiled"}
+        if fields["status"] in RESTART_AFTER:
+            worker.stop()  # a fresh process (and CUDA context) for the next candidate
+        finish(workload, direction, config, is_default, fields)
+
+    # -- winners, from the journal's view of every trial --
+    winners = _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker,
+                              suite_timeout_s, on_phase)
+    ordered = [trials[trial_id(w, d, backend_name, c)] for w, d, c, _ in plan]
+    return TuneResult(winners, ordered, time.monotonic() - start, device.type == "cuda")
+
+
+def _ranked(trials: dict[str, Trial], group: list[Workload], direction: str, spaces, device, backend_name):
+    """Candidates of one table key, best first, as [(config, [trial per workload])].
+
+    Several workloads can share a key (their lengths fall in one bucket); a config must have
+    passed on all of them, and is ranked by the geometric mean of its time relative to the
+    fastest on each workload (ties: plan order).
+    """
+    candidates = candidate_list(direction, spaces[direction], group[0], device)
+    per_config = []
+    for config in candidates:
+        runs = [trials[trial_id(w, direction, backend_name, config)] for w in group]
+        if all(t.status == "ok" and t.median_ms is not None for t in runs):
+            per_config.append((config, runs))
+    if not per_config:
+        return []
+    fastest = [min(runs[i].median_ms for _, runs in per_config) for i in range(len(group))]
+
+    def score(item):
+        _, runs = item
+        return math.prod(t.median_ms / best for t, best in zip(runs, fastest)) ** (1 / len(runs))
+
+    return sorted(per_config, key=score)
+
+
+def _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker, suite_timeout_s,
+                    on_phase) -> list[Winner]:
+    groups: dict[TableKey, list[Workload]] = {}
+    for workload in workloads:
+        for direction in ("fwd", "bwd"):
+            groups.setdefault(workload.key(direction), []).append(workload)
+
+    def pair_of(key: TableKey, config):
+        return _pair(key.direction, config, key.head_dim, device)
+
+    def suite_verdict(fwd, bwd, dtype) -> tuple[str, str]:
+        identifier = suite_id(backend_name, fwd, bwd, dtype, suite)
+        if identifier not in journal.suites:
+            try:
+                status, note = worker.call(suite_job, (backend_name, fwd, bwd, dtype, suite, str(device)),
+                                           suite_timeout_s)
+            except WorkerTimedOut as exc:
+                status, note = "timeout", f"adversarial suite: {exc}"
+            except (WorkerCrashed, RuntimeError) as exc:
+                status, note = "crash", f"adversarial suite: {str(exc)[:300]}"
+                worker.stop()
+            journal.append({"kind": "suite", "id": identifier, "status": status, "note": note})
+        return journal.suites[identifier]
+
+    ranked_by_key = {key: _ranked(trials, group, key.direction, spaces, device, backend_name)
+                     for key, group in groups.items()}
+    # GPU: the suites of every key's best candidate, compiled and run in parallel first
+    if device.type == "cuda":
+        jobs = []
+        for key, ranked in ranked_by_key.items():
+            if ranked:
+                fwd, bwd = pair_of(key, ranked[0][0])
+                if suite_id(backend_name, fwd, bwd, key.dtype, suite) not in journal.suites:
+                    jobs.append((backend_name, fwd, bwd, key.dtype, suite, str(device)))
+        jobs = list(dict.fromkeys(jobs))
+        done = on_phase("adversarial suite", len(jobs)) if on_phase and jobs else None
+        verdicts = parallel_map(_suite_job_tuple, jobs, on_crash=lambda job, reason: ("crash", reason),
+                                on_done=(lambda job, result: done()) if done else None)
+        for job, (status, note) in zip(jobs, verdicts):
+            journal.append({"kind": "suite", "id": suite_id(*job[:5]), "status": status, "note": note})
+
+    winners = []
+    for key, ranked in ranked_by_key.items():
+        defaults = next((runs for config, runs in ranked if runs[0].is_default), None)
+        for config, runs in ranked:
+            status, note = suite_verdict(*pair_of(key, config), key.dtype)
+            if status != "ok":
+                for trial in runs:
+                    trial.status, trial.reason = status, note
+                continue
+            for trial in runs:
+                trial.stage = "adversarial"
+            speedups = [d.median_ms / t.median_ms for d, t in zip(defaults, runs)] if defaults else []
+            lead = runs[-1]  # the group's last (largest) workload speaks for the entry's timing
+            evidence = {"median_ms": lead.median_ms, "spread": lead.spread, "tflops": lead.tflops,
+                        "speedup_vs_default": round(math.prod(speedups) ** (1 / len(speedups)), 4) if speedups else None,
+                        "validation": {n: max(t.validation.get(n, 0.0) for t in runs) for n in lead.validation},
+                        "adversarial": note, "workload": lead.workload, "workloads": len(runs)}
+            winners.append(Winner(key, backend_name, config, evidence))
+            break
+    return winners

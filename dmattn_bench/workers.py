@@ -65,3 +65,84 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T
             if on_done:
                 on_done(items[culprit], results[culprit])
     return results  # type: ignore[return-value]
+
+
+# -- one persistent worker per GPU: isolation for measuring candidates ---------------------------
+
+
+class WorkerCrashed(RuntimeError):
+    """The worker process died while running a job (segfault, abort, killed)."""
+
+
+class WorkerTimedOut(RuntimeError):
+    """The job did not finish within its time limit; the worker was killed."""
+
+
+def _serve(conn, interpret: bool) -> None:
+    """Worker loop: run (fn, args) requests until the pipe closes."""
+    if not interpret:
+        os.environ.pop("TRITON_INTERPRET", None)
+    while True:
+        try:
+            fn, args = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", fn(*args)))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent as data
+            conn.send(("error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"))
+
+
+class Worker:
+    """A reusable subprocess that runs jobs one at a time, with a per-job timeout.
+
+    A job that crashes the process (illegal memory access that aborts, segfault, os.abort) or
+    outlives its timeout costs only itself: the caller gets WorkerCrashed / WorkerTimedOut and
+    the next call starts a fresh process. The CUDA context of the tuning session therefore never
+    lives in the parent.
+    """
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+        self._process = None
+        self._conn = None
+        self.restarts = 0
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, self.interpret), daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+
+    def stop(self) -> None:
+        """Kills the process (the next call starts a new one)."""
+        if self._process is not None:
+            if self._process.is_alive():
+                self._process.kill()
+            self._process.join(timeout=10)
+            self._conn.close()
+        self._process = self._conn = None
+
+    def call(self, fn: Callable, args: tuple, timeout: float):
+        """`fn(*args)` in the worker. Raises WorkerCrashed, WorkerTimedOut or RuntimeError (job error)."""
+        if self._process is None or not self._process.is_alive():
+            self.stop()
+            self._start()
+        self._conn.send((fn, args))
+        if not self._conn.poll(timeout):
+            self.stop()
+            self.restarts += 1
+            raise WorkerTimedOut(f"no result after {timeout:.0f} s; worker killed")
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, ConnectionResetError, OSError):
+            self._process.join(timeout=10)
+            code = self._process.exitcode
+            self.stop()
+            self.restarts += 1
+            raise WorkerCrashed(f"worker process died (exit code {code})") from None
+        if kind == "error":
+            raise RuntimeError(payload)
+        return payload

@@ -88,8 +88,10 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     table = load_table(out)  # passes the schema
     assert {e.key.direction for e in table.entries} == {"fwd", "bwd"}
     assert table.interpreter is True
-    trials = (tmp_path / "T.yaml.trials.jsonl").read_text().splitlines()
-    assert len(trials) == 3 and all(json.loads(line)["status"] == "ok" for line in trials)
+    records = [json.loads(line) for line in (tmp_path / "T.yaml.trials.jsonl").read_text().splitlines()]
+    trials = [r for r in records if r["kind"] == "trial"]
+    assert len(trials) == 3 and all(r["status"] == "ok" for r in trials)
+    assert {r["kind"] for r in records} == {"trial", "suite"}  # winners' adversarial verdicts are journaled too
 
     shown = runner.invoke(show, [str(out)])
     assert shown.exit_code == 0 and "entries" in shown.stdout

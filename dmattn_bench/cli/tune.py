@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.prune import load_ci_space, load_space
 from dmattn_bench.space import config_label
-from dmattn_bench.tuner import TuneResult, candidate_list, tune
+from dmattn_bench.tuner import DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, JournalError, TuneResult, candidate_list, tune
 from dmattn_bench.workloads import load_workloads
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -72,11 +71,13 @@ def _winners_table(result: TuneResult) -> Table:
 
 
 def _counts_table(result: TuneResult) -> Table:
-    table = Table(title=f"trials by status (wall {result.wall_s:.0f} s)")
-    table.add_column("status")
+    table = Table(title=f"trials (wall {result.wall_s:.0f} s)")
+    table.add_column("final status / stage reached")
     table.add_column("trials", justify="right")
     for status, count in sorted(result.counts().items()):
-        table.add_row(status, str(count))
+        table.add_row(f"status {status}", str(count))
+    for stage, count in result.funnel().items():
+        table.add_row(f"reached {stage}", str(count))
     return table
 
 
@@ -108,12 +109,19 @@ def _announce_phase(name: str, count: int):
               help="Kernel dtype(s); repeat for several. Default: the workloads file's.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="Table to write. Default: ./<device>.yaml (e.g. nvidia-h200-sm90.yaml).")
+@click.option("--resume", is_flag=True, default=False,
+              help="Continue the trial journal (<out>.trials.jsonl) of an interrupted run, skipping finished trials.")
 @click.option("--budget", default=None, help="Stop starting new trials after this long (e.g. 20m); finished work is kept.")
+@click.option("--trial-timeout", type=float, default=DEFAULT_TRIAL_TIMEOUT_S, show_default=True,
+              help="Seconds one candidate may run before it is killed (status timeout).")
+@click.option("--suite-timeout", type=float, default=DEFAULT_SUITE_TIMEOUT_S, show_default=True,
+              help="Seconds one adversarial-suite run may take before it is killed.")
 @click.option("--suite", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
               help="Adversarial suite every winner must pass on its own tiles.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
-def tune_command(space_files, workloads_file, grid, backend, dtypes, out_path, budget, suite, fmt) -> None:
+def tune_command(space_files, workloads_file, grid, backend, dtypes, out_path, resume, budget, trial_timeout,
+                 suite_timeout, suite, fmt) -> None:
     """Tune the kernels on this machine's GPU and write a dispatch table."""
     budget_s = parse_duration(budget)
     if backend != "triton":
@@ -137,19 +145,19 @@ def tune_command(space_files, workloads_file, grid, backend, dtypes, out_path, b
     output.info(f"{len(workloads)} workloads x ({len(spaces['fwd'])} fwd + {len(spaces['bwd'])} bwd) candidates; "
                 f"table -> {out}, trials -> {trials_path}")
     total = sum(len(candidate_list(d, spaces[d], w, device)) for w in workloads for d in ("fwd", "bwd"))
-    with trials_path.open("w") as journal, output.progress("tune", total=total) as advance:
-        def on_trial(trial):
-            journal.write(json.dumps(trial.to_dict()) + "\n")
-            journal.flush()
-            advance(f"{trial.direction} {trial.status}")
-
-        result = tune(workloads, spaces, device, backend, budget_s=budget_s, suite=suite, on_trial=on_trial,
-                      on_phase=_announce_phase)
+    try:
+        with output.progress("tune", total=total) as advance:
+            result = tune(workloads, spaces, device, backend, budget_s=budget_s, suite=suite,
+                          on_trial=lambda trial: advance(f"{trial.direction} {trial.status}"),
+                          on_phase=_announce_phase, journal_path=trials_path, resume=resume,
+                          trial_timeout_s=trial_timeout, suite_timeout_s=suite_timeout)
+    except JournalError as exc:
+        raise DmattnError(str(exc)) from None
     entries = [Entry(w.key, w.backend, w.config, w.evidence) for w in result.winners]
     dump_table(new_table(entries, fingerprint, interpreter=not on_gpu), out)
     speedup = geometric_mean_speedup(result)
     document = {"table": str(out), "trials_file": str(trials_path), "wall_s": round(result.wall_s, 1),
-                "counts": result.counts(), "entries": len(entries), "geomean_speedup_vs_default": speedup,
+                "counts": result.counts(), "funnel": result.funnel(), "entries": len(entries), "geomean_speedup_vs_default": speedup,
                 "timings_meaningful": result.meaningful_timings,
                 "winners": [dict(key=w.key.to_dict(), config=w.config.to_dict(), evidence=w.evidence)
                             for w in result.winners]}

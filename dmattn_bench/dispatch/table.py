@@ -22,6 +22,7 @@ fails with one line naming the file and the field.
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import os
 import tempfile
 from dataclasses import dataclass, fields
@@ -310,17 +311,21 @@ def dump_table(table: Table, path: str | os.PathLike) -> None:
     header = (f"# dmattn-bench dispatch table (schema {SCHEMA_VERSION}) for {table.device.name} "
               f"sm{table.device.compute_capability.replace('.', '')}; see `dmattn-bench show {path.name}`\n")
     text = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a table is meant to be shared and committed
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # Writers of one table take turns on a lock file beside it (the rename alone is already
+    # atomic for readers; the lock keeps two writers from racing their renames and temp files).
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; a table is meant to be shared and committed
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def load_table(path: str | os.PathLike) -> Table:

@@ -1,5 +1,14 @@
 """Triton flash dynamic-mask attention: forward, backward, explicit-config launchers."""
 
-from dmattn_kernels.triton.launch import attention_backward, attention_forward, head_block, is_supported
+from dmattn_kernels.triton.launch import (
+    attention_backward,
+    attention_forward,
+    compile_only,
+    head_block,
+    is_compile_only,
+    is_supported,
+)
 
-__all__ = ["attention_forward", "attention_backward", "head_block", "is_supported"]
+__all__ = [
+    "attention_forward", "attention_backward", "compile_only", "head_block", "is_compile_only", "is_supported",
+]

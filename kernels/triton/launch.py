@@ -8,6 +8,9 @@ mask/bias as 4-D views (B|1, H|Hkv|1, Lq|1, Lk|1) or None. Nothing here copies o
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 import triton
 
@@ -19,12 +22,41 @@ from dmattn_kernels.triton.flash_bwd import (
 )
 from dmattn_kernels.triton.flash_fwd import flash_fwd_kernel
 
+_MODE = threading.local()  # compile-only switch of the current thread (see `compile_only`)
+
 MAX_HEAD_DIM = 256  # the largest head dim whose fp32 accumulator tile fits the register file
 MIN_BLOCK = 16  # tl.dot needs every tile dim >= 16
 MAX_BLOCK = 256
 WARP_CHOICES = (1, 2, 4, 8, 16)
 MAX_STAGES = 8
 PREPROCESS_BLOCK_M = 64  # delta = rowsum(dO * O) is memory-bound; any reasonable tile will do
+
+
+@contextmanager
+def compile_only():
+    """Within this block the launchers compile their kernels (Triton's `warmup`) but launch none.
+
+    The tuner compiles candidates in parallel worker processes this way: no candidate kernel
+    ever runs there, so a config that faults on the GPU can only fault in the measuring worker,
+    which is isolated and restarted.
+    """
+    previous = getattr(_MODE, "compile_only", False)
+    _MODE.compile_only = True
+    try:
+        yield
+    finally:
+        _MODE.compile_only = previous
+
+
+def is_compile_only() -> bool:
+    return getattr(_MODE, "compile_only", False)
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    if is_compile_only():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
 
 
 def head_block(head_dim: int) -> int:
@@ -95,7 +127,8 @@ def attention_forward(
     mask_arg, mask_strides, mask_head_div = _broadcast_operand(mask, num_heads, group, q)
     bias_arg, bias_strides, bias_head_div = _broadcast_operand(bias, num_heads, group, q)
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * num_heads)
-    flash_fwd_kernel[grid](
+    _launch(
+        flash_fwd_kernel, grid,
         q, k, v, mask_arg, bias_arg, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out.stride(), *lse.stride(),
         num_heads, seqlen_q, seqlen_k,
@@ -176,7 +209,8 @@ def attention_backward(
 
     # -- delta = rowsum(dO * O) --
     delta = torch.empty_like(lse)
-    flash_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * num_heads)](
+    _launch(
+        flash_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * num_heads),
         out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), num_heads, seqlen_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK_M,
     )
@@ -189,7 +223,8 @@ def attention_backward(
     else:
         partial, rows, per_qhead, reduce_dims = q, True, False, ()
     partial_strides = partial.stride() if dbias is not None else (0, 0, 0, 0)
-    flash_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, config.block_n), batch * num_heads_kv)](
+    _launch(
+        flash_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, config.block_n), batch * num_heads_kv),
         q, k, v, mask_arg, bias_arg, dout, lse, delta, dk, dv, partial,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
         *lse.stride(), *dk.stride(), *dv.stride(), *partial_strides,
@@ -200,7 +235,8 @@ def attention_backward(
     )
 
     # -- dQ: one program per query block and query head --
-    flash_bwd_dq_kernel[(triton.cdiv(seqlen_q, config.block_m_dq), batch * num_heads)](
+    _launch(
+        flash_bwd_dq_kernel, (triton.cdiv(seqlen_q, config.block_m_dq), batch * num_heads),
         q, k, v, mask_arg, bias_arg, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
         *lse.stride(), *dq.stride(),

@@ -1,0 +1,147 @@
+"""Tuning that survives: faulty candidates become statuses, a killed tune resumes without lost or
+repeated trials, journals and tables are never shared or torn (CPU, through the interpreter)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dmattn_bench.dispatch import load_table
+from dmattn_bench.registry import default_configs
+from dmattn_bench.tuner import Journal, JournalError
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_FWD, CPU_BWD = default_configs(32, "cpu")
+
+
+def _files(tmp_path: Path, fwd_block_ms: list[int], seqlens: list[int]) -> tuple[str, str]:
+    workloads = tmp_path / "w.yaml"
+    workloads.write_text(yaml.safe_dump({"default": {
+        "tokens": 20, "heads": 2, "head_dim": [32], "seqlen": seqlens, "causal": [True], "gqa_ratio": [1],
+        "variants": [{"mask": "none", "bias": "none"}], "dtype": ["fp32"]}}))
+    space = tmp_path / "space.yaml"
+    fwd = dict(CPU_FWD.to_dict(), block_m=fwd_block_ms)
+    space.write_text(yaml.safe_dump({"space": {"triton": {
+        "fwd": {k: v if isinstance(v, list) else [v] for k, v in fwd.items()},
+        "bwd": {k: [v] for k, v in CPU_BWD.to_dict().items()}}}}))
+    return str(workloads), str(space)
+
+
+def _tune(args: list[str], env_extra: dict | None = None, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, TRITON_INTERPRET="1", **(env_extra or {}))
+    return subprocess.Popen([sys.executable, "-m", "dmattn_bench", "tune", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _records(journal: Path) -> list[dict]:
+    return [json.loads(line) for line in journal.read_text().splitlines() if line.strip()]
+
+
+def test_faulty_candidates_become_statuses_and_the_rest_is_timed(tmp_path):
+    workloads, space = _files(tmp_path, [16, 32, 64, 128, 256], [20])
+    out = tmp_path / "T.yaml"
+    process = _tune(["--workloads", workloads, "--space", space, "--out", str(out), "--trial-timeout", "20",
+                     "--format", "json"],
+                    {"DMATTN_BENCH_PLUGINS": "tests.fault_injection",
+                     "DMATTN_FAULTS": "32=abort,64=hang,128=nan,256=raise"})
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-2000:]
+    trials = {(r["direction"], r["config"]["block_m"]): r for r in _records(Path(f"{out}.trials.jsonl"))
+              if r["kind"] == "trial"}
+    assert trials[("fwd", 32)]["status"] == "crash" and "exit code" in trials[("fwd", 32)]["reason"]
+    assert trials[("fwd", 64)]["status"] == "timeout"
+    assert trials[("fwd", 128)]["status"] == "nonfinite"
+    assert trials[("fwd", 256)]["status"] == "crash" and "injected failure" in trials[("fwd", 256)]["reason"]
+    healthy = trials[("fwd", 16)]
+    assert healthy["status"] == "ok" and healthy["median_ms"] is not None  # still timed after the faults
+    assert trials[("bwd", CPU_BWD.block_m)]["status"] == "ok"
+    table = load_table(out)
+    assert {(e.key.direction, e.config.block_m) for e in table.entries} == {("fwd", 16), ("bwd", CPU_BWD.block_m)}
+    assert json.loads(stdout)["counts"] == {"ok": 2, "crash": 2, "timeout": 1, "nonfinite": 1}
+
+
+def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
+    workloads, space = _files(tmp_path, [16, 32], [20, 24, 40])
+    out = tmp_path / "T.yaml"
+    journal = Path(f"{out}.trials.jsonl")
+    args = ["--workloads", workloads, "--space", space, "--out", str(out)]
+    first = _tune(args, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # kill -9 mid-run, once some trials are journaled
+        if journal.exists() and sum(r["kind"] == "trial" for r in _records(journal)) >= 3:
+            break
+        time.sleep(0.5)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=60)
+    done_before = {r["id"] for r in _records(journal) if r["kind"] == "trial"}
+    assert 3 <= len(done_before) < 9 and not out.exists()
+
+    refused = _tune(args)  # without --resume the journal is never overwritten
+    _, stderr = refused.communicate(timeout=120)
+    assert refused.returncode == 1 and "--resume" in stderr
+
+    resumed = _tune([*args, "--resume"])
+    _, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-2000:]
+    ids = [r["id"] for r in _records(journal) if r["kind"] == "trial"]
+    assert len(ids) == len(set(ids)) == 9  # 3 workloads x (2 fwd + 1 bwd): none lost, none repeated
+    assert done_before <= set(ids)
+
+    # the table equals what the same measurements give when nothing is left to measure
+    table = load_table(out)
+    again = _tune([*args, "--resume", "--out", str(out)])
+    _, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr[-2000:]
+    assert load_table(out).entries == table.entries
+    assert [r["id"] for r in _records(journal) if r["kind"] == "trial"] == ids  # nothing re-measured
+
+
+def test_journal_is_exclusive_and_ignores_a_torn_last_line(tmp_path):
+    path = tmp_path / "j.jsonl"
+    path.write_text('{"kind": "trial", "id": "a", "status": "ok"}\n{"kind": "trial", "id": "b", "sta')
+    journal = Journal(path, resume=True)
+    try:
+        assert set(journal.trials) == {"a"} and journal.dropped_lines == 1
+        with pytest.raises(JournalError, match="locked"):
+            Journal(path, resume=True)
+        journal.append({"kind": "suite", "id": "s", "status": "ok", "note": "n"})
+    finally:
+        journal.close()
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[-1])["id"] == "s"  # the new record is on a line of its own
+    with pytest.raises(JournalError, match="--resume"):
+        Journal(path, resume=False)
+
+
+def _dump_many(path: str, block_m: int) -> None:
+    """A writer process: dumps its own one-entry table 30 times."""
+    from dmattn_bench.dispatch import Entry, dump_table, new_table
+    from dmattn_bench.hardware import CPU_FINGERPRINT
+    from dmattn_bench.space import FwdConfig, TableKey
+
+    key = TableKey("fwd", "fp32", 64, False, "none", "none", 1, 1024, 1024)
+    table = new_table([Entry(key, "triton", FwdConfig(block_m=block_m), {})], CPU_FINGERPRINT, interpreter=True)
+    for _ in range(30):
+        dump_table(table, path)
+
+
+def test_concurrent_table_writers_never_tear_the_file(tmp_path):
+    path = tmp_path / "shared.yaml"
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_dump_many, args=(str(path), block_m)) for block_m in (16, 32, 64)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+        assert writer.exitcode == 0
+    assert load_table(path).entries[0].config.block_m in (16, 32, 64)  # whole and valid: one writer's table
+    assert not list(tmp_path.glob(".shared.yaml.*.tmp"))  # no temp file left behind
