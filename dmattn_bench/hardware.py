@@ -72,6 +72,8 @@ class DeviceFingerprint:
         name = "".join(ch if ch.isalnum() else "-" for ch in self.name.lower()).strip("-")
         while "--" in name:
             name = name.replace("--", "-")
+        if self == CPU_FINGERPRINT:
+            return name
         return f"{name}-sm{self.compute_capability.replace('.', '')}"
 
 

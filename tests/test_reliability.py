@@ -52,7 +52,7 @@ def test_faulty_candidates_become_statuses_and_the_rest_is_timed(tmp_path):
     process = _tune(["--workloads", workloads, "--space", space, "--out", str(out), "--trial-timeout", "20",
                      "--format", "json"],
                     {"DMATTN_BENCH_PLUGINS": "tests.fault_injection",
-                     "DMATTN_FAULTS": "32=abort,64=hang,128=nan,256=raise"})
+                     "DMATTN_FAULTS": "32x16=abort,64x16=hang,128x16=nan,256x16=raise"})
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-2000:]
     trials = {(r["direction"], r["config"]["block_m"]): r for r in _records(Path(f"{out}.trials.jsonl"))

@@ -311,10 +311,11 @@ def dump_table(table: Table, path: str | os.PathLike) -> None:
     header = (f"# dmattn-bench dispatch table (schema {SCHEMA_VERSION}) for {table.device.name} "
               f"sm{table.device.compute_capability.replace('.', '')}; see `dmattn-bench show {path.name}`\n")
     text = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)
-    # Writers of one table take turns on a lock file beside it (the rename alone is already
-    # atomic for readers; the lock keeps two writers from racing their renames and temp files).
-    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    # Writers take turns on a lock of the table's directory (the rename alone is already atomic
+    # for readers; the lock keeps two writers from racing their renames) and leave no lock file.
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(directory, fcntl.LOCK_EX)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -326,6 +327,8 @@ def dump_table(table: Table, path: str | os.PathLike) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+    finally:
+        os.close(directory)  # releases the lock
 
 
 def load_table(path: str | os.PathLike) -> Table:
