@@ -49,7 +49,7 @@ def info(measure_dispatch: bool, fmt: str) -> None:
     """Show the GPU, the software, the backends available, the active table and the defaults."""
     doc = _environment()
     if measure_dispatch:
-        from dmattn_bench.api import dispatch_overhead_us
+        from dmattn_bench.ops import dispatch_overhead_us
 
         doc["dispatch_overhead_us"] = dispatch_overhead_us("cuda" if doc["gpu"] else "cpu")
     table = Table(title="dmattn-bench info", show_header=False)

@@ -1,0 +1,103 @@
+"""Fitting the ecosystem: torch.compile with no graph break, CUDA-graph capture (GPU), and the
+README's usage examples, which run here exactly as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmattn_bench import dispatch, flash_dmattn_func
+from dmattn_bench.hardware import CPU_FINGERPRINT
+from dmattn_bench.space import FwdConfig, TableKey
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_example(name: str) -> str:
+    """The README code block that starts with `# example: <name>`."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    matches = [b for b in blocks if b.startswith(f"# example: {name}\n")]
+    assert len(matches) == 1, f"README has {len(matches)} '# example: {name}' blocks"
+    return matches[0]
+
+
+def _inputs(requires_grad: bool = True, device: str = "cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    q = torch.randn(1, 20, 4, 32, device=device, dtype=dtype, requires_grad=requires_grad)
+    k = torch.randn(1, 20, 2, 32, device=device, dtype=dtype, requires_grad=requires_grad)
+    v = torch.randn(1, 20, 2, 32, device=device, dtype=dtype, requires_grad=requires_grad)
+    mask = torch.rand(1, 2, 20, 20, device=device) > 0.3
+    bias = torch.randn(1, 2, 1, 20, device=device, dtype=dtype, requires_grad=requires_grad)
+    return q, k, v, mask, bias
+
+
+def _attention(q, k, v, mask, bias):
+    return flash_dmattn_func(q, k, v, mask, bias, is_causal=True)
+
+
+def test_fullgraph_compile_has_no_graph_break_and_matches_eager():
+    inputs = _inputs()
+    explanation = torch._dynamo.explain(_attention)(*inputs)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(_attention, fullgraph=True, backend="aot_eager")
+    out, expected = compiled(*inputs), _attention(*inputs)
+    assert torch.equal(out, expected)
+    wrt = (inputs[0], inputs[1], inputs[2], inputs[4])
+    for got, want in zip(torch.autograd.grad(out.sum(), wrt), torch.autograd.grad(expected.sum(), wrt)):
+        assert torch.equal(got, want)
+
+
+def test_custom_op_passes_torch_opcheck():
+    q, k, v, mask, bias = (t.detach() for t in _inputs())
+    args = (q, k, v, mask, bias, True, 32 ** -0.5, 0.0, "auto", None, None, None)
+    torch.library.opcheck(torch.ops.dmattn_bench.attention_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_readme_training_example_runs():
+    exec(compile(readme_example("training"), "README.md:training", "exec"), {})
+
+
+def test_readme_serving_example_runs():
+    exec(compile(readme_example("serving"), "README.md:serving", "exec"), {})
+
+
+def test_readme_tune_example_selects_the_table(tmp_path, monkeypatch):
+    key = TableKey("fwd", "fp32", 32, True, "none", "none", 2, 16, 16)
+    chosen = FwdConfig(32, 16, 1, 1)
+    dispatch.dump_table(dispatch.new_table([dispatch.Entry(key, "triton", chosen, {})], CPU_FINGERPRINT, True),
+                        tmp_path / "my-gpu.yaml")
+    monkeypatch.chdir(tmp_path)
+    try:
+        exec(compile(readme_example("tune"), "README.md:tune", "exec"), {})
+        assert dispatch.choose(key, "cpu").config == chosen
+    finally:
+        dispatch.use_table(None)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager():
+    q, k, v, mask, bias = _inputs(device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(q)
+    wrt = (q, k, v, bias)
+
+    def step():
+        out = _attention(q, k, v, mask, bias)
+        return (out, *torch.autograd.grad(out, wrt, dout))
+
+    eager = step()  # also warms up: kernels compiled, configs chosen before capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager):
+        assert torch.equal(got, want)
