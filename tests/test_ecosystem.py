@@ -81,12 +81,15 @@ def test_readme_tune_example_selects_the_table(tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_cuda_graph_replay_equals_eager():
     q, k, v, mask, bias = _inputs(device="cuda", dtype=torch.bfloat16)
-    dout = torch.randn_like(q)
+    weights = torch.randn_like(q)
     wrt = (q, k, v, bias)
 
     def step():
         out = _attention(q, k, v, mask, bias)
-        return (out, *torch.autograd.grad(out, wrt, dout))
+        # the loss's seed gradient is made inside the step, so under capture it lives on the
+        # capture stream (a gradient made outside would tie the legacy stream into the capture)
+        loss = (out.float() * weights).sum()
+        return (out, *torch.autograd.grad(loss, wrt))
 
     eager = step()  # also warms up: kernels compiled, configs chosen before capture
     stream = torch.cuda.Stream()

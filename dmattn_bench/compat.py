@@ -1,0 +1,131 @@
+"""Drop-in replacements for flash-dmattn 1.2's `flash_dmattn_func` and `triton_dmattn_func`.
+
+Switching is one import::
+
+    # from flash_dmattn import flash_dmattn_func, triton_dmattn_func
+    from dmattn_bench.compat import flash_dmattn_func, triton_dmattn_func
+
+Both keep flash-dmattn's argument names, positional order and defaults exactly, as released in
+flash-dmattn 1.2.2 (``flash_dmattn/flash_dmattn_interface.py`` and
+``flash_dmattn/flash_dmattn_triton.py`` of the PyPI sdist ``flash_dmattn-1.2.2.tar.gz``, sha256
+``19187214989acc5c93269c54a27dda61d734c8d8091e30ab0d62f98ff1e3f265``). The
+same signatures are in SmallDoges/flash-dmattn at commits ``ddc8cd5ff127`` (interface) and
+``b7deeba48b7b`` (triton). Note that the two differ in positional order: the CUDA function
+takes ``softmax_scale`` before ``is_causal``, the Triton function ``is_causal`` first. Both
+take the same layout, q ``(B, Lq, H, D)`` and k/v ``(B, Lk, Hkv, D)``, as
+`dmattn_bench.flash_dmattn_func` does, and both run on our kernels (`backend="auto"`).
+
+Arguments we cannot honour raise, naming the argument: ``return_attn_probs=True``
+(`NotImplementedError`: the probabilities are never materialised; use
+`dmattn_bench.flash_dmattn_func(..., return_lse=True)` for the log-sum-exp). ``deterministic``
+is accepted and ignored: our kernels are always deterministic (DESIGN.md §1).
+
+Where flash-dmattn 1.2.2 is buggy or narrower, we differ on purpose (DESIGN.md §1 is the
+contract; `dmattn_bench.reference.attention` implements it):
+
+- **Causal alignment.** Its Triton kernel aligns the causal mask top-left
+  (``i >= j``) whatever Lq and Lk are; its CUDA kernel aligns it bottom-right. Both of our
+  functions align bottom-right (key ``j`` visible from query ``i`` iff ``j <= i + Lk - Lq``),
+  like its CUDA kernel and FlashAttention 2.1+. `triton_dmattn_func` results therefore change
+  when ``is_causal`` and ``Lq != Lk``.
+- **Rows with no visible key.** Its Triton kernel returns NaN there (``exp(-inf - -inf)``).
+  Its CUDA wrapper runs ``nan_to_num_(nan=0, posinf=0, neginf=0)`` over ``out`` and over
+  dq/dk/dv/dbias after every call, which zeroes those rows but also silently zeroes any
+  NaN/inf produced anywhere else. We return 0 with zero gradients by construction and scrub
+  nothing.
+- **Mask and bias shapes.** Its Triton kernel takes only full ``(B, H, Lq, Lk)`` masks and
+  biases and materialises an all-ones mask and an all-zeros bias of that size when they are
+  None; its CUDA wrapper needs 4-D tensors and pads (copies) the mask and bias along Lk to a
+  multiple of 128 on every call. We accept any ``(B|1, H|Hkv|1, Lq|1, Lk|1)`` shape, including
+  fewer than 4 dims, and never copy, pad or materialise them.
+- **Mask dtype.** Its CUDA kernel requires a bool mask; its Triton kernel converts a bool mask
+  to float and treats ``mask > 0`` as visible. We take bool (or 0/1 integer) masks as they are;
+  a floating mask is converted here with ``attn_mask > 0`` (one bool copy), as its Triton path
+  does.
+- **GQA / MQA.** Its Triton kernel requires ``Hkv == H``; both of ours accept ``H % Hkv == 0``.
+- **Softcap** (CUDA only there). In the 1.2.2 sources (``csrc/flash_dmattn/flash_api.cpp``
+  ``set_params_fprop``, ``src/flash_fwd_kernel.h``, ``src/softmax.h``) Q is pre-scaled by
+  ``softcap``, the bias is added before the ``tanh``, and the softmax runs with scale 1, which
+  gives ``softmax(tanh(scale * QK^T + bias * scale / softcap))``. We compute
+  ``softmax(softcap * tanh(scale * QK^T / softcap) + bias)``, the usual definition (Gemma 2,
+  FlashAttention). This reading of their kernel was not run on a GPU.
+- **softmax_scale=0.0.** Its Triton path uses ``softmax_scale or 1/sqrt(D)``, so 0.0 means the
+  default; we honour 0.0 as given.
+- **Head dim and dtypes.** Its CUDA wrapper pads a head dim that is not a multiple of 8 (a
+  copy of q/k/v); its Triton kernel allows only D <= 128 and fp16/bf16. We take D <= 256, a
+  multiple of 8, without copies, and raise `ValueError` otherwise; fp16/bf16 on a GPU, fp32
+  and fp16 in the Triton interpreter. Bias may be the query's dtype or fp32 in both functions
+  (its CUDA kernel required the query's dtype).
+- **dBias.** Our bias gradient has the bias's own shape, summed over every broadcast dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dmattn_bench import api
+
+__all__ = ["flash_dmattn_func", "triton_dmattn_func"]
+
+
+def _bool_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A floating 1/0 mask (flash-dmattn's Triton format) as bool, True where `mask > 0`."""
+    if attn_mask is not None and attn_mask.is_floating_point():
+        return attn_mask > 0
+    return attn_mask
+
+
+def flash_dmattn_func(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    is_causal: bool | None = None,
+    softcap: float | None = None,
+    deterministic: bool | None = None,
+    return_attn_probs: bool | None = None,
+) -> torch.Tensor:
+    """flash-dmattn 1.2's CUDA `flash_dmattn_func`, run on dmattn-bench kernels.
+
+    Args:
+        query: (B, Lq, H, D).
+        key, value: (B, Lk, Hkv, D) with H % Hkv == 0.
+        attn_mask: bool, broadcastable as (B|1, H|Hkv|1, Lq|1, Lk|1); True = attend. A
+            floating mask counts `> 0` as attend.
+        attn_bias: query's dtype or fp32, same broadcast rule; added after scaling.
+        softmax_scale: default 1/sqrt(D).
+        is_causal: bottom-right aligned; None means False.
+        softcap: > 0 soft-caps the scaled scores before the bias; None or 0 disables.
+        deterministic: accepted for compatibility; we are always deterministic.
+        return_attn_probs: only None/False; True raises NotImplementedError.
+
+    Returns:
+        out (B, Lq, H, D) in the query's dtype.
+    """
+    del deterministic  # every configuration we ship is deterministic
+    if return_attn_probs:
+        raise NotImplementedError(
+            "return_attn_probs: got True, but dmattn-bench never materialises the attention "
+            "probabilities; pass return_attn_probs=None/False, or call "
+            "dmattn_bench.flash_dmattn_func(..., return_lse=True) for the log-sum-exp"
+        )
+    return api.flash_dmattn_func(
+        query, key, value, _bool_mask(attn_mask), attn_bias, is_causal=bool(is_causal),
+        softmax_scale=softmax_scale, softcap=0.0 if softcap is None else float(softcap),
+    )
+
+
+def triton_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_causal=False, softmax_scale=None):
+    """flash-dmattn 1.2's `triton_dmattn_func` (note: `is_causal` before `softmax_scale`).
+
+    Same arguments and semantics as `flash_dmattn_func` above, except that causal attention is
+    bottom-right aligned where flash-dmattn's Triton kernel aligned it top-left (see the module
+    docstring). flash-dmattn's Triton function has no softcap, deterministic or
+    return_attn_probs arguments, so neither does this one.
+    """
+    return api.flash_dmattn_func(
+        query, key, value, _bool_mask(attn_mask), attn_bias, is_causal=bool(is_causal),
+        softmax_scale=softmax_scale,
+    )
