@@ -80,27 +80,33 @@ def test_readme_tune_example_selects_the_table(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_equals_eager():
+    """Forward and backward captured in one CUDA graph (PyTorch's whole-network recipe: warm-up
+    on a side stream, gradients set to None before capture, backward() inside it)."""
     q, k, v, mask, bias = _inputs(device="cuda", dtype=torch.bfloat16)
-    weights = torch.randn_like(q)
-    wrt = (q, k, v, bias)
+    weights = torch.randn_like(q, dtype=torch.float32)
+    leaves = (q, k, v, bias)
 
     def step():
         out = _attention(q, k, v, mask, bias)
-        # the loss's seed gradient is made inside the step, so under capture it lives on the
-        # capture stream (a gradient made outside would tie the legacy stream into the capture)
-        loss = (out.float() * weights).sum()
-        return (out, *torch.autograd.grad(loss, wrt))
+        (out.float() * weights).sum().backward()
+        return out
 
-    eager = step()  # also warms up: kernels compiled, configs chosen before capture
+    eager_out = step().clone()  # also warms up: kernels compiled, configs chosen before capture
+    eager_grads = [t.grad.clone() for t in leaves]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        for t in leaves:
+            t.grad = None
         step()
     torch.cuda.current_stream().wait_stream(stream)
+    for t in leaves:
+        t.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = step()
+        captured_out = step()
     graph.replay()
     torch.cuda.synchronize()
-    for got, want in zip(captured, eager):
-        assert torch.equal(got, want)
+    assert torch.equal(captured_out, eager_out)
+    for t, want in zip(leaves, eager_grads):
+        assert torch.equal(t.grad, want)

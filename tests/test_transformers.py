@@ -1,0 +1,132 @@
+"""CPU-tier tests of `attn_implementation="dmattn"` for transformers models.
+
+A tiny randomly initialised Llama (no downloads) runs in fp32 through the Triton interpreter
+(conftest.py) and is compared with the same weights under transformers' eager attention.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from dmattn_bench import api  # noqa: E402
+from dmattn_bench.integrations.transformers import (  # noqa: E402
+    ATTN_IMPLEMENTATION, attention_forward, register,
+)
+
+F64 = torch.float64
+TOL = 1e-4  # max abs error relative to max(1, max|ref|), as in test_api.py
+NUM_LAYERS = 2
+
+
+def assert_close(actual, expected, what):
+    a, e = actual.detach().to(F64), expected.detach().to(F64)
+    err = (a - e).abs()
+    bound = TOL * max(1.0, e.abs().max().item())
+    worst = err.max().item()
+    assert worst <= bound, f"{what}: max abs err {worst:.3e} > bound {bound:.3e} (ratio {worst / bound:.2f})"
+
+
+def tiny_llama(attn_implementation):
+    # A config per model: `set_attn_implementation` and the model share their config object.
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=128, attn_implementation=attn_implementation,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.fixture
+def call_count(monkeypatch):
+    """Counts calls of `dmattn_bench.api.flash_dmattn_func` (the integration's only entry)."""
+    calls = []
+    original = api.flash_dmattn_func
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(api, "flash_dmattn_func", counting)
+    return calls
+
+
+def test_import_does_not_import_transformers_and_register_is_idempotent():
+    code = ("import sys, dmattn_bench.integrations.transformers as t; "
+            "assert 'transformers' not in sys.modules, 'imported on module import'; "
+            "assert t.register() == t.register() == 'dmattn'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert register() == register() == ATTN_IMPLEMENTATION
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    assert AttentionInterface()[ATTN_IMPLEMENTATION] is attention_forward
+    assert ATTN_IMPLEMENTATION in AttentionMaskInterface()
+
+
+def test_llama_left_padding_matches_eager_forward_and_backward(call_count):
+    register()
+    eager = tiny_llama("eager")
+    ours = tiny_llama("eager")
+    ours.load_state_dict(eager.state_dict())
+    ours.set_attn_implementation(ATTN_IMPLEMENTATION)
+    assert (eager.config._attn_implementation, ours.config._attn_implementation) == ("eager", "dmattn")
+
+    input_ids = torch.randint(0, 128, (2, 12))
+    attention_mask = torch.ones(2, 12, dtype=torch.long)
+    attention_mask[1, :5] = 0  # left padding
+    kept = attention_mask.bool()
+
+    logits = ours(input_ids=input_ids, attention_mask=attention_mask).logits
+    assert len(call_count) == NUM_LAYERS, f"got {len(call_count)} calls, expected one per layer"
+    ref_logits = eager(input_ids=input_ids, attention_mask=attention_mask).logits
+    assert torch.isfinite(logits).all()
+    assert_close(logits[kept], ref_logits[kept], "logits at non-padded positions")
+
+    # Padded query rows see no key at all (ours: 0, eager: a uniform average), so the loss reads
+    # only non-padded positions; the weights' gradients then must agree.
+    logits[kept].square().mean().backward()
+    ref_logits[kept].square().mean().backward()
+    for (name, p), ref in zip(ours.named_parameters(), eager.parameters()):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), f"{name}: non-finite gradient"
+        assert_close(p.grad, ref.grad, f"d{name}")
+
+
+def test_llama_without_mask_uses_causal_rule(call_count):
+    register()
+    eager = tiny_llama("eager").eval()
+    ours = tiny_llama(ATTN_IMPLEMENTATION).eval()
+    ours.load_state_dict(eager.state_dict())
+    input_ids = torch.randint(0, 128, (1, 10))
+    with torch.no_grad():
+        logits = ours(input_ids=input_ids).logits
+        assert_close(logits, eager(input_ids=input_ids).logits, "logits")
+    assert [c["is_causal"] for c in call_count] == [True] * NUM_LAYERS
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+def test_mask_conversion_and_layout(call_count):
+    B, H, Hkv, L, D = 1, 4, 2, 9, 16
+    q = torch.randn(B, H, L, D)
+    k, v = torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
+    keep = torch.rand(B, 1, L, L) > 0.3
+    additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+    out_bool, weights = attention_forward(_Module(), q, k, v, keep, scaling=0.2)
+    out_float, _ = attention_forward(_Module(), q, k, v, additive, scaling=0.2)
+    (mask_call, bias_call) = call_count
+    assert weights is None and out_bool.shape == (B, L, H, D) and out_bool.is_contiguous()
+    assert not mask_call["is_causal"] and mask_call["softmax_scale"] == 0.2
+    expected = api.flash_dmattn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep,
+                                     softmax_scale=0.2)
+    assert torch.equal(out_bool, expected)
+    assert_close(out_float, expected, "additive float mask as attn_bias")
+
+
+def test_dropout_raises_naming_it():
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        attention_forward(_Module(), q, q, q, None, dropout=0.1)
