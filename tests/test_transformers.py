@@ -40,23 +40,22 @@ def tiny_llama(attn_implementation):
 
 
 @pytest.fixture
-def call_count(monkeypatch):
-    """Counts calls of `dmattn_bench.api.flash_dmattn_func` (the integration's only entry)."""
+def api_calls(monkeypatch):
+    """Records every call of `dmattn_bench.api.flash_dmattn_func` (the integration's only entry)."""
     calls = []
     original = api.flash_dmattn_func
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
+    def counting(query, key, value, attn_mask=None, attn_bias=None, **kwargs):
+        calls.append(dict(kwargs, key_len=key.shape[1], query=query, attn_mask=attn_mask, attn_bias=attn_bias))
+        return original(query, key, value, attn_mask, attn_bias, **kwargs)
 
     monkeypatch.setattr(api, "flash_dmattn_func", counting)
     return calls
 
 
 def test_import_does_not_import_transformers_and_register_is_idempotent():
-    code = ("import sys, dmattn_bench.integrations.transformers as t; "
-            "assert 'transformers' not in sys.modules, 'imported on module import'; "
-            "assert t.register() == t.register() == 'dmattn'")
+    code = ("import sys, dmattn_bench.compat, dmattn_bench.integrations.transformers; "
+            "assert 'transformers' not in sys.modules, 'transformers imported before register()'")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert register() == register() == ATTN_IMPLEMENTATION
     from transformers import AttentionInterface, AttentionMaskInterface
@@ -65,7 +64,7 @@ def test_import_does_not_import_transformers_and_register_is_idempotent():
     assert ATTN_IMPLEMENTATION in AttentionMaskInterface()
 
 
-def test_llama_left_padding_matches_eager_forward_and_backward(call_count):
+def test_llama_left_padding_matches_eager_forward_and_backward(api_calls):
     register()
     eager = tiny_llama("eager")
     ours = tiny_llama("eager")
@@ -79,7 +78,7 @@ def test_llama_left_padding_matches_eager_forward_and_backward(call_count):
     kept = attention_mask.bool()
 
     logits = ours(input_ids=input_ids, attention_mask=attention_mask).logits
-    assert len(call_count) == NUM_LAYERS, f"got {len(call_count)} calls, expected one per layer"
+    assert len(api_calls) == NUM_LAYERS, f"got {len(api_calls)} calls, expected one per layer"
     ref_logits = eager(input_ids=input_ids, attention_mask=attention_mask).logits
     assert torch.isfinite(logits).all()
     assert_close(logits[kept], ref_logits[kept], "logits at non-padded positions")
@@ -93,7 +92,7 @@ def test_llama_left_padding_matches_eager_forward_and_backward(call_count):
         assert_close(p.grad, ref.grad, f"d{name}")
 
 
-def test_llama_without_mask_uses_causal_rule(call_count):
+def test_llama_without_mask_uses_causal_rule(api_calls):
     register()
     eager = tiny_llama("eager").eval()
     ours = tiny_llama(ATTN_IMPLEMENTATION).eval()
@@ -102,14 +101,32 @@ def test_llama_without_mask_uses_causal_rule(call_count):
     with torch.no_grad():
         logits = ours(input_ids=input_ids).logits
         assert_close(logits, eager(input_ids=input_ids).logits, "logits")
-    assert [c["is_causal"] for c in call_count] == [True] * NUM_LAYERS
+    assert [c["is_causal"] for c in api_calls] == [True] * NUM_LAYERS
+
+
+def test_static_cache_generation_matches_eager(api_calls):
+    register()
+    eager = tiny_llama("eager").eval()
+    ours = tiny_llama(ATTN_IMPLEMENTATION).eval()
+    ours.load_state_dict(eager.state_dict())
+    input_ids = torch.randint(0, 128, (1, 7))
+    options = dict(max_new_tokens=3, do_sample=False, cache_implementation="static", eos_token_id=None)
+    tokens = ours.generate(input_ids, **options)
+    assert torch.equal(tokens, eager.generate(input_ids, **options))
+    # Prefill into an empty static cache comes without a mask; the unwritten cache slots are
+    # dropped so that causal means the same as SDPA's top-left rule there.
+    prefill = api_calls[0]
+    assert prefill["is_causal"] and prefill["key_len"] == input_ids.shape[1]
 
 
 class _Module(torch.nn.Module):
     is_causal = True
 
 
-def test_mask_conversion_and_layout(call_count):
+# transformers' additive masks hold finfo.min; numpy in the interpreter warns when the kernel
+# scales it to -inf, which is the intended result.
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+def test_mask_conversion_and_layout(api_calls):
     B, H, Hkv, L, D = 1, 4, 2, 9, 16
     q = torch.randn(B, H, L, D)
     k, v = torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
@@ -117,9 +134,13 @@ def test_mask_conversion_and_layout(call_count):
     additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
     out_bool, weights = attention_forward(_Module(), q, k, v, keep, scaling=0.2)
     out_float, _ = attention_forward(_Module(), q, k, v, additive, scaling=0.2)
-    (mask_call, bias_call) = call_count
+    (mask_call, bias_call) = api_calls
     assert weights is None and out_bool.shape == (B, L, H, D) and out_bool.is_contiguous()
     assert not mask_call["is_causal"] and mask_call["softmax_scale"] == 0.2
+    # Views and the caller's own mask tensors, never copies.
+    assert mask_call["query"].data_ptr() == q.data_ptr() and mask_call["query"].shape == (B, L, H, D)
+    assert mask_call["attn_mask"] is keep and mask_call["attn_bias"] is None
+    assert bias_call["attn_bias"] is additive and bias_call["attn_mask"] is None
     expected = api.flash_dmattn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep,
                                      softmax_scale=0.2)
     assert torch.equal(out_bool, expected)
