@@ -4,7 +4,8 @@ For each workload and direction:
   1. every candidate (the heuristic default first, then the search space) is checked for
      structural support and estimated shared memory (no GPU time); on a GPU the rest are
      compiled in parallel worker processes (Triton's on-disk cache hands the binaries on);
-  2. each candidate runs in the measuring worker (one subprocess per GPU, reused): once into
+  2. each candidate runs in a measuring worker (one subprocess per GPU, reused; with several
+     GPUs the workloads are shared out and measured concurrently): once into
      NaN-poisoned buffers, validated on the workload itself against the reference (DESIGN §2
      bound), then timed. A crash, a hang past the trial timeout or an OOM becomes that trial's
      status and the worker is restarted, so one bad config never ends the run;
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -346,6 +348,7 @@ def tune(
     resume: bool = False,
     trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
     suite_timeout_s: float = DEFAULT_SUITE_TIMEOUT_S,
+    gpus: int = 1,
 ) -> TuneResult:
     """Tunes every workload in both directions.
 
@@ -362,6 +365,9 @@ def tune(
         resume: continue the journal at `journal_path` instead of refusing to overwrite it.
         trial_timeout_s: a candidate running longer is killed: status "timeout".
         suite_timeout_s: the same for one adversarial suite run.
+        gpus: measuring workers, one per GPU (cuda:0..gpus-1); workloads are dealt out to them
+            and measured concurrently, each on its own GPU, into the one journal. On the CPU
+            this many interpreter workers share the cores.
 
     Returns:
         Winners (one per key), every trial, and the wall time.
@@ -377,18 +383,20 @@ def tune(
         owned_dir = tempfile.TemporaryDirectory()
         journal_path = Path(owned_dir.name) / "trials.jsonl"
     journal = Journal(Path(journal_path), resume)
-    worker = Worker(interpret=device.type != "cuda")
+    workers = [Worker(interpret=device.type != "cuda", gpu=gpu if device.type == "cuda" else None)
+               for gpu in range(max(1, gpus))]
     try:
         return _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase,
-                    journal, worker, trial_timeout_s, suite_timeout_s, start)
+                    journal, workers, trial_timeout_s, suite_timeout_s, start)
     finally:
-        worker.stop()
+        for worker in workers:
+            worker.stop()
         journal.close()
         if owned_dir is not None:
             owned_dir.cleanup()
 
 
-def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase, journal, worker,
+def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase, journal, workers,
          trial_timeout_s, suite_timeout_s, start) -> TuneResult:
     def out_of_budget() -> bool:
         return budget_s is not None and time.monotonic() - start > budget_s
@@ -396,17 +404,19 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     plan = [(w, d, c, index == 0) for w in workloads for d in ("fwd", "bwd")
             for index, c in enumerate(candidate_list(d, spaces[d], w, device))]
     trials: dict[str, Trial] = {}
+    record_lock = threading.Lock()  # measuring threads share the journal, the trials and progress
 
     def finish(workload, direction, config, is_default, fields, journaled=True) -> None:
         key = workload.key(direction)
         trial = Trial(workload.label, key.to_dict(), direction, backend_name, config.to_dict(),
                       is_default=is_default, **fields)
         identifier = trial_id(workload, direction, backend_name, config)
-        trials[identifier] = trial
-        if journaled and trial.status != "skipped":
-            journal.append({"kind": "trial", "id": identifier, **trial.to_dict()})
-        if on_trial:
-            on_trial(trial)
+        with record_lock:
+            trials[identifier] = trial
+            if journaled and trial.status != "skipped":
+                journal.append({"kind": "trial", "id": identifier, **trial.to_dict()})
+            if on_trial:
+                on_trial(trial)
 
     # -- resumed trials, and what needs no GPU time --
     todo = []
@@ -440,20 +450,32 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                 finish(w, d, c, is_default, {"status": status, "reason": reason, "stage": stage})
         todo = remaining
 
-    # -- validate and time, one candidate at a time, in the measuring worker --
-    for workload, direction, config, is_default in todo:
-        if out_of_budget():
-            finish(workload, direction, config, is_default, {"status": "skipped", "reason": "time budget exhausted"})
-            continue
-        try:
-            fields = worker.call(measure_job, (workload, direction, config, backend_name, str(device)), trial_timeout_s)
-        except WorkerTimedOut as exc:
-            fields = {"status": "timeout", "reason": str(exc), "stage": "compiled"}
-        except (WorkerCrashed, RuntimeError) as exc:
-            fields = {"status": "crash", "reason": str(exc)[:300], "stage": "compiled"}
-        if fields["status"] in RESTART_AFTER:
-            worker.stop()  # a fresh process (and CUDA context) for the next candidate
-        finish(workload, direction, config, is_default, fields)
+    # -- validate and time in the measuring workers: workloads dealt out, one worker per GPU --
+    def measure_share(worker: Worker, share: list) -> None:
+        for workload, direction, config, is_default in share:
+            if out_of_budget():
+                finish(workload, direction, config, is_default, {"status": "skipped", "reason": "time budget exhausted"})
+                continue
+            try:
+                fields = worker.call(measure_job, (workload, direction, config, backend_name, str(device)),
+                                     trial_timeout_s)
+            except WorkerTimedOut as exc:
+                fields = {"status": "timeout", "reason": str(exc), "stage": "compiled"}
+            except (WorkerCrashed, RuntimeError) as exc:
+                fields = {"status": "crash", "reason": str(exc)[:300], "stage": "compiled"}
+            if fields["status"] in RESTART_AFTER:
+                worker.stop()  # a fresh process (and CUDA context) for the next candidate
+            finish(workload, direction, config, is_default, fields)
+
+    order = list(dict.fromkeys(w for w, _, _, _ in todo))
+    shares = [[item for item in todo if order.index(item[0]) % len(workers) == index] for index in range(len(workers))]
+    threads = [threading.Thread(target=measure_share, args=(worker, share), daemon=True)
+               for worker, share in zip(workers, shares) if share]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    worker = workers[0]
 
     # -- winners, from the journal's view of every trial --
     winners = _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker,

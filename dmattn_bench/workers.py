@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
+from contextlib import contextmanager
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, TypeVar
@@ -70,6 +72,28 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T
 # -- one persistent worker per GPU: isolation for measuring candidates ---------------------------
 
 
+_ENV_LOCK = threading.Lock()
+
+
+@contextmanager
+def _visible_devices(gpu: int | None):
+    """CUDA_VISIBLE_DEVICES=<gpu> while a child is spawned (the child sees one GPU, as cuda:0)."""
+    if gpu is None:
+        yield
+        return
+    with _ENV_LOCK:
+        previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = previous.split(",") if previous else None
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
 class WorkerCrashed(RuntimeError):
     """The worker process died while running a job (segfault, abort, killed)."""
 
@@ -102,8 +126,9 @@ class Worker:
     lives in the parent.
     """
 
-    def __init__(self, interpret: bool):
+    def __init__(self, interpret: bool, gpu: int | None = None):
         self.interpret = interpret
+        self.gpu = gpu  # pin the worker to one GPU (CUDA_VISIBLE_DEVICES), or inherit
         self._process = None
         self._conn = None
         self.restarts = 0
@@ -112,7 +137,8 @@ class Worker:
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
         self._process = context.Process(target=_serve, args=(child, self.interpret), daemon=True)
-        self._process.start()
+        with _visible_devices(self.gpu):
+            self._process.start()  # a spawned child takes the environment of this moment
         child.close()
         self._conn = parent
 

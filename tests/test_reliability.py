@@ -145,3 +145,17 @@ def test_concurrent_table_writers_never_tear_the_file(tmp_path):
         assert writer.exitcode == 0
     assert load_table(path).entries[0].config.block_m in (16, 32, 64)  # whole and valid: one writer's table
     assert not list(tmp_path.glob(".shared.yaml.*.tmp"))  # no temp file left behind
+
+
+def test_two_workers_share_the_workloads_and_write_one_table(tmp_path):
+    """`--gpus 2` (two interpreter workers here): disjoint shares, one journal, one table."""
+    workloads, space = _files(tmp_path, [16, 32], [20, 40])
+    out = tmp_path / "T.yaml"
+    process = _tune(["--workloads", workloads, "--space", space, "--out", str(out), "--gpus", "2",
+                     "--format", "json"])
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-2000:]
+    ids = [r["id"] for r in _records(Path(f"{out}.trials.jsonl")) if r["kind"] == "trial"]
+    assert len(ids) == len(set(ids)) == 6  # 2 workloads x (2 fwd + 1 bwd), each measured once
+    assert json.loads(stdout)["counts"] == {"ok": 6}
+    assert {e.key.direction for e in load_table(out).entries} == {"fwd", "bwd"}

@@ -35,6 +35,18 @@ def parse_duration(text: str | None) -> float | None:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
+def parse_gpus(text: str) -> int:
+    """"all" or a positive count, checked against the GPUs present."""
+    available = torch.cuda.device_count()
+    if text == "all":
+        return max(1, available)
+    if not text.isdigit() or int(text) < 1:
+        raise click.BadParameter(f"got {text!r}, expected a positive number or 'all'", param_hint="--gpus")
+    if available and int(text) > available:
+        raise click.BadParameter(f"got {text}, but this machine has {available} GPU(s)", param_hint="--gpus")
+    return int(text)
+
+
 def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[str, list]:
     """Candidate configs per direction from space files (per-direction files with arch sections,
     or a CI-style file holding `space.<backend>.<direction>`)."""
@@ -116,14 +128,18 @@ def _announce_phase(name: str, count: int):
               help="Seconds one candidate may run before it is killed (status timeout).")
 @click.option("--suite-timeout", type=float, default=DEFAULT_SUITE_TIMEOUT_S, show_default=True,
               help="Seconds one adversarial-suite run may take before it is killed.")
+@click.option("--gpus", default="1", show_default=True,
+              help="GPUs to measure on at once: a number or 'all' (one worker per GPU, workloads shared out, "
+                   "one journal and one table). Without a GPU: that many interpreter workers.")
 @click.option("--suite", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
               help="Adversarial suite every winner must pass on its own tiles.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
 def tune_command(space_files, workloads_file, grid, backend, dtypes, out_path, resume, budget, trial_timeout,
-                 suite_timeout, suite, fmt) -> None:
+                 suite_timeout, gpus, suite, fmt) -> None:
     """Tune the kernels on this machine's GPU and write a dispatch table."""
     budget_s = parse_duration(budget)
+    gpu_count = parse_gpus(gpus)
     if backend != "triton":
         raise DmattnError("backend cuda is not built in this version", "use --backend triton")
     on_gpu = torch.cuda.is_available()
@@ -150,7 +166,7 @@ def tune_command(space_files, workloads_file, grid, backend, dtypes, out_path, r
             result = tune(workloads, spaces, device, backend, budget_s=budget_s, suite=suite,
                           on_trial=lambda trial: advance(f"{trial.direction} {trial.status}"),
                           on_phase=_announce_phase, journal_path=trials_path, resume=resume,
-                          trial_timeout_s=trial_timeout, suite_timeout_s=suite_timeout)
+                          trial_timeout_s=trial_timeout, suite_timeout_s=suite_timeout, gpus=gpu_count)
     except JournalError as exc:
         raise DmattnError(str(exc)) from None
     entries = [Entry(w.key, w.backend, w.config, w.evidence) for w in result.winners]
