@@ -13,6 +13,8 @@ import torch
 
 MASK_KINDS = ("none", "random", "dead_rows", "all_false", "corner", "tile_holes", "window")
 MASK_SHAPES = ("full", "kv_head", "key")  # (B,H,Lq,Lk), (B,Hkv,Lq,Lk), (B,1,1,Lk)
+# workload/table mask kind -> the builder's mask shape (a "per_key" mask is the key-only one)
+MASK_SHAPE_OF_KIND = {"full": "full", "kv_head": "kv_head", "per_key": "key"}
 BIAS_KINDS = ("none", "full", "kv_head", "per_key")  # ..., (B,Hkv,1,Lk)
 POISONS = (None, "nan", "+inf", "-inf", "finfo.min")
 KEEP_PROBABILITY = 0.7  # random masks keep 70% of positions: most tiles mixed, a few rows sparse

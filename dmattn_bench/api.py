@@ -14,14 +14,7 @@ import torch
 
 from dmattn_bench import ops, reference
 from dmattn_bench.registry import get_backend
-from dmattn_bench.space import BwdConfig, FwdConfig
-
-
-def _as_4d(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Left-pads a broadcastable mask/bias to 4-D (a view, never a copy)."""
-    if t is None or t.dim() == 4:
-        return t
-    return t[(None,) * (4 - t.dim())]
+from dmattn_bench.space import BwdConfig, FwdConfig, as_4d
 
 
 def _check_strides_and_head_dim(query, key, value) -> None:
@@ -104,7 +97,7 @@ def flash_dmattn_func(
     _check_strides_and_head_dim(query, key, value)
     as_list = (lambda config: None if config is None else list(config.to_dict().values()))
     out, lse = ops.attention_fwd(
-        query, key, value, _as_4d(attn_mask), _as_4d(attn_bias), bool(is_causal), float(softmax_scale),
+        query, key, value, as_4d(attn_mask), as_4d(attn_bias), bool(is_causal), float(softmax_scale),
         float(softcap), backend, table, as_list(fwd_config), as_list(bwd_config),
     )
     return (out, lse) if return_lse else out

@@ -18,12 +18,11 @@ import torch
 
 from dmattn_bench import dispatch
 from dmattn_bench.registry import default_configs, get_backend, interpreter_enabled
-from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, operand_kind, seqlen_bucket
+from dmattn_bench.space import DTYPE_NAMES, BwdConfig, FwdConfig, TableKey, operand_kind, seqlen_bucket
 
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 # The Triton interpreter runs numpy, which has no bfloat16 arithmetic.
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _CONFIG_CLASSES = {"fwd": FwdConfig, "bwd": BwdConfig}
 
 
@@ -66,7 +65,7 @@ def _table_keys(q_shape, seqlen_k, num_heads_kv, dtype, mask_dims, bias_dims, is
     batch, seqlen_q, num_heads, head_dim = q_shape
     mask_kind = operand_kind(mask_dims, num_heads, num_heads_kv, seqlen_q)
     bias_kind = operand_kind(bias_dims, num_heads, num_heads_kv, seqlen_q)
-    common = dict(dtype=_DTYPE_NAMES[dtype], head_dim=head_dim, causal=is_causal, mask=mask_kind,
+    common = dict(dtype=DTYPE_NAMES[dtype], head_dim=head_dim, causal=is_causal, mask=mask_kind,
                   gqa_ratio=num_heads // num_heads_kv, seqlen_q_bucket=seqlen_bucket(seqlen_q),
                   seqlen_k_bucket=seqlen_bucket(seqlen_k))
     bwd_bias = bias_kind + "+grad" if bias_requires_grad and bias_kind != "none" else bias_kind

@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import torch
+
+# The dtype spellings of the CLI, workloads and tables, and the torch dtypes they name.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
 
 @dataclass(frozen=True)
 class FwdConfig:
@@ -139,6 +145,13 @@ def expand_grid(direction: str, axes: dict[str, list[int]], where: str) -> list[
 # -- table keys ---------------------------------------------------------------------------------
 
 OPERAND_KINDS = ("none", "full", "kv_head", "per_key", "shared")
+
+
+def as_4d(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Left-pads a broadcastable mask/bias to 4-D (a view, never a copy)."""
+    if t is None or t.dim() == 4:
+        return t
+    return t[(None,) * (4 - t.dim())]
 
 
 def operand_kind(dims: tuple[int, int, int, int] | None, num_heads: int, num_heads_kv: int, seqlen_q: int) -> str:

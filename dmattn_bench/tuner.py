@@ -37,13 +37,12 @@ from dmattn_bench.adversarial import Inputs, build_inputs
 from dmattn_bench.hardware import local_limits
 from dmattn_bench.prune import precheck
 from dmattn_bench.registry import default_configs, get_backend
-from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, config_label
+from dmattn_bench.space import DTYPES, BwdConfig, FwdConfig, TableKey, as_4d, config_label
 from dmattn_bench.timing import Timing, time_kernel
 from dmattn_bench.validator import classify_failure, compare, run_reference, shape_of_case, validate
 from dmattn_bench.workers import Worker, WorkerCrashed, WorkerTimedOut, parallel_map
 from dmattn_bench.workloads import Workload
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WARMUP = 2
 REPEATS = 15  # medians of 15 L2-flushed runs: spread under 2% on H200 in the first tunes
 # Interpreter timings rank nothing real (DESIGN §4): measure once, to exercise the pipeline.
@@ -121,8 +120,8 @@ class _Problem:
         self.dtype = DTYPES[workload.dtype]
         self.inputs: Inputs = build_inputs(self.case, self.dtype, device, seed=0)
         q, k, v = self.inputs.q, self.inputs.k, self.inputs.v
-        self.mask = _as_4d(self.inputs.mask)
-        self.bias = _as_4d(self.inputs.bias)
+        self.mask = as_4d(self.inputs.mask)
+        self.bias = as_4d(self.inputs.bias)
         self.options = dict(is_causal=workload.causal, softmax_scale=workload.head_dim ** -0.5, softcap=0.0)
         nan = float("nan")
         self.out = torch.full(q.shape, nan, dtype=q.dtype, device=device)
@@ -163,10 +162,6 @@ class _Problem:
         if "dbias" in names:
             got["dbias"] = self.dbias.view(self.inputs.bias.shape)
         return {n: compare(n, got[n], self.high[n], self.low[n], self.dtype) for n in names}
-
-
-def _as_4d(t):
-    return t if t is None or t.dim() == 4 else t[(None,) * (4 - t.dim())]
 
 
 # -- worker side: these run in subprocesses -----------------------------------------------------
@@ -419,6 +414,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                 on_trial(trial)
 
     # -- resumed trials, and what needs no GPU time --
+    limits = local_limits(device) if device.type == "cuda" else None
     todo = []
     for workload, direction, config, is_default in plan:
         record = journal.trials.get(trial_id(workload, direction, backend_name, config))
@@ -428,7 +424,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             continue
         reason = backend.is_supported(config, _shape(workload))
         if reason is None and device.type == "cuda":
-            pruned = precheck(direction, config, local_limits(device), workload.head_dim, workload.dtype)
+            pruned = precheck(direction, config, limits, workload.head_dim, workload.dtype)
             reason = pruned.reason if pruned is not None else None
         if reason:
             finish(workload, direction, config, is_default, {"status": "unsupported", "reason": reason})

@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 
 from dmattn_bench import reference
-from dmattn_bench.adversarial import Case, Inputs, adversarial_cases, build_inputs
+from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, build_inputs
 from dmattn_bench.registry import Backend, default_configs, default_entries, get_backend
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, config_label
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, as_4d, config_label
 
 # Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
 # exact low-precision reference (error 0 on a tensor) does not demand an exact kernel.
@@ -128,15 +128,11 @@ def shape_of_case(case: Case) -> AttentionShape:
     )
 
 
-def _as_4d(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t if t is None or t.dim() == 4 else t[(None,) * (4 - t.dim())]
-
-
 def run_kernel(backend: Backend, inputs: Inputs, case: Case, fwd_config: FwdConfig,
                bwd_config: BwdConfig) -> dict[str, torch.Tensor]:
     """Forward + backward through `backend` into NaN-poisoned buffers."""
     q, k, v = inputs.q, inputs.k, inputs.v
-    mask, bias = _as_4d(inputs.mask), _as_4d(inputs.bias)
+    mask, bias = as_4d(inputs.mask), as_4d(inputs.bias)
     options = dict(is_causal=case.causal, softmax_scale=case.head_dim ** -0.5, softcap=case.softcap)
     nan = float("nan")
     out = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
@@ -308,7 +304,7 @@ def plan_default_configs(device: torch.device | str, suite: str) -> list[Planned
 
 def entry_case(key, batch: int = 1, heads_kv: int = 2) -> Case:
     """A case with the shape and features of a dispatch-table key (lengths = the buckets)."""
-    mask_shape = {"full": "full", "kv_head": "kv_head", "per_key": "key"}.get(key.mask, "full")
+    mask_shape = MASK_SHAPE_OF_KIND.get(key.mask, "full")
     bias = key.bias.removesuffix("+grad")
     if bias == "shared":
         bias = "full"

@@ -12,12 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from dmattn_bench.adversarial import Case
-from dmattn_bench.space import OPERAND_KINDS, TableKey, operand_kind, seqlen_bucket
+from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case
+from dmattn_bench.space import DTYPES, OPERAND_KINDS, TableKey, operand_kind, seqlen_bucket
 
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
-# workload mask kind -> the adversarial builder's mask shape
-_MASK_SHAPES = {"full": "full", "kv_head": "kv_head", "per_key": "key"}
 _BIAS_KINDS = ("none", "full", "kv_head", "per_key")
 GRID_KEYS = {"tokens", "heads", "head_dim", "seqlen", "causal", "gqa_ratio", "variants", "dtype"}
 
@@ -49,7 +46,7 @@ class Workload:
         return Case(
             name=self.label, batch=self.batch, heads=self.heads, heads_kv=self.heads_kv,
             seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, head_dim=self.head_dim, causal=self.causal,
-            mask="none" if self.mask == "none" else "random", mask_shape=_MASK_SHAPES.get(self.mask, "full"),
+            mask="none" if self.mask == "none" else "random", mask_shape=MASK_SHAPE_OF_KIND.get(self.mask, "full"),
             bias=self.bias, bias_grad=self.bias_grad,
         )
 
@@ -107,8 +104,8 @@ def _expand(grid: dict, where: str, dtypes: list[str] | None) -> list[Workload]:
     workloads = []
     axes = [_axis(grid, n, where) for n in ("head_dim", "seqlen", "causal", "gqa_ratio", "variants")]
     for dtype in dtypes or _axis(grid, "dtype", where):
-        if dtype not in DTYPE_NAMES:
-            raise ValueError(f"{where}.dtype: got {dtype!r}, expected one of {DTYPE_NAMES}")
+        if dtype not in DTYPES:
+            raise ValueError(f"{where}.dtype: got {dtype!r}, expected one of {tuple(DTYPES)}")
         for head_dim, seqlen, causal, gqa, variant in itertools.product(*axes):
             mask, bias = variant.get("mask", "none"), variant.get("bias", "none")
             if mask not in OPERAND_KINDS or bias not in _BIAS_KINDS:

@@ -12,14 +12,14 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from dmattn_bench import api, dispatch, flash_dmattn_func, ops
+from dmattn_bench import dispatch, flash_dmattn_func, ops
 from dmattn_bench.adversarial import build_inputs
 from dmattn_bench.cli.show import show
 from dmattn_bench.cli.tune import parse_duration, tune_command
 from dmattn_bench.cli.verify import verify
 from dmattn_bench.dispatch import DispatchWarning, load_table
 from dmattn_bench.registry import default_configs
-from dmattn_bench.space import FwdConfig, seqlen_bucket
+from dmattn_bench.space import FwdConfig, as_4d, seqlen_bucket
 from dmattn_bench.workloads import load_workloads
 
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
@@ -62,7 +62,7 @@ def test_workload_keys_match_the_runtime_keys():
     for workload in load_workloads("configs/ci.yaml"):
         inputs = build_inputs(workload.case(), torch.float32, "cpu")
         bias = inputs.bias.requires_grad_(workload.bias_grad) if inputs.bias is not None else None
-        fwd_key, bwd_key = ops.table_keys(inputs.q, inputs.k, api._as_4d(inputs.mask), api._as_4d(bias),
+        fwd_key, bwd_key = ops.table_keys(inputs.q, inputs.k, as_4d(inputs.mask), as_4d(bias),
                                           workload.causal, bias is not None and bias.requires_grad)
         assert fwd_key == workload.key("fwd")
         assert bwd_key == workload.key("bwd")
@@ -103,7 +103,7 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     # the runtime picks the tuned fwd config for this shape, and stays correct
     fwd_entry = next(e for e in table.entries if e.key.direction == "fwd")
     inputs = build_inputs(load_workloads(workloads)[0].case(), torch.float32, "cpu")
-    _, fwd_config = ops.select("fwd", inputs.q, inputs.k, api._as_4d(inputs.mask), api._as_4d(inputs.bias),
+    _, fwd_config = ops.select("fwd", inputs.q, inputs.k, as_4d(inputs.mask), as_4d(inputs.bias),
                                True, "auto", str(out), None, False)
     assert fwd_config == fwd_entry.config
 

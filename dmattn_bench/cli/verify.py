@@ -11,10 +11,9 @@ from dmattn_bench.errors import NoGpuError, ValidationFailed
 from dmattn_bench.dispatch import TableError, load_table
 from dmattn_bench.dispatch.lookup import ENV_VAR
 from dmattn_bench.errors import DmattnError
-from dmattn_bench.space import config_label
+from dmattn_bench.space import DTYPES, config_label
 from dmattn_bench.validator import CHECKED, SuiteResult, plan_default_configs, plan_table_entries, run_plan
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _summary_table(results: list[tuple[str, SuiteResult]], dtype: str, device: str) -> Table:

@@ -33,13 +33,14 @@ import yaml
 
 from dmattn_bench.hardware import DeviceFingerprint, software_versions
 from dmattn_bench.registry import BACKEND_NAMES, kernel_source_hash
+from dmattn_bench import space
 from dmattn_bench.space import CONFIG_CLASSES, DIRECTIONS, OPERAND_KINDS, BwdConfig, FwdConfig, TableKey
 
 SCHEMA_VERSION = 1
 # Real tables hold hundreds of entries (~100 KiB); the cap keeps a wrong or hostile file from
 # costing the YAML parser (pure Python per node) minutes and gigabytes.
 MAX_TABLE_BYTES = 16 * 1024 * 1024
-DTYPES = ("bf16", "fp16", "fp32")  # the spellings of `dmattn-bench verify --dtype`
+DTYPES = tuple(space.DTYPES)  # the spellings of `dmattn-bench verify --dtype`
 GRAD_SUFFIX = "+grad"  # a bwd bias with grad: dBias changes the kernel, so it is its own key
 
 TOP_KEYS = ("schema_version", "created", "device", "software", "kernel_hashes", "interpreter", "entries")
