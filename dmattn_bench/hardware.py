@@ -126,3 +126,35 @@ def software_versions() -> dict[str, str | None]:
     driver = _driver_version() if torch.cuda.is_available() else None
     return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "driver": driver, "dmattn_bench": __version__}
+
+
+@dataclass(frozen=True)
+class DevicePeaks:
+    """Dense bf16/fp16 tensor-core peak and HBM bandwidth: what `bench` measures floors against."""
+
+    tensor_flops: float  # FLOP/s, without structured sparsity
+    hbm_bytes_per_s: float
+
+    def __str__(self) -> str:
+        return f"{self.tensor_flops / 1e12:.0f} TFLOP/s, {self.hbm_bytes_per_s / 1e12:.2f} TB/s"
+
+
+# NVIDIA's datasheets (dense, i.e. half the "with sparsity" figure), matched against the device
+# name in this order (the first substring that matches wins).
+_PEAKS = (
+    ("H200", DevicePeaks(989e12, 4.8e12)),
+    ("H100 PCIe", DevicePeaks(756e12, 2.0e12)),
+    ("H100 NVL", DevicePeaks(835e12, 3.9e12)),
+    ("H100", DevicePeaks(989e12, 3.35e12)),  # SXM5, "H100 80GB HBM3"
+    ("A100-SXM4-80GB", DevicePeaks(312e12, 2.039e12)),
+    ("A100-SXM4-40GB", DevicePeaks(312e12, 1.555e12)),
+    ("A100 80GB PCIe", DevicePeaks(312e12, 1.935e12)),
+)
+
+
+def device_peaks(device: torch.device | str | None = None) -> DevicePeaks | None:
+    """The datasheet peaks of the local GPU, or None (CPU, or a GPU not in the list)."""
+    fingerprint = device_fingerprint(device)
+    if fingerprint is CPU_FINGERPRINT:
+        return None
+    return next((peaks for name, peaks in _PEAKS if name in fingerprint.name), None)

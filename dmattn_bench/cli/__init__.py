@@ -27,13 +27,14 @@ def cli() -> None:
 
 
 def _register() -> None:
+    from dmattn_bench.cli.bench import bench
     from dmattn_bench.cli.compile_check import compile_check
     from dmattn_bench.cli.info import info
     from dmattn_bench.cli.show import show
     from dmattn_bench.cli.tune import tune_command
     from dmattn_bench.cli.verify import verify
 
-    for command in (tune_command, verify, show, info, compile_check):
+    for command in (tune_command, verify, bench, show, info, compile_check):
         cli.add_command(command)
 
 

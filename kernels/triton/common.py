@@ -101,14 +101,14 @@ def scores_tile(
 
 
 @triton.jit
-def tile_is_active(visible, HAS_MASK: tl.constexpr):
-    """Whether a tile inside the loop bounds must be computed.
+def listed_block(blocks, i, HAS_MASK: tl.constexpr):
+    """The i-th tile index a loop visits.
 
-    With a mask, a tile with no visible position is skipped (no K/V/bias loads, no dots).
-    Without one the answer is the constant True, which the compiler folds away so the key loop
-    stays a straight, pipelinable loop.
+    With a mask, `blocks` points at one row of `launch.block_lists`: [count, index_0, index_1,
+    ...], the tiles that hold a visible position, increasing. Without one every tile in the loop
+    bounds is visited and the index is `i` itself.
     """
     if HAS_MASK:
-        return tl.max(visible.to(tl.int32)) > 0
+        return tl.load(blocks + 1 + i)
     else:
-        return tl.full([], 1, tl.int1)
+        return i

@@ -25,6 +25,10 @@ dBias partials: the kernel writes into `dbias_ptr`, shaped (B, Hp, Rp, Lk), wher
          block's rows are summed in registers).
 Each element has exactly one writer. The launcher sums the remaining broadcast dims on the host.
 
+Skipped work: with a mask both kernels walk only the tiles the activity summary lists
+(`activity.py`, `launch.block_lists`); the dK/dV kernel's list for a key block is the union over
+its GQA group's query heads, each of which still applies its own mask tile.
+
 Orientation: the dK/dV kernel works on key-major tiles (S^T, P^T, dS^T of shape
 (BLOCK_N, BLOCK_M), as in Triton's fused-attention tutorial), so the products dV += P^T dO and
 dK += dS^T Q take an MMA result as the left operand directly. Transposing an MMA result in
@@ -36,7 +40,7 @@ D=128, BLOCK_M=32, no mask, triton 3.6, 2026-11-21.
 import triton
 import triton.language as tl
 
-from dmattn_kernels.triton.common import LOG2E, score_dot, scores_tile, tile_is_active, visible_tile
+from dmattn_kernels.triton.common import LOG2E, listed_block, score_dot, scores_tile, visible_tile
 
 
 @triton.jit
@@ -91,7 +95,7 @@ def _store_dbias_t(dbias_base, ds_t, start_m, offs_m, offs_n, stride_dbm, stride
 @triton.jit
 def flash_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr,
-    dk_ptr, dv_ptr, dbias_ptr,
+    dk_ptr, dv_ptr, dbias_ptr, blocks_ptr,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -102,6 +106,7 @@ def flash_bwd_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+    stride_blb, stride_blh, stride_bln,
     num_heads_kv, seqlen_q, seqlen_k,
     mask_head_div, bias_head_div,
     softmax_scale, softcap,
@@ -133,12 +138,21 @@ def flash_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    m_start = 0
-    if IS_CAUSAL:
-        # the first query that sees key n0 is n0 - (Lk - Lq); earlier query blocks are all excluded
-        m_start = tl.maximum(pid_n * BLOCK_N - (seqlen_k - seqlen_q), 0) // BLOCK_M * BLOCK_M
+    if HAS_MASK:
+        # the query tiles active for any query head of the group (key-major `launch.block_lists`)
+        blocks = blocks_ptr + b * stride_blb + h_kv * stride_blh + pid_n * stride_bln
+        num_blocks = tl.load(blocks)
+        m_first = 0
+    else:
+        blocks = blocks_ptr
+        m_first = 0
+        if IS_CAUSAL:
+            # the first query that sees key n0 is n0 - (Lk - Lq); earlier query blocks are all excluded
+            m_first = tl.maximum(pid_n * BLOCK_N - (seqlen_k - seqlen_q), 0) // BLOCK_M
+        num_blocks = tl.cdiv(seqlen_q, BLOCK_M) - m_first
 
-    for start_m in range(m_start, seqlen_q, BLOCK_M):
+    for i in range(0, num_blocks):
+        start_m = (m_first + listed_block(blocks, i, HAS_MASK)) * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
         if HAS_DBIAS:
@@ -154,36 +168,36 @@ def flash_bwd_dkdv_kernel(
                 mask_base, offs_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
                 IS_CAUSAL, HAS_MASK,
             )
-            if tile_is_active(visible_t, HAS_MASK):
-                # -- load q, dO and the row statistics of this query head --
-                q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
-                dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
-                row_base = b * stride_lb + h * stride_lh
-                lse, delta = _load_row_stats(lse_ptr + row_base, delta_ptr + row_base, offs_m, stride_lm, seqlen_q)
-                bias_base = bias_ptr + b * stride_bb + (h // bias_head_div) * stride_bh
-                # -- recompute P^T, then dV, dS^T, dK --
-                s_t, capped_t = scores_tile(
-                    score_dot(k, tl.trans(q)), bias_base, offs_m[None, :], offs_n[:, None], stride_bm, stride_bn,
-                    visible_t, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
-                )
-                p_t = tl.exp2((s_t - lse[None, :]) * LOG2E)
-                dv += tl.dot(p_t.to(dout.dtype), dout)
-                dp_t = tl.dot(v, tl.trans(dout))
-                ds_t = p_t * (dp_t - delta[None, :])
-                ds_raw_t = ds_t
-                if HAS_SOFTCAP:
-                    ds_raw_t = ds_t * (1.0 - capped_t * capped_t)
-                dk += tl.dot(ds_raw_t.to(q.dtype), q)
-                if HAS_DBIAS:
-                    if DBIAS_PER_QHEAD:
-                        db = ds_t if DBIAS_ROWS else tl.sum(ds_t, 1)
-                        _store_dbias_t(dbias_ptr + b * stride_dbb + h * stride_dbh, db, start_m, offs_m, offs_n,
-                                       stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
+            # a tile may be empty for this head and active for another of its group: exact anyway
+            # -- load q, dO and the row statistics of this query head --
+            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
+            dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
+            row_base = b * stride_lb + h * stride_lh
+            lse, delta = _load_row_stats(lse_ptr + row_base, delta_ptr + row_base, offs_m, stride_lm, seqlen_q)
+            bias_base = bias_ptr + b * stride_bb + (h // bias_head_div) * stride_bh
+            # -- recompute P^T, then dV, dS^T, dK --
+            s_t, capped_t = scores_tile(
+                score_dot(k, tl.trans(q)), bias_base, offs_m[None, :], offs_n[:, None], stride_bm, stride_bn,
+                visible_t, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+            )
+            p_t = tl.exp2((s_t - lse[None, :]) * LOG2E)
+            dv += tl.dot(p_t.to(dout.dtype), dout)
+            dp_t = tl.dot(v, tl.trans(dout))
+            ds_t = p_t * (dp_t - delta[None, :])
+            ds_raw_t = ds_t
+            if HAS_SOFTCAP:
+                ds_raw_t = ds_t * (1.0 - capped_t * capped_t)
+            dk += tl.dot(ds_raw_t.to(q.dtype), q)
+            if HAS_DBIAS:
+                if DBIAS_PER_QHEAD:
+                    db = ds_t if DBIAS_ROWS else tl.sum(ds_t, 1)
+                    _store_dbias_t(dbias_ptr + b * stride_dbb + h * stride_dbh, db, start_m, offs_m, offs_n,
+                                   stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
+                else:
+                    if DBIAS_ROWS:
+                        dbias_acc += ds_t
                     else:
-                        if DBIAS_ROWS:
-                            dbias_acc += ds_t
-                        else:
-                            dbias_acc += tl.sum(ds_t, 1)
+                        dbias_acc += tl.sum(ds_t, 1)
         if HAS_DBIAS:
             if not DBIAS_PER_QHEAD:
                 _store_dbias_t(dbias_ptr + b * stride_dbb + h_kv * stride_dbh, dbias_acc, start_m, offs_m, offs_n,
@@ -197,7 +211,7 @@ def flash_bwd_dkdv_kernel(
 
 @triton.jit
 def flash_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, blocks_ptr,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -206,6 +220,7 @@ def flash_bwd_dq_kernel(
     stride_dob, stride_dom, stride_doh, stride_dod,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+    stride_blb, stride_blh, stride_blm,
     num_heads, seqlen_q, seqlen_k,
     mask_head_div, bias_head_div,
     softmax_scale, softcap,
@@ -240,31 +255,37 @@ def flash_bwd_dq_kernel(
     bias_base = bias_ptr + b * stride_bb + (h // bias_head_div) * stride_bh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    n_end = seqlen_k
-    if IS_CAUSAL:
-        n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
+    if HAS_MASK:
+        # the active key tiles of this query block (`launch.block_lists`)
+        blocks = blocks_ptr + b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm
+        num_blocks = tl.load(blocks)
+    else:
+        blocks = blocks_ptr
+        n_end = seqlen_k
+        if IS_CAUSAL:
+            n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
+        num_blocks = tl.cdiv(n_end, BLOCK_N)
 
-    for start_n in range(0, n_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+    for i in range(0, num_blocks):
+        offs_n = listed_block(blocks, i, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
         visible = visible_tile(
             mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
             IS_CAUSAL, HAS_MASK,
         )
-        if tile_is_active(visible, HAS_MASK):
-            kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
-            # -- recompute P, then dS = P (dP - delta) --
-            s, capped = scores_tile(
-                score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
-                visible, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
-            )
-            p = tl.exp2((s - lse[:, None]) * LOG2E)
-            dp = tl.dot(dout, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - capped * capped)
-            dq += tl.dot(ds.to(k.dtype), k)
+        kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
+        # -- recompute P, then dS = P (dP - delta) --
+        s, capped = scores_tile(
+            score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
+            visible, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+        )
+        p = tl.exp2((s - lse[:, None]) * LOG2E)
+        dp = tl.dot(dout, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - capped * capped)
+        dq += tl.dot(ds.to(k.dtype), k)
 
     # epilogue
     dq = dq * softmax_scale

@@ -13,14 +13,16 @@ Math, per (b, h) and query row i (scores as in `common.py`):
 computed online over key tiles (FlashAttention-2). A row with no visible key (m_i = -inf) is
 "dead": out_i = 0, lse_i = -inf, never NaN.
 
-Skipped work: key tiles beyond the causal diagonal are outside the loop bounds; with a mask, a
-tile whose mask is all False loads no K, V or bias and issues no dot.
+Skipped work: key tiles beyond the causal diagonal are outside the loop bounds. With a mask the
+key loop walks only the tiles the activity summary lists (`activity.py`): a tile with no visible
+position loads no K, V, mask or bias and issues no dot, and the loop has no branch to stop Triton
+from pipelining its loads.
 """
 
 import triton
 import triton.language as tl
 
-from dmattn_kernels.triton.common import LOG2E, score_dot, scores_tile, tile_is_active, visible_tile
+from dmattn_kernels.triton.common import LOG2E, listed_block, score_dot, scores_tile, visible_tile
 
 
 @triton.jit
@@ -69,7 +71,7 @@ def _online_softmax_step(
 
 @triton.jit
 def flash_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, out_ptr, lse_ptr, blocks_ptr,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -77,6 +79,7 @@ def flash_fwd_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_lb, stride_lh, stride_lm,
+    stride_blb, stride_blh, stride_blm,
     num_heads, seqlen_q, seqlen_k,
     mask_head_div, bias_head_div,
     softmax_scale, softcap,
@@ -113,23 +116,29 @@ def flash_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    n_end = seqlen_k
-    if IS_CAUSAL:
-        # the last row of this block sees keys up to (pid_m + 1) * BLOCK_M - 1 + Lk - Lq
-        n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
+    if HAS_MASK:
+        # the active key tiles of this query block (`launch.block_lists`)
+        blocks = blocks_ptr + b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm
+        num_blocks = tl.load(blocks)
+    else:
+        blocks = blocks_ptr
+        n_end = seqlen_k
+        if IS_CAUSAL:
+            # the last row of this block sees keys up to (pid_m + 1) * BLOCK_M - 1 + Lk - Lq
+            n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
+        num_blocks = tl.cdiv(n_end, BLOCK_N)
 
-    for start_n in range(0, n_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+    for i in range(0, num_blocks):
+        offs_n = listed_block(blocks, i, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
         visible = visible_tile(
             mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
             IS_CAUSAL, HAS_MASK,
         )
-        if tile_is_active(visible, HAS_MASK):
-            m_i, l_i, acc = _online_softmax_step(
-                q, m_i, l_i, acc, k_base, v_base, bias_base, offs_m, offs_n, offs_d, visible,
-                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                seqlen_k, softmax_scale, softcap, HEAD_DIM, HAS_SOFTCAP, HAS_BIAS,
-            )
+        m_i, l_i, acc = _online_softmax_step(
+            q, m_i, l_i, acc, k_base, v_base, bias_base, offs_m, offs_n, offs_d, visible,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+            seqlen_k, softmax_scale, softcap, HEAD_DIM, HAS_SOFTCAP, HAS_BIAS,
+        )
 
     # epilogue: a row with a visible key has l_i >= 1 (its max contributes exp(0)); l_i == 0 is dead
     dead = l_i == 0.0

@@ -12,9 +12,11 @@ import threading
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
+from dmattn_kernels.triton.activity import CELL, tile_activity_kernel
 from dmattn_kernels.triton.flash_bwd import (
     flash_bwd_dkdv_kernel,
     flash_bwd_dq_kernel,
@@ -25,11 +27,12 @@ from dmattn_kernels.triton.flash_fwd import flash_fwd_kernel
 _MODE = threading.local()  # compile-only switch of the current thread (see `compile_only`)
 
 MAX_HEAD_DIM = 256  # the largest head dim whose fp32 accumulator tile fits the register file
-MIN_BLOCK = 16  # tl.dot needs every tile dim >= 16
+MIN_BLOCK = CELL  # tl.dot needs every tile dim >= 16; the activity cells are that size
 MAX_BLOCK = 256
 WARP_CHOICES = (1, 2, 4, 8, 16)
 MAX_STAGES = 8
 PREPROCESS_BLOCK_M = 64  # delta = rowsum(dO * O) is memory-bound; any reasonable tile will do
+ACTIVITY_BLOCK = 64  # tile of the (memory-bound) activity pass; a multiple of CELL
 
 
 @contextmanager
@@ -101,9 +104,58 @@ def _broadcast_operand(t: torch.Tensor | None, num_heads: int, group: int, fallb
         return fallback, (0, 0, 0, 0), 1
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)  # same itemsize: a reinterpretation, not a copy
-    strides = tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+    strides = _zero_size1_strides(t)
     head_div = group if (t.shape[1] != num_heads and t.shape[1] != 1) else 1
     return t, strides, head_div
+
+
+def _zero_size1_strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+
+
+def tile_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool) -> torch.Tensor:
+    """(Bm, Hm, ceil(Lq/CELL), ceil(Lk/CELL)) int8: 1 where a CELL x CELL cell of the mask's own
+    batch and head slices holds a visible position (`activity.py`). One read of the mask."""
+    mask_arg = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    batch_m, heads_m = mask.shape[0], mask.shape[1]
+    active = torch.zeros((batch_m, heads_m, triton.cdiv(seqlen_q, CELL), triton.cdiv(seqlen_k, CELL)),
+                         dtype=torch.int8, device=mask.device)
+    _launch(
+        tile_activity_kernel, (triton.cdiv(seqlen_q, ACTIVITY_BLOCK), batch_m * heads_m),
+        mask_arg, active, *_zero_size1_strides(mask_arg), *active.stride(), heads_m, seqlen_q, seqlen_k,
+        IS_CAUSAL=is_causal, BLOCK_M=ACTIVITY_BLOCK, BLOCK_N=ACTIVITY_BLOCK, CELL=CELL,
+    )
+    return active
+
+
+def block_lists(active: torch.Tensor, block_rows: int, block_cols: int, *, key_major: bool = False,
+                group: int = 1) -> torch.Tensor:
+    """Per tile row, the tiles a kernel must visit: (Bm, Hl, rows, 1 + cols) int32, each row
+    [count, index_0, ..., index_{count-1}, unused...] with increasing indices.
+
+    `active` (from `tile_activity`) is pooled to (block_rows x block_cols) tiles of the
+    (query x key) plane. key_major: one row per key tile listing query tiles (the dK/dV kernel).
+    group > 1 (that kernel, when the mask has one slice per query head): the lists are the union
+    over each GQA group's heads, Hl = Hm / group.
+    """
+    cells = active
+    if group > 1 and cells.shape[1] > 1:
+        cells = cells.unflatten(1, (-1, group)).amax(2)
+    rows, cols = block_rows // CELL, block_cols // CELL
+    cells = F.pad(cells, (0, -cells.shape[-1] % cols, 0, -cells.shape[-2] % rows))
+    tiles = cells.unflatten(-1, (-1, cols)).unflatten(-3, (-1, rows)).amax(dim=(-3, -1)) > 0
+    if key_major:
+        tiles = tiles.transpose(-1, -2)
+    counts = tiles.sum(-1, dtype=torch.int32, keepdim=True)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return torch.cat([counts, order], dim=-1)
+
+
+def _block_list_args(blocks: torch.Tensor | None, fallback: torch.Tensor):
+    """Pointer and (batch, head, row) strides of a block list; stride 0 on broadcast dims."""
+    if blocks is None:
+        return fallback, (0, 0, 0)
+    return blocks, _zero_size1_strides(blocks)[:3]
 
 
 def attention_forward(
@@ -126,11 +178,16 @@ def attention_forward(
     group = num_heads // num_heads_kv
     mask_arg, mask_strides, mask_head_div = _broadcast_operand(mask, num_heads, group, q)
     bias_arg, bias_strides, bias_head_div = _broadcast_operand(bias, num_heads, group, q)
+    blocks = None
+    if mask is not None:
+        blocks = block_lists(tile_activity(mask, seqlen_q, seqlen_k, is_causal), config.block_m, config.block_n)
+    blocks_arg, blocks_strides = _block_list_args(blocks, q)
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * num_heads)
     _launch(
         flash_fwd_kernel, grid,
-        q, k, v, mask_arg, bias_arg, out, lse,
+        q, k, v, mask_arg, bias_arg, out, lse, blocks_arg,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out.stride(), *lse.stride(),
+        *blocks_strides,
         num_heads, seqlen_q, seqlen_k,
         mask_head_div, bias_head_div,
         softmax_scale, softcap if softcap > 0 else 1.0,
@@ -206,6 +263,16 @@ def attention_backward(
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
     )
     scalars = (mask_head_div, bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0)
+    kv_blocks = q_blocks = None
+    if mask is not None:
+        # one read of the mask serves both kernels' schedules
+        active = tile_activity(mask, seqlen_q, seqlen_k, is_causal)
+        per_qhead = mask.shape[1] == num_heads and group > 1
+        kv_blocks = block_lists(active, config.block_m, config.block_n, key_major=True,
+                                group=group if per_qhead else 1)
+        q_blocks = block_lists(active, config.block_m_dq, config.block_n_dq)
+    kv_blocks_arg, kv_blocks_strides = _block_list_args(kv_blocks, q)
+    q_blocks_arg, q_blocks_strides = _block_list_args(q_blocks, q)
 
     # -- delta = rowsum(dO * O) --
     delta = torch.empty_like(lse)
@@ -225,9 +292,9 @@ def attention_backward(
     partial_strides = partial.stride() if dbias is not None else (0, 0, 0, 0)
     _launch(
         flash_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, config.block_n), batch * num_heads_kv),
-        q, k, v, mask_arg, bias_arg, dout, lse, delta, dk, dv, partial,
+        q, k, v, mask_arg, bias_arg, dout, lse, delta, dk, dv, partial, kv_blocks_arg,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
-        *lse.stride(), *dk.stride(), *dv.stride(), *partial_strides,
+        *lse.stride(), *dk.stride(), *dv.stride(), *partial_strides, *kv_blocks_strides,
         num_heads_kv, seqlen_q, seqlen_k, *scalars,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows, DBIAS_PER_QHEAD=per_qhead,
@@ -237,9 +304,9 @@ def attention_backward(
     # -- dQ: one program per query block and query head --
     _launch(
         flash_bwd_dq_kernel, (triton.cdiv(seqlen_q, config.block_m_dq), batch * num_heads),
-        q, k, v, mask_arg, bias_arg, dout, lse, delta, dq,
+        q, k, v, mask_arg, bias_arg, dout, lse, delta, dq, q_blocks_arg,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
-        *lse.stride(), *dq.stride(),
+        *lse.stride(), *dq.stride(), *q_blocks_strides,
         num_heads, seqlen_q, seqlen_k, *scalars,
         BLOCK_M=config.block_m_dq, BLOCK_N=config.block_n_dq,
         num_warps=config.num_warps, num_stages=config.num_stages, **flags,

@@ -1,0 +1,95 @@
+"""`dmattn-bench bench`: the dispatch-selected kernel against its peers on the peer workloads."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import click
+import torch
+from rich.table import Table
+
+from dmattn_bench import output
+from dmattn_bench.bench import COLUMNS, Row, load_peer_workloads, markdown, plot, row_cells, run_bench
+from dmattn_bench.errors import DmattnError
+from dmattn_bench.hardware import device_peaks, software_versions
+from dmattn_bench.peers import PEERS, parse_peers
+
+DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "configs" / "workloads" / "peers.yaml"
+DEFAULT_PEERS = ",".join(name for name in PEERS if name != "dmattn")
+
+
+def _table(document: dict) -> Table:
+    table = Table(title=f"bench on {document['device']}")
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column in ("workload", "direction", "peer", "status") else "right")
+    for data in document["rows"]:
+        style = "bold" if data["peer"] == "dmattn" else None
+        table.add_row(*row_cells(Row(**data)), style=style)
+    table.caption = "ours/peer < 1: ours is faster; of floor: max(compute, memory) floor / median"
+    return table
+
+
+def _check_plot_available(plot_path: str | None) -> None:
+    if plot_path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        raise DmattnError("--plot needs matplotlib", "pip install 'dmattn-bench[plot]'") from None
+
+
+@click.command("bench")
+@click.option("--table", "table_path", type=click.Path(dir_okay=False), default=None,
+              help="Dispatch table for our kernel. Default: the usual lookup (DMATTN_BENCH_TABLE, shipped table, defaults).")
+@click.option("--workloads", "workloads_path", type=click.Path(exists=True, dir_okay=False),
+              default=str(DEFAULT_WORKLOADS), show_default="configs/workloads/peers.yaml",
+              help="Peer workloads YAML.")
+@click.option("--only", multiple=True, help="Run only workloads whose name starts with this (repeatable), e.g. --only W3.")
+@click.option("--peers", "peer_names", default=DEFAULT_PEERS, show_default=True,
+              help=f"Comma-separated peers besides ours, from: {', '.join(PEERS)}.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Override every workload's dtype (fp32/fp16 in the CPU interpreter).")
+@click.option("--repeats", type=click.IntRange(3, 1000), default=20, show_default=True, help="Timed repeats per row.")
+@click.option("--format", "fmt", type=click.Choice([*output.FORMATS, "markdown"]), default="human", show_default=True,
+              help="Result format on stdout.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write a PNG bar chart here (needs the `plot` extra: matplotlib).")
+@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Render a saved `--format json` report instead of measuring (e.g. to plot it elsewhere).")
+def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plot_path, from_json) -> None:
+    """Time our kernel and its peers (forward, forward+backward) on the peer workloads."""
+    _check_plot_available(plot_path)
+    if from_json is not None:
+        document = json.loads(Path(from_json).read_text())
+    else:
+        try:
+            peers = parse_peers(peer_names)
+            workloads = load_peer_workloads(workloads_path, dtype, list(only))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+        has_gpu = torch.cuda.is_available()
+        device = "cuda" if has_gpu else "cpu"
+        if not has_gpu:
+            output.info("no CUDA GPU: our kernel runs in the Triton interpreter (TRITON_INTERPRET=1); "
+                        "timings are not meaningful")
+        rows = run_bench(workloads, peers, device, table=table_path, repeats=repeats)
+        peaks = device_peaks(device)
+        document = {
+            "command": "dmattn-bench " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "dmattn-bench bench",
+            "device": torch.cuda.get_device_name() if has_gpu else "cpu (interpreter)",
+            "software": software_versions(),
+            "peaks": None if peaks is None else str(peaks),
+            "repeats": repeats,
+            "workloads": [w.describe() for w in workloads],
+            "rows": [row.to_dict() for row in rows],
+        }
+    if fmt == "markdown":
+        sys.stdout.write(markdown(document))
+    else:
+        output.render(document, [_table(document)], fmt)
+    if plot_path is not None:
+        plot(document, plot_path)
+        output.info(f"plot written to {plot_path}")

@@ -1,0 +1,222 @@
+"""The kernels `dmattn-bench bench` measures side by side: ours (dispatch-selected) and its peers.
+
+Every peer is prepared once per workload (layout copies, block masks, float masks: setup, not
+timed) into a `Prepared`: a call that runs the forward on the prepared tensors, and the leaves the
+backward differentiates. A peer that cannot run raises; the bench records the error as a row.
+
+Peers computing the same function as ours (FlexAttention, SDPA with a float mask, flash-dmattn)
+get the same mask and bias; the dense-causal speed references (SDPA flash, SDPA cuDNN) get only
+q, k, v and the causal rule.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dmattn_bench.api import flash_dmattn_func
+from dmattn_bench.space import config_label
+
+OURS = "dmattn"
+
+
+@dataclass
+class Prepared:
+    """One peer ready to run one workload."""
+
+    forward: Callable[[], torch.Tensor]  # returns out in (B, Lq, H, D) order or (B, H, Lq, D), see `layout`
+    leaves: list[torch.Tensor]  # what its backward produces gradients for
+    setup_ms: float | None = None  # one-off work per mask (e.g. FlexAttention's block mask)
+    note: str = ""
+    layout: str = "blhd"  # "blhd" or "bhld": how to compare its output with ours
+    semantic: bool = True  # computes the workload's function (False: a dense speed reference)
+
+
+@dataclass(frozen=True)
+class BenchInputs:
+    """A workload's tensors in the contract's layout (q (B, L, H, D), k/v (B, L, Hkv, D))."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None  # bool, 4-D
+    bias: torch.Tensor | None  # 4-D, requires grad when the workload's bias is learnable
+    is_causal: bool
+    extra: dict = field(default_factory=dict)
+
+
+def _leaf(t: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(requires_grad)
+
+
+def _bhld_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().transpose(1, 2).contiguous().requires_grad_()
+
+
+def _ours(inputs: BenchInputs, table: str | None) -> Prepared:
+    from dmattn_bench import ops
+    from dmattn_bench.space import as_4d
+
+    q, k, v = (_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
+    bias = None if inputs.bias is None else _leaf(inputs.bias, inputs.bias.requires_grad)
+    fwd_choice = ops.select("fwd", q, k, as_4d(inputs.mask), as_4d(bias), inputs.is_causal, "auto", table, None,
+                            bias is not None and bias.requires_grad)
+    bwd_choice = ops.select("bwd", q, k, as_4d(inputs.mask), as_4d(bias), inputs.is_causal, "auto", table, None,
+                            bias is not None and bias.requires_grad)
+
+    def forward():
+        return flash_dmattn_func(q, k, v, inputs.mask, bias, is_causal=inputs.is_causal, table=table)
+
+    leaves = [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
+    note = (f"{fwd_choice[0].name} fwd {config_label(fwd_choice[1])}, bwd {config_label(bwd_choice[1])}")
+    return Prepared(forward, leaves, note=note)
+
+
+def _index(operand: torch.Tensor, b, h, q_idx, kv_idx, group_div: int):
+    """operand[b, h // group_div, q, kv] with size-1 (broadcast) dims read at 0."""
+    dims = operand.shape
+    zero = torch.zeros_like(q_idx)
+    return operand[
+        b if dims[0] > 1 else zero,
+        h // group_div if dims[1] > 1 else zero,
+        q_idx if dims[2] > 1 else zero,
+        kv_idx if dims[3] > 1 else zero,
+    ]
+
+
+def _flex(inputs: BenchInputs, kernel_options: dict | None) -> Prepared:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = (_bhld_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
+    batch, heads, seqlen_q, _ = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    mask, bias = inputs.mask, None if inputs.bias is None else _leaf(inputs.bias, inputs.bias.requires_grad)
+    offset = seqlen_k - seqlen_q
+    mask_div = heads // mask.shape[1] if mask is not None and mask.shape[1] > 1 else 1
+    bias_div = heads // bias.shape[1] if bias is not None and bias.shape[1] > 1 else 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = kv_idx <= q_idx + offset if inputs.is_causal else kv_idx >= 0
+        if mask is not None:
+            keep = keep & _index(mask, b, h, q_idx, kv_idx, mask_div)
+        return keep
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + _index(bias, b, h, q_idx, kv_idx, bias_div).to(score.dtype)
+
+    # every workload's mask_mod/score_mod closures are new functions: without a reset they count
+    # as recompiles of one frame, and past dynamo's limit flex_attention silently runs eagerly
+    # (20 ms instead of 0.4 ms on W3, H100, 2026-11-21)
+    torch._dynamo.reset()
+    begin = time.perf_counter()
+    block_mask = create_block_mask(mask_mod, batch if mask is not None else None,
+                                   heads if mask is not None else None, seqlen_q, seqlen_k, device=q.device)
+    if q.is_cuda:
+        torch.cuda.synchronize()
+    setup_ms = (time.perf_counter() - begin) * 1e3
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def forward():
+        return compiled(q, k, v, score_mod=score_mod if bias is not None else None, block_mask=block_mask,
+                        enable_gqa=heads != heads_kv, kernel_options=kernel_options)
+
+    leaves = [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
+    note = "block mask built once (setup_ms, after compiling create_block_mask)"
+    if kernel_options:
+        note += "; backward tiles " + ",".join(f"{key}={value}" for key, value in kernel_options.items())
+    return Prepared(forward, leaves, setup_ms=setup_ms, note=note, layout="bhld")
+
+
+def _float_mask(inputs: BenchInputs, heads: int) -> torch.Tensor:
+    """bias where visible, -inf elsewhere, (B, H|1, Lq, Lk) in q's dtype (SDPA's additive mask)."""
+    batch, seqlen_q, _, _ = inputs.q.shape
+    seqlen_k = inputs.k.shape[1]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=inputs.q.device)
+    if inputs.is_causal:
+        visible = visible.tril(seqlen_k - seqlen_q)
+    visible = visible.expand(batch, 1, seqlen_q, seqlen_k)
+    if inputs.mask is not None:
+        visible = visible & _repeat_heads(inputs.mask, heads)
+    bias = torch.zeros((), dtype=inputs.q.dtype, device=inputs.q.device)
+    if inputs.bias is not None:
+        bias = _repeat_heads(inputs.bias.detach(), heads).to(inputs.q.dtype)
+    return torch.where(visible, bias, torch.tensor(float("-inf"), dtype=inputs.q.dtype, device=inputs.q.device))
+
+
+def _repeat_heads(operand: torch.Tensor, heads: int) -> torch.Tensor:
+    if operand.shape[1] in (1, heads):
+        return operand
+    return operand.repeat_interleave(heads // operand.shape[1], dim=1)
+
+
+def _sdpa(inputs: BenchInputs, kernel: str, dense: bool) -> Prepared:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+               "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel]
+    q, k, v = (_bhld_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
+    heads, heads_kv = q.shape[1], k.shape[1]
+    float_mask = None
+    note = "dense causal speed reference: no mask, no bias" if dense else "float mask = bias or -inf, built once; no dbias"
+    if not dense and (inputs.mask is not None or inputs.bias is not None):
+        float_mask = _float_mask(inputs, heads)
+    causal = inputs.is_causal and float_mask is None
+    if heads != heads_kv:
+        # the fused SDPA kernels take GQA only through enable_gqa, which not all of them accept:
+        # repeat K/V to H heads once, outside the timed call
+        k, v = (_leaf(t.detach().repeat_interleave(heads // heads_kv, dim=1)) for t in (k, v))
+        note += f"; K/V repeated to {heads} heads"
+
+    def forward():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=float_mask, is_causal=causal)
+
+    return Prepared(forward, [q, k, v], note=note, layout="bhld", semantic=not dense)
+
+
+def _flash_dmattn(inputs: BenchInputs) -> Prepared:
+    if importlib.util.find_spec("flash_dmattn") is None:
+        raise RuntimeError("flash_dmattn is not installed (pip install flash-dmattn)")
+    import flash_dmattn
+
+    q, k, v = (_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
+    bias = None if inputs.bias is None else _leaf(inputs.bias, inputs.bias.requires_grad)
+
+    def forward():
+        return flash_dmattn.flash_dmattn_func(q, k, v, attn_mask=inputs.mask, attn_bias=bias,
+                                              is_causal=inputs.is_causal)
+
+    leaves = [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
+    return Prepared(forward, leaves, note=f"flash_dmattn {getattr(flash_dmattn, '__version__', '?')}")
+
+
+# Smaller backward tiles than FlexAttention's defaults, which run out of shared memory on the
+# W1 backward (D128 with a captured bias gradient; issue #5's H200 figures).
+FLEX_SMALL_BACKWARD = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+
+PEERS: dict[str, Callable[[BenchInputs, str | None], Prepared]] = {
+    OURS: lambda inputs, table: _ours(inputs, table),
+    "flex": lambda inputs, table: _flex(inputs, None),
+    "flex-small-bwd": lambda inputs, table: _flex(inputs, FLEX_SMALL_BACKWARD),
+    "sdpa-efficient": lambda inputs, table: _sdpa(inputs, "efficient", dense=False),
+    "sdpa-flash-dense": lambda inputs, table: _sdpa(inputs, "flash", dense=True),
+    "sdpa-cudnn-dense": lambda inputs, table: _sdpa(inputs, "cudnn", dense=True),
+    "flash-dmattn": lambda inputs, table: _flash_dmattn(inputs),
+}
+
+
+def parse_peers(text: str) -> list[str]:
+    """`"flex,sdpa-efficient"` -> the peer names, ours first (always measured: ratios need it).
+
+    Raises:
+        ValueError: an unknown peer name.
+    """
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PEERS]
+    if unknown:
+        raise ValueError(f"--peers: unknown {unknown}, expected names from {', '.join(PEERS)}")
+    return [OURS] + [name for name in names if name != OURS]
