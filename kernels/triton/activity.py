@@ -31,28 +31,26 @@ def tile_activity_kernel(
     CELL: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M % CELL == 0 and BLOCK_N % CELL == 0)
+    # one program per (BLOCK_M x BLOCK_N) tile: the pass is memory-bound and needs every load in
+    # flight at once (a program walking a whole row strip ran at a fifth of HBM speed, H100)
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_n = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    if IS_CAUSAL:
+        if pid_n * BLOCK_N > (pid_m + 1) * BLOCK_M - 1 + seqlen_k - seqlen_q:
+            return  # entirely past the causal diagonal: its cells stay 0 (zero-initialised output)
     b = (pid_bh // num_mask_heads).to(tl.int64)
     h = (pid_bh % num_mask_heads).to(tl.int64)
-    mask_base = mask_ptr + b * stride_mb + h * stride_mh
-    active_base = active_ptr + b * stride_ab + h * stride_ah
-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    visible = visible_tile(
+        mask_ptr + b * stride_mb + h * stride_mh, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn,
+        seqlen_q, seqlen_k, IS_CAUSAL, True,
+    )
+    cells = tl.reshape(visible.to(tl.int32), [BLOCK_M // CELL, CELL, BLOCK_N // CELL, CELL])
+    cells = tl.max(tl.max(cells, 3), 1)
     cell_rows = pid_m * (BLOCK_M // CELL) + tl.arange(0, BLOCK_M // CELL)
-    n_end = seqlen_k
-    if IS_CAUSAL:
-        # cells past the causal diagonal stay 0 (the output is zero-initialised)
-        n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
-    for start_n in range(0, n_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        visible = visible_tile(
-            mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
-            IS_CAUSAL, True,
-        )
-        cells = tl.reshape(visible.to(tl.int32), [BLOCK_M // CELL, CELL, BLOCK_N // CELL, CELL])
-        cells = tl.max(tl.max(cells, 3), 1)
-        cell_cols = start_n // CELL + tl.arange(0, BLOCK_N // CELL)
-        in_range = (cell_rows[:, None] * CELL < seqlen_q) & (cell_cols[None, :] * CELL < seqlen_k)
-        tl.store(active_base + cell_rows[:, None] * stride_am + cell_cols[None, :] * stride_an,
-                 cells.to(tl.int8), mask=in_range)
+    cell_cols = pid_n * (BLOCK_N // CELL) + tl.arange(0, BLOCK_N // CELL)
+    in_range = (cell_rows[:, None] * CELL < seqlen_q) & (cell_cols[None, :] * CELL < seqlen_k)
+    tl.store(active_ptr + b * stride_ab + h * stride_ah + cell_rows[:, None] * stride_am + cell_cols[None, :] * stride_an,
+             cells.to(tl.int8), mask=in_range)

@@ -178,7 +178,7 @@ def flash_bwd_dkdv_kernel(
             # -- recompute P^T, then dV, dS^T, dK --
             s_t, capped_t = scores_tile(
                 score_dot(k, tl.trans(q)), bias_base, offs_m[None, :], offs_n[:, None], stride_bm, stride_bn,
-                visible_t, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+                visible_t, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
             )
             p_t = tl.exp2((s_t - lse[None, :]) * LOG2E)
             dv += tl.dot(p_t.to(dout.dtype), dout)
@@ -278,7 +278,7 @@ def flash_bwd_dq_kernel(
         # -- recompute P, then dS = P (dP - delta) --
         s, capped = scores_tile(
             score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
-            visible, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+            visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
         )
         p = tl.exp2((s - lse[:, None]) * LOG2E)
         dp = tl.dot(dout, tl.trans(v))

@@ -44,6 +44,7 @@ def _online_softmax_step(
     stride_vd,
     stride_bm,
     stride_bn,
+    seqlen_q,
     seqlen_k,
     softmax_scale,
     softcap,
@@ -56,7 +57,7 @@ def _online_softmax_step(
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
     s, _ = scores_tile(
         score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
-        visible, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+        visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
     )
     # -- online softmax: a row that has seen nothing visible keeps m = -inf and shifts by 0 --
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -137,7 +138,7 @@ def flash_fwd_kernel(
         m_i, l_i, acc = _online_softmax_step(
             q, m_i, l_i, acc, k_base, v_base, bias_base, offs_m, offs_n, offs_d, visible,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-            seqlen_k, softmax_scale, softcap, HEAD_DIM, HAS_SOFTCAP, HAS_BIAS,
+            seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, HAS_SOFTCAP, HAS_BIAS,
         )
 
     # epilogue: a row with a visible key has l_i >= 1 (its max contributes exp(0)); l_i == 0 is dead

@@ -32,7 +32,7 @@ MAX_BLOCK = 256
 WARP_CHOICES = (1, 2, 4, 8, 16)
 MAX_STAGES = 8
 PREPROCESS_BLOCK_M = 64  # delta = rowsum(dO * O) is memory-bound; any reasonable tile will do
-ACTIVITY_BLOCK = 64  # tile of the (memory-bound) activity pass; a multiple of CELL
+ACTIVITY_BLOCK_M, ACTIVITY_BLOCK_N = 64, 256  # tile of the (memory-bound) activity pass; multiples of CELL
 
 
 @contextmanager
@@ -121,9 +121,10 @@ def tile_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: b
     active = torch.zeros((batch_m, heads_m, triton.cdiv(seqlen_q, CELL), triton.cdiv(seqlen_k, CELL)),
                          dtype=torch.int8, device=mask.device)
     _launch(
-        tile_activity_kernel, (triton.cdiv(seqlen_q, ACTIVITY_BLOCK), batch_m * heads_m),
+        tile_activity_kernel,
+        (triton.cdiv(seqlen_q, ACTIVITY_BLOCK_M), triton.cdiv(seqlen_k, ACTIVITY_BLOCK_N), batch_m * heads_m),
         mask_arg, active, *_zero_size1_strides(mask_arg), *active.stride(), heads_m, seqlen_q, seqlen_k,
-        IS_CAUSAL=is_causal, BLOCK_M=ACTIVITY_BLOCK, BLOCK_N=ACTIVITY_BLOCK, CELL=CELL,
+        IS_CAUSAL=is_causal, BLOCK_M=ACTIVITY_BLOCK_M, BLOCK_N=ACTIVITY_BLOCK_N, CELL=CELL, num_warps=8,
     )
     return active
 
