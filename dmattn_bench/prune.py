@@ -45,15 +45,13 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # The kernels of a direction that have tunables (the bwd preprocess kernel has a fixed tile).
 KERNELS = {"fwd": ("flash_fwd_kernel",), "bwd": ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel")}
 # The feature variants a config must serve, compiled for each candidate (the fit is the max over
-# them). Causal + bias (+ dBias with query rows) carry the most tiles; softcap adds none and
-# GROUP=1 keeps the dK/dV head loop short. Both mask settings are needed: with a mask, the skip
-# of empty tiles is a data-dependent branch that keeps Triton's pipeliner from multi-buffering
-# the loop, so it is the heaviest in registers; without one, the loop is pipelined and shared
-# memory grows with num_stages (sm80 fwd 128x64, D 128, 8 warps, 3 stages: 48 KiB with a mask,
-# 160 KiB without; Triton 3.9).
+# them). Causal + bias (+ dBias with query rows) carry the most tiles; softcap adds none; GROUP
+# only changes head arithmetic. Both mask settings are compiled: with a mask the loops walk a
+# block list and pipeline the mask tile's loads too, without one they do neither, so shared
+# memory and registers differ between the two.
 WORST_CASE_FEATURES = dict(
     IS_CAUSAL=True, HAS_MASK=True, HAS_BIAS=True, HAS_SOFTCAP=False,
-    HAS_DBIAS=True, DBIAS_ROWS=True, DBIAS_PER_QHEAD=False, GROUP=1,
+    HAS_DBIAS=True, DBIAS_ROWS=True, GROUP=1,
 )
 FEATURE_VARIANTS = (WORST_CASE_FEATURES, dict(WORST_CASE_FEATURES, HAS_MASK=False))
 # Strides that are 1 in a contiguous launch: Triton specializes an int argument equal to 1 into a
@@ -61,9 +59,10 @@ FEATURE_VARIANTS = (WORST_CASE_FEATURES, dict(WORST_CASE_FEATURES, HAS_MASK=Fals
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd",
                 "stride_dvd", "stride_dqd", "stride_mn", "stride_bn", "stride_dbn", "stride_lm")
 # Ints not known to be multiples of 16 (everything else is: pointers, row/head/batch strides).
-UNALIGNED_INTS = ("num_heads", "num_heads_kv", "seqlen_q", "seqlen_k", "mask_head_div", "bias_head_div")
+UNALIGNED_INTS = ("num_heads", "seqlen_q", "seqlen_k", "mask_head_div", "bias_head_div")
 FP32_POINTERS = ("lse_ptr", "delta_ptr", "bias_ptr", "dbias_ptr")  # bias: fp32 is the larger allowed dtype
 U8_POINTERS = ("mask_ptr",)  # bool masks are launched as a uint8 view
+I32_POINTERS = ("blocks_ptr",)  # the block lists of `launch.block_lists`
 FP32_SCALARS = ("softmax_scale", "softcap")
 WARP_SIZE = 32
 ERROR_REASON_CHARS = 200
@@ -246,7 +245,8 @@ def _source(fn, dtype: str, constexprs: dict):
             values[name] = constexprs.get(name, 1)
             continue
         if name.endswith("_ptr"):
-            signature[name] = "*u8" if name in U8_POINTERS else "*fp32" if name in FP32_POINTERS else f"*{dtype}"
+            signature[name] = ("*u8" if name in U8_POINTERS else "*i32" if name in I32_POINTERS
+                               else "*fp32" if name in FP32_POINTERS else f"*{dtype}")
         elif name in FP32_SCALARS:
             signature[name] = "fp32"
             continue

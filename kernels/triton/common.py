@@ -86,8 +86,11 @@ def scores_tile(
     softcap,
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
     """Scores of one tile from its raw q.k products, -inf where not visible.
+
+    MASKED=False is for tiles the caller knows to be wholly visible: `visible` is then ignored.
 
     The bias is read everywhere inside the sequence bounds and discarded by the final `where`
     at excluded positions, so NaN/inf there never reaches a result; predicating its load on
@@ -106,7 +109,8 @@ def scores_tile(
         in_bounds = (rows < seqlen_q) & (cols < seqlen_k)
         bias = tl.load(bias_base + rows * stride_bm + cols * stride_bn, mask=in_bounds, other=0.0)
         s = s + bias.to(tl.float32)
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
     return s, capped
 
 

@@ -13,7 +13,8 @@ Math, per (b, h) and query row i (scores as in `common.py`):
 computed online over key tiles (FlashAttention-2). A row with no visible key (m_i = -inf) is
 "dead": out_i = 0, lse_i = -inf, never NaN.
 
-Skipped work: key tiles beyond the causal diagonal are outside the loop bounds. With a mask the
+Skipped work: key tiles beyond the causal diagonal are outside the loop bounds; without a mask,
+tiles wholly visible skip the visibility test (a loop of their own). With a mask the
 key loop walks only the tiles the activity summary lists (`activity.py`): a tile with no visible
 position loads no K, V, mask or bias and issues no dot, and the loop has no branch to stop Triton
 from pipelining its loads.
@@ -51,13 +52,14 @@ def _online_softmax_step(
     HEAD_DIM: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     # -- load k, v (rows past Lk and lanes past HEAD_DIM read as 0, never as memory) --
     kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
     s, _ = scores_tile(
         score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
-        visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+        visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, MASKED,
     )
     # -- online softmax: a row that has seen nothing visible keeps m = -inf and shifts by 0 --
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -117,6 +119,7 @@ def flash_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    first_masked = 0
     if HAS_MASK:
         # the active key tiles of this query block (`launch.block_lists`)
         blocks = blocks_ptr + b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm
@@ -128,8 +131,20 @@ def flash_fwd_kernel(
             # the last row of this block sees keys up to (pid_m + 1) * BLOCK_M - 1 + Lk - Lq
             n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
         num_blocks = tl.cdiv(n_end, BLOCK_N)
+        # Key tiles inside Lk and left of the causal diagonal of the block's first row are seen
+        # whole by every row: they skip the visibility test (rows past Lq read q = 0, stay
+        # finite and are never stored). Only the diagonal and the Lk tail need it.
+        first_masked = seqlen_k // BLOCK_N
+        if IS_CAUSAL:
+            first_masked = tl.minimum(first_masked, tl.maximum(pid_m * BLOCK_M + seqlen_k - seqlen_q + 1, 0) // BLOCK_N)
+        for i in range(0, first_masked):
+            m_i, l_i, acc = _online_softmax_step(
+                q, m_i, l_i, acc, k_base, v_base, bias_base, offs_m, i * BLOCK_N + tl.arange(0, BLOCK_N), offs_d,
+                q_in, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, HAS_SOFTCAP, HAS_BIAS, False,
+            )
 
-    for i in range(0, num_blocks):
+    for i in range(first_masked, num_blocks):
         offs_n = listed_block(blocks, i, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
         visible = visible_tile(
             mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
@@ -138,7 +153,7 @@ def flash_fwd_kernel(
         m_i, l_i, acc = _online_softmax_step(
             q, m_i, l_i, acc, k_base, v_base, bias_base, offs_m, offs_n, offs_d, visible,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-            seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, HAS_SOFTCAP, HAS_BIAS,
+            seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, HAS_SOFTCAP, HAS_BIAS, True,
         )
 
     # epilogue: a row with a visible key has l_i >= 1 (its max contributes exp(0)); l_i == 0 is dead

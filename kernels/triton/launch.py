@@ -129,21 +129,15 @@ def tile_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: b
     return active
 
 
-def block_lists(active: torch.Tensor, block_rows: int, block_cols: int, *, key_major: bool = False,
-                group: int = 1) -> torch.Tensor:
-    """Per tile row, the tiles a kernel must visit: (Bm, Hl, rows, 1 + cols) int32, each row
+def block_lists(active: torch.Tensor, block_rows: int, block_cols: int, *, key_major: bool = False) -> torch.Tensor:
+    """Per tile row, the tiles a kernel must visit: (Bm, Hm, rows, 1 + cols) int32, each row
     [count, index_0, ..., index_{count-1}, unused...] with increasing indices.
 
     `active` (from `tile_activity`) is pooled to (block_rows x block_cols) tiles of the
     (query x key) plane. key_major: one row per key tile listing query tiles (the dK/dV kernel).
-    group > 1 (that kernel, when the mask has one slice per query head): the lists are the union
-    over each GQA group's heads, Hl = Hm / group.
     """
-    cells = active
-    if group > 1 and cells.shape[1] > 1:
-        cells = cells.unflatten(1, (-1, group)).amax(2)
     rows, cols = block_rows // CELL, block_cols // CELL
-    cells = F.pad(cells, (0, -cells.shape[-1] % cols, 0, -cells.shape[-2] % rows))
+    cells = F.pad(active, (0, -active.shape[-1] % cols, 0, -active.shape[-2] % rows))
     tiles = cells.unflatten(-1, (-1, cols)).unflatten(-3, (-1, rows)).amax(dim=(-3, -1)) > 0
     if key_major:
         tiles = tiles.transpose(-1, -2)
@@ -206,31 +200,29 @@ def attention_forward(
     )
 
 
-def _dbias_partial(dbias: torch.Tensor, bias_shape, batch, num_heads, num_heads_kv, seqlen_q, seqlen_k, block_m):
-    """The buffer the dK/dV kernel writes dBias into, and how to finish it.
+def _dbias_partial(dbias: torch.Tensor, batch, num_heads, seqlen_q, seqlen_k, block_m):
+    """The buffer the dK/dV kernel writes dBias into: (B, H, Lq or one row per query block, Lk).
 
     Returns:
-        (partial, rows, per_qhead, reduce_dims): the kernel target (zeroed: skipped tiles are
-        never written), whether it keeps query rows, whether it keeps one slice per query head,
-        and the dims still to sum into `dbias` (empty when `partial` is `dbias` itself).
+        (partial, rows): the kernel target (zeroed: tiles the schedule skips are never written)
+        and whether it keeps query rows. `partial` is `dbias` itself when the shapes agree.
     """
-    bias_b, bias_h, bias_m, bias_n = bias_shape
-    rows = bias_m != 1 or seqlen_q == 1
-    per_qhead = bias_h == num_heads and num_heads != num_heads_kv
-    partial_shape = (
-        batch,
-        num_heads if per_qhead else num_heads_kv,
-        seqlen_q if rows else triton.cdiv(seqlen_q, block_m),
-        seqlen_k,
-    )
-    reduce_dims = tuple(
-        dim for dim, (have, want) in enumerate(zip(partial_shape, bias_shape)) if have != want
-    )
-    if not reduce_dims and dbias.is_contiguous():
-        dbias.zero_()
-        return dbias, rows, per_qhead, reduce_dims
-    partial = torch.zeros(partial_shape, dtype=torch.float32, device=dbias.device)
-    return partial, rows, per_qhead, reduce_dims
+    rows = dbias.shape[2] != 1 or seqlen_q == 1
+    partial_shape = (batch, num_heads, seqlen_q if rows else triton.cdiv(seqlen_q, block_m), seqlen_k)
+    if tuple(dbias.shape) == partial_shape and dbias.is_contiguous():
+        return dbias.zero_(), rows
+    return torch.zeros(partial_shape, dtype=torch.float32, device=dbias.device), rows
+
+
+def _finish_dbias(partial: torch.Tensor, dbias: torch.Tensor) -> None:
+    """Sums the partials into the bias's broadcast shape in a fixed order (deterministic): the
+    query heads of each GQA group when the bias has one slice per kv head, then every dim the
+    bias broadcasts (size 1)."""
+    heads = dbias.shape[1]
+    if heads not in (1, partial.shape[1]):
+        partial = partial.unflatten(1, (heads, -1)).sum(2)
+    reduce_dims = tuple(dim for dim in range(4) if dbias.shape[dim] == 1 and partial.shape[dim] != 1)
+    dbias.copy_(partial.sum(dim=reduce_dims, keepdim=True) if reduce_dims else partial)
 
 
 def attention_backward(
@@ -268,9 +260,7 @@ def attention_backward(
     if mask is not None:
         # one read of the mask serves both kernels' schedules
         active = tile_activity(mask, seqlen_q, seqlen_k, is_causal)
-        per_qhead = mask.shape[1] == num_heads and group > 1
-        kv_blocks = block_lists(active, config.block_m, config.block_n, key_major=True,
-                                group=group if per_qhead else 1)
+        kv_blocks = block_lists(active, config.block_m, config.block_n, key_major=True)
         q_blocks = block_lists(active, config.block_m_dq, config.block_n_dq)
     kv_blocks_arg, kv_blocks_strides = _block_list_args(kv_blocks, q)
     q_blocks_arg, q_blocks_strides = _block_list_args(q_blocks, q)
@@ -283,24 +273,31 @@ def attention_backward(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK_M,
     )
 
-    # -- dK, dV (and dBias partials): one program per key block and kv head --
+    # -- dK, dV (and dBias partials): one program per key block and query head --
     if dbias is not None:
-        partial, rows, per_qhead, reduce_dims = _dbias_partial(
-            dbias, bias.shape, batch, num_heads, num_heads_kv, seqlen_q, seqlen_k, config.block_m
-        )
+        partial, rows = _dbias_partial(dbias, batch, num_heads, seqlen_q, seqlen_k, config.block_m)
     else:
-        partial, rows, per_qhead, reduce_dims = q, True, False, ()
+        partial, rows = q, True
+    if group > 1:
+        # each query head's share, summed per group below (fixed order: deterministic, no atomics)
+        dk_share = torch.empty((batch, seqlen_k, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        dv_share = torch.empty_like(dk_share)
+    else:
+        dk_share, dv_share = dk, dv
     partial_strides = partial.stride() if dbias is not None else (0, 0, 0, 0)
     _launch(
-        flash_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, config.block_n), batch * num_heads_kv),
-        q, k, v, mask_arg, bias_arg, dout, lse, delta, dk, dv, partial, kv_blocks_arg,
+        flash_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, config.block_n), batch * num_heads),
+        q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks_arg,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
-        *lse.stride(), *dk.stride(), *dv.stride(), *partial_strides, *kv_blocks_strides,
-        num_heads_kv, seqlen_q, seqlen_k, *scalars,
+        *lse.stride(), *dk_share.stride(), *dv_share.stride(), *partial_strides, *kv_blocks_strides,
+        num_heads, seqlen_q, seqlen_k, *scalars,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows, DBIAS_PER_QHEAD=per_qhead,
+        HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows,
         num_warps=config.num_warps, num_stages=config.num_stages, **flags,
     )
+    if group > 1:
+        dk.copy_(dk_share.unflatten(2, (num_heads_kv, group)).sum(3))
+        dv.copy_(dv_share.unflatten(2, (num_heads_kv, group)).sum(3))
 
     # -- dQ: one program per query block and query head --
     _launch(
@@ -313,7 +310,6 @@ def attention_backward(
         num_warps=config.num_warps, num_stages=config.num_stages, **flags,
     )
 
-    # -- finish dBias: sum the broadcast dims the kernel could not (deterministic reductions) --
+    # -- finish dBias: sum what the kernel kept apart --
     if dbias is not None and partial is not dbias:
-        finished = partial.sum(dim=reduce_dims, keepdim=True) if reduce_dims else partial
-        dbias.copy_(finished)
+        _finish_dbias(partial, dbias)
