@@ -347,7 +347,8 @@ def markdown(document: dict) -> str:
 
 
 def plot(document: dict, path: str | Path) -> None:
-    """Bar chart of the medians (log scale), one panel per direction, one group per workload.
+    """Bar chart of the medians (log scale), one panel per direction, one group per workload;
+    a failed row is marked "failed" where its bar would be.
 
     Raises:
         ModuleNotFoundError: matplotlib is missing (the `plot` extra).
@@ -357,18 +358,23 @@ def plot(document: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in document["rows"] if r["status"] == "ok"]
+    rows = document["rows"]
     workloads = list(dict.fromkeys(r["workload"] for r in document["rows"]))
     peers = list(dict.fromkeys(r["peer"] for r in document["rows"]))
     figure, axes = plt.subplots(1, len(DIRECTIONS), figsize=(7 * len(DIRECTIONS), 4.5))
     width = 0.8 / max(1, len(peers))
     for axis, direction in zip(axes, DIRECTIONS):
         for index, peer in enumerate(peers):
+            positions = [i + index * width for i in range(len(workloads))]
             values = []
-            for workload in workloads:
-                match = [r["median_ms"] for r in rows if (r["workload"], r["peer"], r["direction"]) == (workload, peer, direction)]
-                values.append(match[0] if match else float("nan"))
-            axis.bar([i + index * width for i in range(len(workloads))], values, width, label=peer)
+            for position, workload in zip(positions, workloads):
+                match = [r for r in rows if (r["workload"], r["peer"], r["direction"]) == (workload, peer, direction)]
+                ok = bool(match) and match[0]["status"] == "ok"
+                values.append(match[0]["median_ms"] if ok else float("nan"))
+                if match and not ok:
+                    axis.annotate("failed", (position, 0.02), xycoords=("data", "axes fraction"),
+                                  rotation=90, ha="center", fontsize="x-small")
+            axis.bar(positions, values, width, label=peer)
         axis.set_xticks([i + width * (len(peers) - 1) / 2 for i in range(len(workloads))], workloads)
         axis.set_yscale("log")
         axis.set_ylabel("median ms (log)")

@@ -344,6 +344,7 @@ def tune(
     trial_timeout_s: float = DEFAULT_TRIAL_TIMEOUT_S,
     suite_timeout_s: float = DEFAULT_SUITE_TIMEOUT_S,
     gpus: int = 1,
+    workers: list | None = None,
 ) -> TuneResult:
     """Tunes every workload in both directions.
 
@@ -363,6 +364,9 @@ def tune(
         gpus: measuring workers, one per GPU (cuda:0..gpus-1); workloads are dealt out to them
             and measured concurrently, each on its own GPU, into the one journal. On the CPU
             this many interpreter workers share the cores.
+        workers: measuring slots to use instead of `gpus` local ones (e.g. `cluster.RayWorker`
+            on other hosts); the local compile phase is then skipped, each slot compiling what
+            it measures, since a local compile cache would not reach them.
 
     Returns:
         Winners (one per key), every trial, and the wall time.
@@ -378,11 +382,13 @@ def tune(
         owned_dir = tempfile.TemporaryDirectory()
         journal_path = Path(owned_dir.name) / "trials.jsonl"
     journal = Journal(Path(journal_path), resume)
-    workers = [Worker(interpret=device.type != "cuda", gpu=gpu if device.type == "cuda" else None)
-               for gpu in range(max(1, gpus))]
+    remote = workers is not None
+    if not remote:
+        workers = [Worker(interpret=device.type != "cuda", gpu=gpu if device.type == "cuda" else None)
+                   for gpu in range(max(1, gpus))]
     try:
         return _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase,
-                    journal, workers, trial_timeout_s, suite_timeout_s, start)
+                    journal, workers, trial_timeout_s, suite_timeout_s, start, compile_locally=not remote)
     finally:
         for worker in workers:
             worker.stop()
@@ -392,7 +398,7 @@ def tune(
 
 
 def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase, journal, workers,
-         trial_timeout_s, suite_timeout_s, start) -> TuneResult:
+         trial_timeout_s, suite_timeout_s, start, compile_locally: bool) -> TuneResult:
     def out_of_budget() -> bool:
         return budget_s is not None and time.monotonic() - start > budget_s
 
@@ -432,7 +438,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             todo.append((workload, direction, config, is_default))
 
     # -- compile in parallel (GPU): a failure here is the trial's status --
-    if device.type == "cuda" and todo:
+    if device.type == "cuda" and todo and compile_locally:
         jobs = [(w, d, c, backend_name) for w, d, c, _ in todo]
         done = on_phase("compile", len(jobs)) if on_phase else None
         outcomes = parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason),

@@ -285,6 +285,39 @@ def test_show_human_and_json(tmp_path):
     assert doc["entries"][0]["evidence"]["tflops"] == 123.4
 
 
+def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    shipped = yaml.safe_load((repo / "results/tables/nvidia-h200-sm90.yaml").read_text())
+    workloads = str(repo / "configs/workloads/default.yaml")
+    result = CliRunner().invoke(show, [_copy(tmp_path / "all.yaml", shipped), "--coverage", workloads, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    counts = json.loads(result.output)["coverage"]["counts"]
+    assert counts == {"exact": 16, "nearest bucket": 0, "default": 0}
+    # drop the L4096 entries of one categorical key: its L1000 entry now serves them by nearest bucket;
+    # drop every entry of another: those keys fall back to the defaults
+    first, second = shipped["entries"][0]["key"], shipped["entries"][2]["key"]  # two kinds (sorted by key)
+    def same_kind(a, b):
+        return all(a[f] == b[f] for f in a if not f.startswith("seqlen"))
+    kept = [e for e in shipped["entries"]
+            if not (same_kind(e["key"], first) and e["key"]["seqlen_q_bucket"] == 4096)
+            and not same_kind(e["key"], second)]
+    assert len(kept) < len(shipped["entries"])
+    result = CliRunner().invoke(show, [_copy(tmp_path / "some.yaml", dict(shipped, entries=kept)),
+                                       "--coverage", workloads, "--format", "json"])
+    counts = json.loads(result.output)["coverage"]["counts"]
+    assert counts["exact"] == len(kept) and counts["nearest bucket"] >= 1 and counts["default"] >= 1
+    assert sum(counts.values()) == 16
+    human = CliRunner().invoke(show, [_copy(tmp_path / "all2.yaml", shipped), "--coverage", workloads, "--grid", "full"])
+    assert "16 exact" in human.output and "default" in human.output
+
+
+def _copy(path, document) -> str:
+    path.write_text(yaml.safe_dump(document))
+    return str(path)
+
+
 def test_show_truncated_table_is_one_line_exit_1(tmp_path, capsys):
     from dmattn_bench import cli
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import click
 from rich.table import Table as RichTable
 
-from dmattn_bench.space import CONFIG_CLASSES, config_label
 from dmattn_bench import output
 from dmattn_bench.dispatch.table import Table, TableError, load_table, table_to_dict
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.registry import kernel_source_hash
+from dmattn_bench.space import CONFIG_CLASSES, config_label
+from dmattn_bench.workloads import load_workloads
 
 KEY_COLUMNS = ("direction", "dtype", "head_dim", "causal", "mask", "bias", "gqa_ratio",
                "seqlen_q_bucket", "seqlen_k_bucket")
@@ -64,11 +65,43 @@ def _entries(doc: dict) -> RichTable:
     return entries
 
 
+COVERAGE_KINDS = ("exact", "nearest bucket", "default")
+
+
+def coverage(table: Table, workloads_path: str, grid: str) -> list[dict]:
+    """How the run-time lookup would serve each (workload, direction) of a grid from `table`:
+    "exact" (an entry with the same key), "nearest bucket" (same categorical key, other
+    sequence-length buckets) or "default" (no entry of that kind: the heuristic config)."""
+    keys = {entry.key for entry in table.entries}
+    categories = {entry.key.categorical() for entry in table.entries}
+    rows = []
+    for workload in load_workloads(workloads_path, grid):
+        for direction in ("fwd", "bwd"):
+            key = workload.key(direction)
+            served = "exact" if key in keys else "nearest bucket" if key.categorical() in categories else "default"
+            rows.append({"workload": workload.label, "direction": direction, "served_by": served})
+    return rows
+
+
+def _coverage_table(rows: list[dict], source: str) -> RichTable:
+    counts = {kind: sum(r["served_by"] == kind for r in rows) for kind in COVERAGE_KINDS}
+    table = RichTable(title=f"coverage of {source}")
+    for column in ("workload", "direction", "served by"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["workload"], row["direction"], row["served_by"])
+    table.caption = f"{len(rows)} keys: " + ", ".join(f"{counts[kind]} {kind}" for kind in COVERAGE_KINDS)
+    return table
+
+
 @click.command()
 @click.argument("table_path", metavar="TABLE")
+@click.option("--coverage", "coverage_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Also report how the table serves each key of this workloads YAML (e.g. configs/workloads/default.yaml).")
+@click.option("--grid", default="default", show_default=True, help="Grid of the --coverage file.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
-def show(table_path: str, fmt: str) -> None:
+def show(table_path: str, coverage_path: str | None, grid: str, fmt: str) -> None:
     """Summarise the dispatch table TABLE: device, software, kernel hashes and entries."""
     try:
         table = load_table(table_path)
@@ -76,4 +109,13 @@ def show(table_path: str, fmt: str) -> None:
         raise DmattnError(str(exc), fix="fix the field or re-create the table with `dmattn-bench tune`") from None
     status = _hash_status(table)
     doc = {"path": table_path, "kernel_hash_status": status, **table_to_dict(table)}
-    output.render(doc, [_summary(table_path, table, status), _entries(doc)], fmt)
+    tables = [_summary(table_path, table, status), _entries(doc)]
+    if coverage_path is not None:
+        try:
+            rows = coverage(table, coverage_path, grid)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc).splitlines()[0], param_hint="--coverage/--grid") from None
+        doc["coverage"] = {"workloads": coverage_path, "grid": grid, "keys": rows,
+                           "counts": {kind: sum(r["served_by"] == kind for r in rows) for kind in COVERAGE_KINDS}}
+        tables.append(_coverage_table(rows, f"{coverage_path}:{grid}"))
+    output.render(doc, tables, fmt)

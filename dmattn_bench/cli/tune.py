@@ -35,15 +35,16 @@ def parse_duration(text: str | None) -> float | None:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
-def parse_gpus(text: str) -> int:
-    """"all" or a positive count, checked against the GPUs present."""
-    available = torch.cuda.device_count()
+def parse_gpus(text: str, available: int | None = None) -> int:
+    """"all" or a positive count, checked against the GPUs present (this machine's, or the
+    cluster's when `available` is given)."""
+    available = torch.cuda.device_count() if available is None else available
     if text == "all":
         return max(1, available)
     if not text.isdigit() or int(text) < 1:
         raise click.BadParameter(f"got {text!r}, expected a positive number or 'all'", param_hint="--gpus")
     if available and int(text) > available:
-        raise click.BadParameter(f"got {text}, but this machine has {available} GPU(s)", param_hint="--gpus")
+        raise click.BadParameter(f"got {text}, but there are {available} GPU(s)", param_hint="--gpus")
     return int(text)
 
 
@@ -131,18 +132,31 @@ def _announce_phase(name: str, count: int):
 @click.option("--gpus", default="1", show_default=True,
               help="GPUs to measure on at once: a number or 'all' (one worker per GPU, workloads shared out, "
                    "one journal and one table). Without a GPU: that many interpreter workers.")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
+              help="Measure on the GPUs of a Ray cluster ('auto', 'ray://host:10001', or 'local' to start one "
+                   "here): --gpus actors of one GPU each; journal and table stay here (extra `cluster`).")
 @click.option("--suite", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
               help="Adversarial suite every winner must pass on its own tiles.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
 def tune_command(space_files, workloads_file, grid, backend, dtypes, out_path, resume, budget, trial_timeout,
-                 suite_timeout, gpus, suite, fmt) -> None:
+                 suite_timeout, gpus, ray_address, suite, fmt) -> None:
     """Tune the kernels on this machine's GPU and write a dispatch table."""
     budget_s = parse_duration(budget)
-    gpu_count = parse_gpus(gpus)
     if backend != "triton":
         raise DmattnError("backend cuda is not built in this version", "use --backend triton")
     on_gpu = torch.cuda.is_available()
+    workers = None
+    if ray_address is None:
+        gpu_count = parse_gpus(gpus)
+    else:
+        from dmattn_bench import cluster
+
+        cluster_gpus = cluster.connect(ray_address, on_gpu)
+        gpu_count = parse_gpus(gpus, cluster_gpus) if on_gpu else parse_gpus(gpus, 0)
+        workers = cluster.ray_workers(gpu_count, interpret=not on_gpu)
+        output.info(f"Ray cluster {ray_address!r}: {gpu_count} measuring actor(s)"
+                    + (f" of one GPU each ({cluster_gpus} GPUs in the cluster)" if on_gpu else " (interpreter)"))
     device = "cuda" if on_gpu else "cpu"
     if not on_gpu:
         output.info("no CUDA GPU: tuning through the Triton interpreter on configs/ci.yaml; "
@@ -166,7 +180,8 @@ def tune_command(space_files, workloads_file, grid, backend, dtypes, out_path, r
             result = tune(workloads, spaces, device, backend, budget_s=budget_s, suite=suite,
                           on_trial=lambda trial: advance(f"{trial.direction} {trial.status}"),
                           on_phase=_announce_phase, journal_path=trials_path, resume=resume,
-                          trial_timeout_s=trial_timeout, suite_timeout_s=suite_timeout, gpus=gpu_count)
+                          trial_timeout_s=trial_timeout, suite_timeout_s=suite_timeout, gpus=gpu_count,
+                          workers=workers)
     except JournalError as exc:
         raise DmattnError(str(exc)) from None
     entries = [Entry(w.key, w.backend, w.config, w.evidence) for w in result.winners]

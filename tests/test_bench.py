@@ -1,0 +1,141 @@
+"""`dmattn-bench bench` on the CPU (interpreter): workload files, the dynamic-mask rule, the floor
+arithmetic, failed peers kept as rows, and the report formats."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from dmattn_bench.bench import (
+    Row,
+    build_bench_inputs,
+    bytes_needed,
+    floor_ms,
+    load_peer_workloads,
+    markdown,
+    run_bench,
+)
+from dmattn_bench.cli.bench import DEFAULT_WORKLOADS, bench
+from dmattn_bench.hardware import DevicePeaks
+from dmattn_bench.peers import parse_peers
+
+TINY = {
+    "name": "T1 full bias", "batch": 1, "heads": 2, "heads_kv": 2, "seqlen": 40, "head_dim": 32,
+    "causal": True, "dtype": "fp32", "bias": {"kind": "full", "grad": True},
+    "mask": {"kind": "full", "keep": {"top_fraction": 0.5}},
+}
+TINY_GQA = dict(TINY, name="T2 gqa", heads=4, heads_kv=2, bias={"kind": "per_key", "grad": True},
+                mask={"kind": "kv_head", "keep": {"top_k": 8}})
+
+
+def _write(tmp_path, *entries) -> str:
+    path = tmp_path / "peers.yaml"
+    path.write_text(yaml.safe_dump({"workloads": list(entries)}))
+    return str(path)
+
+
+def test_shipped_peer_workloads_are_w1_to_w3():
+    workloads = load_peer_workloads(DEFAULT_WORKLOADS)
+    assert [w.name for w in workloads] == ["W1 full bias", "W2 Doge GQA", "W3 dense causal"]
+    w1, w2, w3 = (w.workload for w in workloads)
+    assert (w1.mask, w1.bias, w1.bias_grad, w1.heads_kv) == ("full", "full", True, 16)
+    assert (w2.mask, w2.bias, w2.heads // w2.heads_kv) == ("kv_head", "per_key", 4)
+    assert (w3.mask, w3.bias, w3.causal) == ("none", "none", True)
+    assert workloads[1].keep == ("top_k", 2048)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"bias": {"kind": "diagonal"}}, "bias"),
+    ({"mask": {"kind": "full", "keep": {"random": 0.5}}}, "mask.keep"),
+    ({"bias": "none"}, "needs a bias"),
+    ({"heads_kv": 3}, "does not divide"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"extra": 1}, "expected keys"),
+])
+def test_malformed_peer_workloads_are_rejected_by_name(tmp_path, change, message):
+    with pytest.raises(ValueError, match=message):
+        load_peer_workloads(_write(tmp_path, dict(TINY, **change)))
+
+
+def test_keep_rules_select_the_highest_bias_keys_of_each_causal_prefix(tmp_path):
+    for entry, count_of_prefix in ((TINY, lambda n: math.ceil(0.5 * n)), (TINY_GQA, lambda n: min(8, n))):
+        pw = load_peer_workloads(_write(tmp_path, entry))[0]
+        inputs = build_bench_inputs(pw, "cpu")
+        lq = pw.workload.seqlen_q
+        for b, h in ((0, 0), (0, inputs.mask.shape[1] - 1)):
+            bias_h = h * inputs.bias.shape[1] // inputs.mask.shape[1]
+            for i in range(lq):
+                row = inputs.mask[b, h, i]
+                assert int(row.sum()) == count_of_prefix(i + 1), (entry["name"], i)
+                assert not row[i + 1:].any()  # never past the causal diagonal
+                values = inputs.bias.detach()[b, bias_h].expand(lq, -1)[i, : i + 1]
+                kept, dropped = values[row[: i + 1]], values[~row[: i + 1]]
+                if dropped.numel():
+                    assert kept.min() >= dropped.max()
+
+
+def test_floor_is_the_larger_of_compute_and_memory():
+    w = load_peer_workloads(DEFAULT_WORKLOADS, names=["W3"])[0].workload
+    qkvo = 4 * 2 * 4096 * 16 * 128 * 2  # q, k, v, out in bf16
+    lse = 2 * 16 * 4096 * 4
+    assert bytes_needed(w, "fwd") == qkvo + lse
+    compute_bound = DevicePeaks(tensor_flops=1e12, hbm_bytes_per_s=1e15)
+    memory_bound = DevicePeaks(tensor_flops=1e18, hbm_bytes_per_s=1e9)
+    assert floor_ms(w, "fwd", compute_bound) == pytest.approx(1e3 * w.flops("fwd") / 1e12)
+    assert floor_ms(w, "fwd", memory_bound) == pytest.approx(1e3 * (qkvo + lse) / 1e9)
+    assert floor_ms(w, "fwd", None) is None
+
+
+def test_unknown_peer_is_a_usage_error_and_ours_always_runs_first():
+    assert parse_peers("flex,dmattn,sdpa-efficient") == ["dmattn", "flex", "sdpa-efficient"]
+    with pytest.raises(ValueError, match="unknown"):
+        parse_peers("flex,xformers")
+
+
+def test_bench_keeps_failed_peers_as_rows_and_fills_ratios(tmp_path):
+    workloads = load_peer_workloads(_write(tmp_path, TINY, TINY_GQA))
+    # on the CPU SDPA's fused kernels have no backend: a peer that fails on every row
+    rows = run_bench(workloads, ["dmattn", "sdpa-cudnn-dense"], "cpu", repeats=3)
+    assert len(rows) == 2 * 2 * 2
+    ours = [r for r in rows if r.peer == "dmattn"]
+    assert all(r.status == "ok" and r.median_ms > 0 and r.ours_over_peer == 1.0 for r in ours)
+    failed = [r for r in rows if r.peer == "sdpa-cudnn-dense"]
+    assert all(r.status == "error" and r.error and r.median_ms is None for r in failed)
+    assert all(r.floor_ms is None for r in rows)  # no datasheet peaks for a CPU
+
+
+def test_bench_command_json_then_markdown_and_plot(tmp_path):
+    path = _write(tmp_path, TINY)
+    result = CliRunner().invoke(bench, ["--workloads", path, "--peers", "sdpa-efficient", "--repeats", "3",
+                                        "--format", "json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert {r["peer"] for r in document["rows"]} == {"dmattn", "sdpa-efficient"}
+    assert document["workloads"] == ["T1 full bias: fp32 B1 H2 L40x40 D32 causal mask=full bias=full+grad keep top_fraction=0.5"]
+    report = tmp_path / "report.json"
+    report.write_text(result.stdout)
+    rendered = CliRunner().invoke(bench, ["--from-json", str(report), "--format", "markdown"])
+    assert rendered.exit_code == 0, rendered.output
+    assert "| T1 full bias | fwd | dmattn | ok |" in rendered.stdout
+    assert markdown(document) == rendered.stdout
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    plotted = CliRunner().invoke(bench, ["--from-json", str(report), "--plot", str(png)])
+    assert plotted.exit_code == 0, plotted.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_command_rejects_an_unknown_peer(tmp_path):
+    result = CliRunner().invoke(bench, ["--workloads", _write(tmp_path, TINY), "--peers", "xformers"])
+    assert result.exit_code == 2
+    assert "unknown" in result.output
+
+
+def test_row_serialisation_round_trips():
+    row = Row("W", "flex", "fwd", "ok", median_ms=1.234567891, ours_over_peer=0.5)
+    assert Row(**row.to_dict()).median_ms == pytest.approx(1.23457)
