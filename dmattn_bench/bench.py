@@ -216,7 +216,8 @@ class Row:
     note: str = ""
 
     def to_dict(self) -> dict:
-        return {key: (round(value, 5) if isinstance(value, float) else value) for key, value in asdict(self).items()}
+        # six significant digits: milliseconds and fp32 differences of 1e-7 alike survive
+        return {key: (float(f"{value:.6g}") if isinstance(value, float) else value) for key, value in asdict(self).items()}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -256,10 +257,12 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
                 with torch.no_grad():
                     out = _as_blhd(prepared.forward(), prepared.layout).detach()
                     timing = time_kernel(lambda: prepared.forward(), device, repeats=repeats)
+                    if ours_out is not None and prepared.semantic:
+                        row.max_abs_diff_vs_ours = (out.float() - ours_out.float()).abs().max().item()
             else:
                 grad_out = torch.ones_like(prepared.forward().detach()) / math.sqrt(w.head_dim)
                 timing = time_kernel(_fwd_bwd(prepared, grad_out), device, repeats=repeats)
-        except Exception as exc:
+        except Exception as exc:  # a failing peer is a row, whatever failed
             row.status, row.error = "error", _one_line(exc)
         else:
             row.median_ms, row.p20_ms, row.p80_ms, row.spread = (
@@ -268,8 +271,6 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
             row.floor_ms = floor_ms(w, direction, peaks)
             if row.floor_ms is not None:
                 row.floor_fraction = row.floor_ms / timing.median_ms
-            if direction == "fwd" and ours_out is not None and out is not None and prepared.semantic:
-                row.max_abs_diff_vs_ours = (out.float() - ours_out.float()).abs().max().item()
         rows.append(row)
         advance(f"{pw.name} {peer} {direction}: {row.status}")
     del prepared

@@ -8,9 +8,10 @@ needs the same GPU model as the cluster's nodes: it reads its own fingerprint, l
 defaults for the table.
 
 Failure handling matches the local workers. A job that outlives its timeout gets its actor
-killed (`WorkerTimedOut`). An actor that dies (abort, segfault, node lost) raises
-`WorkerCrashed`. Either way the next call starts a fresh actor, so a faulting candidate costs
-only its own trial.
+killed (`WorkerTimedOut`). An actor that dies (abort, segfault, node lost), or any other Ray
+failure of a call, raises `WorkerCrashed`. Either way the next call starts a fresh actor, so a
+faulting candidate costs only its own trial. Actors are started, and wait for a free GPU,
+before any trial clock runs (`ACTOR_START_TIMEOUT_S`): queueing is never journaled as a timeout.
 
 Kernels are compiled by each actor on first launch, into that node's Triton cache; the
 driver's parallel compile phase is skipped, since its cache would not reach other nodes.
@@ -25,7 +26,9 @@ from dmattn_bench.errors import DmattnError
 from dmattn_bench.workers import WorkerCrashed, WorkerTimedOut
 
 FORWARDED_ENV_PREFIXES = ("DMATTN_", "PYTHONPATH")  # plugins and fault injection reach the actors
-ACTOR_STOP_TIMEOUT_S = 10
+# How long an actor may wait for a GPU and start before the tune gives up on the cluster. Kept
+# apart from --trial-timeout so that a queue for GPUs is never journaled as a candidate's timeout.
+ACTOR_START_TIMEOUT_S = 600.0
 
 
 def _import_ray():
@@ -36,8 +39,15 @@ def _import_ray():
     return ray
 
 
+class ClusterError(DmattnError):
+    """The cluster could not be reached or could not start a measuring actor."""
+
+
 class _Slot:
     """The actor body: runs jobs one at a time; a job that raises comes back as data."""
+
+    def ready(self) -> bool:
+        return True
 
     def run(self, fn: Callable, args: tuple):
         try:
@@ -45,6 +55,11 @@ class _Slot:
         except Exception as exc:  # noqa: BLE001 - reported to the driver as data
             text = str(exc).strip()
             return "error", f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _actor_env(interpret: bool) -> dict[str, str]:
@@ -62,8 +77,15 @@ class RayWorker:
         self.restarts = 0
         self._actor = None
 
-    def _start(self) -> None:
+    def start(self, timeout: float = ACTOR_START_TIMEOUT_S) -> None:
+        """Starts the actor and waits until it runs (placed on a GPU, environment set up).
+
+        Raises:
+            ClusterError: it did not start within `timeout` or its set-up failed.
+        """
         ray = _import_ray()
+        from ray.exceptions import GetTimeoutError, RayError
+
         slot = ray.remote(_Slot).options(
             num_gpus=0 if self.interpret else 1,
             num_cpus=1,
@@ -71,6 +93,13 @@ class RayWorker:
             runtime_env={"env_vars": _actor_env(self.interpret)},
         )
         self._actor = slot.remote()
+        try:
+            ray.get(self._actor.ready.remote(), timeout=timeout)
+        except (GetTimeoutError, RayError) as exc:
+            self.stop()
+            reason = "no GPU became free" if isinstance(exc, GetTimeoutError) else _first_line(exc)
+            raise ClusterError(f"a measuring actor did not start within {timeout:.0f} s: {reason}",
+                               "check `ray status` for free GPUs and that every node can import dmattn_bench") from None
 
     def stop(self) -> None:
         """Kills the actor (the next call starts a new one)."""
@@ -79,12 +108,19 @@ class RayWorker:
         self._actor = None
 
     def call(self, fn: Callable, args: tuple, timeout: float):
-        """`fn(*args)` on the actor. Raises WorkerCrashed, WorkerTimedOut or RuntimeError (job error)."""
+        """`fn(*args)` on the actor; the clock starts once the actor runs.
+
+        Raises:
+            WorkerCrashed: the actor died, or Ray failed the call for any other reason.
+            WorkerTimedOut: no result within `timeout` (the actor is killed).
+            RuntimeError: the job raised (its one-line reason).
+            ClusterError: a replacement actor could not be started.
+        """
         ray = _import_ray()
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
         if self._actor is None:
-            self._start()
+            self.start()
         reference = self._actor.run.remote(fn, args)
         try:
             kind, payload = ray.get(reference, timeout=timeout)
@@ -92,11 +128,14 @@ class RayWorker:
             self.stop()
             self.restarts += 1
             raise WorkerTimedOut(f"no result after {timeout:.0f} s; actor killed") from None
-        except RayActorError as exc:
-            self._actor = None
+        except RayError as exc:  # the actor died (RayActorError) or Ray failed the task otherwise
+            if isinstance(exc, RayActorError):
+                self._actor = None
+            else:
+                self.stop()
             self.restarts += 1
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise WorkerCrashed(f"actor died: {first_line[:200]}") from None
+            what = "actor died" if isinstance(exc, RayActorError) else f"Ray error {type(exc).__name__}"
+            raise WorkerCrashed(f"{what}: {_first_line(exc)[:200]}") from None
         if kind == "error":
             raise RuntimeError(payload)
         return payload
@@ -130,16 +169,27 @@ def connect(address: str, on_gpu: bool) -> int:
     ray = _import_ray()
     _ray_messages_to_stderr()
     if not ray.is_initialized():
-        if address == "local":
-            ray.init(include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        try:
+            if address == "local":
+                ray.init(include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ClusterError(f"--ray {address}: cannot connect: {_first_line(exc)[:200]}",
+                               "start the cluster (`ray start --head`), or pass --ray local") from None
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if on_gpu and gpus == 0:
         raise DmattnError(f"the Ray cluster at {address!r} has no GPU", "start its nodes with GPUs, or tune locally")
     return gpus
 
 
-def ray_workers(count: int, interpret: bool) -> list[RayWorker]:
-    """`count` measuring slots; their actors start on first use."""
-    return [RayWorker(interpret) for _ in range(count)]
+def ray_workers(count: int, interpret: bool, start_timeout: float = ACTOR_START_TIMEOUT_S) -> list[RayWorker]:
+    """`count` measuring slots with their actors started, before any trial begins.
+
+    Raises:
+        ClusterError: an actor did not start (no free GPU, a node that cannot import us).
+    """
+    workers = [RayWorker(interpret) for _ in range(count)]
+    for worker in workers:
+        worker.start(start_timeout)
+    return workers

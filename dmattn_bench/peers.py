@@ -157,7 +157,7 @@ def _sdpa(inputs: BenchInputs, kernel: str, dense: bool) -> Prepared:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-               "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel]
+               "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[kernel]
     q, k, v = (_bhld_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
     heads, heads_kv = q.shape[1], k.shape[1]
     float_mask = None
@@ -203,20 +203,31 @@ PEERS: dict[str, Callable[[BenchInputs, str | None], Prepared]] = {
     "flex": lambda inputs, table: _flex(inputs, None),
     "flex-small-bwd": lambda inputs, table: _flex(inputs, FLEX_SMALL_BACKWARD),
     "sdpa-efficient": lambda inputs, table: _sdpa(inputs, "efficient", dense=False),
+    # materialises (B, H, Lq, Lk) scores: a semantic cross-check (and the CPU tests' peer), not a default
+    "sdpa-math": lambda inputs, table: _sdpa(inputs, "math", dense=False),
     "sdpa-flash-dense": lambda inputs, table: _sdpa(inputs, "flash", dense=True),
     "sdpa-cudnn-dense": lambda inputs, table: _sdpa(inputs, "cudnn", dense=True),
     "flash-dmattn": lambda inputs, table: _flash_dmattn(inputs),
 }
 
 
+# What `bench` runs without --peers (issue #5's list); sdpa-math is opt-in.
+DEFAULT_PEERS = ("flex", "flex-small-bwd", "sdpa-efficient", "sdpa-flash-dense", "sdpa-cudnn-dense", "flash-dmattn")
+# Group names (DESIGN §4 writes `--peers flex,sdpa,...`).
+PEER_GROUPS = {"sdpa": ("sdpa-efficient", "sdpa-flash-dense", "sdpa-cudnn-dense"),
+               "flex-all": ("flex", "flex-small-bwd")}
+
+
 def parse_peers(text: str) -> list[str]:
-    """`"flex,sdpa-efficient"` -> the peer names, ours first (always measured: ratios need it).
+    """`"flex,sdpa"` -> the peer names (groups expanded), ours first (always measured: ratios need it).
 
     Raises:
         ValueError: an unknown peer name.
     """
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = []
+    for name in (part.strip() for part in text.split(",")):
+        names.extend(PEER_GROUPS.get(name, (name,)) if name else ())
     unknown = [name for name in names if name not in PEERS]
     if unknown:
-        raise ValueError(f"--peers: unknown {unknown}, expected names from {', '.join(PEERS)}")
-    return [OURS] + [name for name in names if name != OURS]
+        raise ValueError(f"--peers: unknown {unknown}, expected names from {', '.join([*PEERS, *PEER_GROUPS])}")
+    return [OURS] + [name for name in dict.fromkeys(names) if name != OURS]

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from dmattn_bench.adversarial import Inputs, build_inputs
+from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import local_limits
 from dmattn_bench.prune import precheck
 from dmattn_bench.registry import default_configs, get_backend
@@ -453,10 +454,13 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         todo = remaining
 
     # -- validate and time in the measuring workers: workloads dealt out, one worker per GPU --
-    def measure_share(worker: Worker, share: list) -> None:
+    fatal: list[DmattnError] = []  # a worker that cannot go on (e.g. no cluster GPU): stop, keep the journal
+
+    def measure_share(worker, share: list) -> None:
         for workload, direction, config, is_default in share:
-            if out_of_budget():
-                finish(workload, direction, config, is_default, {"status": "skipped", "reason": "time budget exhausted"})
+            if out_of_budget() or fatal:
+                reason = "time budget exhausted" if not fatal else "tune stopped: " + fatal[0].one_line()
+                finish(workload, direction, config, is_default, {"status": "skipped", "reason": reason})
                 continue
             try:
                 fields = worker.call(measure_job, (workload, direction, config, backend_name, str(device)),
@@ -465,6 +469,10 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                 fields = {"status": "timeout", "reason": str(exc), "stage": "compiled"}
             except (WorkerCrashed, RuntimeError) as exc:
                 fields = {"status": "crash", "reason": str(exc)[:300], "stage": "compiled"}
+            except DmattnError as exc:
+                fatal.append(exc)
+                finish(workload, direction, config, is_default, {"status": "skipped", "reason": exc.one_line()})
+                continue
             if fields["status"] in RESTART_AFTER:
                 worker.stop()  # a fresh process (and CUDA context) for the next candidate
             finish(workload, direction, config, is_default, fields)
@@ -477,6 +485,8 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         thread.start()
     for thread in threads:
         thread.join()
+    if fatal:
+        raise fatal[0]
     worker = workers[0]
 
     # -- winners, from the journal's view of every trial --

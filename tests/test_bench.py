@@ -89,12 +89,32 @@ def test_floor_is_the_larger_of_compute_and_memory():
     assert floor_ms(w, "fwd", compute_bound) == pytest.approx(1e3 * w.flops("fwd") / 1e12)
     assert floor_ms(w, "fwd", memory_bound) == pytest.approx(1e3 * (qkvo + lse) / 1e9)
     assert floor_ms(w, "fwd", None) is None
+    # W1: the mask (1 byte) and the bias (bf16) are needed over the causal part only; the
+    # backward reads them again and writes dBias over the same part
+    w1 = load_peer_workloads(DEFAULT_WORKLOADS, names=["W1"])[0].workload
+    causal = w1.visible_pairs() / 4096**2
+    operands = 2 * 16 * 4096**2 * (1 + 2) * causal
+    assert bytes_needed(w1, "fwd") == pytest.approx(qkvo + lse + operands)
+    backward = 2 * qkvo + lse + operands + 2 * 16 * 4096**2 * 2 * causal  # reads q k v out dout, writes dq dk dv dbias
+    assert bytes_needed(w1, "fwd+bwd") == pytest.approx(qkvo + lse + operands + backward)
 
 
 def test_unknown_peer_is_a_usage_error_and_ours_always_runs_first():
     assert parse_peers("flex,dmattn,sdpa-efficient") == ["dmattn", "flex", "sdpa-efficient"]
+    assert parse_peers("sdpa,sdpa-efficient") == ["dmattn", "sdpa-efficient", "sdpa-flash-dense", "sdpa-cudnn-dense"]
     with pytest.raises(ValueError, match="unknown"):
         parse_peers("flex,xformers")
+
+
+def test_a_peer_computing_the_same_function_agrees_with_ours(tmp_path):
+    """SDPA (math backend) with the float mask built from our mask and bias: full mask and bias,
+    and a kv-head mask with a per-key bias under GQA (K/V repeated), both causal."""
+    workloads = load_peer_workloads(_write(tmp_path, TINY, TINY_GQA))
+    rows = run_bench(workloads, ["dmattn", "sdpa-math"], "cpu", repeats=3)
+    peer = [r for r in rows if r.peer == "sdpa-math"]
+    assert all(r.status == "ok" and r.ours_over_peer > 0 for r in peer), [r.error for r in peer]
+    forward = [r for r in peer if r.direction == "fwd"]
+    assert len(forward) == 2 and all(r.max_abs_diff_vs_ours < 1e-5 for r in forward)
 
 
 def test_bench_keeps_failed_peers_as_rows_and_fills_ratios(tmp_path):

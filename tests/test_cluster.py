@@ -15,12 +15,12 @@ from tests.test_reliability import REPO, _files, _records, _tune
 pytest.importorskip("ray")
 
 
-def test_ray_actors_share_the_workloads_and_a_dead_actor_is_a_crash_trial(tmp_path):
+def test_ray_actors_measure_every_trial_once_and_failures_are_trials(tmp_path):
     workloads, space = _files(tmp_path, [16, 32, 64], [20, 40])
     out = tmp_path / "T.yaml"
     process = _tune(["--workloads", workloads, "--space", space, "--out", str(out), "--ray", "local", "--gpus", "2",
                      "--format", "json"],
-                    {"DMATTN_BENCH_PLUGINS": "tests.fault_injection", "DMATTN_FAULTS": "32x16=abort",
+                    {"DMATTN_BENCH_PLUGINS": "tests.fault_injection", "DMATTN_FAULTS": "32x16=abort,64x16=raise",
                      "PYTHONPATH": str(REPO)})
     stdout, stderr = process.communicate(timeout=900)
     assert process.returncode == 0, stderr[-3000:]
@@ -28,10 +28,11 @@ def test_ray_actors_share_the_workloads_and_a_dead_actor_is_a_crash_trial(tmp_pa
     trials = [r for r in _records(Path(f"{out}.trials.jsonl")) if r["kind"] == "trial"]
     ids = [r["id"] for r in trials]
     assert len(ids) == len(set(ids)) == 8  # 2 workloads x (3 fwd + 1 bwd), each measured once
-    crashed = [r for r in trials if r["status"] == "crash"]
-    assert {r["config"]["block_m"] for r in crashed} == {32} and len(crashed) == 2
-    assert all("actor died" in r["reason"] for r in crashed)
-    assert document["counts"] == {"ok": 6, "crash": 2}
+    crashed = {r["config"]["block_m"]: r for r in trials if r["status"] == "crash"}
+    assert set(crashed) == {32, 64}
+    assert "actor died" in crashed[32]["reason"]  # the actor aborted: replaced for the next trial
+    assert "injected failure" in crashed[64]["reason"]  # the job raised: the actor lived on
+    assert document["counts"] == {"ok": 4, "crash": 4}
     table = load_table(out)
     assert {e.key.direction for e in table.entries} == {"fwd", "bwd"}
-    assert all(e.config.block_m != 32 for e in table.entries if e.key.direction == "fwd")
+    assert all(e.config.block_m == 16 for e in table.entries if e.key.direction == "fwd")

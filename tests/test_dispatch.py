@@ -294,7 +294,7 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     result = CliRunner().invoke(show, [_copy(tmp_path / "all.yaml", shipped), "--coverage", workloads, "--format", "json"])
     assert result.exit_code == 0, result.output
     counts = json.loads(result.output)["coverage"]["counts"]
-    assert counts == {"exact": 16, "nearest bucket": 0, "default": 0}
+    assert counts == {"exact": 16, "nearest bucket": 0, "default": 0, "default (stale table)": 0}
     # drop the L4096 entries of one categorical key: its L1000 entry now serves them by nearest bucket;
     # drop every entry of another: those keys fall back to the defaults
     first, second = shipped["entries"][0]["key"], shipped["entries"][2]["key"]  # two kinds (sorted by key)
@@ -309,8 +309,15 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     counts = json.loads(result.output)["coverage"]["counts"]
     assert counts["exact"] == len(kept) and counts["nearest bucket"] >= 1 and counts["default"] >= 1
     assert sum(counts.values()) == 16
-    human = CliRunner().invoke(show, [_copy(tmp_path / "all2.yaml", shipped), "--coverage", workloads, "--grid", "full"])
-    assert "16 exact" in human.output and "default" in human.output
+    full = CliRunner().invoke(show, [_copy(tmp_path / "all2.yaml", shipped), "--coverage", workloads, "--grid", "full",
+                                     "--format", "json"])
+    counts = json.loads(full.output)["coverage"]["counts"]
+    assert counts["exact"] == 16 and counts["nearest bucket"] > 0 and counts["default"] > counts["exact"]
+    # a table whose kernel sources changed serves nothing: the lookup skips it
+    stale = dict(shipped, kernel_hashes={"triton": "sha256:" + "0" * 32})
+    result = CliRunner().invoke(show, [_copy(tmp_path / "stale.yaml", stale), "--coverage", workloads, "--format", "json"])
+    assert json.loads(result.output)["coverage"]["counts"] == {
+        "exact": 0, "nearest bucket": 0, "default": 0, "default (stale table)": 16}
 
 
 def _copy(path, document) -> str:

@@ -15,10 +15,9 @@ from dmattn_bench import output
 from dmattn_bench.bench import COLUMNS, Row, load_peer_workloads, markdown, plot, row_cells, run_bench
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_peaks, software_versions
-from dmattn_bench.peers import PEERS, parse_peers
+from dmattn_bench.peers import DEFAULT_PEERS, PEER_GROUPS, PEERS, parse_peers
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "configs" / "workloads" / "peers.yaml"
-DEFAULT_PEERS = ",".join(name for name in PEERS if name != "dmattn")
 
 
 def _table(document: dict) -> Table:
@@ -48,8 +47,9 @@ def _check_plot_available(plot_path: str | None) -> None:
               default=str(DEFAULT_WORKLOADS), show_default="configs/workloads/peers.yaml",
               help="Peer workloads YAML.")
 @click.option("--only", multiple=True, help="Run only workloads whose name starts with this (repeatable), e.g. --only W3.")
-@click.option("--peers", "peer_names", default=DEFAULT_PEERS, show_default=True,
-              help=f"Comma-separated peers besides ours, from: {', '.join(PEERS)}.")
+@click.option("--peers", "peer_names", default=",".join(DEFAULT_PEERS), show_default=True,
+              help=f"Comma-separated peers besides ours, from: {', '.join(PEERS)}; groups: "
+                   + ", ".join(f"{group} = {'+'.join(members)}" for group, members in PEER_GROUPS.items()) + ".")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Override every workload's dtype (fp32/fp16 in the CPU interpreter).")
 @click.option("--repeats", type=click.IntRange(3, 1000), default=20, show_default=True, help="Timed repeats per row.")

@@ -65,20 +65,29 @@ def _entries(doc: dict) -> RichTable:
     return entries
 
 
-COVERAGE_KINDS = ("exact", "nearest bucket", "default")
+COVERAGE_KINDS = ("exact", "nearest bucket", "default", "default (stale table)")
 
 
-def coverage(table: Table, workloads_path: str, grid: str) -> list[dict]:
+def coverage(table: Table, workloads_path: str, grid: str, stale: set[str] = frozenset()) -> list[dict]:
     """How the run-time lookup would serve each (workload, direction) of a grid from `table`:
     "exact" (an entry with the same key), "nearest bucket" (same categorical key, other
-    sequence-length buckets) or "default" (no entry of that kind: the heuristic config)."""
-    keys = {entry.key for entry in table.entries}
-    categories = {entry.key.categorical() for entry in table.entries}
+    sequence-length buckets), "default" (no entry of that kind: the heuristic config), or
+    "default (stale table)" (an entry exists but its backend's kernels changed since tuning, so
+    the lookup skips it). Whether the table belongs to this GPU is not considered: coverage is
+    about the grid the table was tuned for."""
+    usable = [entry for entry in table.entries if entry.backend not in stale]
+    keys, categories = {e.key for e in usable}, {e.key.categorical() for e in usable}
+    stale_categories = {e.key.categorical() for e in table.entries if e.backend in stale}
     rows = []
     for workload in load_workloads(workloads_path, grid):
         for direction in ("fwd", "bwd"):
             key = workload.key(direction)
-            served = "exact" if key in keys else "nearest bucket" if key.categorical() in categories else "default"
+            if key in keys:
+                served = "exact"
+            elif key.categorical() in categories:
+                served = "nearest bucket"
+            else:
+                served = "default (stale table)" if key.categorical() in stale_categories else "default"
             rows.append({"workload": workload.label, "direction": direction, "served_by": served})
     return rows
 
@@ -112,7 +121,7 @@ def show(table_path: str, coverage_path: str | None, grid: str, fmt: str) -> Non
     tables = [_summary(table_path, table, status), _entries(doc)]
     if coverage_path is not None:
         try:
-            rows = coverage(table, coverage_path, grid)
+            rows = coverage(table, coverage_path, grid, {name for name, state in status.items() if state == "stale"})
         except ValueError as exc:
             raise click.BadParameter(str(exc).splitlines()[0], param_hint="--coverage/--grid") from None
         doc["coverage"] = {"workloads": coverage_path, "grid": grid, "keys": rows,
