@@ -68,6 +68,11 @@ def progress(description: str, total: int) -> Iterator[Any]:
         yield advance
 
 
+def write_text(text: str) -> None:
+    """A result that is already text (e.g. a markdown report), as is."""
+    sys.stdout.write(text)
+
+
 def render(document: dict, tables: list[Table], fmt: str) -> None:
     """Prints the result once: `tables` for humans, `document` as JSON."""
     if fmt == "json":

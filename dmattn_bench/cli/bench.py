@@ -87,7 +87,7 @@ def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plo
             "rows": [row.to_dict() for row in rows],
         }
     if fmt == "markdown":
-        sys.stdout.write(markdown(document))
+        output.write_text(markdown(document))
     else:
         output.render(document, [_table(document)], fmt)
     if plot_path is not None:
