@@ -150,6 +150,14 @@ def test_bench_command_json_then_markdown_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_without_a_gpu_runs_w1_to_w3_at_interpreter_size():
+    result = CliRunner().invoke(bench, ["--only", "W2", "--peers", "sdpa-math", "--repeats", "3", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["workloads"] == ["W2 Doge GQA: fp32 B1 H4 gqa4 L64x64 D32 causal mask=kv_head bias=per_key+grad keep top_k=32"]
+    assert {(r["peer"], r["status"]) for r in document["rows"]} == {("dmattn", "ok"), ("sdpa-math", "ok")}
+
+
 def test_bench_command_rejects_an_unknown_peer(tmp_path):
     result = CliRunner().invoke(bench, ["--workloads", _write(tmp_path, TINY), "--peers", "xformers"])
     assert result.exit_code == 2

@@ -18,6 +18,7 @@ from dmattn_bench.hardware import device_peaks, software_versions
 from dmattn_bench.peers import DEFAULT_PEERS, PEER_GROUPS, PEERS, parse_peers
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "configs" / "workloads" / "peers.yaml"
+CPU_WORKLOADS = DEFAULT_WORKLOADS.with_name("peers-cpu.yaml")  # the same workloads at interpreter size
 
 
 def _table(document: dict) -> Table:
@@ -43,9 +44,9 @@ def _check_plot_available(plot_path: str | None) -> None:
 @click.command("bench")
 @click.option("--table", "table_path", type=click.Path(dir_okay=False), default=None,
               help="Dispatch table for our kernel. Default: the usual lookup (DMATTN_BENCH_TABLE, shipped table, defaults).")
-@click.option("--workloads", "workloads_path", type=click.Path(exists=True, dir_okay=False),
-              default=str(DEFAULT_WORKLOADS), show_default="configs/workloads/peers.yaml",
-              help="Peer workloads YAML.")
+@click.option("--workloads", "workloads_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Peer workloads YAML. Default: configs/workloads/peers.yaml on a GPU, "
+                   "configs/workloads/peers-cpu.yaml (interpreter-sized) without one.")
 @click.option("--only", multiple=True, help="Run only workloads whose name starts with this (repeatable), e.g. --only W3.")
 @click.option("--peers", "peer_names", default=",".join(DEFAULT_PEERS), show_default=True,
               help=f"Comma-separated peers besides ours, from: {', '.join(PEERS)}; groups: "
@@ -65,16 +66,18 @@ def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plo
     if from_json is not None:
         document = json.loads(Path(from_json).read_text())
     else:
+        has_gpu = torch.cuda.is_available()
+        device = "cuda" if has_gpu else "cpu"
+        if not has_gpu:
+            output.info("no CUDA GPU: our kernel runs in the Triton interpreter (TRITON_INTERPRET=1) on "
+                        + ("interpreter-sized W1-W3 (configs/workloads/peers-cpu.yaml)" if workloads_path is None
+                           else workloads_path) + "; timings are not meaningful")
+        workloads_path = workloads_path or str(DEFAULT_WORKLOADS if has_gpu else CPU_WORKLOADS)
         try:
             peers = parse_peers(peer_names)
             workloads = load_peer_workloads(workloads_path, dtype, list(only))
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
-        has_gpu = torch.cuda.is_available()
-        device = "cuda" if has_gpu else "cpu"
-        if not has_gpu:
-            output.info("no CUDA GPU: our kernel runs in the Triton interpreter (TRITON_INTERPRET=1); "
-                        "timings are not meaningful")
         rows = run_bench(workloads, peers, device, table=table_path, repeats=repeats)
         peaks = device_peaks(device)
         document = {
