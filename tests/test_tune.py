@@ -108,6 +108,22 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     assert fwd_config == fwd_entry.config
 
 
+def test_several_workloads_files_make_one_table(tmp_path):
+    """`--workloads A --workloads B`: the union in one run and one table; a shape in both is tuned once."""
+    workloads, space = _tiny_inputs(tmp_path, CPU_FWD.to_dict())
+    other = _write(tmp_path / "w2.yaml", {"default": {
+        "tokens": 20, "heads": 2, "head_dim": [32], "seqlen": [20, 40], "causal": [True], "gqa_ratio": [1],
+        "variants": [{"mask": "none", "bias": "none"}], "dtype": ["fp32"]}})
+    out = tmp_path / "T.yaml"
+    result = CliRunner().invoke(tune_command, ["--workloads", workloads, "--workloads", other, "--workloads", workloads,
+                                               "--space", space, "--out", str(out), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["counts"] == {"ok": 6}  # 3 distinct workloads x (1 fwd + 1 bwd)
+    keys = {(e.key.mask, e.key.seqlen_q_bucket) for e in load_table(out).entries}
+    # (a kv-head mask without GQA is keyed as a full one)
+    assert keys == {("full", seqlen_bucket(20)), ("none", seqlen_bucket(20)), ("none", seqlen_bucket(40))}
+
+
 def test_broken_table_warns_once_and_falls_back(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("schema_version: 1\nentries: [\n")

@@ -113,8 +113,9 @@ def _announce_phase(name: str, count: int):
 @click.option("--space", "space_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Search-space YAML (repeat for fwd and bwd). Default: configs/space/<backend>-{fwd,bwd}.yaml "
                    "on a GPU, configs/ci.yaml without one.")
-@click.option("--workloads", "workloads_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Workloads YAML. Default: configs/workloads/default.yaml on a GPU, configs/ci.yaml without one.")
+@click.option("--workloads", "workloads_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Workloads YAML; repeat to tune the union of several into one table (e.g. default.yaml and "
+                   "peers-tune.yaml). Default: configs/workloads/default.yaml on a GPU, configs/ci.yaml without one.")
 @click.option("--grid", default="default", show_default=True, help="Grid of the workloads file to run.")
 @click.option("--backend", type=click.Choice(["triton", "cuda", "all"]), default="triton", show_default=True,
               help="Kernel backend(s) to tune.")
@@ -139,7 +140,7 @@ def _announce_phase(name: str, count: int):
               help="Adversarial suite every winner must pass on its own tiles.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
-def tune_command(space_files, workloads_file, grid, backend, dtypes, out_path, resume, budget, trial_timeout,
+def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, resume, budget, trial_timeout,
                  suite_timeout, gpus, ray_address, suite, fmt) -> None:
     """Tune the kernels on this machine's GPU and write a dispatch table."""
     budget_s = parse_duration(budget)
@@ -163,9 +164,10 @@ def tune_command(space_files, workloads_file, grid, backend, dtypes, out_path, r
                     "the pipeline runs end to end but timings are not meaningful")
         if any(d == "bf16" for d in dtypes):
             raise click.BadParameter("bf16 needs a CUDA GPU (the interpreter has no bf16)", param_hint="--dtype")
-    workloads_file = workloads_file or str(CONFIGS_DIR / "workloads" / "default.yaml" if on_gpu else CI_FILE)
+    workloads_files = workloads_files or (str(CONFIGS_DIR / "workloads" / "default.yaml" if on_gpu else CI_FILE),)
     try:
-        workloads = load_workloads(workloads_file, grid, list(dtypes) or None)
+        # the union, in file order; a shape listed twice is tuned once
+        workloads = list(dict.fromkeys(w for path in workloads_files for w in load_workloads(path, grid, list(dtypes) or None)))
         spaces = _spaces(space_files, backend, on_gpu)
     except ValueError as exc:
         raise DmattnError(str(exc).splitlines()[0], "fix the YAML file") from None
