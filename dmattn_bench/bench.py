@@ -153,10 +153,14 @@ def build_bench_inputs(pw: PeerWorkload, device: torch.device | str, seed: int =
 # -- what the floor is --------------------------------------------------------------------------
 
 
-def _needed_fraction(w: Workload, dims) -> float:
-    """Share of an operand a kernel must read: the causal part when it spans (Lq, Lk)."""
-    spans_rows = dims is not None and dims[2] > 1
-    return w.visible_pairs() / (w.seqlen_q * w.seqlen_k) if spans_rows else 1.0
+def _operand_bytes(w: Workload, which: str, itemsize: int) -> float:
+    """Bytes of the mask or bias a kernel must read: the causal part when it spans (Lq, Lk)."""
+    dims = w.operand_dims(which)
+    if dims is None:
+        return 0.0
+    spans_rows = dims[2] > 1
+    fraction = w.visible_pairs() / (w.seqlen_q * w.seqlen_k) if spans_rows else 1.0
+    return math.prod(dims) * itemsize * fraction
 
 
 def bytes_needed(w: Workload, direction: str) -> float:
@@ -166,14 +170,8 @@ def bytes_needed(w: Workload, direction: str) -> float:
     qo = w.batch * w.seqlen_q * w.heads * w.head_dim * item
     kv = w.batch * w.seqlen_k * w.heads_kv * w.head_dim * item
     lse = w.batch * w.heads * w.seqlen_q * 4
-    operands = 0.0
-    bias_bytes = 0.0
-    for which, size in (("mask", 1), ("bias", item)):
-        dims = w.operand_dims(which)
-        if dims is not None:
-            amount = math.prod(dims) * size * _needed_fraction(w, dims)
-            operands += amount
-            bias_bytes = amount if which == "bias" else bias_bytes
+    bias_bytes = _operand_bytes(w, "bias", item)
+    operands = _operand_bytes(w, "mask", 1) + bias_bytes
     forward = qo + 2 * kv + qo + lse + operands
     if direction == "fwd":
         return forward
@@ -274,7 +272,7 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
         rows.append(row)
         advance(f"{pw.name} {peer} {direction}: {row.status}")
     del prepared
-    return rows, out if peer == OURS else None
+    return rows, out
 
 
 def run_bench(workloads: list[PeerWorkload], peers: list[str], device, table: str | None = None,
@@ -290,7 +288,8 @@ def run_bench(workloads: list[PeerWorkload], peers: list[str], device, table: st
             ours_out = None
             for peer in peers:
                 peer_rows, out = _measure_peer(pw, peer, inputs, table, device, repeats, peaks, ours_out, advance)
-                ours_out = out if peer == OURS else ours_out
+                if peer == OURS:
+                    ours_out = out
                 rows.extend(peer_rows)
                 gc.collect()
                 if device.type == "cuda":

@@ -53,8 +53,7 @@ class _Slot:
         try:
             return "ok", fn(*args)
         except Exception as exc:  # noqa: BLE001 - reported to the driver as data
-            text = str(exc).strip()
-            return "error", f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            return "error", f"{type(exc).__name__}: {_first_line(exc)}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from dmattn_bench import ops
 from dmattn_bench.api import flash_dmattn_func
-from dmattn_bench.space import config_label
+from dmattn_bench.space import as_4d, config_label
 
 OURS = "dmattn"
 
@@ -46,7 +47,6 @@ class BenchInputs:
     mask: torch.Tensor | None  # bool, 4-D
     bias: torch.Tensor | None  # 4-D, requires grad when the workload's bias is learnable
     is_causal: bool
-    extra: dict = field(default_factory=dict)
 
 
 def _leaf(t: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
@@ -57,23 +57,30 @@ def _bhld_leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().transpose(1, 2).contiguous().requires_grad_()
 
 
-def _ours(inputs: BenchInputs, table: str | None) -> Prepared:
-    from dmattn_bench import ops
-    from dmattn_bench.space import as_4d
+def _bias_leaf(inputs: BenchInputs) -> torch.Tensor | None:
+    """The workload's bias as a fresh leaf, learnable when the workload's is."""
+    return None if inputs.bias is None else _leaf(inputs.bias, inputs.bias.requires_grad)
 
+
+def _grad_leaves(q, k, v, bias) -> list[torch.Tensor]:
+    """What a backward differentiates: q, k, v, and the bias when it is learnable."""
+    return [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
+
+
+def _ours(inputs: BenchInputs, table: str | None) -> Prepared:
     q, k, v = (_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
-    bias = None if inputs.bias is None else _leaf(inputs.bias, inputs.bias.requires_grad)
-    fwd_choice = ops.select("fwd", q, k, as_4d(inputs.mask), as_4d(bias), inputs.is_causal, "auto", table, None,
-                            bias is not None and bias.requires_grad)
-    bwd_choice = ops.select("bwd", q, k, as_4d(inputs.mask), as_4d(bias), inputs.is_causal, "auto", table, None,
-                            bias is not None and bias.requires_grad)
+    bias = _bias_leaf(inputs)
+    learnable = bias is not None and bias.requires_grad
+    chosen = {direction: ops.select(direction, q, k, as_4d(inputs.mask), as_4d(bias), inputs.is_causal, "auto",
+                                    table, None, learnable)
+              for direction in ("fwd", "bwd")}
 
     def forward():
         return flash_dmattn_func(q, k, v, inputs.mask, bias, is_causal=inputs.is_causal, table=table)
 
-    leaves = [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
-    note = (f"{fwd_choice[0].name} fwd {config_label(fwd_choice[1])}, bwd {config_label(bwd_choice[1])}")
-    return Prepared(forward, leaves, note=note)
+    note = (f"{chosen['fwd'][0].name} fwd {config_label(chosen['fwd'][1])}, "
+            f"bwd {config_label(chosen['bwd'][1])}")
+    return Prepared(forward, _grad_leaves(q, k, v, bias), note=note)
 
 
 def _index(operand: torch.Tensor, b, h, q_idx, kv_idx, group_div: int):
@@ -94,7 +101,7 @@ def _flex(inputs: BenchInputs, kernel_options: dict | None) -> Prepared:
     q, k, v = (_bhld_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
     batch, heads, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    mask, bias = inputs.mask, None if inputs.bias is None else _leaf(inputs.bias, inputs.bias.requires_grad)
+    mask, bias = inputs.mask, _bias_leaf(inputs)
     offset = seqlen_k - seqlen_q
     mask_div = heads // mask.shape[1] if mask is not None and mask.shape[1] > 1 else 1
     bias_div = heads // bias.shape[1] if bias is not None and bias.shape[1] > 1 else 1
@@ -124,7 +131,7 @@ def _flex(inputs: BenchInputs, kernel_options: dict | None) -> Prepared:
         return compiled(q, k, v, score_mod=score_mod if bias is not None else None, block_mask=block_mask,
                         enable_gqa=heads != heads_kv, kernel_options=kernel_options)
 
-    leaves = [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
+    leaves = _grad_leaves(q, k, v, bias)
     note = "block mask built once (setup_ms, after compiling create_block_mask)"
     if kernel_options:
         note += "; backward tiles " + ",".join(f"{key}={value}" for key, value in kernel_options.items())
@@ -184,14 +191,13 @@ def _flash_dmattn(inputs: BenchInputs) -> Prepared:
     import flash_dmattn
 
     q, k, v = (_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
-    bias = None if inputs.bias is None else _leaf(inputs.bias, inputs.bias.requires_grad)
+    bias = _bias_leaf(inputs)
 
     def forward():
         return flash_dmattn.flash_dmattn_func(q, k, v, attn_mask=inputs.mask, attn_bias=bias,
                                               is_causal=inputs.is_causal)
 
-    leaves = [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
-    return Prepared(forward, leaves, note=f"flash_dmattn {getattr(flash_dmattn, '__version__', '?')}")
+    return Prepared(forward, _grad_leaves(q, k, v, bias), note=f"flash_dmattn {getattr(flash_dmattn, '__version__', '?')}")
 
 
 # Smaller backward tiles than FlexAttention's defaults, which run out of shared memory on the

@@ -92,11 +92,17 @@ def test_llama_left_padding_matches_eager_forward_and_backward(api_calls):
         assert_close(p.grad, ref.grad, f"d{name}")
 
 
-def test_llama_without_mask_uses_causal_rule(api_calls):
-    register()
+def _eval_pair():
+    """The eager model and ours with the same weights, in eval mode."""
     eager = tiny_llama("eager").eval()
     ours = tiny_llama(ATTN_IMPLEMENTATION).eval()
     ours.load_state_dict(eager.state_dict())
+    return eager, ours
+
+
+def test_llama_without_mask_uses_causal_rule(api_calls):
+    register()
+    eager, ours = _eval_pair()
     input_ids = torch.randint(0, 128, (1, 10))
     with torch.no_grad():
         logits = ours(input_ids=input_ids).logits
@@ -106,9 +112,7 @@ def test_llama_without_mask_uses_causal_rule(api_calls):
 
 def test_static_cache_generation_matches_eager(api_calls):
     register()
-    eager = tiny_llama("eager").eval()
-    ours = tiny_llama(ATTN_IMPLEMENTATION).eval()
-    ours.load_state_dict(eager.state_dict())
+    eager, ours = _eval_pair()
     input_ids = torch.randint(0, 128, (1, 7))
     options = dict(max_new_tokens=3, do_sample=False, cache_implementation="static", eos_token_id=None)
     tokens = ours.generate(input_ids, **options)

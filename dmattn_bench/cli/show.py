@@ -92,8 +92,11 @@ def coverage(table: Table, workloads_path: str, grid: str, stale: set[str] = fro
     return rows
 
 
-def _coverage_table(rows: list[dict], source: str) -> RichTable:
-    counts = {kind: sum(r["served_by"] == kind for r in rows) for kind in COVERAGE_KINDS}
+def coverage_counts(rows: list[dict]) -> dict[str, int]:
+    return {kind: sum(r["served_by"] == kind for r in rows) for kind in COVERAGE_KINDS}
+
+
+def _coverage_table(rows: list[dict], counts: dict[str, int], source: str) -> RichTable:
     table = RichTable(title=f"coverage of {source}")
     for column in ("workload", "direction", "served by"):
         table.add_column(column)
@@ -124,7 +127,7 @@ def show(table_path: str, coverage_path: str | None, grid: str, fmt: str) -> Non
             rows = coverage(table, coverage_path, grid, {name for name, state in status.items() if state == "stale"})
         except ValueError as exc:
             raise click.BadParameter(str(exc).splitlines()[0], param_hint="--coverage/--grid") from None
-        doc["coverage"] = {"workloads": coverage_path, "grid": grid, "keys": rows,
-                           "counts": {kind: sum(r["served_by"] == kind for r in rows) for kind in COVERAGE_KINDS}}
-        tables.append(_coverage_table(rows, f"{coverage_path}:{grid}"))
+        counts = coverage_counts(rows)
+        doc["coverage"] = {"workloads": coverage_path, "grid": grid, "keys": rows, "counts": counts}
+        tables.append(_coverage_table(rows, counts, f"{coverage_path}:{grid}"))
     output.render(doc, tables, fmt)

@@ -154,7 +154,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
         from dmattn_bench import cluster
 
         cluster_gpus = cluster.connect(ray_address, on_gpu)
-        gpu_count = parse_gpus(gpus, cluster_gpus) if on_gpu else parse_gpus(gpus, 0)
+        gpu_count = parse_gpus(gpus, cluster_gpus if on_gpu else 0)
         workers = cluster.ray_workers(gpu_count, interpret=not on_gpu)
         output.info(f"Ray cluster {ray_address!r}: {gpu_count} measuring actor(s)"
                     + (f" of one GPU each ({cluster_gpus} GPUs in the cluster)" if on_gpu else " (interpreter)"))
