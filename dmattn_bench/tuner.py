@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from queue import Empty, Queue
 from typing import Callable
 
 import torch
@@ -90,6 +91,7 @@ class TuneResult:
     trials: list[Trial]
     wall_s: float
     meaningful_timings: bool
+    phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each phase that ran
 
     def counts(self) -> dict[str, int]:
         """Trials by final status."""
@@ -439,11 +441,19 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             todo.append((workload, direction, config, is_default))
 
     # -- compile in parallel (GPU): a failure here is the trial's status --
+    # The compile processes spread over the measuring GPUs (each holds a context and a workload's
+    # tensors there), while the measuring workers start up (imports, CUDA context) beside them.
+    phases: dict[str, float] = {}
+    phase_start = time.monotonic()
     if device.type == "cuda" and todo and compile_locally:
+        starting = [threading.Thread(target=_start_quietly, args=(worker, str(device), trial_timeout_s), daemon=True)
+                    for worker in workers]
+        for thread in starting:
+            thread.start()
         jobs = [(w, d, c, backend_name) for w, d, c, _ in todo]
         done = on_phase("compile", len(jobs)) if on_phase else None
         outcomes = parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason),
-                                on_done=(lambda job, result: done()) if done else None)
+                                on_done=(lambda job, result: done()) if done else None, gpus=len(workers))
         remaining = []
         for (w, d, c, is_default), (status, reason) in zip(todo, outcomes):
             if status == "ok":
@@ -452,48 +462,82 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                 stage = "pruned" if status in ("compile_error", "unsupported") else "compiled"
                 finish(w, d, c, is_default, {"status": status, "reason": reason, "stage": stage})
         todo = remaining
+        for thread in starting:
+            thread.join()
+        phases["compile"] = time.monotonic() - phase_start
+        phase_start = time.monotonic()
 
-    # -- validate and time in the measuring workers: workloads dealt out, one worker per GPU --
+    # -- validate and time in the measuring workers, one per GPU --
+    # Each worker takes the next whole workload from one queue (its inputs and reference stay
+    # cached in the worker), largest first, so the last workloads to finish are the small ones
+    # and no GPU idles while another works through a long tail.
     fatal: list[DmattnError] = []  # a worker that cannot go on (e.g. no cluster GPU): stop, keep the journal
+    queue: Queue = Queue()
+    for workload in sorted(dict.fromkeys(w for w, _, _, _ in todo), key=_work, reverse=True):
+        queue.put([item for item in todo if item[0] == workload])
 
-    def measure_share(worker, share: list) -> None:
-        for workload, direction, config, is_default in share:
-            if out_of_budget() or fatal:
-                reason = "time budget exhausted" if not fatal else "tune stopped: " + fatal[0].one_line()
-                finish(workload, direction, config, is_default, {"status": "skipped", "reason": reason})
-                continue
+    def measure_share(worker) -> None:
+        while True:
             try:
-                fields = worker.call(measure_job, (workload, direction, config, backend_name, str(device)),
-                                     trial_timeout_s)
-            except WorkerTimedOut as exc:
-                fields = {"status": "timeout", "reason": str(exc), "stage": "compiled"}
-            except (WorkerCrashed, RuntimeError) as exc:
-                fields = {"status": "crash", "reason": str(exc)[:300], "stage": "compiled"}
-            except DmattnError as exc:
-                fatal.append(exc)
-                finish(workload, direction, config, is_default, {"status": "skipped", "reason": exc.one_line()})
-                continue
-            if fields["status"] in RESTART_AFTER:
-                worker.stop()  # a fresh process (and CUDA context) for the next candidate
-            finish(workload, direction, config, is_default, fields)
+                share = queue.get_nowait()
+            except Empty:
+                return
+            for workload, direction, config, is_default in share:
+                if out_of_budget() or fatal:
+                    reason = "time budget exhausted" if not fatal else "tune stopped: " + fatal[0].one_line()
+                    finish(workload, direction, config, is_default, {"status": "skipped", "reason": reason})
+                    continue
+                try:
+                    fields = worker.call(measure_job, (workload, direction, config, backend_name, str(device)),
+                                         trial_timeout_s)
+                except WorkerTimedOut as exc:
+                    fields = {"status": "timeout", "reason": str(exc), "stage": "compiled"}
+                except (WorkerCrashed, RuntimeError) as exc:
+                    fields = {"status": "crash", "reason": str(exc)[:300], "stage": "compiled"}
+                except DmattnError as exc:
+                    fatal.append(exc)
+                    finish(workload, direction, config, is_default, {"status": "skipped", "reason": exc.one_line()})
+                    continue
+                if fields["status"] in RESTART_AFTER:
+                    worker.stop()  # a fresh process (and CUDA context) for the next candidate
+                finish(workload, direction, config, is_default, fields)
 
-    order = list(dict.fromkeys(w for w, _, _, _ in todo))
-    shares = [[item for item in todo if order.index(item[0]) % len(workers) == index] for index in range(len(workers))]
-    threads = [threading.Thread(target=measure_share, args=(worker, share), daemon=True)
-               for worker, share in zip(workers, shares) if share]
+    threads = [threading.Thread(target=measure_share, args=(worker,), daemon=True) for worker in workers]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     if fatal:
         raise fatal[0]
+    phases["measure"] = time.monotonic() - phase_start
     worker = workers[0]
 
     # -- winners, from the journal's view of every trial --
+    phase_start = time.monotonic()
     winners = _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker,
-                              suite_timeout_s, on_phase)
+                              suite_timeout_s, on_phase, gpus=len(workers) if compile_locally else 1)
+    phases["winners"] = time.monotonic() - phase_start
     ordered = [trials[trial_id(w, d, backend_name, c)] for w, d, c, _ in plan]
-    return TuneResult(winners, ordered, time.monotonic() - start, device.type == "cuda")
+    return TuneResult(winners, ordered, time.monotonic() - start, device.type == "cuda",
+                      {name: round(seconds, 1) for name, seconds in phases.items()})
+
+
+def _work(workload: Workload) -> int:
+    """Relative cost of a workload's trials: its score-matrix elements times the head dim."""
+    return workload.batch * workload.heads * workload.seqlen_q * workload.seqlen_k * workload.head_dim
+
+
+def ready_job(device_name: str) -> None:
+    """Measuring worker, before its first trial: imports and the CUDA context, paid up front."""
+    torch.zeros(1, device=device_name)
+
+
+def _start_quietly(worker, device_name: str, timeout_s: float) -> None:
+    """Starts a measuring worker; a failure here is left to its first trial to report."""
+    try:
+        worker.call(ready_job, (device_name,), timeout_s)
+    except Exception:  # noqa: BLE001 - the first trial restarts the worker and records the error
+        worker.stop()
 
 
 def _ranked(trials: dict[str, Trial], group: list[Workload], direction: str, spaces, device, backend_name):
@@ -521,7 +565,7 @@ def _ranked(trials: dict[str, Trial], group: list[Workload], direction: str, spa
 
 
 def _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker, suite_timeout_s,
-                    on_phase) -> list[Winner]:
+                    on_phase, gpus: int = 1) -> list[Winner]:
     groups: dict[TableKey, list[Workload]] = {}
     for workload in workloads:
         for direction in ("fwd", "bwd"):
@@ -557,7 +601,7 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         jobs = list(dict.fromkeys(jobs))
         done = on_phase("adversarial suite", len(jobs)) if on_phase and jobs else None
         verdicts = parallel_map(_suite_job_tuple, jobs, on_crash=lambda job, reason: ("crash", reason),
-                                on_done=(lambda job, result: done()) if done else None)
+                                on_done=(lambda job, result: done()) if done else None, gpus=gpus)
         for job, (status, note) in zip(jobs, verdicts):
             journal.append({"kind": "suite", "id": suite_id(*job[:5]), "status": status, "note": note})
 

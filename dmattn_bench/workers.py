@@ -23,19 +23,32 @@ from typing import Callable, Iterable, TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
-MAX_WORKERS = 8  # each holds a CUDA context (~500 MB) and a workload's tensors
+MAX_WORKERS_PER_GPU = 8  # each holds a CUDA context (~500 MB) and a workload's tensors on its GPU
 
 
-def _init_worker() -> None:
+def _visible_list() -> list[str] | None:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else None
+
+
+def _init_worker(slots, gpus: int, visible: list[str] | None) -> None:
+    """Runs first in each pool process: real kernels, and with several GPUs a GPU of its own
+    (processes are dealt out round-robin in start order)."""
     os.environ.pop("TRITON_INTERPRET", None)
+    if gpus > 1:
+        with slots.get_lock():
+            slot = slots.value
+            slots.value += 1
+        gpu = slot % gpus
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
 
 
-def worker_count(jobs: int) -> int:
-    return max(1, min(MAX_WORKERS, os.cpu_count() or 1, jobs))
+def worker_count(jobs: int, gpus: int = 1) -> int:
+    return max(1, min(MAX_WORKERS_PER_GPU * max(1, gpus), os.cpu_count() or 1, jobs))
 
 
 def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T, str], R],
-                 on_done: Callable[[T, R], None] | None = None) -> list[R]:
+                 on_done: Callable[[T, R], None] | None = None, gpus: int = 1) -> list[R]:
     """`[fn(item) for item in items]` across worker processes, in order.
 
     Args:
@@ -43,6 +56,8 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T
         items: picklable arguments.
         on_crash: builds the result for an item whose worker died (reason given).
         on_done: called in the parent as each result arrives.
+        gpus: GPUs to spread the processes over (cuda:0..gpus-1, each process sees one as
+            cuda:0); MAX_WORKERS_PER_GPU processes per GPU, as the cores allow. 1: inherit.
     """
     items = list(items)
     results: list[R | None] = [None] * len(items)
@@ -52,8 +67,9 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T
     pending = list(range(len(items)))
     while pending:
         try:
-            with ProcessPoolExecutor(worker_count(len(pending)), mp_context=context,
-                                     initializer=_init_worker) as pool:
+            with ProcessPoolExecutor(worker_count(len(pending), gpus), mp_context=context,
+                                     initializer=_init_worker,
+                                     initargs=(context.Value("i", 0), gpus, _visible_list())) as pool:
                 futures = {index: pool.submit(fn, items[index]) for index in pending}
                 for index, future in futures.items():
                     results[index] = future.result()
@@ -83,7 +99,7 @@ def _visible_devices(gpu: int | None):
         return
     with _ENV_LOCK:
         previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-        visible = previous.split(",") if previous else None
+        visible = _visible_list()
         os.environ["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
         try:
             yield

@@ -339,3 +339,25 @@ def test_show_truncated_table_is_one_line_exit_1(tmp_path, capsys):
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and path in lines[0] and lines[0].startswith("error:")
+
+
+def test_a_wheel_install_carries_the_shipped_tables(tmp_path):
+    """Installed from a wheel (no source checkout), the runtime still finds every shipped table:
+    they are package data, and `SHIPPED_TABLES_DIR` points at them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("setuptools")
+    root = Path(__file__).parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(root),
+                    "-w", str(tmp_path / "wheel")], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
+                    str(wheel)], check=True, capture_output=True)
+    probe = ("from dmattn_bench.dispatch import lookup; "
+             "print(lookup.SHIPPED_TABLES_DIR); print(*sorted(p.name for p in lookup.SHIPPED_TABLES_DIR.glob('*.yaml')))")
+    printed = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path / 'site')!r}); {probe}"],
+                             check=True, capture_output=True, text=True, cwd=tmp_path).stdout.splitlines()
+    assert printed[0].startswith(str(tmp_path / "site"))
+    assert printed[1].split() == sorted(p.name for p in (root / "results" / "tables").glob("*.yaml"))

@@ -18,6 +18,7 @@ import yaml
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.registry import default_configs
 from dmattn_bench.tuner import Journal, JournalError
+from dmattn_bench.workers import MAX_WORKERS_PER_GPU, parallel_map, worker_count
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
@@ -157,5 +158,25 @@ def test_two_workers_share_the_workloads_and_write_one_table(tmp_path):
     assert process.returncode == 0, stderr[-2000:]
     ids = [r["id"] for r in _records(Path(f"{out}.trials.jsonl")) if r["kind"] == "trial"]
     assert len(ids) == len(set(ids)) == 6  # 2 workloads x (2 fwd + 1 bwd), each measured once
-    assert json.loads(stdout)["counts"] == {"ok": 6}
+    document = json.loads(stdout)
+    assert document["counts"] == {"ok": 6}
+    assert document["gpus"] == 2 and set(document["phases_s"]) == {"measure", "winners"}  # no compile phase on CPU
     assert {e.key.direction for e in load_table(out).entries} == {"fwd", "bwd"}
+
+
+def _visible_gpu(_item) -> str:
+    time.sleep(0.5)  # long enough that every pool process takes a job
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.mark.parametrize("parent_visible, expected", [(None, {"0", "1"}), ("3,5", {"3", "5"})])
+def test_parallel_map_gives_each_process_one_of_the_gpus(monkeypatch, parent_visible, expected):
+    """Compile and suite processes spread over the tuning GPUs: each sees one of them, in the
+    numbering of the parent's CUDA_VISIBLE_DEVICES."""
+    if parent_visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent_visible)
+    seen = parallel_map(_visible_gpu, range(4), on_crash=lambda item, reason: reason, gpus=2)
+    assert set(seen) == expected
+    assert worker_count(100, gpus=2) == min(2 * MAX_WORKERS_PER_GPU, os.cpu_count())

@@ -84,7 +84,8 @@ def _winners_table(result: TuneResult) -> Table:
 
 
 def _counts_table(result: TuneResult) -> Table:
-    table = Table(title=f"trials (wall {result.wall_s:.0f} s)")
+    phases = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in result.phases.items())
+    table = Table(title=f"trials (wall {result.wall_s:.0f} s{': ' + phases if phases else ''})")
     table.add_column("final status / stage reached")
     table.add_column("trials", justify="right")
     for status, count in sorted(result.counts().items()):
@@ -190,6 +191,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     dump_table(new_table(entries, fingerprint, interpreter=not on_gpu), out)
     speedup = geometric_mean_speedup(result)
     document = {"table": str(out), "trials_file": str(trials_path), "wall_s": round(result.wall_s, 1),
+                "phases_s": result.phases, "gpus": gpu_count,
                 "counts": result.counts(), "funnel": result.funnel(), "entries": len(entries), "geomean_speedup_vs_default": speedup,
                 "timings_meaningful": result.meaningful_timings,
                 "winners": [dict(key=w.key.to_dict(), config=w.config.to_dict(), evidence=w.evidence)

@@ -34,9 +34,17 @@ from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
 
 ENV_VAR = "DMATTN_BENCH_TABLE"
 _READ_ENV = object()  # sentinel: choose() reads the environment itself
-# Tables committed from real GPUs, named `<DeviceFingerprint.slug()>.yaml`; read at call time so
-# tests can point it elsewhere.
-SHIPPED_TABLES_DIR = Path(dmattn_bench.__file__).parents[1] / "results" / "tables"
+
+
+def _shipped_tables_dir() -> Path:
+    """Tables committed from real GPUs (`results/tables/`, named `<DeviceFingerprint.slug()>.yaml`):
+    package data `dmattn_bench/tables/` when installed from a wheel, read in place in a source
+    checkout (editable install)."""
+    packaged = Path(dmattn_bench.__file__).parent / "tables"
+    return packaged if packaged.is_dir() else Path(dmattn_bench.__file__).parents[1] / "results" / "tables"
+
+
+SHIPPED_TABLES_DIR = _shipped_tables_dir()  # read at call time, so tests can point it elsewhere
 DEFAULT_BACKEND = "triton"
 
 
