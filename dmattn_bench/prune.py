@@ -46,14 +46,20 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 KERNELS = {"fwd": ("flash_fwd_kernel",), "bwd": ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel")}
 # The feature variants a config must serve, compiled for each candidate (the fit is the max over
 # them). Causal + bias (+ dBias with query rows) carry the most tiles; softcap adds none; GROUP
-# only changes head arithmetic. Both mask settings are compiled: with a mask the loops walk a
-# block list and pipeline the mask tile's loads too, without one they do neither, so shared
-# memory and registers differ between the two.
+# alone only changes head arithmetic. Both mask settings are compiled: with a mask the loops walk
+# a block list and pipeline the mask tile's loads too, without one they do neither, so shared
+# memory and registers differ between the two. The dK/dV kernel's group mode (a GQA dBias with
+# query rows) holds one more fp32 tile, so it is a variant of its own; a variant is compiled only
+# for the kernels that take every flag it changes (`_serves`).
 WORST_CASE_FEATURES = dict(
     IS_CAUSAL=True, HAS_MASK=True, HAS_BIAS=True, HAS_SOFTCAP=False,
-    HAS_DBIAS=True, DBIAS_ROWS=True, GROUP=1,
+    HAS_DBIAS=True, DBIAS_ROWS=True, GROUP=1, HEADS_PER_PROGRAM=1,
 )
-FEATURE_VARIANTS = (WORST_CASE_FEATURES, dict(WORST_CASE_FEATURES, HAS_MASK=False))
+FEATURE_VARIANTS = (
+    WORST_CASE_FEATURES,
+    dict(WORST_CASE_FEATURES, HAS_MASK=False),
+    dict(WORST_CASE_FEATURES, GROUP=4, HEADS_PER_PROGRAM=4),
+)
 # Strides that are 1 in a contiguous launch: Triton specializes an int argument equal to 1 into a
 # constexpr, which enables vectorized loads (and so changes shared-memory use).
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd",
@@ -295,6 +301,11 @@ def _variants(features: Mapping[str, object] | Sequence[Mapping[str, object]] | 
     return [dict(WORST_CASE_FEATURES, **variant) for variant in features]
 
 
+def _serves(fn, flags: Mapping[str, object]) -> bool:
+    """Whether a feature variant applies to kernel `fn`: it takes every flag the variant changes."""
+    return all(name in fn.arg_names for name, value in flags.items() if WORST_CASE_FEATURES.get(name) != value)
+
+
 def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtype: str,
                   features: Mapping[str, object] | Sequence[Mapping[str, object]] | None) -> Candidate:
     """Cross-compiles in this process (its kernels must be JIT functions, not interpreted)."""
@@ -314,8 +325,9 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
                          round(time.perf_counter() - start, 3))
 
     for flags in _variants(features):
-        for fn in _kernel_functions(direction):
-            where = f"{fn.__name__} HAS_MASK={flags['HAS_MASK']}"
+        for fn in filter(lambda fn: _serves(fn, flags), _kernel_functions(direction)):
+            where = f"{fn.__name__} HAS_MASK={flags['HAS_MASK']}" + (
+                f" HEADS_PER_PROGRAM={flags['HEADS_PER_PROGRAM']}" if flags["HEADS_PER_PROGRAM"] > 1 else "")
             constexprs = {name: value for name, value in flags.items() if name in fn.arg_names}
             constexprs.update(HEAD_DIM=head_dim, BLOCK_D=width, **_tile_constexprs(fn.__name__, config))
             try:

@@ -88,6 +88,18 @@ def test_cross_compile_fits_for_sm90_and_sm80():
         assert candidate.compile_s > 0
 
 
+def test_cross_compile_backward_in_every_mode():
+    """The backward's kernels compile for sm90 in every feature variant, the dK/dV kernel's group
+    mode (a GQA dBias with query rows) included, and only that kernel takes the group variant."""
+    group_variant = next(v for v in prune.FEATURE_VARIANTS if v["HEADS_PER_PROGRAM"] > 1)
+    served = [fn.__name__ for fn in prune._kernel_functions("bwd") if prune._serves(fn, group_variant)]
+    assert served == ["flash_bwd_dkdv_kernel"]
+    config = BwdConfig(block_m=32, block_n=64, block_m_dq=64, block_n_dq=32, num_warps=4, num_stages=2)
+    candidate = compile_candidate("bwd", config, "sm90", 64, "bf16")
+    assert candidate.status == "fits", candidate.reason
+    assert 0 < candidate.shared_bytes <= ARCH_LIMITS["sm90"].shared_memory_per_block
+
+
 def test_real_shared_memory_over_limit_is_data():
     # Unmasked, the key loop is pipelined: 3 stages of k, v and an fp32 bias tile pass the
     # estimate (a lower bound) but exceed sm120's 99 KiB once compiled.

@@ -13,20 +13,30 @@ Dead rows have lse = -inf; they are given lse = +inf here so P = exp(s - inf) = 
 contribute nothing (their dQ row is 0).
 
 Work split (FlashAttention-2 style, without atomics, so results are bitwise reproducible):
-- `flash_bwd_dkdv_kernel`: one program per (key block, batch, query head), looping over the query
-  blocks. Under GQA each program writes its query head's share of dK/dV (fp32, (B, Lk, H, D)) and
-  the launcher sums each group's shares in a fixed order: 4x the programs of one per kv head
-  looping over its group, which left most SMs idle (W2, H100: dK/dV 3.0 ms vs 1.85 ms for the
-  same FLOPs without GQA, 2026-11-21). It also writes dBias partials (see below).
+- `flash_bwd_dkdv_kernel`, split mode (HEADS_PER_PROGRAM = 1, the default): one program per
+  (key block, batch, query head), looping over the query blocks. Under GQA each program writes
+  its query head's share of dK/dV (fp32, (B, Lk, H, D)) and the launcher sums each group's shares
+  in a fixed order: 4x the programs of one per kv head looping over its group, which left most
+  SMs idle (W2, H100: dK/dV 3.0 ms vs 1.85 ms for the same FLOPs without GQA, 2026-11-21).
+- `flash_bwd_dkdv_kernel`, group mode (HEADS_PER_PROGRAM = GROUP): one program per (key block,
+  batch, kv head), looping over the query blocks and, inside, over the GROUP query heads; dK/dV
+  are summed over the group in registers and written as they are. The launcher picks it only
+  for a bias with query rows and fewer heads than the query under GQA (see dBias partials).
 - `flash_bwd_dq_kernel`: one program per (query block, batch, query head), looping over keys.
 
-dBias partials: the kernel writes into `dbias_ptr`, shaped (B, H, Rp, Lk), where
+dBias partials: the dK/dV kernel writes into `dbias_ptr`, shaped (B, H / HEADS_PER_PROGRAM, Rp, Lk),
+where
     Rp = Lq  if the bias has a query dim (DBIAS_ROWS), else the number of query blocks (each
          block's rows are summed in registers).
-Each element has exactly one writer. The launcher sums the remaining broadcast dims on the host.
+Split mode keeps one slice per query head; a (B, Hkv|1, Lq, Lk) bias would need an fp32
+(B, H, Lq, Lk) partial, 2 GiB at B2 H16 L4096. Group mode sums dS over the group in a register
+tile and stores it once per query block, so the partial is (B, Hkv, Lq, Lk): the bias's own
+gradient when the bias is (B, Hkv, Lq, Lk). Each element has exactly one writer. The launcher
+sums the remaining broadcast dims on the host.
 
 Skipped work: with a mask both kernels walk only the tiles the activity summary lists
-(`activity.py`, `launch.block_lists`).
+(`activity.py`, `launch.block_lists`); in group mode that is the union of the group's lists, and
+each tile still applies its own query head's mask.
 
 Orientation: the dK/dV kernel works on key-major tiles (S^T, P^T, dS^T of shape
 (BLOCK_N, BLOCK_M), as in Triton's fused-attention tutorial), so the products dV += P^T dO and
@@ -120,14 +130,21 @@ def flash_bwd_dkdv_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_DBIAS: tl.constexpr,
     DBIAS_ROWS: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    # group mode serves one case only, a per-kv-head dBias with query rows (module docstring)
+    tl.static_assert(HEADS_PER_PROGRAM == 1 or (HEADS_PER_PROGRAM == GROUP and HAS_DBIAS and DBIAS_ROWS))
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // num_heads).to(tl.int64)
-    h = (pid_bh % num_heads).to(tl.int64)
-    h_kv = h // GROUP
+    program_heads = num_heads // HEADS_PER_PROGRAM
+    b = (pid_bh // program_heads).to(tl.int64)
+    # this program's slot of dk/dv and of the dBias partial: its query head (split mode; under GQA
+    # dk/dv are per-query-head shares) or its kv head (group mode)
+    slot = (pid_bh % program_heads).to(tl.int64)
+    h_first = slot * HEADS_PER_PROGRAM
+    h_kv = h_first // GROUP
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -139,7 +156,9 @@ def flash_bwd_dkdv_kernel(
 
     if HAS_MASK:
         # the active query tiles of this key block (key-major `launch.block_lists`)
-        blocks = blocks_ptr + b * stride_blb + (h // mask_head_div) * stride_blh + pid_n * stride_bln
+        # (group mode: the union over the group's query heads, one list per kv head)
+        list_head = h_first // mask_head_div if HEADS_PER_PROGRAM == 1 else slot
+        blocks = blocks_ptr + b * stride_blb + list_head * stride_blh + pid_n * stride_bln
         num_blocks = tl.load(blocks)
         m_first = 0
     else:
@@ -150,45 +169,63 @@ def flash_bwd_dkdv_kernel(
             m_first = tl.maximum(pid_n * BLOCK_N - (seqlen_k - seqlen_q), 0) // BLOCK_M
         num_blocks = tl.cdiv(seqlen_q, BLOCK_M) - m_first
 
-    mask_base = mask_ptr + b * stride_mb + (h // mask_head_div) * stride_mh
-    bias_base = bias_ptr + b * stride_bb + (h // bias_head_div) * stride_bh
+    mask_base = mask_ptr + b * stride_mb + (h_first // mask_head_div) * stride_mh
+    bias_base = bias_ptr + b * stride_bb + (h_first // bias_head_div) * stride_bh
     for i in range(0, num_blocks):
         start_m = (m_first + listed_block(blocks, i, HAS_MASK)) * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-        # key-major tile: rows of the tile are keys, columns are queries
-        visible_t = visible_tile(
-            mask_base, offs_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
-            IS_CAUSAL, HAS_MASK,
-        )
-        # -- load q, dO and the row statistics of this query head --
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
-        dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
-        row_base = b * stride_lb + h * stride_lh
-        lse, delta = _load_row_stats(lse_ptr + row_base, delta_ptr + row_base, offs_m, stride_lm, seqlen_q)
-        # -- recompute P^T, then dV, dS^T, dK --
-        s_t, capped_t = scores_tile(
-            score_dot(k, tl.trans(q)), bias_base, offs_m[None, :], offs_n[:, None], stride_bm, stride_bn,
-            visible_t, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
-        )
-        p_t = tl.exp2((s_t - lse[None, :]) * LOG2E)
-        dv += tl.dot(p_t.to(dout.dtype), dout)
-        dp_t = tl.dot(v, tl.trans(dout))
-        ds_t = p_t * (dp_t - delta[None, :])
-        ds_raw_t = ds_t
-        if HAS_SOFTCAP:
-            ds_raw_t = ds_t * (1.0 - capped_t * capped_t)
-        dk += tl.dot(ds_raw_t.to(q.dtype), q)
-        if HAS_DBIAS:
-            db = ds_t if DBIAS_ROWS else tl.sum(ds_t, 1)
-            _store_dbias_t(dbias_ptr + b * stride_dbb + h * stride_dbh, db, start_m, offs_m, offs_n,
+        if HEADS_PER_PROGRAM > 1:
+            db_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # dS^T summed over the group
+        # a dynamic loop: unrolling it would copy the whole body GROUP times. In split mode its one
+        # iteration folds away: sm80/sm90 PTX of 4 split-mode variants (bf16, D128, 64x128 tiles)
+        # equals the PTX from before group mode existed but for register numbering, 2026-11-21.
+        for g in range(0, HEADS_PER_PROGRAM):
+            h = h_first + g
+            # h_first is a multiple of both head divisors (1 or GROUP): h // div = h_first // div + g // div
+            mask_base_h = mask_base + (g // mask_head_div) * stride_mh
+            bias_base_h = bias_base + (g // bias_head_div) * stride_bh
+            # key-major tile: rows of the tile are keys, columns are queries
+            visible_t = visible_tile(
+                mask_base_h, offs_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                IS_CAUSAL, HAS_MASK,
+            )
+            # -- load q, dO and the row statistics of this query head --
+            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
+            dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
+            row_base = b * stride_lb + h * stride_lh
+            lse, delta = _load_row_stats(lse_ptr + row_base, delta_ptr + row_base, offs_m, stride_lm, seqlen_q)
+            # -- recompute P^T, then dV, dS^T, dK --
+            s_t, capped_t = scores_tile(
+                score_dot(k, tl.trans(q)), bias_base_h, offs_m[None, :], offs_n[:, None], stride_bm, stride_bn,
+                visible_t, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+            )
+            p_t = tl.exp2((s_t - lse[None, :]) * LOG2E)
+            dv += tl.dot(p_t.to(dout.dtype), dout)
+            dp_t = tl.dot(v, tl.trans(dout))
+            ds_t = p_t * (dp_t - delta[None, :])
+            ds_raw_t = ds_t
+            if HAS_SOFTCAP:
+                ds_raw_t = ds_t * (1.0 - capped_t * capped_t)
+            dk += tl.dot(ds_raw_t.to(q.dtype), q)
+            if HAS_DBIAS:
+                if HEADS_PER_PROGRAM == 1:
+                    db = ds_t if DBIAS_ROWS else tl.sum(ds_t, 1)
+                    _store_dbias_t(dbias_ptr + b * stride_dbb + slot * stride_dbh, db, start_m, offs_m, offs_n,
+                                   stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
+                else:
+                    db_t += ds_t
+        if HEADS_PER_PROGRAM > 1:
+            # one store per query block: the (b, h_kv) tile of a (B, Hkv, Lq, Lk) partial
+            _store_dbias_t(dbias_ptr + b * stride_dbb + slot * stride_dbh, db_t, start_m, offs_m, offs_n,
                            stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
 
     # epilogue
     dk = dk * softmax_scale
-    # dk_ptr/dv_ptr hold one slice per query head under GQA (the launcher sums groups), else per kv head
-    tl.store(dk_ptr + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty), mask=kv_in)
-    tl.store(dv_ptr + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=kv_in)
+    # dk_ptr/dv_ptr hold one share per query head in split mode under GQA (the launcher sums the
+    # groups), else the kv head's dK/dV
+    tl.store(dk_ptr + b * stride_dkb + slot * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty), mask=kv_in)
+    tl.store(dv_ptr + b * stride_dvb + slot * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=kv_in)
 
 
 @triton.jit

@@ -200,18 +200,28 @@ def attention_forward(
     )
 
 
-def _dbias_partial(dbias: torch.Tensor, batch, num_heads, seqlen_q, seqlen_k, block_m):
-    """The buffer the dK/dV kernel writes dBias into: (B, H, Lq or one row per query block, Lk).
+def _dbias_partial(dbias: torch.Tensor, batch, num_heads, group, seqlen_q, seqlen_k, block_m):
+    """The buffer the dK/dV kernel writes dBias into, and the kernel mode that fills it.
+
+    Split mode (one program per query head) writes (B, H, Lq or one row per query block, Lk).
+    Group mode (one program per kv head, looping over its query heads) is chosen for a bias with
+    query rows and fewer heads than the query, (B, Hkv|1, Lq, Lk) under GQA: it sums dS over the
+    group in registers and writes (B, Hkv, Lq, Lk), 1/GROUP of split mode's fp32 partial (which
+    was 2 GiB at B2 H16 L4096) and none at all for a contiguous (B, Hkv, Lq, Lk) bias. Everywhere
+    else split mode stays: per-kv-head programs leave most SMs idle (flash_bwd.py docstring).
 
     Returns:
-        (partial, rows): the kernel target (zeroed: tiles the schedule skips are never written)
-        and whether it keeps query rows. `partial` is `dbias` itself when the shapes agree.
+        (partial, rows, heads_per_program): the kernel target (zeroed: tiles the schedule skips
+        are never written; `dbias` itself when the shapes agree), whether it keeps query rows,
+        and the kernel's HEADS_PER_PROGRAM (1: split mode, `group`: group mode).
     """
     rows = dbias.shape[2] != 1 or seqlen_q == 1
-    partial_shape = (batch, num_heads, seqlen_q if rows else triton.cdiv(seqlen_q, block_m), seqlen_k)
+    heads_per_program = group if rows and dbias.shape[1] < num_heads else 1
+    partial_shape = (batch, num_heads // heads_per_program, seqlen_q if rows else triton.cdiv(seqlen_q, block_m),
+                     seqlen_k)
     if tuple(dbias.shape) == partial_shape and dbias.is_contiguous():
-        return dbias.zero_(), rows
-    return torch.zeros(partial_shape, dtype=torch.float32, device=dbias.device), rows
+        return dbias.zero_(), rows, heads_per_program
+    return torch.zeros(partial_shape, dtype=torch.float32, device=dbias.device), rows, heads_per_program
 
 
 def _finish_dbias(partial: torch.Tensor, dbias: torch.Tensor) -> None:
@@ -256,11 +266,21 @@ def attention_backward(
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
     )
     scalars = (mask_head_div, bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0)
+    if dbias is not None:
+        partial, rows, heads_per_program = _dbias_partial(
+            dbias, batch, num_heads, group, seqlen_q, seqlen_k, config.block_m)
+    else:
+        partial, rows, heads_per_program = q, True, 1
     kv_blocks = q_blocks = None
     if mask is not None:
         # one read of the mask serves both kernels' schedules
         active = tile_activity(mask, seqlen_q, seqlen_k, is_causal)
-        kv_blocks = block_lists(active, config.block_m, config.block_n, key_major=True)
+        kv_active = active
+        if heads_per_program > 1 and mask.shape[1] == num_heads:
+            # group mode visits the union of its query heads' tiles (each tile still applies its
+            # own head's mask); a mask with Hkv or 1 heads already has one list per kv head
+            kv_active = active.unflatten(1, (num_heads_kv, group)).amax(2)
+        kv_blocks = block_lists(kv_active, config.block_m, config.block_n, key_major=True)
         q_blocks = block_lists(active, config.block_m_dq, config.block_n_dq)
     kv_blocks_arg, kv_blocks_strides = _block_list_args(kv_blocks, q)
     q_blocks_arg, q_blocks_strides = _block_list_args(q_blocks, q)
@@ -273,12 +293,10 @@ def attention_backward(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK_M,
     )
 
-    # -- dK, dV (and dBias partials): one program per key block and query head --
-    if dbias is not None:
-        partial, rows = _dbias_partial(dbias, batch, num_heads, seqlen_q, seqlen_k, config.block_m)
-    else:
-        partial, rows = q, True
-    if group > 1:
+    # -- dK, dV (and dBias partials): one program per key block and query head (split mode) or
+    # kv head (group mode) --
+    split_gqa = group > 1 and heads_per_program == 1
+    if split_gqa:
         # each query head's share, summed per group below (fixed order: deterministic, no atomics)
         dk_share = torch.empty((batch, seqlen_k, num_heads, head_dim), dtype=torch.float32, device=q.device)
         dv_share = torch.empty_like(dk_share)
@@ -286,16 +304,16 @@ def attention_backward(
         dk_share, dv_share = dk, dv
     partial_strides = partial.stride() if dbias is not None else (0, 0, 0, 0)
     _launch(
-        flash_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, config.block_n), batch * num_heads),
+        flash_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, config.block_n), batch * num_heads // heads_per_program),
         q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks_arg,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
         *lse.stride(), *dk_share.stride(), *dv_share.stride(), *partial_strides, *kv_blocks_strides,
         num_heads, seqlen_q, seqlen_k, *scalars,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows,
+        HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows, HEADS_PER_PROGRAM=heads_per_program,
         num_warps=config.num_warps, num_stages=config.num_stages, **flags,
     )
-    if group > 1:
+    if split_gqa:
         dk.copy_(dk_share.unflatten(2, (num_heads_kv, group)).sum(3))
         dv.copy_(dv_share.unflatten(2, (num_heads_kv, group)).sum(3))
 
