@@ -34,14 +34,15 @@ from typing import Callable
 
 import torch
 
-from dmattn_bench.adversarial import Inputs, build_inputs
+from dmattn_bench.adversarial import Case, Inputs, adversarial_cases, build_inputs
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import local_limits
 from dmattn_bench.prune import precheck
 from dmattn_bench.registry import default_configs, get_backend
 from dmattn_bench.space import DTYPES, BwdConfig, FwdConfig, TableKey, as_4d, config_label
 from dmattn_bench.timing import Timing, time_kernel
-from dmattn_bench.validator import classify_failure, compare, run_reference, shape_of_case, validate
+from dmattn_bench.validator import (CaseResult, check_case, classify_failure, compare, config_tiles, run_reference,
+                                    shape_of_case, validate)
 from dmattn_bench.workers import Worker, WorkerCrashed, WorkerTimedOut, parallel_map
 from dmattn_bench.workloads import Workload
 
@@ -206,18 +207,32 @@ def measure_job(workload: Workload, direction: str, config, backend_name: str, d
                                                      "validation", "stage")}
 
 
+def _suite_verdict(results: list[CaseResult], suite: str) -> tuple[str, str]:
+    """A config pair's suite verdict from its case results, in case order: the first failure."""
+    bad = next((c for c in results if c.status != "ok"), None)
+    if bad is None:
+        return "ok", f"{suite} suite, {len(results)} cases"
+    return bad.status, f"adversarial {bad.case}: {bad.reason}"
+
+
 def suite_job(backend_name: str, fwd: FwdConfig, bwd: BwdConfig, dtype_name: str, suite: str,
               device_name: str) -> tuple[str, str]:
     """Worker: the adversarial suite for one config pair; returns (status, note)."""
     result = validate(backend_name, fwd, bwd, DTYPES[dtype_name], device_name, suite=suite)
-    bad = next((c for c in result.cases if c.status != "ok"), None)
-    if bad is None:
-        return "ok", f"{suite} suite, {len(result.cases)} cases"
-    return bad.status, f"adversarial {bad.case}: {bad.reason}"
+    return _suite_verdict(result.cases, suite)
 
 
-def _suite_job_tuple(job: tuple) -> tuple[str, str]:
-    return suite_job(*job)
+def suite_cases(fwd: FwdConfig, bwd: BwdConfig, suite: str) -> list[Case]:
+    return adversarial_cases(suite, config_tiles(fwd, bwd))
+
+
+def suite_case_job(job: tuple) -> CaseResult:
+    """Worker: one case of a config pair's adversarial suite (the GPU phase spreads a suite's
+    cases over all processes: whole suites, ~50 s each on an H200, left the last ones alone)."""
+    backend_name, fwd, bwd, dtype_name, suite, device_name, index = job
+    case = suite_cases(fwd, bwd, suite)[index]
+    result = check_case(get_backend(backend_name), case, DTYPES[dtype_name], device_name, fwd, bwd)
+    return CaseResult(result.case, result.status, result.reason)  # the checks stay in the worker
 
 
 def _shape(workload: Workload):
@@ -592,18 +607,24 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
                      for key, group in groups.items()}
     # GPU: the suites of every key's best candidate, compiled and run in parallel first
     if device.type == "cuda":
-        jobs = []
+        pairs = []
         for key, ranked in ranked_by_key.items():
             if ranked:
                 fwd, bwd = pair_of(key, ranked[0][0])
                 if suite_id(backend_name, fwd, bwd, key.dtype, suite) not in journal.suites:
-                    jobs.append((backend_name, fwd, bwd, key.dtype, suite, str(device)))
-        jobs = list(dict.fromkeys(jobs))
-        done = on_phase("adversarial suite", len(jobs)) if on_phase and jobs else None
-        verdicts = parallel_map(_suite_job_tuple, jobs, on_crash=lambda job, reason: ("crash", reason),
+                    pairs.append((backend_name, fwd, bwd, key.dtype, suite, str(device)))
+        pairs = list(dict.fromkeys(pairs))
+        case_jobs = [(*pair, index) for pair in pairs for index in range(len(suite_cases(pair[1], pair[2], suite)))]
+
+        def crashed(job, reason) -> CaseResult:
+            return CaseResult(suite_cases(job[1], job[2], suite)[job[-1]].name, "crash", reason)
+
+        done = on_phase(f"adversarial suite of {len(pairs)} config pairs", len(case_jobs)) if on_phase and pairs else None
+        outcomes = parallel_map(suite_case_job, case_jobs, on_crash=crashed,
                                 on_done=(lambda job, result: done()) if done else None, gpus=gpus)
-        for job, (status, note) in zip(jobs, verdicts):
-            journal.append({"kind": "suite", "id": suite_id(*job[:5]), "status": status, "note": note})
+        for pair in pairs:
+            status, note = _suite_verdict([r for job, r in zip(case_jobs, outcomes) if job[:-1] == pair], suite)
+            journal.append({"kind": "suite", "id": suite_id(*pair[:5]), "status": status, "note": note})
 
     winners = []
     for key, ranked in ranked_by_key.items():

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import threading
-from contextlib import contextmanager
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, TypeVar
@@ -31,6 +29,15 @@ def _visible_list() -> list[str] | None:
     return visible.split(",") if visible else None
 
 
+def _pin_gpu(gpu: int | None, visible: list[str] | None) -> None:
+    """In a child, before anything initialises CUDA: see only GPU `gpu` of the parent's set
+    (`visible`, the parent's CUDA_VISIBLE_DEVICES), as cuda:0. The parent's own environment is
+    never changed: other threads spawn children meanwhile (measuring workers start during the
+    compile phase), and a child spawned inside a temporary change would inherit it."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
+
+
 def _init_worker(slots, gpus: int, visible: list[str] | None) -> None:
     """Runs first in each pool process: real kernels, and with several GPUs a GPU of its own
     (processes are dealt out round-robin in start order)."""
@@ -39,8 +46,7 @@ def _init_worker(slots, gpus: int, visible: list[str] | None) -> None:
         with slots.get_lock():
             slot = slots.value
             slots.value += 1
-        gpu = slot % gpus
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
+        _pin_gpu(slot % gpus, visible)
 
 
 def worker_count(jobs: int, gpus: int = 1) -> int:
@@ -88,28 +94,6 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T
 # -- one persistent worker per GPU: isolation for measuring candidates ---------------------------
 
 
-_ENV_LOCK = threading.Lock()
-
-
-@contextmanager
-def _visible_devices(gpu: int | None):
-    """CUDA_VISIBLE_DEVICES=<gpu> while a child is spawned (the child sees one GPU, as cuda:0)."""
-    if gpu is None:
-        yield
-        return
-    with _ENV_LOCK:
-        previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-        visible = _visible_list()
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
-        try:
-            yield
-        finally:
-            if previous is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = previous
-
-
 class WorkerCrashed(RuntimeError):
     """The worker process died while running a job (segfault, abort, killed)."""
 
@@ -118,8 +102,9 @@ class WorkerTimedOut(RuntimeError):
     """The job did not finish within its time limit; the worker was killed."""
 
 
-def _serve(conn, interpret: bool) -> None:
+def _serve(conn, interpret: bool, gpu: int | None, visible: list[str] | None) -> None:
     """Worker loop: run (fn, args) requests until the pipe closes."""
+    _pin_gpu(gpu, visible)
     if not interpret:
         os.environ.pop("TRITON_INTERPRET", None)
     while True:
@@ -152,9 +137,9 @@ class Worker:
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, self.interpret), daemon=True)
-        with _visible_devices(self.gpu):
-            self._process.start()  # a spawned child takes the environment of this moment
+        self._process = context.Process(target=_serve, args=(child, self.interpret, self.gpu, _visible_list()),
+                                        daemon=True)
+        self._process.start()
         child.close()
         self._conn = parent
 

@@ -18,7 +18,7 @@ import yaml
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.registry import default_configs
 from dmattn_bench.tuner import Journal, JournalError
-from dmattn_bench.workers import MAX_WORKERS_PER_GPU, parallel_map, worker_count
+from dmattn_bench.workers import MAX_WORKERS_PER_GPU, Worker, parallel_map, worker_count
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
@@ -167,6 +167,18 @@ def test_two_workers_share_the_workloads_and_write_one_table(tmp_path):
 def _visible_gpu(_item) -> str:
     time.sleep(0.5)  # long enough that every pool process takes a job
     return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+def test_a_measuring_worker_is_pinned_in_the_child_only(monkeypatch):
+    """A worker for GPU 1 sees the parent's second GPU; the parent's environment never changes
+    (a temporary change leaked into compile processes spawned meanwhile: 2x H200, 2026-11-21)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    worker = Worker(interpret=True, gpu=1)
+    try:
+        assert worker.call(_visible_gpu, (None,), 60) == "5"
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"
+    finally:
+        worker.stop()
 
 
 @pytest.mark.parametrize("parent_visible, expected", [(None, {"0", "1"}), ("3,5", {"3", "5"})])

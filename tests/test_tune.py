@@ -148,3 +148,19 @@ def test_explicit_config_overrides_the_table(tmp_path):
     _, bwd_config = ops.select("bwd", q, q, None, None, False, "auto", None, None, False)
     assert fwd_config == chosen and bwd_config == CPU_BWD
     assert seqlen_bucket(20) == 16
+
+
+def test_suite_verdict_from_cases_matches_the_whole_suite():
+    """The GPU tune spreads a suite's cases over processes: a case job returns what that case of
+    the whole suite returns, and the verdict is the first failure in case order."""
+    from dmattn_bench.tuner import _suite_verdict, suite_case_job, suite_cases
+    from dmattn_bench.validator import CaseResult, validate
+
+    fwd, bwd = default_configs(32, "cpu")
+    cases = suite_cases(fwd, bwd, "quick")
+    whole = validate("triton", fwd, bwd, torch.float32, "cpu", cases=cases[:2])
+    parts = [suite_case_job(("triton", fwd, bwd, "fp32", "quick", "cpu", index)) for index in range(2)]
+    assert [(r.case, r.status) for r in parts] == [(r.case, r.status) for r in whole.cases] == [(c.name, "ok") for c in cases[:2]]
+    assert _suite_verdict(parts, "quick") == ("ok", "quick suite, 2 cases")
+    failed = [parts[0], CaseResult("b", "mismatch", "dq: error"), CaseResult("c", "nonfinite", "dk: 1 non-finite")]
+    assert _suite_verdict(failed, "quick") == ("mismatch", "adversarial b: dq: error")

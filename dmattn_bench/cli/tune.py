@@ -106,7 +106,7 @@ def geometric_mean_speedup(result: TuneResult) -> float | None:
 
 
 def _announce_phase(name: str, count: int):
-    output.info(f"{name}: {count} candidate launches in parallel worker processes")
+    output.info(f"{name}: {count} jobs in parallel worker processes")
     return lambda: None
 
 
