@@ -297,7 +297,8 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     assert counts == {"exact": 16, "nearest bucket": 0, "default": 0, "default (stale table)": 0}
     # drop the L4096 entries of one categorical key: its L1000 entry now serves them by nearest bucket;
     # drop every entry of another: those keys fall back to the defaults
-    first, second = shipped["entries"][0]["key"], shipped["entries"][2]["key"]  # two kinds (sorted by key)
+    in_grid = [e for e in shipped["entries"] if e["key"]["dtype"] == "bf16"]  # the default grid is bf16
+    first, second = in_grid[0]["key"], in_grid[2]["key"]  # two kinds (sorted by key)
     def same_kind(a, b):
         return all(a[f] == b[f] for f in a if not f.startswith("seqlen"))
     kept = [e for e in shipped["entries"]
@@ -307,12 +308,14 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     result = CliRunner().invoke(show, [_copy(tmp_path / "some.yaml", dict(shipped, entries=kept)),
                                        "--coverage", workloads, "--format", "json"])
     counts = json.loads(result.output)["coverage"]["counts"]
-    assert counts["exact"] == len(kept) and counts["nearest bucket"] >= 1 and counts["default"] >= 1
+    assert counts["exact"] == sum(e["key"]["dtype"] == "bf16" for e in kept)
+    assert counts["nearest bucket"] >= 1 and counts["default"] >= 1
     assert sum(counts.values()) == 16
     full = CliRunner().invoke(show, [_copy(tmp_path / "all2.yaml", shipped), "--coverage", workloads, "--grid", "full",
                                      "--format", "json"])
     counts = json.loads(full.output)["coverage"]["counts"]
-    assert counts["exact"] == 16 and counts["nearest bucket"] > 0 and counts["default"] > counts["exact"]
+    # the full grid has bf16 and fp16: every shipped entry is one of its keys
+    assert counts["exact"] == len(shipped["entries"]) and counts["nearest bucket"] > 0 and counts["default"] > counts["exact"]
     # a table whose kernel sources changed serves nothing: the lookup skips it
     stale = dict(shipped, kernel_hashes={"triton": "sha256:" + "0" * 32})
     result = CliRunner().invoke(show, [_copy(tmp_path / "stale.yaml", stale), "--coverage", workloads, "--format", "json"])
