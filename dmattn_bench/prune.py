@@ -59,6 +59,7 @@ FEATURE_VARIANTS = (
     WORST_CASE_FEATURES,
     dict(WORST_CASE_FEATURES, HAS_MASK=False),
     dict(WORST_CASE_FEATURES, GROUP=4, HEADS_PER_PROGRAM=4),
+    dict(WORST_CASE_FEATURES, GROUP=4, HEADS_PER_PROGRAM=4, HAS_MASK=False),
 )
 # Strides that are 1 in a contiguous launch: Triton specializes an int argument equal to 1 into a
 # constexpr, which enables vectorized loads (and so changes shared-memory use).
@@ -316,7 +317,7 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
     major, minor = limits.compute_capability
     target = GPUTarget("cuda", major * 10 + minor, WARP_SIZE)
     width = _head_block(head_dim)
-    shared, registers, stack, heaviest = 0, None, None, ""
+    shared, registers, stack, heaviest, kernels_compiled = 0, None, None, "", 0
     start = time.perf_counter()
 
     def verdict(status: str, reason: str = "", check: str = "") -> Candidate:
@@ -335,6 +336,7 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
                                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
             except Exception as exc:  # noqa: BLE001 - a failed candidate is data
                 return verdict("compile_error", f"{where}: {_one_line(exc)}", "compile")
+            kernels_compiled += 1
             if int(compiled.metadata.shared) > shared:
                 shared, heaviest = int(compiled.metadata.shared), where
             regs, spill = _resource_usage(compiled.asm.get("cubin"))
@@ -342,6 +344,8 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
                 registers = max(registers or 0, regs)
                 stack = max(stack or 0, spill)
 
+    if not kernels_compiled:
+        return verdict("compile_error", "no kernel of this direction takes the requested feature flags", "compile")
     if shared > limits.shared_memory_per_block:
         return verdict("unsupported", f"shared memory {shared} B > {limits.shared_memory_per_block} B "
                                       f"limit of {limits.arch} ({heaviest})", "shared")
@@ -376,7 +380,8 @@ def compile_candidate(direction: str, config: Config, arch: str, head_dim: int, 
 
     Args:
         features: constexpr flags: one mapping or a list of them (variants), each over
-            WORST_CASE_FEATURES; default FEATURE_VARIANTS (with and without a mask).
+            WORST_CASE_FEATURES; default FEATURE_VARIANTS (with and without a mask, and the dK/dV
+            group mode with and without one).
 
     Returns:
         The candidate with the max shared memory, registers and stack over kernels and variants.

@@ -226,12 +226,27 @@ def suite_cases(fwd: FwdConfig, bwd: BwdConfig, suite: str) -> list[Case]:
     return adversarial_cases(suite, config_tiles(fwd, bwd))
 
 
+_context_lost = False  # this process's CUDA context died in a case (illegal access): it runs no more
+
+
 def suite_case_job(job: tuple) -> CaseResult:
     """Worker: one case of a config pair's adversarial suite (the GPU phase spreads a suite's
-    cases over all processes: whole suites, ~50 s each on an H200, left the last ones alone)."""
+    cases over all processes: whole suites, ~50 s each on an H200, left the last ones alone).
+
+    Never raises. After a case that kills the CUDA context (`launch_error`, e.g. an illegal
+    memory access) every later job of this process answers `retry`, so no other pair is blamed
+    for it; the parent reruns those in fresh processes.
+    """
+    global _context_lost
     backend_name, fwd, bwd, dtype_name, suite, device_name, index = job
     case = suite_cases(fwd, bwd, suite)[index]
-    result = check_case(get_backend(backend_name), case, DTYPES[dtype_name], device_name, fwd, bwd)
+    if _context_lost:
+        return CaseResult(case.name, "retry", "an earlier case in this process lost the CUDA context")
+    try:
+        result = check_case(get_backend(backend_name), case, DTYPES[dtype_name], device_name, fwd, bwd)
+    except Exception as exc:  # noqa: BLE001 - inputs or references failed: data, not a crash
+        result = CaseResult(case.name, *classify_failure(exc))
+    _context_lost = result.status == "launch_error"
     return CaseResult(result.case, result.status, result.reason)  # the checks stay in the worker
 
 
@@ -379,9 +394,9 @@ def tune(
         resume: continue the journal at `journal_path` instead of refusing to overwrite it.
         trial_timeout_s: a candidate running longer is killed: status "timeout".
         suite_timeout_s: the same for one adversarial suite run.
-        gpus: measuring workers, one per GPU (cuda:0..gpus-1); workloads are dealt out to them
-            and measured concurrently, each on its own GPU, into the one journal. On the CPU
-            this many interpreter workers share the cores.
+        gpus: measuring workers, one per GPU (cuda:0..gpus-1); they take whole workloads from
+            one queue, largest first, and measure concurrently, each on its own GPU, into the
+            one journal. On the CPU this many interpreter workers share the cores.
         workers: measuring slots to use instead of `gpus` local ones (e.g. `cluster.RayWorker`
             on other hosts); the local compile phase is then skipped, each slot compiling what
             it measures, since a local compile cache would not reach them.
@@ -467,8 +482,12 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             thread.start()
         jobs = [(w, d, c, backend_name) for w, d, c, _ in todo]
         done = on_phase("compile", len(jobs)) if on_phase else None
-        outcomes = parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason),
-                                on_done=(lambda job, result: done()) if done else None, gpus=len(workers))
+        try:
+            outcomes = parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason),
+                                    on_done=(lambda job, result: done()) if done else None, gpus=len(workers))
+        finally:
+            for thread in starting:  # before anyone else touches the workers (stop, measure)
+                thread.join()
         remaining = []
         for (w, d, c, is_default), (status, reason) in zip(todo, outcomes):
             if status == "ok":
@@ -477,8 +496,6 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                 stage = "pruned" if status in ("compile_error", "unsupported") else "compiled"
                 finish(w, d, c, is_default, {"status": status, "reason": reason, "stage": stage})
         todo = remaining
-        for thread in starting:
-            thread.join()
         phases["compile"] = time.monotonic() - phase_start
         phase_start = time.monotonic()
 
@@ -620,11 +637,20 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
             return CaseResult(suite_cases(job[1], job[2], suite)[job[-1]].name, "crash", reason)
 
         done = on_phase(f"adversarial suite of {len(pairs)} config pairs", len(case_jobs)) if on_phase and pairs else None
-        outcomes = parallel_map(suite_case_job, case_jobs, on_crash=crashed,
-                                on_done=(lambda job, result: done()) if done else None, gpus=gpus)
+        outcomes: dict[tuple, CaseResult] = {}
+        pending = case_jobs
+        while pending:  # each round reruns, in fresh processes, what a lost context left undone
+            results = parallel_map(suite_case_job, pending, on_crash=crashed,
+                                   on_done=(lambda job, result: done() if done and result.status != "retry" else None),
+                                   gpus=gpus)
+            outcomes.update((job, result) for job, result in zip(pending, results) if result.status != "retry")
+            pending = [job for job, result in zip(pending, results) if result.status == "retry"]
         for pair in pairs:
-            status, note = _suite_verdict([r for job, r in zip(case_jobs, outcomes) if job[:-1] == pair], suite)
-            journal.append({"kind": "suite", "id": suite_id(*pair[:5]), "status": status, "note": note})
+            status, note = _suite_verdict([outcomes[job] for job in case_jobs if job[:-1] == pair], suite)
+            if status != "crash":
+                # a dead pool process is blamed on the first pending job, not always the culprit: a
+                # pair with a crash is left to the isolated serial path below, which times it too
+                journal.append({"kind": "suite", "id": suite_id(*pair[:5]), "status": status, "note": note})
 
     winners = []
     for key, ranked in ranked_by_key.items():

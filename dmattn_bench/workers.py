@@ -6,8 +6,8 @@ forked: a forked CUDA context is unusable), run the real kernels (the interprete
 removed from their environment), and share Triton's on-disk cache with the parent, so a kernel
 a worker compiled loads instantly in the timing process.
 
-A job that raises returns its failure as data; a worker that dies takes only the jobs in
-flight with it (they are reported as "crash").
+A job that raises returns its failure as data. When a pool process dies, the first unfinished
+job is reported as "crash" (the likeliest culprit, not always the real one) and the rest rerun.
 """
 
 from __future__ import annotations
@@ -157,7 +157,12 @@ class Worker:
         if self._process is None or not self._process.is_alive():
             self.stop()
             self._start()
-        self._conn.send((fn, args))
+        try:
+            self._conn.send((fn, args))
+        except OSError:  # the process died since the liveness check
+            self.stop()
+            self.restarts += 1
+            raise WorkerCrashed("worker process died before the job was sent") from None
         if not self._conn.poll(timeout):
             self.stop()
             self.restarts += 1

@@ -346,21 +346,27 @@ def test_show_truncated_table_is_one_line_exit_1(tmp_path, capsys):
 
 def test_a_wheel_install_carries_the_shipped_tables(tmp_path):
     """Installed from a wheel (no source checkout), the runtime still finds every shipped table:
-    they are package data, and `SHIPPED_TABLES_DIR` points at them."""
+    they are package data, and `SHIPPED_TABLES_DIR` points at them. The wheel is built from a
+    copy of the sources, so no build output of the checkout (or of an older build) goes in."""
+    import shutil
     import subprocess
     import sys
     from pathlib import Path
 
     pytest.importorskip("setuptools")
     root = Path(__file__).parents[1]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(root),
+    source = tmp_path / "source"
+    shutil.copytree(root, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                                "*.jsonl", ".devfiles"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
                     "-w", str(tmp_path / "wheel")], check=True, capture_output=True)
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
-                    str(wheel)], check=True, capture_output=True)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
     probe = ("from dmattn_bench.dispatch import lookup; "
              "print(lookup.SHIPPED_TABLES_DIR); print(*sorted(p.name for p in lookup.SHIPPED_TABLES_DIR.glob('*.yaml')))")
-    printed = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path / 'site')!r}); {probe}"],
+    printed = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {probe}"],
                              check=True, capture_output=True, text=True, cwd=tmp_path).stdout.splitlines()
-    assert printed[0].startswith(str(tmp_path / "site"))
+    assert printed[0] == str(site / "dmattn_bench" / "tables")
     assert printed[1].split() == sorted(p.name for p in (root / "results" / "tables").glob("*.yaml"))

@@ -59,6 +59,7 @@ CASES = [
     pytest.param(F32, 1, 4, 2, "K", "B1LL", True, SMALL, id="fp32-h4k2-kvmask-1headbias-causal"),
     pytest.param(F32, 1, 4, 1, "H", "B1LL", True, WIDE, id="fp32-mqa-qheadmask-1headbias-causal"),
     pytest.param(F16, 1, 4, 1, None, "B1LL", False, SMALL, id="fp16-mqa-nomask-1headbias"),
+    pytest.param(F32, 2, 4, 2, "K", "11LL", True, SMALL, id="fp32-h4k2-kvmask-sharedbias-causal"),
 ]
 
 

@@ -164,8 +164,13 @@ def test_two_workers_share_the_workloads_and_write_one_table(tmp_path):
     assert {e.key.direction for e in load_table(out).entries} == {"fwd", "bwd"}
 
 
-def _visible_gpu(_item) -> str:
-    time.sleep(0.5)  # long enough that every pool process takes a job
+def _visible_gpu(rendezvous) -> str:
+    """Reports this process's GPU once another process has taken a job too (so both do)."""
+    if rendezvous is not None:
+        Path(rendezvous, str(os.getpid())).touch()
+        deadline = time.monotonic() + 120
+        while len(list(Path(rendezvous).iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
     return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
 
@@ -181,14 +186,15 @@ def test_a_measuring_worker_is_pinned_in_the_child_only(monkeypatch):
         worker.stop()
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two pool processes")
 @pytest.mark.parametrize("parent_visible, expected", [(None, {"0", "1"}), ("3,5", {"3", "5"})])
-def test_parallel_map_gives_each_process_one_of_the_gpus(monkeypatch, parent_visible, expected):
+def test_parallel_map_gives_each_process_one_of_the_gpus(monkeypatch, tmp_path, parent_visible, expected):
     """Compile and suite processes spread over the tuning GPUs: each sees one of them, in the
     numbering of the parent's CUDA_VISIBLE_DEVICES."""
     if parent_visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent_visible)
-    seen = parallel_map(_visible_gpu, range(4), on_crash=lambda item, reason: reason, gpus=2)
+    seen = parallel_map(_visible_gpu, [str(tmp_path)] * 2, on_crash=lambda item, reason: reason, gpus=2)
     assert set(seen) == expected
     assert worker_count(100, gpus=2) == min(2 * MAX_WORKERS_PER_GPU, os.cpu_count())

@@ -164,3 +164,31 @@ def test_suite_verdict_from_cases_matches_the_whole_suite():
     assert _suite_verdict(parts, "quick") == ("ok", "quick suite, 2 cases")
     failed = [parts[0], CaseResult("b", "mismatch", "dq: error"), CaseResult("c", "nonfinite", "dk: 1 non-finite")]
     assert _suite_verdict(failed, "quick") == ("mismatch", "adversarial b: dq: error")
+
+
+def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatch):
+    """After a case that kills its process's CUDA context, that process answers `retry` for its
+    later jobs (the tune reruns them in fresh processes); a failure outside the kernel (inputs,
+    references) is a status too, never an exception out of the job."""
+    from dmattn_bench import tuner
+    from dmattn_bench.validator import CaseResult
+
+    fwd, bwd = default_configs(32, "cpu")
+    ran = []
+
+    def illegal_access(backend, case, *args):
+        ran.append(case.name)
+        return CaseResult(case.name, "launch_error", "CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(tuner, "_context_lost", False)
+    monkeypatch.setattr(tuner, "check_case", illegal_access)
+    first, second = (tuner.suite_case_job(("triton", fwd, bwd, "fp32", "quick", "cpu", i)) for i in (0, 1))
+    assert (first.status, second.status) == ("launch_error", "retry") and len(ran) == 1
+
+    def inputs_fail(*args):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(tuner, "_context_lost", False)
+    monkeypatch.setattr(tuner, "check_case", inputs_fail)
+    third = tuner.suite_case_job(("triton", fwd, bwd, "fp32", "quick", "cpu", 2))
+    assert third.status not in ("ok", "retry") and "out of memory" in third.reason
