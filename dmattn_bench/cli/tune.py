@@ -126,8 +126,9 @@ def _announce_phase(name: str, count: int):
               help="Table to write. Default: ./<device>.yaml (e.g. nvidia-h200-sm90.yaml).")
 @click.option("--resume", is_flag=True, default=False,
               help="Continue the trial journal (<out>.trials.jsonl) of an interrupted run, skipping finished trials.")
-@click.option("--budget", default=None, help="Stop starting new trials after this long (e.g. 20m); finished work is kept. Workloads "
-                   "are measured largest first.")
+@click.option("--budget", default=None,
+              help="Stop starting new trials after this long (e.g. 20m); finished work is kept. Workloads are "
+                   "measured largest first.")
 @click.option("--trial-timeout", type=float, default=DEFAULT_TRIAL_TIMEOUT_S, show_default=True,
               help="Seconds one candidate may run before it is killed (status timeout).")
 @click.option("--suite-timeout", type=float, default=DEFAULT_SUITE_TIMEOUT_S, show_default=True,
