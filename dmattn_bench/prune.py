@@ -235,7 +235,8 @@ def _kernels_compilable() -> bool:
     return isinstance(_kernel_functions("fwd")[0], JITFunction)
 
 
-def _tile_constexprs(kernel_name: str, config: Config) -> dict[str, int]:
+def tile_constexprs(kernel_name: str, config: Config) -> dict[str, int]:
+    """The tile sizes the launcher gives kernel `kernel_name` of `KERNELS` from `config`."""
     if kernel_name == "flash_bwd_dq_kernel":
         return {"BLOCK_M": config.block_m_dq, "BLOCK_N": config.block_n_dq}
     return {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
@@ -330,7 +331,7 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
             where = f"{fn.__name__} HAS_MASK={flags['HAS_MASK']}" + (
                 f" HEADS_PER_PROGRAM={flags['HEADS_PER_PROGRAM']}" if flags["HEADS_PER_PROGRAM"] > 1 else "")
             constexprs = {name: value for name, value in flags.items() if name in fn.arg_names}
-            constexprs.update(HEAD_DIM=head_dim, BLOCK_D=width, **_tile_constexprs(fn.__name__, config))
+            constexprs.update(HEAD_DIM=head_dim, BLOCK_D=width, **tile_constexprs(fn.__name__, config))
             try:
                 compiled = triton.compile(_source(fn, dtype, constexprs), target=target,
                                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))

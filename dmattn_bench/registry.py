@@ -27,14 +27,26 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _no_kernels(direction: str, config, shape: AttentionShape) -> tuple[tuple, ...]:
+    del direction, config, shape
+    return ()
+
+
 @dataclass(frozen=True)
 class Backend:
-    """A kernel family. `forward`/`backward` fill preallocated outputs (see `dmattn_kernels`)."""
+    """A kernel family. `forward`/`backward` fill preallocated outputs (see `dmattn_kernels`).
+
+    `kernels(direction, config, shape)` names what one launch compiles, one key per kernel; two
+    launches on the same inputs whose keys meet share that compiled kernel. The tuner uses it to
+    compile each kernel once instead of in several processes at the same time; a wrong key costs
+    a duplicate compilation or a wait, never a wrong result.
+    """
 
     name: str
     forward: Callable[..., None]
     backward: Callable[..., None]
     is_supported: Callable[[FwdConfig | BwdConfig, AttentionShape], str | None]
+    kernels: Callable[[str, FwdConfig | BwdConfig, AttentionShape], tuple[tuple, ...]] = _no_kernels
 
 
 def _reference_forward(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap, config, out, lse):
@@ -68,6 +80,20 @@ def _reference_is_supported(config, shape) -> str | None:
     return None
 
 
+def _triton_kernels(direction: str, config, shape: AttentionShape) -> tuple[tuple, ...]:
+    """The kernels `dmattn_kernels.triton.launch` compiles for one launch, each keyed by what it
+    reads of the config: its tiles (`prune.tile_constexprs`), warps and stages. The mask's
+    activity pass and the backward's delta pass read none of it. So the 16 sm90 backward
+    candidates need 8 dK/dV and 4 dQ kernels, not 16 of each."""
+    from dmattn_bench.prune import KERNELS, tile_constexprs
+
+    shared = (("tile_activity_kernel",),) if shape.has_mask else ()
+    if direction == "bwd":
+        shared += (("flash_bwd_preprocess_kernel",),)
+    return shared + tuple((name, *tile_constexprs(name, config).values(), config.num_warps, config.num_stages)
+                          for name in KERNELS[direction])
+
+
 def _triton_backend() -> Backend:
     # Imported on first use: importing Triton kernels fixes whether the interpreter is used.
     from dmattn_kernels import triton as triton_kernels
@@ -77,6 +103,7 @@ def _triton_backend() -> Backend:
         forward=triton_kernels.attention_forward,
         backward=triton_kernels.attention_backward,
         is_supported=triton_kernels.is_supported,
+        kernels=_triton_kernels,
     )
 
 

@@ -10,7 +10,8 @@ For each workload and direction:
      bound), then timed. A crash, a hang past the trial timeout or an OOM becomes that trial's
      status and the worker is restarted, so one bad config never ends the run;
   3. the fastest validated candidate of each key must also pass the adversarial suite on its
-     own tiles (cached per config pair); if it fails, the next fastest is tried.
+     own tiles, in its own direction (a backward reads the reference's forward, as in step 2;
+     cached per direction and config); if it fails, the next fastest is tried.
 
 Every finished trial and suite verdict is appended to a journal (one flushed JSON line each);
 `resume=True` skips what the journal already holds, and the winners are always computed from
@@ -43,7 +44,7 @@ from dmattn_bench.space import DTYPES, BwdConfig, FwdConfig, TableKey, as_4d, co
 from dmattn_bench.timing import Timing, time_kernel
 from dmattn_bench.validator import (CaseResult, check_case, classify_failure, compare, config_tiles, run_reference,
                                     shape_of_case, validate)
-from dmattn_bench.workers import Worker, WorkerCrashed, WorkerTimedOut, parallel_map
+from dmattn_bench.workers import PoolStats, Worker, WorkerCrashed, WorkerTimedOut, parallel_map
 from dmattn_bench.workloads import Workload
 
 WARMUP = 2
@@ -93,6 +94,7 @@ class TuneResult:
     wall_s: float
     meaningful_timings: bool
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each phase that ran
+    pools: dict[str, dict] = field(default_factory=dict)  # phase -> PoolStats.to_dict() of its processes
 
     def counts(self) -> dict[str, int]:
         """Trials by final status."""
@@ -109,10 +111,9 @@ class TuneResult:
                                                                     for t in self.trials)}
 
 
-def _pair(direction: str, config, head_dim: int, device) -> tuple[FwdConfig, BwdConfig]:
-    """A (fwd, bwd) pair with `config` in its direction and the default in the other."""
-    default_fwd, default_bwd = default_configs(head_dim, device)
-    return (config, default_bwd) if direction == "fwd" else (default_fwd, config)
+def _alone(direction: str, config) -> tuple[FwdConfig | None, BwdConfig | None]:
+    """(fwd, bwd) configs that run `config` in its direction and nothing in the other."""
+    return (config, None) if direction == "fwd" else (None, config)
 
 
 class _Problem:
@@ -208,42 +209,43 @@ def measure_job(workload: Workload, direction: str, config, backend_name: str, d
 
 
 def _suite_verdict(results: list[CaseResult], suite: str) -> tuple[str, str]:
-    """A config pair's suite verdict from its case results, in case order: the first failure."""
+    """A config's suite verdict from its case results, in case order: the first failure."""
     bad = next((c for c in results if c.status != "ok"), None)
     if bad is None:
         return "ok", f"{suite} suite, {len(results)} cases"
     return bad.status, f"adversarial {bad.case}: {bad.reason}"
 
 
-def suite_job(backend_name: str, fwd: FwdConfig, bwd: BwdConfig, dtype_name: str, suite: str,
+def suite_job(backend_name: str, direction: str, config, dtype_name: str, suite: str,
               device_name: str) -> tuple[str, str]:
-    """Worker: the adversarial suite for one config pair; returns (status, note)."""
-    result = validate(backend_name, fwd, bwd, DTYPES[dtype_name], device_name, suite=suite)
+    """Worker: the adversarial suite for one direction's config; returns (status, note)."""
+    result = validate(backend_name, *_alone(direction, config), DTYPES[dtype_name], device_name, suite=suite)
     return _suite_verdict(result.cases, suite)
 
 
-def suite_cases(fwd: FwdConfig, bwd: BwdConfig, suite: str) -> list[Case]:
-    return adversarial_cases(suite, config_tiles(fwd, bwd))
+def suite_cases(direction: str, config, suite: str) -> list[Case]:
+    return adversarial_cases(suite, config_tiles(*_alone(direction, config)))
 
 
 _context_lost = False  # this process's CUDA context died in a case (illegal access): it runs no more
 
 
 def suite_case_job(job: tuple) -> CaseResult:
-    """Worker: one case of a config pair's adversarial suite (the GPU phase spreads a suite's
-    cases over all processes: whole suites, ~50 s each on an H200, left the last ones alone).
+    """Worker: one case of a config's adversarial suite (the GPU phase spreads a suite's cases
+    over all processes: whole suites, ~50 s each on an H200, left the last ones alone).
 
     Never raises. After a case that kills the CUDA context (`launch_error`, e.g. an illegal
-    memory access) every later job of this process answers `retry`, so no other pair is blamed
-    for it; the parent reruns those in fresh processes.
+    memory access) every later job of this process answers `retry`, so no other config is
+    blamed for it; the parent reruns those in fresh processes.
     """
     global _context_lost
-    backend_name, fwd, bwd, dtype_name, suite, device_name, index = job
-    case = suite_cases(fwd, bwd, suite)[index]
+    backend_name, direction, config, dtype_name, suite, device_name, index = job
+    case = suite_cases(direction, config, suite)[index]
     if _context_lost:
         return CaseResult(case.name, "retry", "an earlier case in this process lost the CUDA context")
     try:
-        result = check_case(get_backend(backend_name), case, DTYPES[dtype_name], device_name, fwd, bwd)
+        result = check_case(get_backend(backend_name), case, DTYPES[dtype_name], device_name,
+                            *_alone(direction, config))
     except Exception as exc:  # noqa: BLE001 - inputs or references failed: data, not a crash
         result = CaseResult(case.name, *classify_failure(exc))
     _context_lost = result.status == "launch_error"
@@ -299,8 +301,8 @@ def trial_id(workload: Workload, direction: str, backend_name: str, config) -> s
     return f"{workload.label}|{direction}|{backend_name}|{config_label(config)}"
 
 
-def suite_id(backend_name: str, fwd: FwdConfig, bwd: BwdConfig, dtype: str, suite: str) -> str:
-    return f"{backend_name}|fwd {config_label(fwd)}|bwd {config_label(bwd)}|{dtype}|{suite}"
+def suite_id(backend_name: str, direction: str, config, dtype: str, suite: str) -> str:
+    return f"{backend_name}|{direction} {config_label(config)}|{dtype}|{suite}"
 
 
 class Journal:
@@ -474,6 +476,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     # The compile processes spread over the measuring GPUs (each holds a context and a workload's
     # tensors there), while the measuring workers start up (imports, CUDA context) beside them.
     phases: dict[str, float] = {}
+    pools: dict[str, PoolStats] = {"compile": PoolStats(), "winners": PoolStats()}
     phase_start = time.monotonic()
     if device.type == "cuda" and todo and compile_locally:
         starting = [threading.Thread(target=_start_quietly, args=(worker, str(device), trial_timeout_s), daemon=True)
@@ -481,10 +484,12 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         for thread in starting:
             thread.start()
         jobs = [(w, d, c, backend_name) for w, d, c, _ in todo]
+        after = _leaders([[(w.label, *kernel) for kernel in backend.kernels(d, c, _shape(w))] for w, d, c, _ in jobs])
         done = on_phase("compile", len(jobs)) if on_phase else None
         try:
             outcomes = parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason),
-                                    on_done=(lambda job, result: done()) if done else None, gpus=len(workers))
+                                    on_done=(lambda job, result: done()) if done else None, gpus=len(workers),
+                                    stats=pools["compile"], after=after)
         finally:
             for thread in starting:  # before anyone else touches the workers (stop, measure)
                 thread.join()
@@ -547,11 +552,33 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     # -- winners, from the journal's view of every trial --
     phase_start = time.monotonic()
     winners = _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker,
-                              suite_timeout_s, on_phase, gpus=len(workers) if compile_locally else 1)
+                              suite_timeout_s, on_phase, gpus=len(workers) if compile_locally else 1,
+                              stats=pools["winners"])
     phases["winners"] = time.monotonic() - phase_start
     ordered = [trials[trial_id(w, d, backend_name, c)] for w, d, c, _ in plan]
     return TuneResult(winners, ordered, time.monotonic() - start, device.type == "cuda",
-                      {name: round(seconds, 1) for name, seconds in phases.items()})
+                      {name: round(seconds, 1) for name, seconds in phases.items()},
+                      {name: pool.to_dict() for name, pool in pools.items() if pool.jobs})
+
+
+def _leaders(kernels_per_job: list[list[tuple]]) -> list[tuple[int, ...]]:
+    """Per job, the earlier jobs it waits for: for each kernel it needs, the first job needing
+    it compiles it (into Triton's on-disk cache) and the later ones load it from there, instead
+    of compiling it again in other processes at the same time. The 2-GPU pool statistics
+    showed the cost of not waiting: 8% more CPU per compile job than with half the processes."""
+    first: dict[tuple, int] = {}
+    after = []
+    for index, kernels in enumerate(kernels_per_job):
+        after.append(tuple(sorted({first.setdefault(kernel, index) for kernel in kernels} - {index})))
+    return after
+
+
+def _case_kernels(job: tuple) -> list[tuple]:
+    """The kernels one suite case job compiles (`suite_case_job`'s job), keyed by its inputs."""
+    backend_name, direction, config, dtype_name, suite, _, index = job
+    case = suite_cases(direction, config, suite)[index]
+    return [(dtype_name, case.name, *kernel)
+            for kernel in get_backend(backend_name).kernels(direction, config, shape_of_case(case))]
 
 
 def _work(workload: Workload) -> int:
@@ -597,20 +624,17 @@ def _ranked(trials: dict[str, Trial], group: list[Workload], direction: str, spa
 
 
 def _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker, suite_timeout_s,
-                    on_phase, gpus: int = 1) -> list[Winner]:
+                    on_phase, gpus: int = 1, stats: PoolStats | None = None) -> list[Winner]:
     groups: dict[TableKey, list[Workload]] = {}
     for workload in workloads:
         for direction in ("fwd", "bwd"):
             groups.setdefault(workload.key(direction), []).append(workload)
 
-    def pair_of(key: TableKey, config):
-        return _pair(key.direction, config, key.head_dim, device)
-
-    def suite_verdict(fwd, bwd, dtype) -> tuple[str, str]:
-        identifier = suite_id(backend_name, fwd, bwd, dtype, suite)
+    def suite_verdict(direction, config, dtype) -> tuple[str, str]:
+        identifier = suite_id(backend_name, direction, config, dtype, suite)
         if identifier not in journal.suites:
             try:
-                status, note = worker.call(suite_job, (backend_name, fwd, bwd, dtype, suite, str(device)),
+                status, note = worker.call(suite_job, (backend_name, direction, config, dtype, suite, str(device)),
                                            suite_timeout_s)
             except WorkerTimedOut as exc:
                 status, note = "timeout", f"adversarial suite: {exc}"
@@ -624,39 +648,36 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
                      for key, group in groups.items()}
     # GPU: the suites of every key's best candidate, compiled and run in parallel first
     if device.type == "cuda":
-        pairs = []
-        for key, ranked in ranked_by_key.items():
-            if ranked:
-                fwd, bwd = pair_of(key, ranked[0][0])
-                if suite_id(backend_name, fwd, bwd, key.dtype, suite) not in journal.suites:
-                    pairs.append((backend_name, fwd, bwd, key.dtype, suite, str(device)))
-        pairs = list(dict.fromkeys(pairs))
-        case_jobs = [(*pair, index) for pair in pairs for index in range(len(suite_cases(pair[1], pair[2], suite)))]
+        suites = list(dict.fromkeys(
+            (backend_name, key.direction, ranked[0][0], key.dtype, suite, str(device))
+            for key, ranked in ranked_by_key.items()
+            if ranked and suite_id(backend_name, key.direction, ranked[0][0], key.dtype, suite) not in journal.suites))
+        case_jobs = [(*one, index) for one in suites for index in range(len(suite_cases(one[1], one[2], suite)))]
 
         def crashed(job, reason) -> CaseResult:
             return CaseResult(suite_cases(job[1], job[2], suite)[job[-1]].name, "crash", reason)
 
-        done = on_phase(f"adversarial suite of {len(pairs)} config pairs", len(case_jobs)) if on_phase and pairs else None
+        done = on_phase(f"adversarial suite of {len(suites)} configs", len(case_jobs)) if on_phase and suites else None
         outcomes: dict[tuple, CaseResult] = {}
         pending = case_jobs
         while pending:  # each round reruns, in fresh processes, what a lost context left undone
             results = parallel_map(suite_case_job, pending, on_crash=crashed,
                                    on_done=(lambda job, result: done() if done and result.status != "retry" else None),
-                                   gpus=gpus)
+                                   gpus=gpus, stats=stats, after=_leaders([_case_kernels(job) for job in pending]))
             outcomes.update((job, result) for job, result in zip(pending, results) if result.status != "retry")
             pending = [job for job, result in zip(pending, results) if result.status == "retry"]
-        for pair in pairs:
-            status, note = _suite_verdict([outcomes[job] for job in case_jobs if job[:-1] == pair], suite)
+        for one in suites:
+            status, note = _suite_verdict([outcomes[job] for job in case_jobs if job[:-1] == one], suite)
             if status != "crash":
                 # a dead pool process is blamed on the first pending job, not always the culprit: a
-                # pair with a crash is left to the isolated serial path below, which times it too
-                journal.append({"kind": "suite", "id": suite_id(*pair[:5]), "status": status, "note": note})
+                # config with a crash is left to the isolated serial path below, which times it too
+                journal.append({"kind": "suite", "id": suite_id(*one[:5]), "status": status, "note": note})
 
     winners = []
     for key, ranked in ranked_by_key.items():
         defaults = next((runs for config, runs in ranked if runs[0].is_default), None)
         for config, runs in ranked:
-            status, note = suite_verdict(*pair_of(key, config), key.dtype)
+            status, note = suite_verdict(key.direction, config, key.dtype)
             if status != "ok":
                 for trial in runs:
                     trial.status, trial.reason = status, note

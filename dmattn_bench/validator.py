@@ -15,6 +15,7 @@ A kernel failure is data: it becomes a status and a one-line reason, never an ex
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -68,8 +69,8 @@ class SuiteResult:
     """Outcome of the adversarial suite for one (backend, configs, dtype)."""
 
     backend: str
-    fwd_config: FwdConfig
-    bwd_config: BwdConfig
+    fwd_config: FwdConfig | None  # None: that direction was not run
+    bwd_config: BwdConfig | None
     dtype: str
     cases: list[CaseResult]
 
@@ -88,8 +89,8 @@ class SuiteResult:
     def to_dict(self) -> dict:
         return {
             "backend": self.backend,
-            "fwd_config": self.fwd_config.to_dict(),
-            "bwd_config": self.bwd_config.to_dict(),
+            "fwd_config": self.fwd_config.to_dict() if self.fwd_config is not None else None,
+            "bwd_config": self.bwd_config.to_dict() if self.bwd_config is not None else None,
             "dtype": self.dtype,
             "status": self.status,
             "worst_ratios": self.worst_ratios(),
@@ -128,16 +129,29 @@ def shape_of_case(case: Case) -> AttentionShape:
     )
 
 
-def run_kernel(backend: Backend, inputs: Inputs, case: Case, fwd_config: FwdConfig,
-               bwd_config: BwdConfig) -> dict[str, torch.Tensor]:
-    """Forward + backward through `backend` into NaN-poisoned buffers."""
+def run_kernel(backend: Backend, inputs: Inputs, case: Case, fwd_config: FwdConfig | None,
+               bwd_config: BwdConfig | None, forward: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> dict[str, torch.Tensor]:
+    """Forward and backward through `backend` into NaN-poisoned buffers.
+
+    Either direction can be left out (its config None). Without the forward, the backward reads
+    `forward` (out, lse), e.g. the reference's: that is how a backward config is checked on its
+    own, as the tuner times it.
+    """
     q, k, v = inputs.q, inputs.k, inputs.v
     mask, bias = as_4d(inputs.mask), as_4d(inputs.bias)
     options = dict(is_causal=case.causal, softmax_scale=case.head_dim ** -0.5, softcap=case.softcap)
     nan = float("nan")
-    out = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), nan, dtype=torch.float32, device=q.device)
-    backend.forward(q, k, v, mask, bias, config=fwd_config, out=out, lse=lse, **options)
+    result = {}
+    if fwd_config is not None:
+        out = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), nan, dtype=torch.float32, device=q.device)
+        backend.forward(q, k, v, mask, bias, config=fwd_config, out=out, lse=lse, **options)
+        result.update(out=out, lse=lse)
+    else:
+        out, lse = forward
+    if bwd_config is None:
+        return result
     dq = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
     dk = torch.full(k.shape, nan, dtype=k.dtype, device=k.device)
     dv = torch.full(v.shape, nan, dtype=v.dtype, device=v.device)
@@ -145,7 +159,7 @@ def run_kernel(backend: Backend, inputs: Inputs, case: Case, fwd_config: FwdConf
     dbias = torch.full(bias.shape, nan, dtype=bias.dtype, device=bias.device) if with_dbias else None
     backend.backward(inputs.dout, q, k, v, out, lse, mask, bias, config=bwd_config, dq=dq, dk=dk,
                      dv=dv, dbias=dbias, **options)
-    result = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    result.update(dq=dq, dk=dk, dv=dv)
     if with_dbias:
         result["dbias"] = dbias.view(inputs.bias.shape)
     return result
@@ -170,7 +184,11 @@ def run_reference(inputs: Inputs, case: Case, compute_dtype: torch.dtype | None)
             softcap=case.softcap, return_lse=True, compute_dtype=dtype,
         )
         wrt = [q, k, v] + ([bias] if with_dbias else [])
-        grads = torch.autograd.grad(out, wrt, inputs.dout.to(out.dtype))
+        with warnings.catch_warnings():
+            # in a fresh worker process autograd's device thread has no CUDA context yet at its
+            # first matmul: torch warns once and sets the primary context (15 lines per 2-GPU tune)
+            warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
+            grads = torch.autograd.grad(out, wrt, inputs.dout.to(out.dtype))
     result = {"out": out.detach(), "lse": lse.detach()}
     result.update(zip(("dq", "dk", "dv", "dbias"), grads))
     return result
@@ -209,25 +227,30 @@ def compare(name: str, x: torch.Tensor, x_ref: torch.Tensor, x_lowp: torch.Tenso
 
 
 def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.device | str,
-               fwd_config: FwdConfig, bwd_config: BwdConfig, seed: int = 0) -> CaseResult:
-    """Runs one case twice through the kernel and once through each reference; never raises."""
+               fwd_config: FwdConfig | None, bwd_config: BwdConfig | None, seed: int = 0) -> CaseResult:
+    """Runs one case twice through the kernel and once through each reference; never raises.
+
+    A direction whose config is None is not run: a backward checked alone reads the reference's
+    out and lse.
+    """
     device = torch.device(device)
     shape = shape_of_case(case)
     for config in (fwd_config, bwd_config):
-        reason = backend.is_supported(config, shape)
+        reason = backend.is_supported(config, shape) if config is not None else None
         if reason:
             return CaseResult(case.name, "unsupported", reason)
     inputs = build_inputs(case, dtype, device, seed)
+    high = run_reference(inputs, case, None)
+    low = run_reference(inputs, case, dtype)
+    forward = None if fwd_config is not None else (high["out"].to(dtype), high["lse"].float())
     try:
-        first = run_kernel(backend, inputs, case, fwd_config, bwd_config)
-        second = run_kernel(backend, inputs, case, fwd_config, bwd_config)
+        first = run_kernel(backend, inputs, case, fwd_config, bwd_config, forward)
+        second = run_kernel(backend, inputs, case, fwd_config, bwd_config, forward)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - a failed candidate is data, not a crash
         status, reason = classify_failure(exc)
         return CaseResult(case.name, status, reason)
-    high = run_reference(inputs, case, None)
-    low = run_reference(inputs, case, dtype)
     checks = {name: compare(name, first[name], high[name], low[name], dtype) for name in CHECKED if name in first}
     failed = [c for c in checks.values() if not c.passed]
     if any(not c.finite for c in failed):
@@ -243,24 +266,27 @@ def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.d
     return CaseResult(case.name, "ok", "", checks)
 
 
-def config_tiles(fwd_config: FwdConfig, bwd_config: BwdConfig) -> list[tuple[int, int]]:
-    """Every (rows, cols) tile the configs use: tile-aware cases are built on each."""
-    return [
-        (fwd_config.block_m, fwd_config.block_n),
-        (bwd_config.block_m, bwd_config.block_n),
-        (bwd_config.block_m_dq, bwd_config.block_n_dq),
-    ]
+def config_tiles(fwd_config: FwdConfig | None, bwd_config: BwdConfig | None) -> list[tuple[int, int]]:
+    """Every (rows, cols) tile the configs use (None: that direction is not run): tile-aware
+    cases are built on each."""
+    tiles = []
+    if fwd_config is not None:
+        tiles.append((fwd_config.block_m, fwd_config.block_n))
+    if bwd_config is not None:
+        tiles += [(bwd_config.block_m, bwd_config.block_n), (bwd_config.block_m_dq, bwd_config.block_n_dq)]
+    return tiles
 
 
-def validate(backend_name: str, fwd_config: FwdConfig, bwd_config: BwdConfig, dtype: torch.dtype,
+def validate(backend_name: str, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None, dtype: torch.dtype,
              device: torch.device | str, suite: str = "quick",
              on_case: Callable[[CaseResult], None] | None = None,
              cases: list[Case] | None = None) -> SuiteResult:
-    """The adversarial suite for one backend and config pair.
+    """The adversarial suite for one backend and config pair, or one direction's config.
 
     Args:
         backend_name: a name from `dmattn_bench.registry`.
-        fwd_config, bwd_config: the tiles under test.
+        fwd_config, bwd_config: the tiles under test (one may be None: that direction is not run,
+            and a backward alone reads the reference's forward).
         dtype: the kernel dtype (fp16/bf16 on GPU; fp32/fp16 in the interpreter).
         device: where the kernel runs.
         suite: "quick" (interpreter sized) or "full" (DESIGN §2 sizes, for GPUs).

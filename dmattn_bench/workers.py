@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, TypeVar
 
 T = TypeVar("T")
@@ -53,9 +55,50 @@ def worker_count(jobs: int, gpus: int = 1) -> int:
     return max(1, min(MAX_WORKERS_PER_GPU * max(1, gpus), os.cpu_count() or 1, jobs))
 
 
+@dataclass
+class PoolStats:
+    """Where the time of one or more `parallel_map` calls went (the tuner reports it per phase).
+
+    `busy_s / (processes * wall)` says how well the pool was fed; `cpu_s / busy_s` how much of
+    a job's time its process was on a core (below 1: waiting, e.g. for a core another process
+    holds); `startup_s` is what a process costs before its first job (imports, CUDA context).
+    """
+
+    processes: int = 0  # the largest pool used
+    jobs: int = 0
+    busy_s: float = 0.0  # job wall time, summed over jobs
+    cpu_s: float = 0.0  # job CPU time (user + system, subprocesses such as ptxas included)
+    startups: list[float] = field(default_factory=list)  # per process: pool start to first job
+
+    def record(self, timing: tuple[int, float, float, float], pool_start: float, seen: set[int]) -> None:
+        pid, started, finished, cpu = timing
+        self.jobs += 1
+        self.busy_s += finished - started
+        self.cpu_s += cpu
+        if pid not in seen:
+            seen.add(pid)
+            self.startups.append(started - pool_start)
+
+    def to_dict(self) -> dict:
+        startup = sorted(self.startups)
+        return {"processes": self.processes, "jobs": self.jobs, "busy_s": round(self.busy_s, 1),
+                "cpu_s": round(self.cpu_s, 1),
+                "startup_s_median": round(startup[len(startup) // 2], 2) if startup else None}
+
+
+def _timed(fn: Callable[[T], R], item: T) -> tuple[R, tuple[int, float, float, float]]:
+    """Runs in a pool process: `fn(item)` and (pid, start, end, CPU seconds) of the job."""
+    before, started = os.times(), time.time()
+    result = fn(item)
+    after = os.times()
+    cpu = sum(a - b for a, b in zip(after[:4], before[:4]))  # user, system, children's user, system
+    return result, (os.getpid(), started, time.time(), cpu)
+
+
 def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T, str], R],
-                 on_done: Callable[[T, R], None] | None = None, gpus: int = 1) -> list[R]:
-    """`[fn(item) for item in items]` across worker processes, in order.
+                 on_done: Callable[[T, R], None] | None = None, gpus: int = 1,
+                 stats: PoolStats | None = None, after: list[tuple[int, ...]] | None = None) -> list[R]:
+    """`[fn(item) for item in items]` across worker processes, results in item order.
 
     Args:
         fn: a module-level function (it is pickled by name).
@@ -64,27 +107,58 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T
         on_done: called in the parent as each result arrives.
         gpus: GPUs to spread the processes over (cuda:0..gpus-1, each process sees one as
             cuda:0); MAX_WORKERS_PER_GPU processes per GPU, as the cores allow. 1: inherit.
+        stats: accumulates where the time went.
+        after: per item, the indices of earlier items it must wait for (e.g. the item that
+            compiles a kernel it shares); items start in order as soon as they may.
     """
     items = list(items)
+    after = after or [()] * len(items)
+    if any(index >= item for item, waits in enumerate(after) for index in waits):
+        raise ValueError("after: an item may only wait for earlier items")
     results: list[R | None] = [None] * len(items)
     if not items:
         return []
+    dependents: dict[int, list[int]] = {}
+    for item, waits in enumerate(after):
+        for index in waits:
+            dependents.setdefault(index, []).append(item)
     context = multiprocessing.get_context("spawn")
-    pending = list(range(len(items)))
+    pending = list(range(len(items)))  # unfinished, in item order
+    finished: set[int] = set()
+    stats = stats if stats is not None else PoolStats()
     while pending:
+        processes, pool_start, seen = worker_count(len(pending), gpus), time.time(), set()
+        stats.processes = max(stats.processes, processes)
+        submitted: dict[int, None] = {}  # in submission order
         try:
-            with ProcessPoolExecutor(worker_count(len(pending), gpus), mp_context=context,
-                                     initializer=_init_worker,
+            with ProcessPoolExecutor(processes, mp_context=context, initializer=_init_worker,
                                      initargs=(context.Value("i", 0), gpus, _visible_list())) as pool:
-                futures = {index: pool.submit(fn, items[index]) for index in pending}
-                for index, future in futures.items():
-                    results[index] = future.result()
-                    pending.remove(index)
-                    if on_done:
-                        on_done(items[index], results[index])
+                running: dict[Future, int] = {}
+
+                def submit_if_ready(index: int) -> None:
+                    if index not in submitted and finished.issuperset(after[index]):
+                        submitted[index] = None
+                        running[pool.submit(_timed, fn, items[index])] = index
+
+                for index in pending:
+                    submit_if_ready(index)
+                while running:
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in sorted(done, key=running.__getitem__):
+                        index = running.pop(future)
+                        results[index], timing = future.result()
+                        stats.record(timing, pool_start, seen)
+                        pending.remove(index)
+                        finished.add(index)
+                        if on_done:
+                            on_done(items[index], results[index])
+                        for later in dependents.get(index, ()):
+                            submit_if_ready(later)
         except BrokenProcessPool as exc:
-            # the first unfinished job is the likeliest culprit: record it, retry the rest
-            culprit = pending.pop(0)
+            # the earliest started unfinished job is the likeliest culprit: record it, retry the rest
+            culprit = next(index for index in submitted if index in pending)
+            pending.remove(culprit)
+            finished.add(culprit)
             results[culprit] = on_crash(items[culprit], f"worker process died: {exc}")
             if on_done:
                 on_done(items[culprit], results[culprit])

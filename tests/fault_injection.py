@@ -61,4 +61,5 @@ def _faulty_forward(real_forward):
 
 
 _real = registry.get_backend("triton")
-registry.override_backend(registry.Backend("triton", _faulty_forward(_real.forward), _real.backward, _real.is_supported))
+registry.override_backend(registry.Backend("triton", _faulty_forward(_real.forward), _real.backward, _real.is_supported,
+                                           _real.kernels))

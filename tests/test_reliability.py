@@ -18,7 +18,7 @@ import yaml
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.registry import default_configs
 from dmattn_bench.tuner import Journal, JournalError
-from dmattn_bench.workers import MAX_WORKERS_PER_GPU, Worker, parallel_map, worker_count
+from dmattn_bench.workers import MAX_WORKERS_PER_GPU, PoolStats, Worker, parallel_map, worker_count
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
@@ -198,3 +198,34 @@ def test_parallel_map_gives_each_process_one_of_the_gpus(monkeypatch, tmp_path, 
     seen = parallel_map(_visible_gpu, [str(tmp_path)] * 2, on_crash=lambda item, reason: reason, gpus=2)
     assert set(seen) == expected
     assert worker_count(100, gpus=2) == min(2 * MAX_WORKERS_PER_GPU, os.cpu_count())
+
+
+def _stamp(job) -> tuple[float, float, bool]:
+    """Marks its start in `folder`; waits (up to a minute) for job `waits_for` to start too.
+    Returns (start, end, whether that other job was seen running meanwhile)."""
+    folder, name, waits_for = job
+    Path(folder, name).touch()
+    start = time.time()
+    deadline = time.monotonic() + 60
+    while waits_for and not Path(folder, waits_for).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return start, time.time(), not waits_for or Path(folder, waits_for).exists()
+
+
+def test_parallel_map_starts_a_job_only_after_the_jobs_it_waits_for(tmp_path):
+    """The tuner makes jobs that share a kernel wait for the job compiling it: a waiting job
+    starts after that job ends, the others run meanwhile, results come back in item order, and
+    the pool statistics count every job."""
+    if worker_count(4) < 2:
+        pytest.skip("needs two processes at once")
+    jobs = [(str(tmp_path), "a", "d"), (str(tmp_path), "b", None), (str(tmp_path), "c", None),
+            (str(tmp_path), "d", None)]
+    stats = PoolStats()
+    a, b, c, d = parallel_map(_stamp, jobs, on_crash=lambda job, reason: reason, after=[(), (), (0,), ()],
+                              stats=stats)
+    assert a[2], "job d did not run while job a was running"
+    assert c[0] >= a[1] and d[0] < a[1]
+    assert stats.jobs == 4 and stats.processes == worker_count(4) and len(stats.startups) <= stats.processes
+    assert stats.busy_s >= a[1] - a[0]
+    with pytest.raises(ValueError, match="earlier items"):
+        parallel_map(_stamp, jobs[:2], on_crash=lambda job, reason: reason, after=[(1,), ()])

@@ -152,15 +152,17 @@ def test_explicit_config_overrides_the_table(tmp_path):
 
 def test_suite_verdict_from_cases_matches_the_whole_suite():
     """The GPU tune spreads a suite's cases over processes: a case job returns what that case of
-    the whole suite returns, and the verdict is the first failure in case order."""
+    the whole suite returns, and the verdict is the first failure in case order. A suite checks
+    one direction's config: a backward one on the tensors of the backward alone."""
     from dmattn_bench.tuner import _suite_verdict, suite_case_job, suite_cases
     from dmattn_bench.validator import CaseResult, validate
 
-    fwd, bwd = default_configs(32, "cpu")
-    cases = suite_cases(fwd, bwd, "quick")
-    whole = validate("triton", fwd, bwd, torch.float32, "cpu", cases=cases[:2])
-    parts = [suite_case_job(("triton", fwd, bwd, "fp32", "quick", "cpu", index)) for index in range(2)]
+    _, bwd = default_configs(32, "cpu")
+    cases = suite_cases("bwd", bwd, "quick")
+    whole = validate("triton", None, bwd, torch.float32, "cpu", cases=cases[:2])
+    parts = [suite_case_job(("triton", "bwd", bwd, "fp32", "quick", "cpu", index)) for index in range(2)]
     assert [(r.case, r.status) for r in parts] == [(r.case, r.status) for r in whole.cases] == [(c.name, "ok") for c in cases[:2]]
+    assert set(whole.worst_ratios()) >= {"dq", "dk", "dv"} and not {"out", "lse"} & set(whole.worst_ratios())
     assert _suite_verdict(parts, "quick") == ("ok", "quick suite, 2 cases")
     failed = [parts[0], CaseResult("b", "mismatch", "dq: error"), CaseResult("c", "nonfinite", "dk: 1 non-finite")]
     assert _suite_verdict(failed, "quick") == ("mismatch", "adversarial b: dq: error")
@@ -182,7 +184,7 @@ def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatc
 
     monkeypatch.setattr(tuner, "_context_lost", False)
     monkeypatch.setattr(tuner, "check_case", illegal_access)
-    first, second = (tuner.suite_case_job(("triton", fwd, bwd, "fp32", "quick", "cpu", i)) for i in (0, 1))
+    first, second = (tuner.suite_case_job(("triton", "fwd", fwd, "fp32", "quick", "cpu", i)) for i in (0, 1))
     assert (first.status, second.status) == ("launch_error", "retry") and len(ran) == 1
 
     def inputs_fail(*args):
@@ -190,5 +192,36 @@ def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatc
 
     monkeypatch.setattr(tuner, "_context_lost", False)
     monkeypatch.setattr(tuner, "check_case", inputs_fail)
-    third = tuner.suite_case_job(("triton", fwd, bwd, "fp32", "quick", "cpu", 2))
+    third = tuner.suite_case_job(("triton", "bwd", bwd, "fp32", "quick", "cpu", 2))
     assert third.status not in ("ok", "retry") and "out of memory" in third.reason
+
+
+def test_jobs_sharing_a_kernel_wait_for_the_first_that_compiles_it():
+    """Compile and suite jobs that need a kernel another job compiles wait for that job (and
+    load the kernel from Triton's cache) instead of compiling it at the same time."""
+    from dmattn_bench.tuner import _leaders
+
+    assert _leaders([["a", "x"], ["b", "x"], ["a", "y"], ["c"], ["b", "y"]]) == [(), (0,), (0,), (), (1, 2)]
+
+
+def test_the_sm90_backward_candidates_share_their_kernels():
+    """The Triton backend names the kernels a launch compiles by the config fields each reads:
+    the 16 sm90 backward candidates need 8 dK/dV and 4 dQ kernels."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from dmattn_bench.prune import load_space
+    from dmattn_bench.registry import get_backend
+    from dmattn_bench.space import AttentionShape
+
+    triton = get_backend("triton")
+    shape = AttentionShape(batch=1, seqlen_q=64, seqlen_k=64, num_heads=4, num_heads_kv=1, head_dim=64,
+                           is_causal=True, has_mask=True, has_bias=True, bias_requires_grad=True)
+    space = load_space(Path(__file__).parents[1] / "configs/space/triton-bwd.yaml", "triton", "bwd", "sm90")
+    kernels = {kernel for config in space for kernel in triton.kernels("bwd", config, shape)}
+    assert len(space) == 16
+    assert sorted((name, sum(k[0] == name for k in kernels)) for name in {k[0] for k in kernels}) == [
+        ("flash_bwd_dkdv_kernel", 8), ("flash_bwd_dq_kernel", 4), ("flash_bwd_preprocess_kernel", 1),
+        ("tile_activity_kernel", 1)]
+    assert triton.kernels("fwd", FwdConfig(64, 32, 4, 2), replace(shape, has_mask=False)) == (
+        ("flash_fwd_kernel", 64, 32, 4, 2),)

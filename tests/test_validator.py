@@ -192,3 +192,20 @@ def test_suite_status_is_the_worst_case_status():
     failing = dataclasses.replace(result, cases=result.cases + [dataclasses.replace(result.cases[0], status="mismatch")])
     assert failing.status == "mismatch"
     assert failing.to_dict()["status"] == "mismatch"
+
+
+def test_one_direction_alone_is_checked_on_its_own_tensors():
+    """The tuner's suites check a forward config without a backward and a backward config on
+    the reference's out and lse: each checks only its own tensors, and each still catches a
+    broken kernel of its direction."""
+    forward_alone = check_case(REFERENCE, CASE, torch.float32, "cpu", SMALL_FWD, None)
+    backward_alone = check_case(REFERENCE, CASE, torch.float32, "cpu", None, SMALL_BWD)
+    assert (forward_alone.status, backward_alone.status) == ("ok", "ok")
+    assert set(forward_alone.checks) == {"out", "lse"} and set(backward_alone.checks) == {"dq", "dk", "dv", "dbias"}
+
+    def backward(dout, q, k, v, out, lse, mask, bias, *, dk, **kw):
+        REFERENCE.backward(dout, q, k, v, out, lse, mask, bias, dk=dk, **kw)
+        dk.mul_(1.01)
+
+    broken = check_case(_broken(backward=backward), CASE, torch.float32, "cpu", None, SMALL_BWD)
+    assert broken.status == "mismatch" and broken.reason.startswith("dk")

@@ -194,7 +194,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     dump_table(new_table(entries, fingerprint, interpreter=not on_gpu), out)
     speedup = geometric_mean_speedup(result)
     document = {"table": str(out), "trials_file": str(trials_path), "wall_s": round(result.wall_s, 1),
-                "phases_s": result.phases, "gpus": gpu_count,
+                "phases_s": result.phases, "phase_pools": result.pools, "gpus": gpu_count,
                 "counts": result.counts(), "funnel": result.funnel(), "entries": len(entries), "geomean_speedup_vs_default": speedup,
                 "timings_meaningful": result.meaningful_timings,
                 "winners": [dict(key=w.key.to_dict(), config=w.config.to_dict(), evidence=w.evidence)
