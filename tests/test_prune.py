@@ -7,6 +7,7 @@ Cross-compiles run in spawned workers (a few seconds each on 2 cores): only a ha
 from __future__ import annotations
 
 import json
+import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -134,8 +135,22 @@ def test_cli_json_on_tiny_space(tmp_path):
     assert document["summary"][0]["candidates"] == 2
 
 
-def test_cli_rejects_unknown_arch_and_cuda(tmp_path):
+def test_cli_rejects_unknown_arch_and_a_dtype_the_cuda_kernels_lack(tmp_path):
     result = CliRunner().invoke(compile_check, ["--arch", "sm75"])
     assert result.exit_code == 2 and "sm75" in result.output
-    result = CliRunner().invoke(compile_check, ["--arch", "sm90", "--backend", "cuda"])
-    assert result.exit_code != 0 and "backend cuda is not built" in str(result.exception)
+    result = CliRunner().invoke(compile_check, ["--arch", "sm90", "--backend", "cuda", "--dtype", "fp32"])
+    assert result.exit_code == 2 and "bf16 or fp16, got fp32" in result.output
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cli_compile_checks_the_cuda_space(tmp_path, monkeypatch):
+    monkeypatch.setenv("DMATTN_BENCH_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cuda-fwd.yaml").write_text(
+        "backend: cuda\ndirection: fwd\narch:\n  sm90:\n    block_m: [64, 128]\n    block_n: [64]\n"
+        "    num_warps: [4]\n    num_stages: [2]\n")
+    result = CliRunner().invoke(compile_check, ["--arch", "sm90", "--backend", "cuda", "--space-dir", str(tmp_path),
+                                                "--head-dim", "64", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["backend"] == "cuda"
+    assert [(c["config"]["block_m"], c["status"]) for c in document["candidates"]] == [(64, "fits"), (128, "unsupported")]

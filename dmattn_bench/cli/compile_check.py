@@ -9,11 +9,11 @@ from rich.table import Table
 
 from dmattn_bench import output
 from dmattn_bench.errors import DmattnError
-from dmattn_bench.hardware import ARCH_LIMITS, parse_arch
-from dmattn_bench.prune import DTYPE_BYTES, STATUSES, Candidate, check_space, plan_space, space_path
+from dmattn_bench.hardware import ARCH_LIMITS, parse_arch, search_section
+from dmattn_bench.prune import DTYPE_BYTES, STATUSES, Candidate, check_space, load_space, plan_space, space_path
+from dmattn_kernels.cuda.build import CudaBuildError, nvcc
 from dmattn_bench.space import DIRECTIONS
 
-BUILT_BACKENDS = ("triton",)
 TOP_REASONS = 3
 # What each deciding check means, for the summary's reasons column.
 CHECK_LABELS = {
@@ -69,8 +69,8 @@ def _summary(candidates: list[Candidate], archs: list[str]) -> list[dict]:
     return rows
 
 
-def _table(rows: list[dict], dtype: str, head_dims: list[int]) -> Table:
-    table = Table(title=f"compile-check: triton, {dtype}, head dims {','.join(map(str, head_dims))}")
+def _table(backend: str, rows: list[dict], dtype: str, head_dims: list[int]) -> Table:
+    table = Table(title=f"compile-check: {backend}, {dtype}, head dims {','.join(map(str, head_dims))}")
     for column in ("arch", "direction", "candidates", *STATUSES, "max shared (fits)", "top reasons"):
         table.add_column(column, justify="left" if column in ("arch", "direction", "top reasons") else "right")
     for row in rows:
@@ -102,10 +102,18 @@ def _table(rows: list[dict], dtype: str, head_dims: list[int]) -> Table:
 def compile_check(archs: list[str], backend: str, head_dims: list[int], dtype: str, space_dir: str,
                   jobs: int | None, fmt: str) -> None:
     """Cross-compile the search space for each arch (no GPU needed) and summarise what fits."""
-    if backend == "cuda":
-        raise DmattnError("backend cuda is not built in this version", "use --backend triton")
-    if backend == "all":
-        output.info("backend cuda is not built in this version: checking triton only")
+    documents, tables = [], []
+    for name in ("triton", "cuda") if backend == "all" else (backend,):
+        check = _check_cuda if name == "cuda" else _check_triton
+        candidates = check(archs, head_dims, dtype, space_dir, jobs)
+        rows = _summary(candidates, archs)
+        documents.append({"backend": name, "dtype": dtype, "head_dims": head_dims, "archs": archs,
+                          "summary": rows, "candidates": [c.to_dict() for c in candidates]})
+        tables.append(_table(name, rows, dtype, head_dims))
+    output.render(documents[0] if len(documents) == 1 else {"backends": documents}, tables, fmt)
+
+
+def _check_triton(archs: list[str], head_dims: list[int], dtype: str, space_dir: str, jobs: int | None):
     paths = [space_path(space_dir, "triton", direction) for direction in DIRECTIONS]
     for path in paths:
         if not path.exists():
@@ -118,12 +126,28 @@ def compile_check(archs: list[str], backend: str, head_dims: list[int], dtype: s
         total = len(plan_space(paths, archs, head_dims))
     except ValueError as exc:
         raise DmattnError(str(exc), "fix the search-space file") from None
-    with output.progress("compile-check", total=total) as advance:
-        candidates = check_space(
-            paths, archs, head_dims, dtype, jobs=jobs,
-            on_result=lambda c: advance(f"{c.arch} {c.direction} {c.status}"),
-        )
-    rows = _summary(candidates, archs)
-    document = {"backend": "triton", "dtype": dtype, "head_dims": head_dims, "archs": archs,
-                "summary": rows, "candidates": [c.to_dict() for c in candidates]}
-    output.render(document, [_table(rows, dtype, head_dims)], fmt)
+    with output.progress("compile-check triton", total=total) as advance:
+        return check_space(paths, archs, head_dims, dtype, jobs=jobs,
+                           on_result=lambda c: advance(f"{c.arch} {c.direction} {c.status}"))
+
+
+def _check_cuda(archs: list[str], head_dims: list[int], dtype: str, space_dir: str, jobs: int | None):
+    from dmattn_bench.cuda_check import CUDA_DTYPES, check_cuda_space
+
+    if dtype not in CUDA_DTYPES:
+        raise click.BadParameter(f"the cuda kernels take {' or '.join(CUDA_DTYPES)}, got {dtype}",
+                                 param_hint="--dtype")
+    try:
+        nvcc()  # one clear error, not a compile_error per candidate
+    except CudaBuildError as exc:
+        raise DmattnError(str(exc), "install the CUDA toolkit") from None
+    path = space_path(space_dir, "cuda", "fwd")
+    if not path.exists():
+        raise click.BadParameter(f"no cuda-fwd.yaml in {space_dir}", param_hint="--space-dir")
+    try:
+        total = sum(len(load_space(path, "cuda", "fwd", search_section(parse_arch(arch)))) for arch in archs)
+    except ValueError as exc:
+        raise DmattnError(str(exc), "fix the search-space file") from None
+    with output.progress("compile-check cuda", total=total * len(head_dims)) as advance:
+        return check_cuda_space(space_dir, archs, head_dims, dtype, jobs=jobs,
+                                on_result=lambda c: advance(f"{c.arch} {c.direction} {c.status}"))

@@ -1,0 +1,97 @@
+"""Compile-check of the CUDA kernels: every candidate of `configs/space/cuda-fwd.yaml`, built with
+nvcc for each arch (no GPU needed), judged by the same rules as the Triton candidates (`prune`).
+
+A candidate is built in its two extreme feature variants (every feature on, with an fp32 bias;
+every feature off), which bound its registers. Its shared memory needs no compiling: the
+kernel's dynamic shared memory is exactly `launch.forward_shared_bytes`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable
+
+from dmattn_bench.hardware import parse_arch, search_section
+from dmattn_bench.prune import WARP_SIZE, Candidate, _one_line, _resource_usage, load_space, space_path
+from dmattn_bench.space import AttentionShape, FwdConfig
+
+VARIANTS = (  # (is_causal, has_mask, bias dtype, softcap): every feature, then none
+    (True, True, "fp32", 1.0),
+    (False, False, None, 0.0),
+)
+CUDA_DTYPES = ("bf16", "fp16")
+
+
+def _judge(config: FwdConfig, arch: str, head_dim: int, dtype: str) -> Candidate:
+    import torch
+
+    from dmattn_kernels.cuda import build, launch
+
+    limits = parse_arch(arch)
+    start = time.perf_counter()
+    shared = launch.forward_shared_bytes(config, head_dim)
+
+    def verdict(status: str, reason: str = "", check: str = "", registers=None, stack=None) -> Candidate:
+        return Candidate("fwd", config, limits.arch, head_dim, dtype, status, reason, shared, check, registers, stack,
+                         round(time.perf_counter() - start, 3))
+
+    shape = AttentionShape(batch=1, seqlen_q=1, seqlen_k=1, num_heads=1, num_heads_kv=1, head_dim=head_dim,
+                           is_causal=True, has_mask=True, has_bias=True, bias_requires_grad=False)
+    reason = launch.is_supported(config, shape)
+    if reason:
+        return verdict("unsupported", reason, "structure")
+    if shared > limits.shared_memory_per_block:
+        return verdict("unsupported", f"shared memory {shared} B > {limits.shared_memory_per_block} B limit of "
+                                      f"{limits.arch}", "shared")
+    element = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    registers, stack = None, None
+    for is_causal, has_mask, bias, softcap in VARIANTS:
+        bias_dtype = {None: None, "fp32": torch.float32}[bias]
+        flags = launch.variant(config, head_dim, element, bias_dtype, is_causal=is_causal, has_mask=has_mask,
+                               softcap=softcap)
+        try:
+            cubin = build.build("fwd", limits.arch, flags)
+        except build.CudaBuildError as exc:
+            return verdict("compile_error", _one_line(exc), "compile")
+        regs, spill = _resource_usage(Path(cubin).read_bytes())
+        if regs is not None:
+            registers, stack = max(registers or 0, regs), max(stack or 0, spill)
+    threads = config.num_warps * WARP_SIZE
+    if registers is not None and registers * threads > limits.registers_per_sm:
+        return verdict("unsupported", f"{registers} registers x {threads} threads > {limits.registers_per_sm} "
+                                      f"per SM on {limits.arch}", "registers", registers, stack)
+    return verdict("fits", registers=registers, stack=stack)
+
+
+def check_cuda_space(space_dir: str | Path, archs: Iterable[str], head_dims: Iterable[int], dtype: str = "bf16",
+                     jobs: int | None = None, on_result: Callable[[Candidate], None] | None = None) -> list[Candidate]:
+    """Judges every CUDA forward candidate for each arch and head dim, in plan order.
+
+    nvcc runs as a subprocess, so threads compile in parallel (`jobs`, default the CPU count).
+
+    Raises:
+        ValueError: a dtype the CUDA kernels do not take, an unknown arch or a malformed space.
+    """
+    if dtype not in CUDA_DTYPES:
+        raise ValueError(f"dtype: the cuda kernels take {' or '.join(CUDA_DTYPES)}, got {dtype!r}")
+    path = space_path(space_dir, "cuda", "fwd")
+    plan = [(arch, config, head_dim) for arch in archs
+            for config in load_space(path, "cuda", "fwd", search_section(parse_arch(arch)))
+            for head_dim in head_dims]
+
+    def judge(item) -> Candidate:
+        arch, config, head_dim = item
+        try:
+            candidate = _judge(config, arch, head_dim, dtype)
+        except Exception as exc:  # noqa: BLE001 - a failed candidate is data
+            candidate = Candidate("fwd", config, parse_arch(arch).arch, head_dim, dtype, "compile_error",
+                                  _one_line(exc), None, "compile")
+        if on_result:
+            on_result(candidate)
+        return candidate
+
+    with ThreadPoolExecutor(max(1, jobs or os.cpu_count() or 1)) as pool:
+        return list(pool.map(judge, plan))

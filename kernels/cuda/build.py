@@ -1,0 +1,94 @@
+"""Builds the CUDA kernels on first use: nvcc -> cubin, cached on disk.
+
+Toolchain: `nvcc -cubin` of one .cu file per (arch, config, feature flags), loaded through the
+CUDA driver API (`cuda.bindings`, see `launch.py`). Each build is one nvcc process (about 1.6 s
+for the forward on a 2-core CPU), so a search space compiles in parallel processes, and no
+Python extension is built: torch's cpp_extension would compile torch's headers into every
+variant and take tens of seconds each.
+
+The cache key is (kernel source hash, arch, the -D list), under $DMATTN_BENCH_CACHE or
+~/.cache/dmattn_bench/cuda. Writes are atomic (rename), so concurrent builders at worst
+compile the same cubin twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCES = {"fwd": Path(__file__).with_name("flash_fwd.cu")}
+ARCH_FLAGS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90", "sm120": "sm_120"}
+NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17")
+NVCC_TIMEOUT_S = 300
+ELEMENTS = {"fp16": 0, "bf16": 1}
+
+
+class CudaBuildError(RuntimeError):
+    """nvcc is missing or rejected a kernel variant (the message holds its first error line)."""
+
+
+def defines(head_dim: int, block_n: int, num_warps: int, num_stages: int, element: str, bias_fp32: bool,
+            is_causal: bool, has_mask: bool, has_bias: bool, has_softcap: bool) -> tuple[str, ...]:
+    """The -D list of one forward variant: the only place run-time choices become the kernel's
+    compile-time parameters (see flash_fwd.cu's header)."""
+    if element not in ELEMENTS:
+        raise ValueError(f"element: got {element!r}, expected one of {sorted(ELEMENTS)}")
+    values = dict(ELEMENT=ELEMENTS[element], BIAS_FP32=bias_fp32, HEAD_DIM=head_dim, BLOCK_N=block_n,
+                  NUM_WARPS=num_warps, STAGES=num_stages, IS_CAUSAL=is_causal, HAS_MASK=has_mask,
+                  HAS_BIAS=has_bias, HAS_SOFTCAP=has_softcap)
+    return tuple(f"-D{name}={int(value)}" for name, value in values.items())
+
+
+def nvcc() -> str:
+    """Path of nvcc: $CUDA_HOME/bin/nvcc, else the one on PATH."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidate = Path(home, "bin", "nvcc") if home else None
+    if candidate is not None and candidate.exists():
+        return str(candidate)
+    found = shutil.which("nvcc")
+    if found is None:
+        raise CudaBuildError("nvcc not found: the cuda backend builds its kernels with it (set CUDA_HOME or PATH)")
+    return found
+
+
+def source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES.values()):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DMATTN_BENCH_CACHE", Path.home() / ".cache" / "dmattn_bench")) / "cuda"
+
+
+def build(direction: str, arch: str, flags: tuple[str, ...]) -> Path:
+    """The cubin of one variant for `arch` ("sm90"), compiled now unless cached.
+
+    Raises:
+        CudaBuildError: nvcc is missing, failed or timed out.
+    """
+    if arch not in ARCH_FLAGS:
+        raise ValueError(f"arch: got {arch!r}, expected one of {sorted(ARCH_FLAGS)}")
+    key = hashlib.sha256(" ".join((direction, *flags)).encode()).hexdigest()[:24]
+    target = cache_dir() / source_hash() / arch / f"{direction}-{key}.cubin"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        output = Path(scratch) / target.name
+        command = [nvcc(), *NVCC_FLAGS, f"-arch={ARCH_FLAGS[arch]}", *flags, "-o", str(output),
+                   str(SOURCES[direction])]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise CudaBuildError(f"nvcc timed out after {NVCC_TIMEOUT_S} s ({' '.join(flags)})") from None
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+            raise CudaBuildError(f"nvcc failed for {arch} {' '.join(flags)}: {errors[0] if errors else done.returncode}")
+        os.replace(output, target)
+    return target

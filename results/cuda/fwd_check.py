@@ -1,0 +1,80 @@
+"""CUDA forward on the GPU: the full adversarial suite (forward alone) for several configs in bf16
+and fp16, then W3 dense causal timing against the Triton kernel and SDPA (flash / cuDNN)."""
+import os, sys, time, json
+import torch
+import torch.nn.functional as F
+from concurrent.futures import ThreadPoolExecutor
+from dmattn_bench.adversarial import adversarial_cases
+from dmattn_bench.registry import Backend, get_backend, default_configs
+from dmattn_bench.space import FwdConfig
+from dmattn_bench.validator import check_case, config_tiles
+from dmattn_bench.timing import time_kernel
+from dmattn_kernels.cuda import launch as cl, build as cb
+
+def no_backward(*a, **k):
+    raise RuntimeError("no backward")
+
+cuda = Backend("cuda", cl.attention_forward, no_backward, cl.is_supported)
+configs = [FwdConfig(64, 64, 4, 2), FwdConfig(128, 64, 8, 2), FwdConfig(64, 128, 4, 3), FwdConfig(32, 32, 2, 1), FwdConfig(128, 128, 8, 2)]
+only = sys.argv[1:] 
+# warm the nvcc cache in parallel: every variant the suite needs
+t0 = time.time()
+jobs = set()
+for cfg in configs:
+    for case in adversarial_cases("full", config_tiles(cfg, None)):
+        for dt in (torch.bfloat16, torch.float16):
+            bias_dtype = (torch.float32 if case.bias_fp32 else dt) if case.bias != "none" else None
+            jobs.add(cl.variant(cfg, case.head_dim, dt, bias_dtype, is_causal=case.causal, has_mask=case.mask != "none", softcap=case.softcap))
+errors = []
+def one(flags):
+    try:
+        cb.build("fwd", "sm90", flags)
+    except Exception as exc:
+        errors.append(str(exc)[:300])
+with ThreadPoolExecutor(16) as pool:
+    list(pool.map(one, sorted(jobs)))
+print(f"built {len(jobs)} variants in {time.time()-t0:.1f} s, {len(errors)} errors", flush=True)
+for e in errors[:3]: print("  ", e)
+worst = {}
+fails = []
+count = 0
+for cfg in configs:
+    for dt in (torch.bfloat16, torch.float16):
+        for case in adversarial_cases("full", config_tiles(cfg, None)):
+            r = check_case(cuda, case, dt, "cuda", cfg, None)
+            count += 1
+            if r.status != "ok":
+                fails.append(f"{cfg} {dt} {case.name}: {r.status} {r.reason}")
+            for n, c in r.checks.items():
+                worst[n] = max(worst.get(n, 0), c.ratio)
+print(f"suite: {count} case runs, {len(fails)} failures, worst ratio {worst}", flush=True)
+for f in fails[:15]: print("  FAIL", f)
+# W3 timing: B2 H16 L4096 D128 causal bf16
+B, H, L, D = 2, 16, 4096, 128
+q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+out = torch.empty_like(q); lse = torch.empty(B, H, L, device="cuda", dtype=torch.float32)
+flops = 4 * B * H * L * L * D / 2
+rows = []
+tri = get_backend("triton")
+for name, launch_fn, cfgs in (("cuda", cl.attention_forward, [FwdConfig(64, 64, 4, 2), FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 2), FwdConfig(64, 128, 4, 2), FwdConfig(128, 32, 8, 3), FwdConfig(64, 32, 4, 3), FwdConfig(128, 64, 8, 3)]),
+                       ("triton", tri.forward, [FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3)])):
+    for cfg in cfgs:
+        f = lambda: launch_fn(q, k, v, None, None, is_causal=True, softmax_scale=D ** -0.5, softcap=0.0, config=cfg, out=out, lse=lse)
+        try:
+            t = time_kernel(f, "cuda", warmup=3, repeats=30)
+            rows.append((f"{name} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}", t.median_ms, flops / t.median_ms / 1e9))
+        except Exception as exc:
+            rows.append((f"{name} {cfg}", float("nan"), str(exc)[:80]))
+qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+from torch.nn.attention import sdpa_kernel, SDPBackend
+for sname, sb in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+    def f():
+        with sdpa_kernel(sb):
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    try:
+        t = time_kernel(f, "cuda", warmup=3, repeats=30)
+        rows.append((sname, t.median_ms, flops / t.median_ms / 1e9))
+    except Exception as exc:
+        rows.append((sname, float("nan"), str(exc)[:80]))
+print("W3 fwd B2 H16 L4096 D128 causal bf16 (H-GPU: %s)" % torch.cuda.get_device_name())
+for r in rows: print(f"  {r[0]:32s} {r[1]:8.4f} ms  {r[2] if isinstance(r[2], str) else f'{r[2]:.0f} TFLOP/s'}")
