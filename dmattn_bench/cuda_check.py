@@ -14,20 +14,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
+import torch
+
 from dmattn_bench.hardware import parse_arch, search_section
 from dmattn_bench.prune import WARP_SIZE, Candidate, _one_line, _resource_usage, load_space, space_path
 from dmattn_bench.space import AttentionShape, FwdConfig
 
 VARIANTS = (  # (is_causal, has_mask, bias dtype, softcap): every feature, then none
-    (True, True, "fp32", 1.0),
+    (True, True, torch.float32, 1.0),
     (False, False, None, 0.0),
 )
 CUDA_DTYPES = ("bf16", "fp16")
 
 
 def _judge(config: FwdConfig, arch: str, head_dim: int, dtype: str) -> Candidate:
-    import torch
-
     from dmattn_kernels.cuda import build, launch
 
     limits = parse_arch(arch)
@@ -48,8 +48,7 @@ def _judge(config: FwdConfig, arch: str, head_dim: int, dtype: str) -> Candidate
                                       f"{limits.arch}", "shared")
     element = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     registers, stack = None, None
-    for is_causal, has_mask, bias, softcap in VARIANTS:
-        bias_dtype = {None: None, "fp32": torch.float32}[bias]
+    for is_causal, has_mask, bias_dtype, softcap in VARIANTS:
         flags = launch.variant(config, head_dim, element, bias_dtype, is_causal=is_causal, has_mask=has_mask,
                                softcap=softcap)
         try:

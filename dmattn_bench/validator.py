@@ -194,6 +194,12 @@ def run_reference(inputs: Inputs, case: Case, compute_dtype: torch.dtype | None)
     return result
 
 
+def reference_forward(high: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) a backward checked or timed on its own reads: the high-precision reference's,
+    out rounded to the kernel's dtype."""
+    return high["out"].to(dtype), high["lse"].float()
+
+
 def _worst_element(diff: torch.Tensor) -> str:
     index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
     return f"worst at {index}"
@@ -242,7 +248,7 @@ def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.d
     inputs = build_inputs(case, dtype, device, seed)
     high = run_reference(inputs, case, None)
     low = run_reference(inputs, case, dtype)
-    forward = None if fwd_config is not None else (high["out"].to(dtype), high["lse"].float())
+    forward = None if fwd_config is not None else reference_forward(high, dtype)
     try:
         first = run_kernel(backend, inputs, case, fwd_config, bwd_config, forward)
         second = run_kernel(backend, inputs, case, fwd_config, bwd_config, forward)

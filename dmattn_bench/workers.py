@@ -155,7 +155,7 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T
                         for later in dependents.get(index, ()):
                             submit_if_ready(later)
         except BrokenProcessPool as exc:
-            # the earliest started unfinished job is the likeliest culprit: record it, retry the rest
+            # the earliest submitted unfinished job is the likeliest culprit: record it, retry the rest
             culprit = next(index for index in submitted if index in pending)
             pending.remove(culprit)
             finished.add(culprit)

@@ -11,7 +11,6 @@ from dmattn_bench import output
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import ARCH_LIMITS, parse_arch, search_section
 from dmattn_bench.prune import DTYPE_BYTES, STATUSES, Candidate, check_space, load_space, plan_space, space_path
-from dmattn_kernels.cuda.build import CudaBuildError, nvcc
 from dmattn_bench.space import DIRECTIONS
 
 TOP_REASONS = 3
@@ -133,6 +132,7 @@ def _check_triton(archs: list[str], head_dims: list[int], dtype: str, space_dir:
 
 def _check_cuda(archs: list[str], head_dims: list[int], dtype: str, space_dir: str, jobs: int | None):
     from dmattn_bench.cuda_check import CUDA_DTYPES, check_cuda_space
+    from dmattn_kernels.cuda.build import CudaBuildError, nvcc
 
     if dtype not in CUDA_DTYPES:
         raise click.BadParameter(f"the cuda kernels take {' or '.join(CUDA_DTYPES)}, got {dtype}",

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
 SOURCES = {"fwd": Path(__file__).with_name("flash_fwd.cu")}
@@ -55,6 +56,7 @@ def nvcc() -> str:
     return found
 
 
+@lru_cache(maxsize=None)
 def source_hash() -> str:
     digest = hashlib.sha256()
     for path in sorted(SOURCES.values()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from functools import lru_cache
 
 import torch
 
@@ -88,6 +89,7 @@ class _Driver:
 
 
 _driver: _Driver | None = None
+_built = lru_cache(maxsize=None)(build)  # a launch after the first pays no file-system lookup
 
 
 def _the_driver() -> _Driver:
@@ -173,7 +175,7 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     flags = variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None, is_causal=is_causal,
                     has_mask=mask is not None, softcap=softcap)
-    cubin = build("fwd", arch_of(q.device), flags)
+    cubin = _built("fwd", arch_of(q.device), flags)
     shared_bytes = forward_shared_bytes(config, head_dim)
     driver = _the_driver()
 
