@@ -65,7 +65,8 @@ def flash_dmattn_func(
         softmax_scale: defaults to 1/sqrt(D).
         softcap: > 0 applies `softcap * tanh(S / softcap)` before the bias; 0 disables.
         return_lse: also return the (B, H, Lq) fp32 natural-log sum-exp (not differentiable).
-        backend: "auto" (the dispatch table, else the heuristic default), "triton" or "reference".
+        backend: "auto" (the dispatch table, else the heuristic default), "triton", "cuda" (GPU only)
+            or "reference".
         table: a dispatch-table path for this call (overrides `use_table` and DMATTN_BENCH_TABLE).
         fwd_config, bwd_config: explicit kernel tiles, overriding the table for that direction.
 

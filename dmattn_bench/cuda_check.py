@@ -1,9 +1,11 @@
-"""Compile-check of the CUDA kernels: every candidate of `configs/space/cuda-fwd.yaml`, built with
-nvcc for each arch (no GPU needed), judged by the same rules as the Triton candidates (`prune`).
+"""Compile-check of the CUDA kernels: every candidate of `configs/space/cuda-{fwd,bwd}.yaml`,
+built with nvcc for each arch (no GPU needed), judged by the same rules as the Triton candidates
+(`prune`).
 
-A candidate is built in its two extreme feature variants (every feature on, with an fp32 bias;
-every feature off), which bound its registers. Its shared memory needs no compiling: the
-kernel's dynamic shared memory is exactly `launch.forward_shared_bytes`.
+A candidate is built in its two extreme feature variants (every feature on, with an fp32 bias,
+and for the backward GQA and a dBias with query rows; every feature off), which bound its
+registers. Its shared memory needs no compiling: the kernels' dynamic shared memory is exactly
+`launch.shared_bytes`.
 """
 
 from __future__ import annotations
@@ -18,24 +20,24 @@ import torch
 
 from dmattn_bench.hardware import parse_arch, search_section
 from dmattn_bench.prune import WARP_SIZE, Candidate, _one_line, _resource_usage, load_space, space_path
-from dmattn_bench.space import AttentionShape, FwdConfig
+from dmattn_bench.space import DIRECTIONS, AttentionShape, BwdConfig, FwdConfig
 
-VARIANTS = (  # (is_causal, has_mask, bias dtype, softcap): every feature, then none
-    (True, True, torch.float32, 1.0),
-    (False, False, None, 0.0),
+VARIANTS = (  # (is_causal, has_mask, bias dtype, softcap, GQA group, dBias): every feature, then none
+    (True, True, torch.float32, 1.0, 2, (True, torch.float32)),
+    (False, False, None, 0.0, 1, None),
 )
 CUDA_DTYPES = ("bf16", "fp16")
 
 
-def _judge(config: FwdConfig, arch: str, head_dim: int, dtype: str) -> Candidate:
+def _judge(direction: str, config: FwdConfig | BwdConfig, arch: str, head_dim: int, dtype: str) -> Candidate:
     from dmattn_kernels.cuda import build, launch
 
     limits = parse_arch(arch)
     start = time.perf_counter()
-    shared = launch.forward_shared_bytes(config, head_dim)
+    shared = launch.shared_bytes(config, head_dim)
 
     def verdict(status: str, reason: str = "", check: str = "", registers=None, stack=None) -> Candidate:
-        return Candidate("fwd", config, limits.arch, head_dim, dtype, status, reason, shared, check, registers, stack,
+        return Candidate(direction, config, limits.arch, head_dim, dtype, status, reason, shared, check, registers, stack,
                          round(time.perf_counter() - start, 3))
 
     shape = AttentionShape(batch=1, seqlen_q=1, seqlen_k=1, num_heads=1, num_heads_kv=1, head_dim=head_dim,
@@ -48,11 +50,14 @@ def _judge(config: FwdConfig, arch: str, head_dim: int, dtype: str) -> Candidate
                                       f"{limits.arch}", "shared")
     element = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     registers, stack = None, None
-    for is_causal, has_mask, bias_dtype, softcap in VARIANTS:
-        flags = launch.variant(config, head_dim, element, bias_dtype, is_causal=is_causal, has_mask=has_mask,
-                               softcap=softcap)
+    for is_causal, has_mask, bias_dtype, softcap, group, dbias in VARIANTS:
+        features = dict(is_causal=is_causal, has_mask=has_mask, softcap=softcap)
+        if direction == "fwd":
+            flags = launch.variant(config, head_dim, element, bias_dtype, **features)
+        else:
+            flags = launch.backward_variant(config, head_dim, element, bias_dtype, group=group, dbias=dbias, **features)
         try:
-            cubin = build.build("fwd", limits.arch, flags)
+            cubin = build.build(direction, limits.arch, flags)
         except build.CudaBuildError as exc:
             return verdict("compile_error", _one_line(exc), "compile")
         regs, spill = _resource_usage(Path(cubin).read_bytes())
@@ -67,7 +72,7 @@ def _judge(config: FwdConfig, arch: str, head_dim: int, dtype: str) -> Candidate
 
 def check_cuda_space(space_dir: str | Path, archs: Iterable[str], head_dims: Iterable[int], dtype: str = "bf16",
                      jobs: int | None = None, on_result: Callable[[Candidate], None] | None = None) -> list[Candidate]:
-    """Judges every CUDA forward candidate for each arch and head dim, in plan order.
+    """Judges every CUDA candidate of both directions for each arch and head dim, in plan order.
 
     nvcc runs as a subprocess, so threads compile in parallel (`jobs`, default the CPU count).
 
@@ -76,17 +81,17 @@ def check_cuda_space(space_dir: str | Path, archs: Iterable[str], head_dims: Ite
     """
     if dtype not in CUDA_DTYPES:
         raise ValueError(f"dtype: the cuda kernels take {' or '.join(CUDA_DTYPES)}, got {dtype!r}")
-    path = space_path(space_dir, "cuda", "fwd")
-    plan = [(arch, config, head_dim) for arch in archs
-            for config in load_space(path, "cuda", "fwd", search_section(parse_arch(arch)))
+    plan = [(direction, arch, config, head_dim) for direction in DIRECTIONS for arch in archs
+            for config in load_space(space_path(space_dir, "cuda", direction), "cuda", direction,
+                                     search_section(parse_arch(arch)))
             for head_dim in head_dims]
 
     def judge(item) -> Candidate:
-        arch, config, head_dim = item
+        direction, arch, config, head_dim = item
         try:
-            candidate = _judge(config, arch, head_dim, dtype)
+            candidate = _judge(direction, config, arch, head_dim, dtype)
         except Exception as exc:  # noqa: BLE001 - a failed candidate is data
-            candidate = Candidate("fwd", config, parse_arch(arch).arch, head_dim, dtype, "compile_error",
+            candidate = Candidate(direction, config, parse_arch(arch).arch, head_dim, dtype, "compile_error",
                                   _one_line(exc), None, "compile")
         if on_result:
             on_result(candidate)

@@ -79,7 +79,7 @@ def select(direction: str, query, key, mask4, bias4, is_causal: bool, backend: s
         name = "triton" if backend == "auto" else backend
         return get_backend(name), _CONFIG_CLASSES[direction](*explicit)
     if backend != "auto":
-        fwd, bwd = default_configs(query.shape[-1], query.device)
+        fwd, bwd = default_configs(query.shape[-1], query.device, backend)
         return get_backend(backend), fwd if direction == "fwd" else bwd
     keys = table_keys(query, key, mask4, bias4, is_causal, bias_requires_grad)
     choice = dispatch.choose(keys[0] if direction == "fwd" else keys[1], query.device, table=table,

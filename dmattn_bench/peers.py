@@ -20,6 +20,7 @@ import torch
 
 from dmattn_bench import ops
 from dmattn_bench.api import flash_dmattn_func
+from dmattn_bench.registry import default_configs
 from dmattn_bench.space import as_4d, config_label
 
 OURS = "dmattn"
@@ -81,6 +82,20 @@ def _ours(inputs: BenchInputs, table: str | None) -> Prepared:
     note = (f"{chosen['fwd'][0].name} fwd {config_label(chosen['fwd'][1])}, "
             f"bwd {config_label(chosen['bwd'][1])}")
     return Prepared(forward, _grad_leaves(q, k, v, bias), note=note)
+
+
+def _ours_on(inputs: BenchInputs, backend: str) -> Prepared:
+    """Our kernels of one backend with its heuristic defaults (not the table's choice): how each
+    bundled backend does on the workload, whichever the dispatch would pick."""
+    q, k, v = (_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
+    bias = _bias_leaf(inputs)
+    fwd, bwd = default_configs(inputs.q.shape[-1], inputs.q.device, backend)
+
+    def forward():
+        return flash_dmattn_func(q, k, v, inputs.mask, bias, is_causal=inputs.is_causal, backend=backend)
+
+    return Prepared(forward, _grad_leaves(q, k, v, bias),
+                    note=f"{backend} defaults: fwd {config_label(fwd)}, bwd {config_label(bwd)}")
 
 
 def _index(operand: torch.Tensor, b, h, q_idx, kv_idx, group_div: int):
@@ -206,6 +221,8 @@ FLEX_SMALL_BACKWARD = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2
 
 PEERS: dict[str, Callable[[BenchInputs, str | None], Prepared]] = {
     OURS: lambda inputs, table: _ours(inputs, table),
+    "ours-triton": lambda inputs, table: _ours_on(inputs, "triton"),
+    "ours-cuda": lambda inputs, table: _ours_on(inputs, "cuda"),
     "flex": lambda inputs, table: _flex(inputs, None),
     "flex-small-bwd": lambda inputs, table: _flex(inputs, FLEX_SMALL_BACKWARD),
     "sdpa-efficient": lambda inputs, table: _sdpa(inputs, "efficient", dense=False),

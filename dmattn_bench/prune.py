@@ -199,19 +199,32 @@ def _worst_shape(head_dim: int) -> AttentionShape:
                           bias_requires_grad=True)
 
 
-def precheck(direction: str, config: Config, limits: ArchLimits, head_dim: int, dtype: str) -> Candidate | None:
-    """The candidate as "unsupported" when a check without compiling rules it out, else None."""
+def precheck(direction: str, config: Config, limits: ArchLimits, head_dim: int, dtype: str,
+             backend: str = "triton") -> Candidate | None:
+    """The candidate as "unsupported" when a check without compiling rules it out, else None.
+
+    A CUDA kernel's shared memory is known exactly before compiling (`launch.shared_bytes`); a
+    Triton kernel's is estimated here and read from the compiled kernel later.
+    """
     from dmattn_bench.registry import get_backend
 
     def unsupported(check: str, reason: str, shared: int | None = None) -> Candidate:
         return Candidate(direction, config, limits.arch, head_dim, dtype, "unsupported", reason, shared, check)
 
-    reason = get_backend("triton").is_supported(config, _worst_shape(head_dim))
+    reason = get_backend(backend).is_supported(config, _worst_shape(head_dim))
     if reason:
         return unsupported("structure", reason)
     threads = config.num_warps * WARP_SIZE
     if threads > limits.max_threads_per_block:
         return unsupported("threads", f"{threads} threads > {limits.max_threads_per_block} per block on {limits.arch}")
+    if backend == "cuda":
+        from dmattn_kernels.cuda.launch import shared_bytes
+
+        shared = shared_bytes(config, head_dim)
+        if shared > limits.shared_memory_per_block:
+            return unsupported("shared", f"shared memory {shared} B > {limits.shared_memory_per_block} B limit of "
+                                         f"{limits.arch}", shared)
+        return None
     estimate = estimate_shared_bytes(direction, config, head_dim, DTYPE_BYTES[dtype])
     if estimate > limits.shared_memory_per_block:
         return unsupported("estimate", f"estimated shared memory {estimate} B > "
@@ -270,7 +283,8 @@ _RESOURCE = re.compile(r"REG:(\d+)\s+STACK:(\d+)")
 
 
 def _resource_usage(cubin: bytes | None) -> tuple[int | None, int | None]:
-    """(registers, stack bytes) per thread from `cuobjdump --dump-resource-usage`, or (None, None)."""
+    """(registers, stack bytes) per thread from `cuobjdump --dump-resource-usage`, the largest
+    over the cubin's kernels, or (None, None)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -284,8 +298,10 @@ def _resource_usage(cubin: bytes | None) -> tuple[int | None, int | None]:
                                   text=True, timeout=CUOBJDUMP_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired):
             return None, None
-    found = _RESOURCE.search(done.stdout)
-    return (int(found.group(1)), int(found.group(2))) if found else (None, None)
+    found = [(int(registers), int(stack)) for registers, stack in _RESOURCE.findall(done.stdout)]
+    if not found:
+        return None, None
+    return max(registers for registers, _ in found), max(stack for _, stack in found)
 
 
 def _one_line(exc: BaseException) -> str:

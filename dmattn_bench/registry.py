@@ -7,6 +7,7 @@ tuner treat them alike: inputs already checked and normalised by `dmattn_bench.a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -14,7 +15,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -40,6 +41,9 @@ class Backend:
     launches on the same inputs whose keys meet share that compiled kernel. The tuner uses it to
     compile each kernel once instead of in several processes at the same time; a wrong key costs
     a duplicate compilation or a wait, never a wrong result.
+
+    Within `compile_only()` the launchers compile what a launch needs and launch nothing (the
+    tuner's compile workers).
     """
 
     name: str
@@ -47,6 +51,7 @@ class Backend:
     backward: Callable[..., None]
     is_supported: Callable[[FwdConfig | BwdConfig, AttentionShape], str | None]
     kernels: Callable[[str, FwdConfig | BwdConfig, AttentionShape], tuple[tuple, ...]] = _no_kernels
+    compile_only: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 def _reference_forward(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap, config, out, lse):
@@ -94,26 +99,39 @@ def _triton_kernels(direction: str, config, shape: AttentionShape) -> tuple[tupl
                           for name in KERNELS[direction])
 
 
-def _triton_backend() -> Backend:
-    # Imported on first use: importing Triton kernels fixes whether the interpreter is used.
-    from dmattn_kernels import triton as triton_kernels
+def _cuda_kernels(direction: str, config, shape: AttentionShape) -> tuple[tuple, ...]:
+    """The one cubin `dmattn_kernels.cuda.launch` builds for a launch: its direction, config and
+    the feature flags that become its -D list (the dtype is not in the shape: two dtypes share a
+    key and at worst wait for each other)."""
+    features = (shape.head_dim, shape.is_causal, shape.has_mask, shape.has_bias, shape.softcap > 0)
+    if direction == "bwd":
+        features += (shape.bias_requires_grad, shape.num_heads > shape.num_heads_kv)
+    return (("cuda", direction, *config.to_dict().values(), *features),)
 
+
+def _kernel_backend(name: str) -> Backend:
+    """A bundled kernel family, from its package's launchers. Imported on first use: importing the
+    Triton kernels fixes whether the interpreter is used."""
+    package = importlib.import_module(KERNEL_PACKAGES[name])
     return Backend(
-        name="triton",
-        forward=triton_kernels.attention_forward,
-        backward=triton_kernels.attention_backward,
-        is_supported=triton_kernels.is_supported,
-        kernels=_triton_kernels,
+        name=name,
+        forward=package.attention_forward,
+        backward=package.attention_backward,
+        is_supported=package.is_supported,
+        kernels=_KERNEL_KEYS[name],
+        compile_only=package.compile_only,
     )
 
 
+_KERNEL_KEYS = {"triton": _triton_kernels, "cuda": _cuda_kernels}
 _REFERENCE = Backend("reference", _reference_forward, _reference_backward, _reference_is_supported)
-BACKEND_NAMES = ("triton", "reference")
+BACKEND_NAMES = ("triton", "cuda", "reference")
 _loaded: dict[str, Backend] = {"reference": _REFERENCE}
 
 
 # Where each kernel backend's sources live (a package of the project's own `dmattn_kernels`).
-KERNEL_PACKAGES = {"triton": "dmattn_kernels.triton", "reference": "dmattn_bench.reference"}
+KERNEL_PACKAGES = {"triton": "dmattn_kernels.triton", "cuda": "dmattn_kernels.cuda", "reference": "dmattn_bench.reference"}
+KERNEL_SOURCE_PATTERNS = ("*.py", "*.cu", "*.cuh")
 
 
 @lru_cache(maxsize=None)
@@ -127,7 +145,10 @@ def kernel_source_hash(name: str) -> str:
     if spec is None or spec.origin is None:
         raise ValueError(f"backend: cannot locate the sources of {name!r}")
     origin = Path(spec.origin)
-    files = sorted(origin.parent.glob("*.py")) if origin.name == "__init__.py" else [origin]
+    if origin.name == "__init__.py":
+        files = sorted(path for pattern in KERNEL_SOURCE_PATTERNS for path in origin.parent.glob(pattern))
+    else:
+        files = [origin]
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode())
@@ -169,7 +190,7 @@ def get_backend(name: str) -> Backend:
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend: got {name!r}, expected one of {('auto',) + BACKEND_NAMES}")
     if name not in _loaded:
-        _loaded[name] = _triton_backend()
+        _loaded[name] = _kernel_backend(name)
     _load_plugins()
     return _loaded[name]
 
@@ -182,13 +203,43 @@ GPU_DEFAULTS = (
     (128, FwdConfig(64, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)),
     (256, FwdConfig(64, 32, 4, 2), BwdConfig(16, 32, 32, 16, 4, 1)),
 )
+# The CUDA kernels' defaults per class, fastest first (forward: H200, W3, results/cuda/): the
+# first whose shared memory fits the GPU at the class's largest head dim is used, so an SM86 or
+# SM120 part (99 KiB per block) gets smaller rings than an H100 (227 KiB).
+CUDA_DEFAULTS = (
+    (64, (FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2)),
+     (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
+    (128, (FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2), FwdConfig(128, 32, 8, 2)),
+     (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2), BwdConfig(32, 64, 64, 32, 4, 1))),
+    (256, (FwdConfig(64, 64, 4, 2), FwdConfig(64, 32, 4, 1)),
+     (BwdConfig(32, 64, 64, 32, 4, 2), BwdConfig(16, 64, 64, 16, 4, 1))),
+)
 # The interpreter runs each tile op in numpy; small tiles waste the fewest out-of-bounds lanes.
 INTERPRETER_DEFAULT = (256, FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1))
 
 
-def default_entries(device: torch.device | str) -> list[tuple[int, int, FwdConfig, BwdConfig]]:
-    """The default configs as (smallest head dim, largest head dim, fwd, bwd) classes."""
-    classes = GPU_DEFAULTS if torch.device(device).type == "cuda" else (INTERPRETER_DEFAULT,)
+def _shared_limit(device: torch.device) -> int:
+    """Shared memory a block may opt into on `device` (an SM86/SM120-sized 99 KiB without a GPU)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        return getattr(props, "shared_memory_per_block_optin", 0) or 101376
+    return 101376
+
+
+def _fitting(candidates, head_dim: int, limit: int):
+    from dmattn_kernels.cuda.launch import shared_bytes
+
+    return next((c for c in candidates if shared_bytes(c, head_dim) <= limit), candidates[-1])
+
+
+def default_entries(device: torch.device | str, backend: str = "triton") -> list[tuple[int, int, FwdConfig, BwdConfig]]:
+    """The default configs of `backend` as (smallest head dim, largest head dim, fwd, bwd) classes."""
+    device = torch.device(device)
+    if backend == "cuda":
+        limit = _shared_limit(device)
+        classes = tuple((high, _fitting(fwd, high, limit), _fitting(bwd, high, limit)) for high, fwd, bwd in CUDA_DEFAULTS)
+    else:
+        classes = GPU_DEFAULTS if device.type == "cuda" else (INTERPRETER_DEFAULT,)
     entries, low = [], 8
     for high, fwd, bwd in classes:
         entries.append((low, high, fwd, bwd))
@@ -196,9 +247,9 @@ def default_entries(device: torch.device | str) -> list[tuple[int, int, FwdConfi
     return entries
 
 
-def default_configs(head_dim: int, device: torch.device | str) -> tuple[FwdConfig, BwdConfig]:
-    """The heuristic configs used for `head_dim` when no tuned table has an entry."""
-    for low, high, fwd, bwd in default_entries(device):
+def default_configs(head_dim: int, device: torch.device | str, backend: str = "triton") -> tuple[FwdConfig, BwdConfig]:
+    """The heuristic configs of `backend` used for `head_dim` when no tuned table has an entry."""
+    for low, high, fwd, bwd in default_entries(device, backend):
         if low <= head_dim <= high:
             return fwd, bwd
     raise ValueError(f"head_dim: got {head_dim}, expected a multiple of 8 in [8, 256]")

@@ -111,6 +111,26 @@ class TuneResult:
                                                                     for t in self.trials)}
 
 
+def combine_backends(results: dict[str, TuneResult]) -> TuneResult:
+    """One result from the tunes of several backends over the same workloads: per key the
+    winner with the lowest median time on the key's lead workload (ties go to the backend named
+    first), every trial, the summed wall time, and phases prefixed with their backend."""
+    best: dict[TableKey, Winner] = {}
+    for result in results.values():
+        for winner in result.winners:
+            held = best.get(winner.key)
+            if held is None or winner.evidence["median_ms"] < held.evidence["median_ms"]:
+                best[winner.key] = winner
+    return TuneResult(
+        winners=list(best.values()),
+        trials=[trial for result in results.values() for trial in result.trials],
+        wall_s=sum(result.wall_s for result in results.values()),
+        meaningful_timings=all(result.meaningful_timings for result in results.values()),
+        phases={f"{name} {phase}": seconds for name, result in results.items() for phase, seconds in result.phases.items()},
+        pools={f"{name} {phase}": pool for name, result in results.items() for phase, pool in result.pools.items()},
+    )
+
+
 def _alone(direction: str, config) -> tuple[FwdConfig | None, BwdConfig | None]:
     """(fwd, bwd) configs that run `config` in its direction and nothing in the other."""
     return (config, None) if direction == "fwd" else (None, config)
@@ -185,13 +205,12 @@ def _problem_for(workload: Workload, device: torch.device, with_reference: bool)
 
 def warm_job(job: tuple) -> tuple[str, str]:
     """Compile worker: compile one candidate without launching it; returns (status, reason)."""
-    from dmattn_kernels.triton import compile_only
-
     workload, direction, config, backend_name = job
     try:
         problem = _problem_for(workload, torch.device("cuda"), with_reference=False)
-        with compile_only():
-            problem.launcher(get_backend(backend_name), direction, config)()
+        backend = get_backend(backend_name)
+        with backend.compile_only():
+            problem.launcher(backend, direction, config)()
         return "ok", ""
     except Exception as exc:  # noqa: BLE001 - a failed candidate is data
         return classify_failure(exc)
@@ -356,8 +375,8 @@ class Journal:
 # -- the orchestrator ---------------------------------------------------------------------------
 
 
-def candidate_list(direction: str, space: list, workload: Workload, device) -> list:
-    default = default_configs(workload.head_dim, device)[0 if direction == "fwd" else 1]
+def candidate_list(direction: str, space: list, workload: Workload, device, backend_name: str = "triton") -> list:
+    default = default_configs(workload.head_dim, device, backend_name)[0 if direction == "fwd" else 1]
     return list(dict.fromkeys([default, *space]))
 
 
@@ -437,7 +456,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         return budget_s is not None and time.monotonic() - start > budget_s
 
     plan = [(w, d, c, index == 0) for w in workloads for d in ("fwd", "bwd")
-            for index, c in enumerate(candidate_list(d, spaces[d], w, device))]
+            for index, c in enumerate(candidate_list(d, spaces[d], w, device, backend_name))]
     trials: dict[str, Trial] = {}
     record_lock = threading.Lock()  # measuring threads share the journal, the trials and progress
 
@@ -464,7 +483,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             continue
         reason = backend.is_supported(config, _shape(workload))
         if reason is None and device.type == "cuda":
-            pruned = precheck(direction, config, limits, workload.head_dim, workload.dtype)
+            pruned = precheck(direction, config, limits, workload.head_dim, workload.dtype, backend_name)
             reason = pruned.reason if pruned is not None else None
         if reason:
             finish(workload, direction, config, is_default, {"status": "unsupported", "reason": reason})
@@ -606,7 +625,7 @@ def _ranked(trials: dict[str, Trial], group: list[Workload], direction: str, spa
     passed on all of them, and is ranked by the geometric mean of its time relative to the
     fastest on each workload (ties: plan order).
     """
-    candidates = candidate_list(direction, spaces[direction], group[0], device)
+    candidates = candidate_list(direction, spaces[direction], group[0], device, backend_name)
     per_config = []
     for config in candidates:
         runs = [trials[trial_id(w, direction, backend_name, config)] for w in group]

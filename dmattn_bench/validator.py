@@ -113,7 +113,7 @@ def classify_failure(exc: BaseException) -> tuple[str, str]:
     if name == "OutOfResources":
         # the tile does not fit this GPU's shared memory / registers for this head dim
         return "unsupported", reason
-    if name == "CompilationError" or "compilationerror" in lowered:
+    if name in ("CompilationError", "CudaBuildError") or "compilationerror" in lowered:
         return "compile_error", reason
     if "cuda error" in lowered or "illegal" in lowered or "launch" in lowered:
         return "launch_error", reason
@@ -319,18 +319,19 @@ class PlannedSuite:
     """One dispatchable config pair and the suite cases it answers for."""
 
     label: str
+    backend: str
     fwd_config: FwdConfig
     bwd_config: BwdConfig
     cases: list[Case]
 
 
-def plan_default_configs(device: torch.device | str, suite: str) -> list[PlannedSuite]:
-    """The heuristic default configs, each with the suite cases of its head-dim class."""
+def plan_default_configs(device: torch.device | str, suite: str, backend: str = "triton") -> list[PlannedSuite]:
+    """The heuristic default configs of `backend`, each with the suite cases of its head-dim class."""
     plan = []
-    for low, high, fwd, bwd in default_entries(device):
+    for low, high, fwd, bwd in default_entries(device, backend):
         cases = [c for c in adversarial_cases(suite, config_tiles(fwd, bwd)) if low <= c.head_dim <= high]
         if cases:
-            plan.append(PlannedSuite(f"D {low}-{high}", fwd, bwd, cases))
+            plan.append(PlannedSuite(f"D {low}-{high}", backend, fwd, bwd, cases))
     return plan
 
 
@@ -360,7 +361,7 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
     grouped: dict[tuple, list] = {}
     for entry in entries:
         if entry.key.dtype == dtype_name:
-            default_fwd, default_bwd = default_configs(entry.key.head_dim, device)
+            default_fwd, default_bwd = default_configs(entry.key.head_dim, device, entry.backend)
             pair = (entry.config, default_bwd) if entry.key.direction == "fwd" else (default_fwd, entry.config)
             grouped.setdefault((entry.backend, *pair), []).append(entry)
     plan = []
@@ -371,19 +372,19 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
         suite_cases = [c for c in adversarial_cases(suite, config_tiles(fwd, bwd)) if c.head_dim <= largest]
         cases = suite_cases + [entry_case(e.key) for e in group]
         label = f"{backend} fwd {config_label(fwd)} / bwd {config_label(bwd)} ({len(group)} entries)"
-        plan.append(PlannedSuite(label, fwd, bwd, cases))
+        plan.append(PlannedSuite(label, backend, fwd, bwd, cases))
     return plan
 
 
 def _validate_planned(job: tuple) -> SuiteResult:
     """Worker entry: one planned suite (module level so spawned workers can import it)."""
-    backend_name, dtype, device, item = job
-    return validate(backend_name, item.fwd_config, item.bwd_config, dtype, device, cases=item.cases)
+    dtype, device, item = job
+    return validate(item.backend, item.fwd_config, item.bwd_config, dtype, device, cases=item.cases)
 
 
-def run_plan(backend_name: str, dtype: torch.dtype, device: torch.device | str, plan: list[PlannedSuite],
+def run_plan(dtype: torch.dtype, device: torch.device | str, plan: list[PlannedSuite],
              on_case: Callable[[CaseResult], None] | None = None) -> list[tuple[str, SuiteResult]]:
-    """Validates every planned config pair on its cases.
+    """Validates every planned config pair on its cases, each with its own backend.
 
     On a GPU the planned suites run in parallel worker processes (compilation dominates and is
     single-threaded per process); on the CPU they run here, one after the other.
@@ -392,8 +393,8 @@ def run_plan(backend_name: str, dtype: torch.dtype, device: torch.device | str, 
         from dmattn_bench.workers import parallel_map
 
         def crashed(job, reason):
-            item = job[3]
-            return SuiteResult(backend_name, item.fwd_config, item.bwd_config, str(dtype).removeprefix("torch."),
+            item = job[2]
+            return SuiteResult(item.backend, item.fwd_config, item.bwd_config, str(dtype).removeprefix("torch."),
                                [CaseResult(c.name, "crash", reason) for c in item.cases])
 
         def report(job, result):
@@ -401,11 +402,11 @@ def run_plan(backend_name: str, dtype: torch.dtype, device: torch.device | str, 
                 if on_case is not None:
                     on_case(case)
 
-        jobs = [(backend_name, dtype, str(device), item) for item in plan]
+        jobs = [(dtype, str(device), item) for item in plan]
         results = parallel_map(_validate_planned, jobs, on_crash=crashed, on_done=report)
         return [(item.label, result) for item, result in zip(plan, results)]
     return [
-        (item.label, validate(backend_name, item.fwd_config, item.bwd_config, dtype, device,
+        (item.label, validate(item.backend, item.fwd_config, item.bwd_config, dtype, device,
                               on_case=on_case, cases=item.cases))
         for item in plan
     ]

@@ -1,6 +1,7 @@
-"""The CUDA forward kernel without a GPU: every candidate of the CUDA search space builds with
-nvcc for sm80, sm90 and sm120, the launcher's parameter block matches the compiled kernel's,
-and the launcher's structural rules. (It runs on GPUs in results/cuda/.)"""
+"""The CUDA kernels without a GPU: every candidate of the CUDA search spaces (forward and
+backward) builds with nvcc for sm80, sm90 and sm120, the launcher's parameter blocks match the
+compiled kernels', and the launcher's structural rules, defaults and -D lists. (They run on GPUs
+in results/cuda/ and the GPU tier.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dmattn_bench.registry import default_entries, get_backend
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 from dmattn_kernels.cuda import build, launch
 
@@ -39,41 +41,80 @@ def test_every_cuda_candidate_builds_for_sm80_sm90_and_sm120(cubin_cache):
     candidates = check_cuda_space(SPACE_DIR, ["sm80", "sm90", "sm120"], [64, 128], "bf16")
     assert [c for c in candidates if c.status == "compile_error"] == []
     for arch in ("sm80", "sm90", "sm120"):
-        fits = [c for c in candidates if c.arch == arch and c.status == "fits"]
-        # registers come from the cubins; spills are data (BLOCK_N=128 at D=128 spills a little)
-        assert fits and all(c.registers and c.stack_bytes is not None for c in fits), arch
+        for direction in ("fwd", "bwd"):
+            fits = [c for c in candidates if c.arch == arch and c.direction == direction and c.status == "fits"]
+            # registers come from the cubins; spills are data (BLOCK_N=128 at D=128 spills a little)
+            assert fits and all(c.registers and c.stack_bytes is not None for c in fits), (arch, direction)
     ruled_out = {c.check for c in candidates if c.status == "unsupported"}
     assert ruled_out <= {"structure", "shared", "registers"}
     assert len(list(cubin_cache.rglob("*.cubin"))) == 2 * sum(c.status == "fits" for c in candidates)
 
 
-@needs_nvcc
-def test_the_launcher_parameter_block_is_the_kernels(cubin_cache):
-    """The ctypes struct the launcher passes has the size of the kernel's one parameter."""
-    flags = launch.variant(FwdConfig(64, 64, 4, 2), 72, torch.float16, torch.float32, is_causal=True, has_mask=True,
-                           softcap=0.0)
-    cubin = build.build("fwd", "sm90", flags)
+def _parameter_sizes(cubin: Path) -> list[int]:
     import triton
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     elf = subprocess.run([str(cuobjdump), "-elf", str(cubin)], capture_output=True, text=True, check=True).stdout
-    sizes = [int(size, 16) for size in re.findall(r"EIATTR_KPARAM_INFO.*?Size\s*:\s*0x([0-9a-f]+)", elf, re.S)]
-    assert sizes == [ctypes.sizeof(launch._FwdParams)] == [272]
+    return [int(size, 16) for size in re.findall(r"EIATTR_KPARAM_INFO.*?Size\s*:\s*0x([0-9a-f]+)", elf, re.S)]
+
+
+@needs_nvcc
+def test_the_launcher_parameter_blocks_are_the_kernels(cubin_cache):
+    """The ctypes structs the launcher passes have the size of each kernel's one parameter."""
+    flags = launch.variant(FwdConfig(64, 64, 4, 2), 72, torch.float16, torch.float32, is_causal=True, has_mask=True,
+                           softcap=0.0)
+    assert _parameter_sizes(build.build("fwd", "sm90", flags)) == [ctypes.sizeof(launch._FwdParams)] == [272]
+    flags = launch.backward_variant(BwdConfig(32, 64, 64, 32, 4, 2), 72, torch.bfloat16, torch.float32,
+                                    is_causal=True, has_mask=True, softcap=0.0, group=2, dbias=(True, torch.float32))
+    # the delta, dK/dV and dQ kernels all take BwdParams
+    assert _parameter_sizes(build.build("bwd", "sm90", flags)) == [ctypes.sizeof(launch._BwdParams)] * 3 == [472] * 3
 
 
 @needs_nvcc
 def test_a_build_failure_names_nvcc_s_error(cubin_cache):
-    with pytest.raises(build.CudaBuildError, match="NUM_WARPS"):
+    with pytest.raises(build.CudaBuildError, match=r"common.cuh\(\d+\): error: identifier \"HEAD_DIM\" is undefined"):
         build.build("fwd", "sm90", ("-DELEMENT=1",))
 
 
 def test_launcher_rules_and_variant_flags():
     assert launch.is_supported(FwdConfig(64, 64, 4, 2), SHAPE) is None
     assert "16 x num_warps" in launch.is_supported(FwdConfig(128, 64, 4, 2), SHAPE)
-    assert "no backward" in launch.is_supported(BwdConfig(32, 64, 64, 32, 4, 2), SHAPE)
+    assert launch.is_supported(BwdConfig(32, 64, 64, 32, 4, 2), SHAPE) is None
+    assert "block_n=128 is not 16 x num_warps" in launch.is_supported(BwdConfig(32, 128, 64, 32, 4, 2), SHAPE)
+    assert "block_m_dq=128 is not 16 x num_warps" in launch.is_supported(BwdConfig(32, 64, 128, 32, 4, 2), SHAPE)
+    assert "block_n_dq=8 is not one of" in launch.is_supported(BwdConfig(32, 64, 64, 8, 4, 2), SHAPE)
     # Q, two 2-stage rings of K and V, rows of the head dim padded to 80 plus 8 elements, 2 bytes
     assert launch.forward_shared_bytes(FwdConfig(64, 32, 4, 2), 72) == (64 + 2 * 2 * 32) * 88 * 2
+    # dK/dV: K, V and 2-stage rings of Q and dO tiles plus their fp32 lse and delta; dQ: Q, dO, K and V rings
+    assert launch.backward_shared_bytes(BwdConfig(32, 64, 64, 16, 4, 2), 72) == {
+        "dkdv": (2 * 64 + 2 * 2 * 32) * 88 * 2 + 2 * 2 * 32 * 4, "dq": (2 * 64 + 2 * 2 * 16) * 88 * 2}
     flags = launch.variant(FwdConfig(64, 32, 4, 3), 72, torch.bfloat16, None, is_causal=False, has_mask=True,
                            softcap=30.0)
-    assert flags == ("-DELEMENT=1", "-DBIAS_FP32=0", "-DHEAD_DIM=72", "-DBLOCK_N=32", "-DNUM_WARPS=4",
-                     "-DSTAGES=3", "-DIS_CAUSAL=0", "-DHAS_MASK=1", "-DHAS_BIAS=0", "-DHAS_SOFTCAP=1")
+    assert flags == ("-DELEMENT=1", "-DBIAS_FP32=0", "-DHEAD_DIM=72", "-DNUM_WARPS=4", "-DSTAGES=3", "-DIS_CAUSAL=0",
+                     "-DHAS_MASK=1", "-DHAS_BIAS=0", "-DHAS_SOFTCAP=1", "-DBLOCK_N=32")
+    flags = launch.backward_variant(BwdConfig(16, 64, 64, 32, 4, 1), 64, torch.float16, torch.float16,
+                                    is_causal=True, has_mask=False, softcap=0.0, group=1, dbias=(False, torch.float16))
+    assert flags[-6:] == ("-DDKDV_BLOCK_M=16", "-DDQ_BLOCK_N=32", "-DHAS_DBIAS=1", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=0",
+                          "-DDKV_FP32=0")
+
+
+def test_the_cuda_backend_is_registered_and_refuses_cpu_tensors():
+    backend = get_backend("cuda")
+    q = torch.zeros(1, 16, 2, 64, dtype=torch.float16)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 16)
+    with pytest.raises(ValueError, match="query: the cuda backend runs on CUDA tensors"):
+        backend.forward(q, q, q, None, None, is_causal=False, softmax_scale=0.125, softcap=0.0,
+                        config=FwdConfig(64, 64, 4, 2), out=out, lse=lse)
+    # one cubin per launch, keyed by what becomes its -D list
+    shape = AttentionShape(1, 16, 16, 2, 1, 64, has_bias=True, bias_requires_grad=True)
+    assert len(backend.kernels("bwd", BwdConfig(32, 64, 64, 32, 4, 2), shape)) == 1
+    assert backend.kernels("fwd", FwdConfig(64, 64, 4, 2), shape) != backend.kernels("fwd", FwdConfig(64, 32, 4, 2), shape)
+
+
+def test_cuda_defaults_fit_the_smallest_shared_memory_without_a_gpu():
+    """Without a GPU to ask, the defaults are those that fit 99 KiB (SM86/SM120) at each class's
+    largest head dim, and they pass the launcher's structural rules."""
+    for low, high, fwd, bwd in default_entries("cpu", "cuda"):
+        shape = AttentionShape(1, 16, 16, 2, 1, high)
+        assert launch.is_supported(fwd, shape) is None and launch.is_supported(bwd, shape) is None
+        assert launch.shared_bytes(fwd, high) <= 101376 and launch.shared_bytes(bwd, high) <= 101376, (low, high)

@@ -148,9 +148,14 @@ def test_cli_compile_checks_the_cuda_space(tmp_path, monkeypatch):
     (tmp_path / "cuda-fwd.yaml").write_text(
         "backend: cuda\ndirection: fwd\narch:\n  sm90:\n    block_m: [64, 128]\n    block_n: [64]\n"
         "    num_warps: [4]\n    num_stages: [2]\n")
+    (tmp_path / "cuda-bwd.yaml").write_text(
+        "backend: cuda\ndirection: bwd\narch:\n  sm90:\n    block_m: [32]\n    block_n: [64, 128]\n"
+        "    block_m_dq: [64]\n    block_n_dq: [32]\n    num_warps: [4]\n    num_stages: [2]\n")
     result = CliRunner().invoke(compile_check, ["--arch", "sm90", "--backend", "cuda", "--space-dir", str(tmp_path),
                                                 "--head-dim", "64", "--format", "json"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     assert document["backend"] == "cuda"
-    assert [(c["config"]["block_m"], c["status"]) for c in document["candidates"]] == [(64, "fits"), (128, "unsupported")]
+    assert [(c["direction"], c["config"]["block_m"], c["config"]["block_n"], c["status"])
+            for c in document["candidates"]] == [("fwd", 64, 64, "fits"), ("fwd", 128, 64, "unsupported"),
+                                                 ("bwd", 32, 64, "fits"), ("bwd", 32, 128, "unsupported")]

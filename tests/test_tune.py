@@ -225,3 +225,33 @@ def test_the_sm90_backward_candidates_share_their_kernels():
         ("tile_activity_kernel", 1)]
     assert triton.kernels("fwd", FwdConfig(64, 32, 4, 2), replace(shape, has_mask=False)) == (
         ("flash_fwd_kernel", 64, 32, 4, 2),)
+
+
+def test_the_cuda_backend_without_a_gpu_is_a_clear_error():
+    from dmattn_bench.errors import NoGpuError
+
+    for command, arguments in ((tune_command, ["--backend", "cuda"]), (verify, ["--backend", "cuda", "--dtype", "fp32"])):
+        result = CliRunner().invoke(command, arguments)
+        assert isinstance(result.exception, NoGpuError), result.output
+        assert "the cuda backend needs a CUDA GPU" in str(result.exception)
+
+
+def test_tuning_several_backends_keeps_the_faster_winner_per_key():
+    from dmattn_bench.space import BwdConfig, TableKey
+    from dmattn_bench.tuner import TuneResult, Winner, combine_backends
+
+    def key(direction):
+        return TableKey(direction=direction, dtype="bf16", head_dim=128, causal=True, mask="none", bias="none",
+                        gqa_ratio=1, seqlen_q_bucket=4096, seqlen_k_bucket=4096)
+
+    def result(backend, fwd_ms, bwd_ms, wall):
+        return TuneResult([Winner(key("fwd"), backend, FwdConfig(), {"median_ms": fwd_ms}),
+                           Winner(key("bwd"), backend, BwdConfig(), {"median_ms": bwd_ms})], [], wall, True,
+                          phases={"compile": 1.0})
+
+    combined = combine_backends({"triton": result("triton", 0.35, 1.3, 10.0), "cuda": result("cuda", 0.66, 1.2, 5.0)})
+    assert {(w.key.direction, w.backend) for w in combined.winners} == {("fwd", "triton"), ("bwd", "cuda")}
+    assert combined.wall_s == 15.0 and set(combined.phases) == {"triton compile", "cuda compile"}
+    # a tie stays with the backend named first
+    tied = combine_backends({"triton": result("triton", 1.0, 1.0, 1.0), "cuda": result("cuda", 1.0, 1.0, 1.0)})
+    assert {w.backend for w in tied.winners} == {"triton"}

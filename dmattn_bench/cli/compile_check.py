@@ -141,11 +141,13 @@ def _check_cuda(archs: list[str], head_dims: list[int], dtype: str, space_dir: s
         nvcc()  # one clear error, not a compile_error per candidate
     except CudaBuildError as exc:
         raise DmattnError(str(exc), "install the CUDA toolkit") from None
-    path = space_path(space_dir, "cuda", "fwd")
-    if not path.exists():
-        raise click.BadParameter(f"no cuda-fwd.yaml in {space_dir}", param_hint="--space-dir")
+    paths = {direction: space_path(space_dir, "cuda", direction) for direction in ("fwd", "bwd")}
+    for path in paths.values():
+        if not path.exists():
+            raise click.BadParameter(f"no {path.name} in {space_dir}", param_hint="--space-dir")
     try:
-        total = sum(len(load_space(path, "cuda", "fwd", search_section(parse_arch(arch)))) for arch in archs)
+        total = sum(len(load_space(path, "cuda", direction, search_section(parse_arch(arch))))
+                    for direction, path in paths.items() for arch in archs)
     except ValueError as exc:
         raise DmattnError(str(exc), "fix the search-space file") from None
     with output.progress("compile-check cuda", total=total * len(head_dims)) as advance:

@@ -12,11 +12,12 @@ from rich.table import Table
 
 from dmattn_bench import output
 from dmattn_bench.dispatch import Entry, dump_table, new_table
-from dmattn_bench.errors import DmattnError
+from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.prune import load_ci_space, load_space
 from dmattn_bench.space import config_label
-from dmattn_bench.tuner import DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, JournalError, TuneResult, candidate_list, tune
+from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, JournalError, TuneResult,
+                                candidate_list, combine_backends, tune)
 from dmattn_bench.workloads import load_workloads
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -72,12 +73,13 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[st
 def _winners_table(result: TuneResult) -> Table:
     title = "tuned entries" + ("" if result.meaningful_timings else " (interpreter: timings not meaningful)")
     table = Table(title=title)
-    for column in ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "Lq~", "Lk~", "config", "ms", "TFLOP/s", "vs default"):
+    for column in ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "Lq~", "Lk~", "backend", "config", "ms",
+                   "TFLOP/s", "vs default"):
         table.add_column(column, justify="right" if column in ("ms", "TFLOP/s", "vs default") else "left")
     for winner in result.winners:
         k, e = winner.key, winner.evidence
         table.add_row(k.direction, k.dtype, str(k.head_dim), str(k.causal), k.mask, k.bias, str(k.gqa_ratio),
-                      str(k.seqlen_q_bucket), str(k.seqlen_k_bucket),
+                      str(k.seqlen_q_bucket), str(k.seqlen_k_bucket), winner.backend,
                       config_label(winner.config),
                       f"{e['median_ms']:.4f}", f"{e['tflops']:.1f}", f"{e['speedup_vs_default'] or 0:.2f}x")
     return table
@@ -119,7 +121,8 @@ def _announce_phase(name: str, count: int):
                    "peers-tune.yaml). Default: configs/workloads/default.yaml on a GPU, configs/ci.yaml without one.")
 @click.option("--grid", default="default", show_default=True, help="Grid of the workloads file to run.")
 @click.option("--backend", type=click.Choice(["triton", "cuda", "all"]), default="triton", show_default=True,
-              help="Kernel backend(s) to tune.")
+              help="Kernel backend(s) to tune. all: each in turn, and per key the table keeps the faster "
+                   "(the cuda kernels need a GPU).")
 @click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["bf16", "fp16", "fp32"]),
               help="Kernel dtype(s); repeat for several. Default: the workloads file's.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
@@ -148,9 +151,17 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                  suite_timeout, gpus, ray_address, suite, fmt) -> None:
     """Tune the kernels on this machine's GPU and write a dispatch table."""
     budget_s = parse_duration(budget)
-    if backend != "triton":
-        raise DmattnError("backend cuda is not built in this version", "use --backend triton")
     on_gpu = torch.cuda.is_available()
+    backends = ("triton", "cuda") if backend == "all" else (backend,)
+    if "cuda" in backends and not on_gpu:
+        if backend == "cuda":
+            raise NoGpuError("the cuda backend needs a CUDA GPU (its kernels run only there)",
+                             "tune --backend triton here, or run on a GPU machine")
+        output.info("no CUDA GPU: --backend all tunes the triton kernels only")
+        backends = ("triton",)
+    if len(backends) > 1 and space_files:
+        raise click.BadParameter("a search space belongs to one backend: pass --space with --backend triton "
+                                 "or --backend cuda", param_hint="--space")
     workers = None
     if ray_address is None:
         gpu_count = parse_gpus(gpus)
@@ -172,24 +183,31 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     try:
         # the union, in file order; a shape listed twice is tuned once
         workloads = list(dict.fromkeys(w for path in workloads_files for w in load_workloads(path, grid, list(dtypes) or None)))
-        spaces = _spaces(space_files, backend, on_gpu)
+        spaces = {name: _spaces(space_files, name, on_gpu) for name in backends}
     except ValueError as exc:
         raise DmattnError(str(exc).splitlines()[0], "fix the YAML file") from None
     fingerprint = device_fingerprint(device)
     out = Path(out_path or f"{fingerprint.slug()}.yaml")
     trials_path = out.with_name(out.name + ".trials.jsonl")
-    output.info(f"{len(workloads)} workloads x ({len(spaces['fwd'])} fwd + {len(spaces['bwd'])} bwd) candidates; "
-                f"table -> {out}, trials -> {trials_path}")
-    total = sum(len(candidate_list(d, spaces[d], w, device)) for w in workloads for d in ("fwd", "bwd"))
+    for name in backends:
+        output.info(f"{name}: {len(workloads)} workloads x ({len(spaces[name]['fwd'])} fwd + "
+                    f"{len(spaces[name]['bwd'])} bwd) candidates")
+    output.info(f"table -> {out}, trials -> {trials_path}")
+    total = sum(len(candidate_list(d, spaces[name][d], w, device, name))
+                for name in backends for w in workloads for d in ("fwd", "bwd"))
+    results = {}
     try:
         with output.progress("tune", total=total) as advance:
-            result = tune(workloads, spaces, device, backend, budget_s=budget_s, suite=suite,
-                          on_trial=lambda trial: advance(f"{trial.direction} {trial.status}"),
-                          on_phase=_announce_phase, journal_path=trials_path, resume=resume,
-                          trial_timeout_s=trial_timeout, suite_timeout_s=suite_timeout, gpus=gpu_count,
-                          workers=workers)
+            for index, name in enumerate(backends):
+                # one journal: trial ids name their backend, so a later backend continues it
+                results[name] = tune(workloads, spaces[name], device, name, budget_s=budget_s, suite=suite,
+                                     on_trial=lambda trial: advance(f"{trial.backend} {trial.direction} {trial.status}"),
+                                     on_phase=_announce_phase, journal_path=trials_path, resume=resume or index > 0,
+                                     trial_timeout_s=trial_timeout, suite_timeout_s=suite_timeout, gpus=gpu_count,
+                                     workers=workers)
     except JournalError as exc:
         raise DmattnError(str(exc)) from None
+    result = results[backends[0]] if len(backends) == 1 else combine_backends(results)
     entries = [Entry(w.key, w.backend, w.config, w.evidence) for w in result.winners]
     dump_table(new_table(entries, fingerprint, interpreter=not on_gpu), out)
     speedup = geometric_mean_speedup(result)
@@ -197,7 +215,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                 "phases_s": result.phases, "phase_pools": result.pools, "gpus": gpu_count,
                 "counts": result.counts(), "funnel": result.funnel(), "entries": len(entries), "geomean_speedup_vs_default": speedup,
                 "timings_meaningful": result.meaningful_timings,
-                "winners": [dict(key=w.key.to_dict(), config=w.config.to_dict(), evidence=w.evidence)
+                "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence)
                             for w in result.winners]}
     output.render(document, [_winners_table(result), _counts_table(result)], fmt)
     output.info(f"wrote {out} ({len(entries)} entries); geometric-mean speed-up over the defaults: "

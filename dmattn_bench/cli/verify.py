@@ -47,22 +47,27 @@ def _failure_table(results: list[tuple[str, SuiteResult]]) -> Table | None:
     return table
 
 
-def _plan(table_path: str | None, dtype: str, device: str, suite: str):
-    """The table's entries of `dtype` (or the defaults when no table is given or set)."""
+def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: str | None):
+    """The table's entries of `dtype` and `backend` (or that backend's defaults when no table is
+    given or set)."""
     import os
 
     table_path = table_path or os.environ.get(ENV_VAR)
     if table_path is None:
-        output.info("no table given (--table or DMATTN_BENCH_TABLE): verifying the default configs")
-        return "defaults", plan_default_configs(device, suite)
+        backend = backend or "triton"
+        output.info(f"no table given (--table or DMATTN_BENCH_TABLE): verifying the {backend} default configs")
+        return "defaults", plan_default_configs(device, suite, backend)
     try:
         table = load_table(table_path)
     except TableError as exc:
         raise DmattnError(str(exc), "fix the field or re-create the table with `dmattn-bench tune`") from None
-    plan = plan_table_entries(table.entries, dtype, device, suite)
+    entries = [e for e in table.entries if backend is None or e.backend == backend]
+    plan = plan_table_entries(entries, dtype, device, suite)
     if not plan:
-        raise DmattnError(f"{table_path}: no {dtype} entries to verify",
-                          f"pass the --dtype the table was tuned for ({sorted({e.key.dtype for e in table.entries})})")
+        which = f"{dtype} {backend}" if backend else dtype
+        raise DmattnError(f"{table_path}: no {which} entries to verify",
+                          f"pass a --dtype and --backend the table has "
+                          f"({sorted({(e.key.dtype, e.backend) for e in table.entries})})")
     return str(table_path), plan
 
 
@@ -71,13 +76,14 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str):
               help="Dispatch table whose entries to verify. Default: $DMATTN_BENCH_TABLE, else the default configs.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,
               help="Kernel dtype. Default: bf16 on a GPU, fp32 in the CPU interpreter.")
-@click.option("--backend", type=click.Choice(["triton", "reference"]), default="triton", show_default=True,
-              help="Kernel backend to verify.")
+@click.option("--backend", type=click.Choice(["triton", "cuda", "reference"]), default=None,
+              help="Kernel backend to verify: a table's entries of that backend, or its default configs. "
+                   "Default: every entry of the table, else the triton defaults.")
 @click.option("--suite", type=click.Choice(["quick", "full"]), default=None,
               help="Adversarial suite. Default: full on a GPU, quick (interpreter sized) on the CPU.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
-def verify(table_path: str | None, dtype: str | None, backend: str, suite: str | None, fmt: str) -> None:
+def verify(table_path: str | None, dtype: str | None, backend: str | None, suite: str | None, fmt: str) -> None:
     """Validate every entry of a table (or the default configs) with the adversarial suite.
 
     Exits 3 when any case fails.
@@ -90,14 +96,17 @@ def verify(table_path: str | None, dtype: str | None, backend: str, suite: str |
     if has_gpu and dtype == "fp32":
         raise click.BadParameter("fp32 runs only in the CPU interpreter; use bf16 or fp16 on a GPU",
                                  param_hint="--dtype")
+    if backend == "cuda" and not has_gpu:
+        raise NoGpuError("the cuda backend needs a CUDA GPU (its kernels run only there)",
+                         "verify the triton backend here, or run on a GPU machine")
     device = "cuda" if has_gpu else "cpu"
     suite = suite or ("full" if has_gpu else "quick")
     if not has_gpu:
         output.info("no CUDA GPU: running the Triton kernels through the interpreter "
                     f"(TRITON_INTERPRET=1) on the {suite} suite")
-    source, plan = _plan(table_path, dtype, device, suite)
+    source, plan = _plan(table_path, dtype, device, suite, backend)
     with output.progress(f"verify {dtype}", total=sum(len(item.cases) for item in plan)) as advance:
-        results = run_plan(backend, DTYPES[dtype], device, plan, on_case=lambda r: advance(f"{r.case}: {r.status}"))
+        results = run_plan(DTYPES[dtype], device, plan, on_case=lambda r: advance(f"{r.case}: {r.status}"))
     device_name = torch.cuda.get_device_name() if has_gpu else "cpu (interpreter)"
     tables = [_summary_table(results, dtype, device_name)]
     failures = _failure_table(results)

@@ -1,7 +1,7 @@
 """Builds the CUDA kernels on first use: nvcc -> cubin, cached on disk.
 
-Toolchain: `nvcc -cubin` of one .cu file per (arch, config, feature flags), loaded through the
-CUDA driver API (`cuda.bindings`, see `launch.py`). Each build is one nvcc process (about 1.6 s
+Toolchain: `nvcc -cubin` of one .cu file per (direction, arch, config, feature flags), loaded through the
+CUDA driver API (ctypes on libcuda, see `launch.py`). Each build is one nvcc process (about 1.6 s
 for the forward on a 2-core CPU), so a search space compiles in parallel processes, and no
 Python extension is built: torch's cpp_extension would compile torch's headers into every
 variant and take tens of seconds each.
@@ -21,9 +21,10 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-SOURCES = {"fwd": Path(__file__).with_name("flash_fwd.cu")}
+KERNEL_DIR = Path(__file__).parent
+SOURCES = {"fwd": KERNEL_DIR / "flash_fwd.cu", "bwd": KERNEL_DIR / "flash_bwd.cu"}  # each includes common.cuh
 ARCH_FLAGS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90", "sm120": "sm_120"}
-NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17")
+NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", f"-I{KERNEL_DIR}")
 NVCC_TIMEOUT_S = 300
 ELEMENTS = {"fp16": 0, "bf16": 1}
 
@@ -32,15 +33,16 @@ class CudaBuildError(RuntimeError):
     """nvcc is missing or rejected a kernel variant (the message holds its first error line)."""
 
 
-def defines(head_dim: int, block_n: int, num_warps: int, num_stages: int, element: str, bias_fp32: bool,
-            is_causal: bool, has_mask: bool, has_bias: bool, has_softcap: bool) -> tuple[str, ...]:
-    """The -D list of one forward variant: the only place run-time choices become the kernel's
-    compile-time parameters (see flash_fwd.cu's header)."""
+def defines(element: str, head_dim: int, num_warps: int, num_stages: int, *, bias_fp32: bool, is_causal: bool,
+            has_mask: bool, has_bias: bool, has_softcap: bool, **kernel_own: int | bool) -> tuple[str, ...]:
+    """The -D list of one variant: the only place run-time choices become the kernels'
+    compile-time parameters (common.cuh's, then `kernel_own`: the forward's BLOCK_N, the
+    backward's tiles and dBias/dK/dV layouts; see each .cu file's header)."""
     if element not in ELEMENTS:
         raise ValueError(f"element: got {element!r}, expected one of {sorted(ELEMENTS)}")
-    values = dict(ELEMENT=ELEMENTS[element], BIAS_FP32=bias_fp32, HEAD_DIM=head_dim, BLOCK_N=block_n,
-                  NUM_WARPS=num_warps, STAGES=num_stages, IS_CAUSAL=is_causal, HAS_MASK=has_mask,
-                  HAS_BIAS=has_bias, HAS_SOFTCAP=has_softcap)
+    values = dict(ELEMENT=ELEMENTS[element], BIAS_FP32=bias_fp32, HEAD_DIM=head_dim, NUM_WARPS=num_warps,
+                  STAGES=num_stages, IS_CAUSAL=is_causal, HAS_MASK=has_mask, HAS_BIAS=has_bias,
+                  HAS_SOFTCAP=has_softcap, **kernel_own)
     return tuple(f"-D{name}={int(value)}" for name, value in values.items())
 
 
@@ -58,8 +60,10 @@ def nvcc() -> str:
 
 @lru_cache(maxsize=None)
 def source_hash() -> str:
+    """sha256 of every kernel source and header: a cubin built from other sources is never reused."""
     digest = hashlib.sha256()
-    for path in sorted(SOURCES.values()):
+    for path in sorted(KERNEL_DIR.glob("*.cu")) + sorted(KERNEL_DIR.glob("*.cuh")):
+        digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

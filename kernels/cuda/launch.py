@@ -3,7 +3,7 @@
 The same interface as `dmattn_kernels.triton` (inputs already checked by `dmattn_bench.api`).
 Cubins come from `build.py` and are launched through the CUDA driver API over ctypes
 (libcuda.so.1, which the NVIDIA driver installs and torch already uses): no extra package and
-no compiled extension. Only the forward exists so far.
+no compiled extension.
 """
 
 from __future__ import annotations
@@ -14,34 +14,55 @@ from functools import lru_cache
 
 import torch
 
-from dmattn_bench.space import AttentionShape, FwdConfig
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 from dmattn_kernels.cuda.build import build, defines
+# One compile-only switch for every bundled kernel (the tuner's compile workers): within
+# `compile_only()` the launchers build what a launch needs and launch nothing.
+from dmattn_kernels.triton.launch import compile_only, is_compile_only
 
 MAX_HEAD_DIM = 256
-WARP_CHOICES = (2, 4, 8)  # a warp owns 16 query rows: block_m = 16 * num_warps
-BLOCK_N_CHOICES = (16, 32, 64, 128)
+WARP_CHOICES = (2, 4, 8)  # a warp owns 16 rows: fwd block_m, bwd block_n and block_m_dq = 16 * num_warps
+INNER_CHOICES = (16, 32, 64, 128)  # the tiles a CTA walks: fwd block_n, bwd block_m and block_n_dq
 MAX_STAGES = 4
-KERNEL_NAME = b"dmattn_fwd_kernel"
-SHARED_PAD = 8  # elements per shared row beyond the padded head dim (flash_fwd.cu: ROW)
+SHARED_PAD = 8  # elements per shared row beyond the padded head dim (common.cuh: ROW)
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
-
 
 class OutOfResources(RuntimeError):
     """The config needs more shared memory than this GPU gives a block (a trial's `unsupported`)."""
 
 
+def _pointers(*names: str) -> list[tuple[str, type]]:
+    return [(name, ctypes.c_void_p) for name in names]
+
+
+def _strides(*names: str, count: int = 3) -> list[tuple[str, type]]:
+    return [(name, ctypes.c_int64 * count) for name in names]
+
+
+class _Inputs(ctypes.Structure):
+    """common.cuh's Inputs, field for field."""
+
+    _fields_ = (_pointers("q", "k", "v", "mask", "bias") + _strides("q_stride", "k_stride", "v_stride")
+                + _strides("mask_stride", "bias_stride", count=4)
+                + [(name, ctypes.c_int) for name in ("num_heads", "seqlen_q", "seqlen_k", "group", "mask_head_div",
+                                                     "bias_head_div")]
+                + [("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float)])
+
+
 class _FwdParams(ctypes.Structure):
     """flash_fwd.cu's FwdParams, field for field."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "k", "v", "mask", "bias", "out", "lse")] + [
-        ("q_stride", ctypes.c_int64 * 3), ("k_stride", ctypes.c_int64 * 3), ("v_stride", ctypes.c_int64 * 3),
-        ("out_stride", ctypes.c_int64 * 3), ("mask_stride", ctypes.c_int64 * 4), ("bias_stride", ctypes.c_int64 * 4),
-        ("lse_stride", ctypes.c_int64 * 3),
-    ] + [(name, ctypes.c_int) for name in ("num_heads", "seqlen_q", "seqlen_k", "group", "mask_head_div",
-                                          "bias_head_div")] + [
-        ("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float),
-    ]
+    _fields_ = [("inputs", _Inputs)] + _pointers("out", "lse") + _strides("out_stride", "lse_stride")
+
+
+class _BwdParams(ctypes.Structure):
+    """flash_bwd.cu's BwdParams, field for field."""
+
+    _fields_ = ([("inputs", _Inputs)] + _pointers("out", "dout", "lse", "delta", "dq", "dk", "dv", "dbias")
+                + _strides("out_stride", "dout_stride", "dq_stride", "dk_stride", "dv_stride", "lse_stride",
+                           "delta_stride")
+                + _strides("dbias_stride", count=4))
 
 
 class _Driver:
@@ -49,7 +70,8 @@ class _Driver:
 
     def __init__(self):
         self.lib = ctypes.CDLL("libcuda.so.1")
-        self.functions: dict[tuple[int, str], tuple[ctypes.c_void_p, int]] = {}
+        self.modules: dict[tuple[int, str], ctypes.c_void_p] = {}
+        self.functions: dict[tuple[int, str, bytes], tuple[ctypes.c_void_p, int]] = {}
         self.lock = threading.Lock()
 
     def check(self, result: int, what: str) -> None:
@@ -58,17 +80,25 @@ class _Driver:
             self.lib.cuGetErrorName(result, ctypes.byref(name))
             raise RuntimeError(f"CUDA error in {what}: {name.value.decode() if name.value else result}")
 
-    def function(self, device: int, cubin: str, shared_bytes: int) -> ctypes.c_void_p:
-        """The kernel of `cubin` loaded in `device`'s primary context, allowed `shared_bytes`."""
+    def function(self, device: int, cubin: str, name: bytes, shared_bytes: int) -> ctypes.c_void_p:
+        """Kernel `name` of `cubin`, loaded in `device`'s primary context, allowed `shared_bytes`.
+
+        Raises:
+            OutOfResources: `shared_bytes` is over this GPU's per-block limit.
+        """
         with self.lock:
-            entry = self.functions.get((device, cubin))
-            if entry is None:
-                module, function = ctypes.c_void_p(), ctypes.c_void_p()
-                image = open(cubin, "rb").read()
+            module = self.modules.get((device, cubin))
+            if module is None:
+                module = ctypes.c_void_p()
+                with open(cubin, "rb") as handle:
+                    image = handle.read()
                 self.check(self.lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
-                self.check(self.lib.cuModuleGetFunction(ctypes.byref(function), module, KERNEL_NAME),
-                           "cuModuleGetFunction")
-                entry = self.functions[(device, cubin)] = (function, 0)
+                self.modules[(device, cubin)] = module
+            entry = self.functions.get((device, cubin, name))
+            if entry is None:
+                function = ctypes.c_void_p()
+                self.check(self.lib.cuModuleGetFunction(ctypes.byref(function), module, name), "cuModuleGetFunction")
+                entry = self.functions[(device, cubin, name)] = (function, 0)
             function, allowed = entry
             if shared_bytes > allowed:
                 limit = ctypes.c_int()
@@ -79,7 +109,7 @@ class _Driver:
                     raise OutOfResources(f"shared memory {shared_bytes} B > {limit.value} B per block on this GPU")
                 self.check(self.lib.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                        shared_bytes), "cuFuncSetAttribute")
-                self.functions[(device, cubin)] = (function, shared_bytes)
+                self.functions[(device, cubin, name)] = (function, shared_bytes)
             return function
 
     def launch(self, function, grid: tuple[int, int], threads: int, shared_bytes: int, stream: int, params) -> None:
@@ -108,34 +138,60 @@ def padded_head_dim(head_dim: int) -> int:
     return (head_dim + 15) // 16 * 16
 
 
-def forward_shared_bytes(config: FwdConfig, head_dim: int) -> int:
-    """flash_fwd.cu's dynamic shared memory: Q, and K and V rings of num_stages tiles, 2-byte
-    elements, rows padded."""
-    rows = config.block_m + 2 * config.num_stages * config.block_n
+def _tile_bytes(rows: int, head_dim: int) -> int:
     return rows * (padded_head_dim(head_dim) + SHARED_PAD) * 2
 
 
-def is_supported(config, shape: AttentionShape) -> str | None:
-    """The reason `config` cannot run `shape` on this backend, or None when it can."""
-    if not isinstance(config, FwdConfig):
-        return "the cuda backend has no backward kernel yet"
+def forward_shared_bytes(config: FwdConfig, head_dim: int) -> int:
+    """flash_fwd.cu's dynamic shared memory: Q, and K and V rings of num_stages tiles."""
+    return _tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim)
+
+
+def backward_shared_bytes(config: BwdConfig, head_dim: int) -> dict[str, int]:
+    """flash_bwd.cu's dynamic shared memory per kernel: dK/dV holds K, V and rings of Q and dO
+    tiles with their lse and delta (fp32); dQ holds Q, dO and rings of K and V tiles."""
+    ring = config.num_stages * config.block_m
+    return {
+        "dkdv": _tile_bytes(2 * config.block_n + 2 * ring, head_dim) + 2 * ring * 4,
+        "dq": _tile_bytes(2 * config.block_m_dq + 2 * config.num_stages * config.block_n_dq, head_dim),
+    }
+
+
+def shared_bytes(config: FwdConfig | BwdConfig, head_dim: int) -> int:
+    """The most dynamic shared memory one kernel of `config`'s direction asks for."""
+    if isinstance(config, FwdConfig):
+        return forward_shared_bytes(config, head_dim)
+    return max(backward_shared_bytes(config, head_dim).values())
+
+
+def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | None:
+    """The reason `config` cannot run `shape` on this backend, or None when it can.
+
+    Shared memory per arch is checked at launch (`OutOfResources`) and by compile-check.
+    """
     if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 8:
         return f"head_dim={shape.head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
+    if shape.num_heads % shape.num_heads_kv:
+        return f"num_heads={shape.num_heads} is not a multiple of num_heads_kv={shape.num_heads_kv}"
     if config.num_warps not in WARP_CHOICES:
         return f"num_warps={config.num_warps} is not one of {WARP_CHOICES}"
-    if config.block_m != 16 * config.num_warps:
-        return f"block_m={config.block_m} is not 16 x num_warps={config.num_warps} (a warp owns 16 rows)"
-    if config.block_n not in BLOCK_N_CHOICES:
-        return f"block_n={config.block_n} is not one of {BLOCK_N_CHOICES}"
+    owned = ("block_m",) if isinstance(config, FwdConfig) else ("block_n", "block_m_dq")
+    walked = ("block_n",) if isinstance(config, FwdConfig) else ("block_m", "block_n_dq")
+    for name in owned:
+        if getattr(config, name) != 16 * config.num_warps:
+            return f"{name}={getattr(config, name)} is not 16 x num_warps={config.num_warps} (a warp owns 16 rows)"
+    for name in walked:
+        if getattr(config, name) not in INNER_CHOICES:
+            return f"{name}={getattr(config, name)} is not one of {INNER_CHOICES}"
     if not 1 <= config.num_stages <= MAX_STAGES:
         return f"num_stages={config.num_stages} is not in [1, {MAX_STAGES}]"
     return None
 
 
-def _strides(t: torch.Tensor | None, count: int) -> tuple[int, ...]:
+def _zero_broadcast_strides(t: torch.Tensor | None) -> tuple[int, ...]:
     if t is None:
-        return (0,) * count
-    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))[:count]
+        return (0, 0, 0, 0)
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
 
 
 def _check_aligned(name: str, t: torch.Tensor) -> None:
@@ -145,54 +201,162 @@ def _check_aligned(name: str, t: torch.Tensor) -> None:
                          f"{tuple(t.stride())} at offset {t.data_ptr() % 16}")
 
 
+def _element(dtype: torch.dtype) -> str:
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"query: the cuda backend runs fp16 and bf16, got {dtype}")
+    return "bf16" if dtype == torch.bfloat16 else "fp16"
+
+
+def _check_tensor(q: torch.Tensor) -> None:
+    if q.device.type != "cuda":
+        raise ValueError(f"query: the cuda backend runs on CUDA tensors, got device {q.device}")
+    _element(q.dtype)
+
+
+def _features(bias_dtype: torch.dtype | None, is_causal: bool, has_mask: bool, softcap: float) -> dict[str, bool]:
+    return dict(bias_fp32=bias_dtype == torch.float32, is_causal=is_causal, has_mask=has_mask,
+                has_bias=bias_dtype is not None, has_softcap=softcap > 0)
+
+
 def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
             is_causal: bool, has_mask: bool, softcap: float) -> tuple[str, ...]:
     """The -D list of the forward variant a call needs."""
-    return defines(head_dim, config.block_n, config.num_warps, config.num_stages,
-                   "bf16" if dtype == torch.bfloat16 else "fp16", bias_dtype == torch.float32, is_causal, has_mask,
-                   bias_dtype is not None, softcap > 0)
+    return defines(_element(dtype), head_dim, config.num_warps, config.num_stages,
+                   **_features(bias_dtype, is_causal, has_mask, softcap), BLOCK_N=config.block_n)
+
+
+def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
+                     is_causal: bool, has_mask: bool, softcap: float, group: int,
+                     dbias: tuple[bool, torch.dtype] | None) -> tuple[str, ...]:
+    """The -D list of the backward variant a call needs; `dbias` is (rows, target dtype) of the
+    dBias target (`_dbias_target`) or None without dBias."""
+    rows, target_dtype = dbias if dbias is not None else (False, torch.float32)
+    return defines(_element(dtype), head_dim, config.num_warps, config.num_stages,
+                   **_features(bias_dtype, is_causal, has_mask, softcap), DKDV_BLOCK_M=config.block_m,
+                   DQ_BLOCK_N=config.block_n_dq, HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows,
+                   DBIAS_FP32=target_dtype == torch.float32, DKV_FP32=group > 1)
+
+
+def _check_call(config, q, k, mask, bias, is_causal: bool, softcap: float, bias_requires_grad: bool) -> None:
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    reason = is_supported(config, AttentionShape(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], num_heads=num_heads, num_heads_kv=k.shape[2],
+        head_dim=head_dim, is_causal=is_causal, has_mask=mask is not None, has_bias=bias is not None,
+        bias_requires_grad=bias_requires_grad, softcap=softcap))
+    if reason:
+        raise ValueError(f"config: {reason}")
+
+
+def _inputs(q, k, v, mask, bias, softmax_scale: float, softcap: float) -> _Inputs:
+    num_heads = q.shape[2]
+    group = num_heads // k.shape[2]
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)  # same itemsize: a reinterpretation, not a copy
+
+    def head_divisor(t):  # a head dim of Hkv maps query head h to slice h // group
+        return group if t is not None and t.shape[1] not in (num_heads, 1) else 1
+
+    return _Inputs(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr() if mask is not None else 0,
+        bias.data_ptr() if bias is not None else 0, q.stride()[:3], k.stride()[:3], v.stride()[:3],
+        _zero_broadcast_strides(mask), _zero_broadcast_strides(bias), num_heads, q.shape[1], k.shape[1], group,
+        head_divisor(mask), head_divisor(bias), softmax_scale, softcap if softcap > 0 else 1.0,
+    )
+
+
+class _Launcher:
+    """Runs the kernels of one cubin on the current stream of the inputs' device (or, in
+    compile-only mode, only makes sure the cubin is built)."""
+
+    def __init__(self, direction: str, device: torch.device, flags: tuple[str, ...]):
+        self.cubin = str(_built(direction, arch_of(device), flags))
+        self.device = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, name: bytes, grid: tuple[int, int], num_warps: int, shared_bytes: int, params) -> None:
+        driver = _the_driver()
+        with torch.cuda.device(self.device):  # the runtime makes the device's primary context current
+            function = driver.function(self.device, self.cubin, name, shared_bytes)
+            driver.launch(function, grid, 32 * num_warps, shared_bytes,
+                          torch.cuda.current_stream(self.device).cuda_stream, params)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                       config: FwdConfig, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call."""
     batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"query: the cuda backend runs fp16 and bf16, got {q.dtype}")
-    reason = is_supported(config, AttentionShape(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                                 num_heads=num_heads, num_heads_kv=num_heads_kv, head_dim=head_dim,
-                                                 is_causal=is_causal, has_mask=mask is not None,
-                                                 has_bias=bias is not None, bias_requires_grad=False,
-                                                 softcap=softcap))
-    if reason:
-        raise ValueError(f"config: {reason}")
+    _check_tensor(q)
+    _check_call(config, q, k, mask, bias, is_causal, softcap, False)
     for name, t in (("query", q), ("key", k), ("value", v), ("out", out)):
         _check_aligned(name, t)
+    launcher = _Launcher("fwd", q.device, variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None,
+                                                  is_causal=is_causal, has_mask=mask is not None, softcap=softcap))
+    if is_compile_only():
+        return
+    params = _FwdParams(_inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), lse.data_ptr(),
+                        out.stride()[:3], lse.stride())
+    launcher(b"dmattn_fwd_kernel", (_cdiv(seqlen_q, config.block_m), batch * num_heads), config.num_warps,
+             forward_shared_bytes(config, head_dim), params)
+
+
+def _dbias_target(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int):
+    """The tensor the dK/dV kernel writes dBias into, zeroed (tiles the causal rule skips are
+    never written), and whether it keeps query rows: (B, H, Lq, Lk) for a bias with a query dim,
+    else (B, H, 1, Lk) (each key's dS summed over its queries in the kernel). `dbias` itself when
+    the shapes agree, else an fp32 buffer the launcher reduces into `dbias`."""
+    rows = dbias.shape[2] != 1
+    shape = (batch, num_heads, seqlen_q if rows else 1, seqlen_k)
+    if tuple(dbias.shape) == shape and dbias.is_contiguous():
+        return dbias.zero_(), rows
+    return torch.zeros(shape, dtype=torch.float32, device=dbias.device), rows
+
+
+def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
+                       config: BwdConfig, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                       dbias: torch.Tensor | None) -> None:
+    """Writes dq, dk, dv and, when given, dbias (the bias's own 4-D shape and dtype)."""
+    from dmattn_kernels.triton.launch import _finish_dbias  # the one fixed-order dBias reduction
+
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
     group = num_heads // num_heads_kv
-    if mask is not None and mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    flags = variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None, is_causal=is_causal,
-                    has_mask=mask is not None, softcap=softcap)
-    cubin = _built("fwd", arch_of(q.device), flags)
-    shared_bytes = forward_shared_bytes(config, head_dim)
-    driver = _the_driver()
-
-    def head_divisor(t):
-        return group if t is not None and t.shape[1] not in (num_heads, 1) else 1
-
-    params = _FwdParams(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr() if mask is not None else 0,
-        bias.data_ptr() if bias is not None else 0, out.data_ptr(), lse.data_ptr(),
-        (ctypes.c_int64 * 3)(*q.stride()[:3]), (ctypes.c_int64 * 3)(*k.stride()[:3]),
-        (ctypes.c_int64 * 3)(*v.stride()[:3]), (ctypes.c_int64 * 3)(*out.stride()[:3]),
-        (ctypes.c_int64 * 4)(*_strides(mask, 4)), (ctypes.c_int64 * 4)(*_strides(bias, 4)),
-        (ctypes.c_int64 * 3)(*lse.stride()), num_heads, seqlen_q, seqlen_k, group, head_divisor(mask),
-        head_divisor(bias), softmax_scale, softcap if softcap > 0 else 1.0,
+    _check_tensor(q)
+    _check_call(config, q, k, mask, bias, is_causal, softcap, dbias is not None)
+    for name, t in (("query", q), ("key", k), ("value", v), ("out", out), ("grad_out", dout), ("dq", dq),
+                    ("dk", dk), ("dv", dv)):
+        _check_aligned(name, t)
+    target, rows = (None, False) if dbias is None else _dbias_target(dbias, batch, num_heads, seqlen_q, seqlen_k)
+    flags = backward_variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None,
+                             is_causal=is_causal, has_mask=mask is not None, softcap=softcap, group=group,
+                             dbias=None if target is None else (rows, target.dtype))
+    launcher = _Launcher("bwd", q.device, flags)
+    if is_compile_only():
+        return
+    delta = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if group > 1:  # each query head's share, summed per group below (fixed order: deterministic)
+        dk_share = torch.empty((batch, seqlen_k, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        dv_share = torch.empty_like(dk_share)
+    else:
+        dk_share, dv_share = dk, dv
+    params = _BwdParams(
+        _inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+        delta.data_ptr(), dq.data_ptr(), dk_share.data_ptr(), dv_share.data_ptr(),
+        target.data_ptr() if target is not None else 0, out.stride()[:3], dout.stride()[:3], dq.stride()[:3],
+        dk_share.stride()[:3], dv_share.stride()[:3], lse.stride(), delta.stride(),
+        _zero_broadcast_strides(target),
     )
-    grid = ((seqlen_q + config.block_m - 1) // config.block_m, batch * num_heads)
-    with torch.cuda.device(device):  # the runtime makes the device's primary context current
-        function = driver.function(device, str(cubin), shared_bytes)
-        driver.launch(function, grid, 32 * config.num_warps, shared_bytes,
-                      torch.cuda.current_stream(device).cuda_stream, params)
+    heads = batch * num_heads
+    shared = backward_shared_bytes(config, head_dim)
+    launcher(b"dmattn_bwd_delta_kernel", (_cdiv(seqlen_q, config.num_warps), heads), config.num_warps, 0, params)
+    launcher(b"dmattn_bwd_dkdv_kernel", (_cdiv(seqlen_k, config.block_n), heads), config.num_warps, shared["dkdv"],
+             params)
+    launcher(b"dmattn_bwd_dq_kernel", (_cdiv(seqlen_q, config.block_m_dq), heads), config.num_warps, shared["dq"],
+             params)
+    if group > 1:
+        dk.copy_(dk_share.unflatten(2, (num_heads_kv, group)).sum(3))
+        dv.copy_(dv_share.unflatten(2, (num_heads_kv, group)).sum(3))
+    if target is not None and target is not dbias:
+        _finish_dbias(target, dbias)

@@ -1,0 +1,248 @@
+// Shared by flash_fwd.cu and flash_bwd.cu: element types, tile traits, the PTX wrappers
+// (cp.async, ldmatrix, mma.sync m16n8k16) and the score rule of DESIGN §1.
+//
+// Compile-time parameters (one -D each; `dmattn_kernels.cuda.build.defines` is the only place
+// that sets them): ELEMENT (0 fp16, 1 bf16), BIAS_FP32, HEAD_DIM, NUM_WARPS, STAGES, IS_CAUSAL,
+// HAS_MASK, HAS_BIAS, HAS_SOFTCAP, and each kernel's own tile sizes.
+//
+// Fragment coordinates (PTX ISA, mma.m16n8k16): lane = 4 g + t. A (16x16) holds rows g and
+// g + 8, columns 2t, 2t + 1 and 8 + 2t, 9 + 2t; a C/D accumulator c[4] of a 16x8 tile holds
+// (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1). Two n8 accumulators side by side are,
+// packed to 16 bits, one A fragment: that is how P and dS feed the next product without a trip
+// through shared memory.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#if ELEMENT == 1
+typedef __nv_bfloat16 elem_t;
+typedef __nv_bfloat162 elem2_t;
+#define MMA_TYPE "bf16"
+__device__ __forceinline__ elem2_t pack2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+#else
+typedef __half elem_t;
+typedef __half2 elem2_t;
+#define MMA_TYPE "f16"
+__device__ __forceinline__ elem2_t pack2(float a, float b) { return __floats2half2_rn(a, b); }
+#endif
+
+#if BIAS_FP32
+typedef float bias_t;
+#else
+typedef elem_t bias_t;
+#endif
+
+constexpr int WARP_ROWS = 16;                        // rows of the mma tile a warp owns
+constexpr int BLOCK_D = (HEAD_DIM + 15) / 16 * 16;  // the mma k-step is 16
+constexpr int ROW = BLOCK_D + 8;                     // shared row length in elements (16 B pad)
+constexpr int CHUNKS = BLOCK_D / 8;                  // 16-byte chunks per row
+constexpr int THREADS = NUM_WARPS * 32;
+constexpr int CTA_ROWS = WARP_ROWS * NUM_WARPS;     // rows a CTA owns: fwd and dQ query rows, dK/dV keys
+constexpr float LOG2E = 1.4426950408889634f;
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes global -> shared; `valid == false` writes zeros and reads nothing.
+__device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const elem_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const elem_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+}
+
+// The A fragment of rows [0, 16) x columns [16 kk, 16 kk + 16) of a row-major shared tile.
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const elem_t* tile, int kk, int lane) {
+  ldmatrix_x4(a, tile + (lane % 16) * ROW + kk * 16 + (lane / 16) * 8);
+}
+
+// B fragments of two n8 tiles (b[0..1]: rows 16 nn + [0, 8), b[2..3]: + [8, 16)) of a product
+// X Y^T, Y stored row-major (one row per output column), k-step kk.
+__device__ __forceinline__ void load_b(uint32_t (&b)[4], const elem_t* tile, int nn, int kk, int lane) {
+  ldmatrix_x4(b, tile + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * ROW + kk * 16 + ((lane >> 3) & 1) * 8);
+}
+
+// B fragments of two n8 tiles (columns 16 dd + [0, 8) and + [8, 16)) of a product X Y, Y stored
+// row-major (one row per k), k-step kk: ldmatrix.trans.
+__device__ __forceinline__ void load_b_trans(uint32_t (&b)[4], const elem_t* tile, int kk, int dd, int lane) {
+  ldmatrix_x4_trans(b, tile + (kk * 16 + (lane & 15)) * ROW + dd * 16 + (lane >> 4) * 8);
+}
+
+// c[4] += a[4] (16x16, row) * b[2] (16x8, col), fp32 accumulate.
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t as_u32(elem2_t x) { return *reinterpret_cast<uint32_t*>(&x); }
+
+// The A fragment of k-step kk of a product whose left operand is an fp32 accumulator of n8
+// tiles (P or dS), rounded to the input dtype.
+template <int N8>
+__device__ __forceinline__ void accumulator_to_a(uint32_t (&a)[4], const float (&x)[N8][4], int kk) {
+  a[0] = as_u32(pack2(x[2 * kk][0], x[2 * kk][1]));
+  a[1] = as_u32(pack2(x[2 * kk][2], x[2 * kk][3]));
+  a[2] = as_u32(pack2(x[2 * kk + 1][0], x[2 * kk + 1][1]));
+  a[3] = as_u32(pack2(x[2 * kk + 1][2], x[2 * kk + 1][3]));
+}
+
+// c (16 x 8 N8) += a (this warp's 16 rows, k-step kk) x Y^T, Y the first 8 N8 rows of a row-major
+// shared tile (one row per output column): S = Q K^T, dP = dO V^T and their transposes.
+template <int N8>
+__device__ __forceinline__ void mma_abt(float (&c)[N8][4], const uint32_t (&a)[4], const elem_t* tile, int kk, int lane) {
+#pragma unroll
+  for (int nn = 0; nn < N8 / 2; ++nn) {
+    uint32_t b[4];
+    load_b(b, tile, nn, kk, lane);
+    mma(c[2 * nn], a, b[0], b[1]);
+    mma(c[2 * nn + 1], a, b[2], b[3]);
+  }
+}
+
+// acc (16 x BLOCK_D) += a (k-step kk of P or dS) x rows [16 kk, 16 kk + 16) of a row-major shared
+// tile (one row per k): out += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K.
+__device__ __forceinline__ void mma_ab(float (&acc)[BLOCK_D / 8][4], const uint32_t (&a)[4], const elem_t* tile, int kk,
+                                       int lane) {
+#pragma unroll
+  for (int dd = 0; dd < BLOCK_D / 16; ++dd) {
+    uint32_t b[4];
+    load_b_trans(b, tile, kk, dd, lane);
+    mma(acc[2 * dd], a, b[0], b[1]);
+    mma(acc[2 * dd + 1], a, b[2], b[3]);
+  }
+}
+
+// ROWS x BLOCK_D tile of a (batch, head) slice starting at row `first`; rows past `rows_end`
+// and lanes past HEAD_DIM zero-filled (never read).
+template <int ROWS>
+__device__ __forceinline__ void load_tile(elem_t* dst, const elem_t* base, int64_t row_stride, int first,
+                                          int rows_end) {
+  for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+    const int r = c / CHUNKS, d = (c % CHUNKS) * 8;
+    const bool valid = first + r < rows_end && d < HEAD_DIM;
+    copy_chunk(dst + r * ROW + d, valid ? base + (first + r) * row_stride + d : base, valid);
+  }
+}
+
+// What both directions read: q (B, Lq, H, D), k and v (B, Lk, Hkv, D) with a contiguous head
+// dim, and mask and bias as 4-D broadcast views. `dmattn_kernels.cuda.launch._Inputs` mirrors it.
+struct Inputs {
+  const elem_t* q;
+  const elem_t* k;
+  const elem_t* v;
+  const uint8_t* mask;
+  const bias_t* bias;
+  int64_t q_stride[3];     // batch, row, head (the head dim is contiguous)
+  int64_t k_stride[3];
+  int64_t v_stride[3];
+  int64_t mask_stride[4];  // batch, head, query, key (0 on broadcast dims)
+  int64_t bias_stride[4];
+  int num_heads;
+  int seqlen_q;
+  int seqlen_k;
+  int group;               // query heads per kv head
+  int mask_head_div;       // query head h reads mask slice h / mask_head_div
+  int bias_head_div;
+  float softmax_scale;
+  float softcap;           // 1 when HAS_SOFTCAP is off (never divided by then)
+};
+
+// The (batch, query head) a CTA works on (blockIdx.y) and the q, k, v slices it reads.
+struct HeadSlices {
+  int batch, head, kv_head;
+  const elem_t* q;
+  const elem_t* k;
+  const elem_t* v;
+};
+
+__device__ __forceinline__ HeadSlices head_slices(const Inputs& in) {
+  HeadSlices at;
+  at.batch = blockIdx.y / in.num_heads;
+  at.head = blockIdx.y % in.num_heads;
+  at.kv_head = at.head / in.group;
+  at.q = in.q + at.batch * in.q_stride[0] + at.head * in.q_stride[2];
+  at.k = in.k + at.batch * in.k_stride[0] + at.kv_head * in.k_stride[2];
+  at.v = in.v + at.batch * in.v_stride[0] + at.kv_head * in.v_stride[2];
+  return at;
+}
+
+// Where scores may be read: the (batch, head) slices of mask and bias, their row and column
+// strides (0 on broadcast dims), the sequence bounds and the bottom-right causal offset.
+struct ScoreRule {
+  const uint8_t* mask;
+  const bias_t* bias;
+  int64_t mask_row, mask_col, bias_row, bias_col;
+  int seqlen_q, seqlen_k, offset;
+  float scale, softcap;
+
+  // DESIGN §1: whether key `col` is visible from query `row`. Excluded positions never read
+  // the bias, so NaN or inf stored there cannot reach a result.
+  __device__ __forceinline__ bool visible(int row, int col) const {
+    bool allowed = row < seqlen_q && col < seqlen_k;
+    if (IS_CAUSAL) allowed = allowed && col <= row + offset;
+    if (HAS_MASK && allowed) allowed = mask[row * mask_row + col * mask_col] != 0;
+    return allowed;
+  }
+
+  // scale * dot, soft-capped (HAS_SOFTCAP), before the bias.
+  __device__ __forceinline__ float capped(float dot) const {
+    const float x = dot * scale;
+    return HAS_SOFTCAP ? softcap * tanhf(x / softcap) : x;
+  }
+
+  // The score of a visible position: capped + bias.
+  __device__ __forceinline__ float score(float capped_dot, int row, int col) const {
+    return HAS_BIAS ? capped_dot + static_cast<float>(bias[row * bias_row + col * bias_col]) : capped_dot;
+  }
+};
+
+__device__ __forceinline__ ScoreRule score_rule(const Inputs& in, const HeadSlices& at) {
+  const int batch = at.batch, head = at.head;
+  ScoreRule rule;
+  rule.mask = HAS_MASK ? in.mask + batch * in.mask_stride[0] + (head / in.mask_head_div) * in.mask_stride[1] : nullptr;
+  rule.bias = HAS_BIAS ? in.bias + batch * in.bias_stride[0] + (head / in.bias_head_div) * in.bias_stride[1] : nullptr;
+  rule.mask_row = in.mask_stride[2];
+  rule.mask_col = in.mask_stride[3];
+  rule.bias_row = in.bias_stride[2];
+  rule.bias_col = in.bias_stride[3];
+  rule.seqlen_q = in.seqlen_q;
+  rule.seqlen_k = in.seqlen_k;
+  rule.offset = in.seqlen_k - in.seqlen_q;
+  rule.scale = in.softmax_scale;
+  rule.softcap = in.softcap;
+  return rule;
+}
+
+// Two adjacent columns of an output row (the column is even: 4- or 8-byte aligned).
+__device__ __forceinline__ void store_pair(float* dst, float a, float b) {
+  *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+}
+__device__ __forceinline__ void store_pair(elem_t* dst, float a, float b) {
+  *reinterpret_cast<elem2_t*>(dst) = pack2(a, b);
+}
+
+// Key tile `tile` of K and V into slot `slot` of their rings (the forward and dQ kernels).
+template <int KEYS>
+__device__ __forceinline__ void load_kv_tile(elem_t* k_ring, elem_t* v_ring, const HeadSlices& at, const Inputs& in,
+                                             int tile, int slot) {
+  load_tile<KEYS>(k_ring + slot * KEYS * ROW, at.k, in.k_stride[1], tile * KEYS, in.seqlen_k);
+  load_tile<KEYS>(v_ring + slot * KEYS * ROW, at.v, in.v_stride[1], tile * KEYS, in.seqlen_k);
+}

@@ -1,0 +1,349 @@
+// Flash dynamic-mask attention, backward (FlashAttention-2 style) for SM80, SM90 and SM120:
+// deterministic, no atomics.
+//
+// Given dO and the forward's out and lse, with the scores S of flash_fwd.cu (capped = the
+// soft-capped scaled dot product, before the bias) and P = exp(S - lse) recomputed tile by tile:
+//
+//   delta_i = sum_d dO_id out_id                                  (dmattn_bwd_delta_kernel)
+//   dV_j   += sum_i P_ij dO_i                                      (dmattn_bwd_dkdv_kernel)
+//   dP_ij   = dO_i . v_j
+//   dS_ij   = P_ij (dP_ij - delta_i)                               = dBias_ij
+//   dS_ij  *= 1 - (capped_ij / softcap)^2                          (HAS_SOFTCAP: d tanh)
+//   dK_j   += softmax_scale sum_i dS_ij q_i
+//   dQ_i   += softmax_scale sum_j dS_ij k_j                        (dmattn_bwd_dq_kernel)
+//
+// P and dS are rounded to the input dtype before their products, as FA2 does. Excluded
+// positions get P = 0 without reading the bias; a dead row (lse = -inf) is given lse = +inf,
+// so its P, dS and dQ are 0.
+//
+// Work split (each output element has one writer, summed in a fixed order):
+// - dK/dV: one CTA per (block of CTA_ROWS keys, batch, query head); warp w owns keys
+//   [16w, 16w + 16) and the CTA walks the query tiles of DKDV_BLOCK_M rows the causal rule lets
+//   see its keys. Products run key-major (S^T = K Q^T, dP^T = V dO^T), so P^T and dS^T are the
+//   left operands of dV += P^T dO and dK += dS^T Q straight from the accumulators. Under GQA
+//   (DKV_FP32) each query head writes its own fp32 share of dK/dV and the launcher sums each
+//   group's shares.
+// - dQ: one CTA per (block of CTA_ROWS queries, batch, query head) walking key tiles of
+//   DQ_BLOCK_N, as the forward does; S and dP are recomputed there instead of accumulated with
+//   atomics.
+// - dBias (HAS_DBIAS) comes from the dK/dV kernel into a target of shape (B, H, Lq|1, Lk) that
+//   the launcher zeroes and, where the bias broadcasts, sums: with a query dim (DBIAS_ROWS)
+//   each dS element is stored; without one each key's dS is summed over all its queries in
+//   registers and stored once.
+//
+// Memory: Q/dO (dK/dV kernel) and K/V (dQ kernel) tiles stream through a cp.async ring of
+// STAGES buffers, zero-filled past the sequence ends and HEAD_DIM, as in the forward.
+//
+// Compile-time parameters: those of common.cuh, and DKDV_BLOCK_M, DQ_BLOCK_N, HAS_DBIAS,
+// DBIAS_ROWS, DBIAS_FP32 (dBias target fp32, else the input dtype), DKV_FP32 (dK/dV shares in
+// fp32, else dK/dV themselves).
+
+#include "common.cuh"
+
+#if DKV_FP32
+typedef float dkv_t;
+#else
+typedef elem_t dkv_t;
+#endif
+
+#if DBIAS_FP32
+typedef float dbias_t;
+#else
+typedef elem_t dbias_t;
+#endif
+
+struct BwdParams {  // `dmattn_kernels.cuda.launch._BwdParams` mirrors it
+  Inputs in;
+  const elem_t* out;
+  const elem_t* dout;
+  const float* lse;
+  float* delta;
+  elem_t* dq;
+  dkv_t* dk;               // (B, Lk, Hkv, D), or the (B, Lk, H, D) fp32 shares under DKV_FP32
+  dkv_t* dv;
+  dbias_t* dbias;          // (B, H, Lq|1, Lk) target
+  int64_t out_stride[3];   // batch, row, head
+  int64_t dout_stride[3];
+  int64_t dq_stride[3];
+  int64_t dk_stride[3];
+  int64_t dv_stride[3];
+  int64_t lse_stride[3];   // batch, head, query
+  int64_t delta_stride[3];
+  int64_t dbias_stride[4]; // batch, head, query (0 without DBIAS_ROWS), key
+};
+
+// -- delta = rowsum(dO * out): one warp per query row ----------------------------------------
+
+extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_delta_kernel(const BwdParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * NUM_WARPS + warp;
+  const int batch = blockIdx.y / p.in.num_heads, head = blockIdx.y % p.in.num_heads;
+  if (row >= p.in.seqlen_q) return;
+  const elem_t* out = p.out + batch * p.out_stride[0] + row * p.out_stride[1] + head * p.out_stride[2];
+  const elem_t* dout = p.dout + batch * p.dout_stride[0] + row * p.dout_stride[1] + head * p.dout_stride[2];
+  float sum = 0.f;
+  for (int d = 2 * lane; d < HEAD_DIM; d += 64)  // HEAD_DIM is even: pairs are in or out together
+    sum += static_cast<float>(out[d]) * static_cast<float>(dout[d]) +
+           static_cast<float>(out[d + 1]) * static_cast<float>(dout[d + 1]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (lane == 0) p.delta[batch * p.delta_stride[0] + head * p.delta_stride[1] + row * p.delta_stride[2]] = sum;
+}
+
+// dO, lse and delta of the CTA's (batch, query head).
+struct GradSlices {
+  const elem_t* dout;
+  const float* lse;
+  const float* delta;
+};
+
+__device__ __forceinline__ GradSlices grad_slices(const BwdParams& p, const HeadSlices& at) {
+  return {p.dout + at.batch * p.dout_stride[0] + at.head * p.dout_stride[2],
+          p.lse + at.batch * p.lse_stride[0] + at.head * p.lse_stride[1],
+          p.delta + at.batch * p.delta_stride[0] + at.head * p.delta_stride[1]};
+}
+
+// lse of a row, with a dead row's -inf (and a row past the end) turned into +inf: P = 0 there.
+__device__ __forceinline__ float row_lse(const float* lse, int64_t stride, int row, int seqlen_q) {
+  const float value = row < seqlen_q ? lse[row * stride] : INFINITY;
+  return value == -INFINITY ? INFINITY : value;
+}
+
+// P and dS of one position from its dot products; 0 and 0 where excluded. `ds` before the
+// softcap factor is dBias.
+struct Grad {
+  float prob, dbias, ds;
+};
+
+__device__ __forceinline__ Grad position_grad(const ScoreRule& rule, float dot, float dp, float lse, float delta,
+                                              int row, int col) {
+  if (!rule.visible(row, col)) return {0.f, 0.f, 0.f};
+  const float capped = rule.capped(dot);
+  const float prob = exp2f((rule.score(capped, row, col) - lse) * LOG2E);
+  const float dbias = prob * (dp - delta);
+  if (!HAS_SOFTCAP) return {prob, dbias, dbias};
+  const float tanh_value = capped / rule.softcap;
+  return {prob, dbias, dbias * (1.f - tanh_value * tanh_value)};
+}
+
+// -- dK, dV (and dBias) ----------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(const BwdParams p) {
+  constexpr int BLOCK_N = CTA_ROWS, BLOCK_M = DKDV_BLOCK_M;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  elem_t* k_smem = reinterpret_cast<elem_t*>(smem_raw);
+  elem_t* v_smem = k_smem + BLOCK_N * ROW;
+  elem_t* q_smem = v_smem + BLOCK_N * ROW;             // ring of STAGES query tiles
+  elem_t* do_smem = q_smem + STAGES * BLOCK_M * ROW;   // and their dO tiles
+  float* lse_smem = reinterpret_cast<float*>(do_smem + STAGES * BLOCK_M * ROW);
+  float* delta_smem = lse_smem + STAGES * BLOCK_M;
+
+  const Inputs& in = p.in;
+  const HeadSlices at = head_slices(in);
+  const GradSlices grads = grad_slices(p, at);
+  const ScoreRule rule = score_rule(in, at);
+  const int n_block = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int key0 = n_block * BLOCK_N + warp * 16 + g;  // this thread's keys: key0, key0 + 8
+
+  // query tiles that can see a key of this block: with causal, query i sees key j iff i >= j - offset
+  const int m_begin = IS_CAUSAL ? max(0, n_block * BLOCK_N - rule.offset) / BLOCK_M : 0;
+  const int m_tiles = (in.seqlen_q + BLOCK_M - 1) / BLOCK_M;
+
+  auto load_query_tile = [&](int m, int slot) {
+    load_tile<BLOCK_M>(q_smem + slot * BLOCK_M * ROW, at.q, in.q_stride[1], m * BLOCK_M, in.seqlen_q);
+    load_tile<BLOCK_M>(do_smem + slot * BLOCK_M * ROW, grads.dout, p.dout_stride[1], m * BLOCK_M, in.seqlen_q);
+    for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+      const int row = m * BLOCK_M + i;
+      lse_smem[slot * BLOCK_M + i] = row_lse(grads.lse, p.lse_stride[2], row, in.seqlen_q);
+      delta_smem[slot * BLOCK_M + i] = row < in.seqlen_q ? grads.delta[row * p.delta_stride[2]] : 0.f;
+    }
+  };
+
+  load_kv_tile<BLOCK_N>(k_smem, v_smem, at, in, n_block, 0);
+  commit_group();  // K and V are a group of their own: every later wait also covers it
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (m_begin + s < m_tiles) load_query_tile(m_begin + s, s);
+    commit_group();
+  }
+
+  float dk_acc[BLOCK_D / 8][4] = {}, dv_acc[BLOCK_D / 8][4] = {};
+  float dbias_sum[2] = {0.f, 0.f};  // per key, summed over every query (HAS_DBIAS, !DBIAS_ROWS)
+  dbias_t* dbias = HAS_DBIAS ? p.dbias + at.batch * p.dbias_stride[0] + at.head * p.dbias_stride[1] : nullptr;
+  const elem_t* k_warp = k_smem + warp * 16 * ROW;
+  const elem_t* v_warp = v_smem + warp * 16 * ROW;
+
+  for (int m = m_begin; m < m_tiles; ++m) {
+    const int step = m - m_begin, ahead = m + STAGES - 1;
+    if (ahead < m_tiles) load_query_tile(ahead, (step + STAGES - 1) % STAGES);
+    commit_group();
+    wait_group<STAGES - 1>();  // K, V and query tile m have landed
+    __syncthreads();
+    const int slot = step % STAGES;
+    const elem_t* q_tile = q_smem + slot * BLOCK_M * ROW;
+    const elem_t* do_tile = do_smem + slot * BLOCK_M * ROW;
+    const float* lse_tile = lse_smem + slot * BLOCK_M;
+    const float* delta_tile = delta_smem + slot * BLOCK_M;
+
+    // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x BLOCK_M queries
+    float s[BLOCK_M / 8][4] = {}, dp[BLOCK_M / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
+      uint32_t k_frag[4], v_frag[4];
+      load_a(k_frag, k_warp, kk, lane);
+      load_a(v_frag, v_warp, kk, lane);
+      mma_abt(s, k_frag, q_tile, kk, lane);
+      mma_abt(dp, v_frag, do_tile, kk, lane);
+    }
+
+    // P^T and dS^T in place of S^T and dP^T; c = 0, 1: key0; c = 2, 3: key0 + 8
+#pragma unroll
+    for (int n = 0; n < BLOCK_M / 8; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int key = key0 + (c / 2) * 8, column = n * 8 + 2 * t + (c % 2), row = m * BLOCK_M + column;
+        const Grad grad = position_grad(rule, s[n][c], dp[n][c], lse_tile[column], delta_tile[column], row, key);
+        s[n][c] = grad.prob;
+        dp[n][c] = grad.ds;
+        if (HAS_DBIAS && DBIAS_ROWS && row < in.seqlen_q && key < in.seqlen_k)
+          dbias[row * p.dbias_stride[2] + key * p.dbias_stride[3]] = static_cast<dbias_t>(grad.dbias);
+        if (HAS_DBIAS && !DBIAS_ROWS) dbias_sum[c / 2] += grad.dbias;
+      }
+    }
+
+    // dV += P^T dO and dK += dS^T Q
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+      uint32_t p_frag[4], ds_frag[4];
+      accumulator_to_a(p_frag, s, kk);
+      accumulator_to_a(ds_frag, dp, kk);
+      mma_ab(dv_acc, p_frag, do_tile, kk, lane);
+      mma_ab(dk_acc, ds_frag, q_tile, kk, lane);
+    }
+    __syncthreads();  // the next iteration's loads overwrite the slot just read
+  }
+  wait_group<0>();
+
+  // Every key of the block is written, also one that no query sees (its gradients are 0).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + r * 8;
+    if (HAS_DBIAS && !DBIAS_ROWS) {
+      dbias_sum[r] += __shfl_xor_sync(0xffffffff, dbias_sum[r], 1);
+      dbias_sum[r] += __shfl_xor_sync(0xffffffff, dbias_sum[r], 2);
+      if (t == 0 && key < in.seqlen_k) dbias[key * p.dbias_stride[3]] = static_cast<dbias_t>(dbias_sum[r]);
+    }
+    if (key >= in.seqlen_k) continue;
+    const int dkv_head = DKV_FP32 ? at.head : at.kv_head;
+    dkv_t* dk = p.dk + at.batch * p.dk_stride[0] + key * p.dk_stride[1] + dkv_head * p.dk_stride[2];
+    dkv_t* dv = p.dv + at.batch * p.dv_stride[0] + key * p.dv_stride[1] + dkv_head * p.dv_stride[2];
+#pragma unroll
+    for (int d = 0; d < BLOCK_D / 8; ++d) {
+      const int col = d * 8 + 2 * t;
+      if (col < HEAD_DIM) {
+        store_pair(dk + col, dk_acc[d][2 * r] * in.softmax_scale, dk_acc[d][2 * r + 1] * in.softmax_scale);
+        store_pair(dv + col, dv_acc[d][2 * r], dv_acc[d][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// -- dQ --------------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const BwdParams p) {
+  constexpr int BLOCK_M = CTA_ROWS, BLOCK_N = DQ_BLOCK_N;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);
+  elem_t* do_smem = q_smem + BLOCK_M * ROW;
+  elem_t* k_smem = do_smem + BLOCK_M * ROW;            // ring of STAGES key tiles
+  elem_t* v_smem = k_smem + STAGES * BLOCK_N * ROW;    // and their value tiles
+
+  const Inputs& in = p.in;
+  const HeadSlices at = head_slices(in);
+  const GradSlices grads = grad_slices(p, at);
+  const ScoreRule rule = score_rule(in, at);
+  const int m_block = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int row0 = m_block * BLOCK_M + warp * 16 + g;  // this thread's rows: row0, row0 + 8
+  float lse_of_row[2], delta_of_row[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + r * 8;
+    lse_of_row[r] = row_lse(grads.lse, p.lse_stride[2], row, in.seqlen_q);
+    delta_of_row[r] = row < in.seqlen_q ? grads.delta[row * p.delta_stride[2]] : 0.f;
+  }
+
+  int n_end = in.seqlen_k;
+  if (IS_CAUSAL) n_end = min(n_end, max(0, (m_block + 1) * BLOCK_M + rule.offset));
+  const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+
+  load_tile<BLOCK_M>(q_smem, at.q, in.q_stride[1], m_block * BLOCK_M, in.seqlen_q);
+  load_tile<BLOCK_M>(do_smem, grads.dout, p.dout_stride[1], m_block * BLOCK_M, in.seqlen_q);
+  commit_group();
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) load_kv_tile<BLOCK_N>(k_smem, v_smem, at, in, s, s);
+    commit_group();
+  }
+
+  float dq_acc[BLOCK_D / 8][4] = {};
+  uint32_t q_frag[BLOCK_D / 16][4], do_frag[BLOCK_D / 16][4];
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int ahead = j + STAGES - 1;
+    if (ahead < n_tiles) load_kv_tile<BLOCK_N>(k_smem, v_smem, at, in, ahead, ahead % STAGES);
+    commit_group();
+    wait_group<STAGES - 1>();  // Q, dO and key tile j have landed
+    __syncthreads();
+    if (j == 0) {
+      for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
+        load_a(q_frag[kk], q_smem + warp * 16 * ROW, kk, lane);
+        load_a(do_frag[kk], do_smem + warp * 16 * ROW, kk, lane);
+      }
+    }
+    const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
+    const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
+
+    // S = Q K^T and dP = dO V^T
+    float s[BLOCK_N / 8][4] = {}, dp[BLOCK_N / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
+      mma_abt(s, q_frag[kk], k_tile, kk, lane);
+      mma_abt(dp, do_frag[kk], v_tile, kk, lane);
+    }
+
+    // dS in place of dP; c = 0, 1: row0; c = 2, 3: row0 + 8
+#pragma unroll
+    for (int n = 0; n < BLOCK_N / 8; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = row0 + (c / 2) * 8, key = j * BLOCK_N + n * 8 + 2 * t + (c % 2);
+        dp[n][c] = position_grad(rule, s[n][c], dp[n][c], lse_of_row[c / 2], delta_of_row[c / 2], row, key).ds;
+      }
+    }
+
+    // dQ += dS K
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      uint32_t ds_frag[4];
+      accumulator_to_a(ds_frag, dp, kk);
+      mma_ab(dq_acc, ds_frag, k_tile, kk, lane);
+    }
+    __syncthreads();
+  }
+  wait_group<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + r * 8;
+    if (row >= in.seqlen_q) continue;
+    elem_t* dq = p.dq + at.batch * p.dq_stride[0] + row * p.dq_stride[1] + at.head * p.dq_stride[2];
+#pragma unroll
+    for (int d = 0; d < BLOCK_D / 8; ++d) {
+      const int col = d * 8 + 2 * t;
+      if (col < HEAD_DIM)
+        store_pair(dq + col, dq_acc[d][2 * r] * in.softmax_scale, dq_acc[d][2 * r + 1] * in.softmax_scale);
+    }
+  }
+}
