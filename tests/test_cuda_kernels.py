@@ -118,3 +118,17 @@ def test_cuda_defaults_fit_the_smallest_shared_memory_without_a_gpu():
         shape = AttentionShape(1, 16, 16, 2, 1, high)
         assert launch.is_supported(fwd, shape) is None and launch.is_supported(bwd, shape) is None
         assert launch.shared_bytes(fwd, high) <= 101376 and launch.shared_bytes(bwd, high) <= 101376, (low, high)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU reports")
+def test_info_says_which_backends_can_run_here():
+    import json
+
+    from click.testing import CliRunner
+
+    from dmattn_bench.cli.info import info
+
+    result = CliRunner().invoke(info, ["--format", "json"])
+    assert result.exit_code == 0, result.output
+    backends = json.loads(result.stdout)["backends"]
+    assert backends == {"triton": "interpreter (no GPU)", "cuda": "unavailable: no CUDA GPU", "reference": "available"}

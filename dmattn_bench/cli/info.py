@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import shutil
 
 import click
 import torch
@@ -18,7 +20,7 @@ def _environment() -> dict:
     doc = {
         "dmattn_bench": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "triton": triton.__version__, "cuda_runtime": torch.version.cuda,
-        "interpreter": interpreter_enabled(), "backends": list(BACKEND_NAMES),
+        "interpreter": interpreter_enabled(), "backends": _backend_status(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -38,6 +40,17 @@ def _environment() -> dict:
         for low, high, fwd, bwd in default_entries("cuda" if doc["gpu"] else "cpu")
     ]
     return doc
+
+
+def _backend_status() -> dict[str, str]:
+    """Each backend and whether it can run here (the cuda kernels need a GPU and nvcc)."""
+    status = {name: "available" for name in BACKEND_NAMES}
+    if not torch.cuda.is_available():
+        status["triton"] = "interpreter (no GPU)"
+        status["cuda"] = "unavailable: no CUDA GPU"
+    elif shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+        status["cuda"] = "unavailable: nvcc not found (set CUDA_HOME or PATH)"
+    return status
 
 
 @click.command()
