@@ -19,8 +19,8 @@ from typing import Callable, Iterable
 import torch
 
 from dmattn_bench.hardware import parse_arch, search_section
-from dmattn_bench.prune import WARP_SIZE, Candidate, _one_line, _resource_usage, load_space, space_path
-from dmattn_bench.space import DIRECTIONS, AttentionShape, BwdConfig, FwdConfig
+from dmattn_bench.prune import WARP_SIZE, Candidate, _one_line, _resource_usage, load_space, precheck, space_path
+from dmattn_bench.space import DIRECTIONS, BwdConfig, FwdConfig
 
 VARIANTS = (  # (is_causal, has_mask, bias dtype, softcap, GQA group, dBias): every feature, then none
     (True, True, torch.float32, 1.0, 2, (True, torch.float32)),
@@ -40,14 +40,9 @@ def _judge(direction: str, config: FwdConfig | BwdConfig, arch: str, head_dim: i
         return Candidate(direction, config, limits.arch, head_dim, dtype, status, reason, shared, check, registers, stack,
                          round(time.perf_counter() - start, 3))
 
-    shape = AttentionShape(batch=1, seqlen_q=1, seqlen_k=1, num_heads=1, num_heads_kv=1, head_dim=head_dim,
-                           is_causal=True, has_mask=True, has_bias=True, bias_requires_grad=False)
-    reason = launch.is_supported(config, shape)
-    if reason:
-        return verdict("unsupported", reason, "structure")
-    if shared > limits.shared_memory_per_block:
-        return verdict("unsupported", f"shared memory {shared} B > {limits.shared_memory_per_block} B limit of "
-                                      f"{limits.arch}", "shared")
+    pruned = precheck(direction, config, limits, head_dim, dtype, "cuda")
+    if pruned is not None:
+        return pruned
     element = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     registers, stack = None, None
     for is_causal, has_mask, bias_dtype, softcap, group, dbias in VARIANTS:

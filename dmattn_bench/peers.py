@@ -20,7 +20,6 @@ import torch
 
 from dmattn_bench import ops
 from dmattn_bench.api import flash_dmattn_func
-from dmattn_bench.registry import default_configs
 from dmattn_bench.space import as_4d, config_label
 
 OURS = "dmattn"
@@ -68,34 +67,22 @@ def _grad_leaves(q, k, v, bias) -> list[torch.Tensor]:
     return [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
 
 
-def _ours(inputs: BenchInputs, table: str | None) -> Prepared:
+def _ours(inputs: BenchInputs, table: str | None, backend: str = "auto") -> Prepared:
+    """Our kernels as the dispatch picks them ("auto": the table, else the defaults), or one
+    backend's with its defaults."""
     q, k, v = (_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
     bias = _bias_leaf(inputs)
     learnable = bias is not None and bias.requires_grad
-    chosen = {direction: ops.select(direction, q, k, as_4d(inputs.mask), as_4d(bias), inputs.is_causal, "auto",
+    chosen = {direction: ops.select(direction, q, k, as_4d(inputs.mask), as_4d(bias), inputs.is_causal, backend,
                                     table, None, learnable)
               for direction in ("fwd", "bwd")}
 
     def forward():
-        return flash_dmattn_func(q, k, v, inputs.mask, bias, is_causal=inputs.is_causal, table=table)
+        return flash_dmattn_func(q, k, v, inputs.mask, bias, is_causal=inputs.is_causal, backend=backend, table=table)
 
     note = (f"{chosen['fwd'][0].name} fwd {config_label(chosen['fwd'][1])}, "
             f"bwd {config_label(chosen['bwd'][1])}")
     return Prepared(forward, _grad_leaves(q, k, v, bias), note=note)
-
-
-def _ours_on(inputs: BenchInputs, backend: str) -> Prepared:
-    """Our kernels of one backend with its heuristic defaults (not the table's choice): how each
-    bundled backend does on the workload, whichever the dispatch would pick."""
-    q, k, v = (_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
-    bias = _bias_leaf(inputs)
-    fwd, bwd = default_configs(inputs.q.shape[-1], inputs.q.device, backend)
-
-    def forward():
-        return flash_dmattn_func(q, k, v, inputs.mask, bias, is_causal=inputs.is_causal, backend=backend)
-
-    return Prepared(forward, _grad_leaves(q, k, v, bias),
-                    note=f"{backend} defaults: fwd {config_label(fwd)}, bwd {config_label(bwd)}")
 
 
 def _index(operand: torch.Tensor, b, h, q_idx, kv_idx, group_div: int):
@@ -221,8 +208,9 @@ FLEX_SMALL_BACKWARD = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2
 
 PEERS: dict[str, Callable[[BenchInputs, str | None], Prepared]] = {
     OURS: lambda inputs, table: _ours(inputs, table),
-    "ours-triton": lambda inputs, table: _ours_on(inputs, "triton"),
-    "ours-cuda": lambda inputs, table: _ours_on(inputs, "cuda"),
+    # each bundled backend with its defaults, whichever the dispatch would pick
+    "ours-triton": lambda inputs, table: _ours(inputs, table, "triton"),
+    "ours-cuda": lambda inputs, table: _ours(inputs, table, "cuda"),
     "flex": lambda inputs, table: _flex(inputs, None),
     "flex-small-bwd": lambda inputs, table: _flex(inputs, FLEX_SMALL_BACKWARD),
     "sdpa-efficient": lambda inputs, table: _sdpa(inputs, "efficient", dense=False),

@@ -20,6 +20,7 @@ from typing import Callable, ContextManager
 import torch
 
 from dmattn_bench import reference
+from dmattn_bench.hardware import ARCH_LIMITS, local_limits
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 
 
@@ -219,11 +220,10 @@ INTERPRETER_DEFAULT = (256, FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1
 
 
 def _shared_limit(device: torch.device) -> int:
-    """Shared memory a block may opt into on `device` (an SM86/SM120-sized 99 KiB without a GPU)."""
-    if device.type == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(device)
-        return getattr(props, "shared_memory_per_block_optin", 0) or 101376
-    return 101376
+    """Shared memory a block may opt into on `device`; without a GPU to ask, the smallest of the
+    archs the kernels target (SM86/SM120: 99 KiB)."""
+    limits = local_limits(device) if device.type == "cuda" and torch.cuda.is_available() else None
+    return limits.shared_memory_per_block if limits is not None else ARCH_LIMITS["sm120"].shared_memory_per_block
 
 
 def _fitting(candidates, head_dim: int, limit: int):
@@ -232,9 +232,13 @@ def _fitting(candidates, head_dim: int, limit: int):
     return next((c for c in candidates if shared_bytes(c, head_dim) <= limit), candidates[-1])
 
 
-def default_entries(device: torch.device | str, backend: str = "triton") -> list[tuple[int, int, FwdConfig, BwdConfig]]:
+def default_entries(device: torch.device | str, backend: str = "triton") -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
     """The default configs of `backend` as (smallest head dim, largest head dim, fwd, bwd) classes."""
-    device = torch.device(device)
+    return _default_entries(torch.device(device), backend)
+
+
+@lru_cache(maxsize=None)  # per (device, backend): a forced backend looks its defaults up on every call
+def _default_entries(device: torch.device, backend: str) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
     if backend == "cuda":
         limit = _shared_limit(device)
         classes = tuple((high, _fitting(fwd, high, limit), _fitting(bwd, high, limit)) for high, fwd, bwd in CUDA_DEFAULTS)
@@ -244,7 +248,7 @@ def default_entries(device: torch.device | str, backend: str = "triton") -> list
     for high, fwd, bwd in classes:
         entries.append((low, high, fwd, bwd))
         low = high + 8
-    return entries
+    return tuple(entries)
 
 
 def default_configs(head_dim: int, device: torch.device | str, backend: str = "triton") -> tuple[FwdConfig, BwdConfig]:

@@ -13,12 +13,14 @@ import threading
 from functools import lru_cache
 
 import torch
+import triton
 
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 from dmattn_kernels.cuda.build import build, defines
-# One compile-only switch for every bundled kernel (the tuner's compile workers): within
-# `compile_only()` the launchers build what a launch needs and launch nothing.
-from dmattn_kernels.triton.launch import compile_only, is_compile_only
+# One compile-only switch for every bundled kernel (the tuner's compile workers: within
+# `compile_only()` the launchers build what a launch needs and launch nothing), and the one
+# fixed-order reduction of dBias partials into the bias's broadcast shape.
+from dmattn_kernels.triton.launch import _finish_dbias, compile_only, is_compile_only  # noqa: F401 (re-exported)
 
 MAX_HEAD_DIM = 256
 WARP_CHOICES = (2, 4, 8)  # a warp owns 16 rows: fwd block_m, bwd block_n and block_m_dq = 16 * num_warps
@@ -280,10 +282,6 @@ class _Launcher:
                           torch.cuda.current_stream(self.device).cuda_stream, params)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                       config: FwdConfig, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call."""
@@ -298,28 +296,24 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
         return
     params = _FwdParams(_inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), lse.data_ptr(),
                         out.stride()[:3], lse.stride())
-    launcher(b"dmattn_fwd_kernel", (_cdiv(seqlen_q, config.block_m), batch * num_heads), config.num_warps,
+    launcher(b"dmattn_fwd_kernel", (triton.cdiv(seqlen_q, config.block_m), batch * num_heads), config.num_warps,
              forward_shared_bytes(config, head_dim), params)
 
 
-def _dbias_target(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int):
-    """The tensor the dK/dV kernel writes dBias into, zeroed (tiles the causal rule skips are
-    never written), and whether it keeps query rows: (B, H, Lq, Lk) for a bias with a query dim,
-    else (B, H, 1, Lk) (each key's dS summed over its queries in the kernel). `dbias` itself when
-    the shapes agree, else an fp32 buffer the launcher reduces into `dbias`."""
+def _dbias_layout(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int):
+    """Where the dK/dV kernel writes dBias: (shape, rows, in_place). The target is (B, H, Lq, Lk)
+    for a bias with a query dim, else (B, H, 1, Lk) (each key's dS summed over its queries in the
+    kernel); it is `dbias` itself when the shapes agree (in_place), else an fp32 buffer the
+    launcher reduces into `dbias`."""
     rows = dbias.shape[2] != 1
     shape = (batch, num_heads, seqlen_q if rows else 1, seqlen_k)
-    if tuple(dbias.shape) == shape and dbias.is_contiguous():
-        return dbias.zero_(), rows
-    return torch.zeros(shape, dtype=torch.float32, device=dbias.device), rows
+    return shape, rows, tuple(dbias.shape) == shape and dbias.is_contiguous()
 
 
 def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                        config: BwdConfig, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                        dbias: torch.Tensor | None) -> None:
     """Writes dq, dk, dv and, when given, dbias (the bias's own 4-D shape and dtype)."""
-    from dmattn_kernels.triton.launch import _finish_dbias  # the one fixed-order dBias reduction
-
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
     group = num_heads // num_heads_kv
@@ -328,13 +322,17 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     for name, t in (("query", q), ("key", k), ("value", v), ("out", out), ("grad_out", dout), ("dq", dq),
                     ("dk", dk), ("dv", dv)):
         _check_aligned(name, t)
-    target, rows = (None, False) if dbias is None else _dbias_target(dbias, batch, num_heads, seqlen_q, seqlen_k)
+    layout = None if dbias is None else _dbias_layout(dbias, batch, num_heads, seqlen_q, seqlen_k)
     flags = backward_variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None,
                              is_causal=is_causal, has_mask=mask is not None, softcap=softcap, group=group,
-                             dbias=None if target is None else (rows, target.dtype))
+                             dbias=None if layout is None else (layout[1], dbias.dtype if layout[2] else torch.float32))
     launcher = _Launcher("bwd", q.device, flags)
     if is_compile_only():
         return
+    target = None
+    if layout is not None:  # zeroed: tiles the causal rule skips are never written
+        shape, _, in_place = layout
+        target = dbias.zero_() if in_place else torch.zeros(shape, dtype=torch.float32, device=dbias.device)
     delta = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
     if group > 1:  # each query head's share, summed per group below (fixed order: deterministic)
         dk_share = torch.empty((batch, seqlen_k, num_heads, head_dim), dtype=torch.float32, device=q.device)
@@ -350,11 +348,12 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     )
     heads = batch * num_heads
     shared = backward_shared_bytes(config, head_dim)
-    launcher(b"dmattn_bwd_delta_kernel", (_cdiv(seqlen_q, config.num_warps), heads), config.num_warps, 0, params)
-    launcher(b"dmattn_bwd_dkdv_kernel", (_cdiv(seqlen_k, config.block_n), heads), config.num_warps, shared["dkdv"],
+    launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, config.num_warps), heads), config.num_warps, 0,
              params)
-    launcher(b"dmattn_bwd_dq_kernel", (_cdiv(seqlen_q, config.block_m_dq), heads), config.num_warps, shared["dq"],
-             params)
+    launcher(b"dmattn_bwd_dkdv_kernel", (triton.cdiv(seqlen_k, config.block_n), heads), config.num_warps,
+             shared["dkdv"], params)
+    launcher(b"dmattn_bwd_dq_kernel", (triton.cdiv(seqlen_q, config.block_m_dq), heads), config.num_warps,
+             shared["dq"], params)
     if group > 1:
         dk.copy_(dk_share.unflatten(2, (num_heads_kv, group)).sum(3))
         dv.copy_(dv_share.unflatten(2, (num_heads_kv, group)).sum(3))
