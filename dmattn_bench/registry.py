@@ -204,16 +204,17 @@ GPU_DEFAULTS = (
     (128, FwdConfig(64, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)),
     (256, FwdConfig(64, 32, 4, 2), BwdConfig(16, 32, 32, 16, 4, 1)),
 )
-# The CUDA kernels' defaults per class, fastest first (forward: H200, W3, results/cuda/): the
-# first whose shared memory fits the GPU at the class's largest head dim is used, so an SM86 or
-# SM120 part (99 KiB per block) gets smaller rings than an H100 (227 KiB).
+# The CUDA kernels' defaults per class, fastest first (H200, B2 H16 L4096 causal at D = 64, 128
+# and 256: results/cuda/h200-defaults-sweep.txt): the first whose shared memory fits the GPU at
+# the class's largest head dim is used, so an SM86 or SM120 part (99 KiB per block) gets
+# smaller tiles or rings than an H100 (227 KiB).
 CUDA_DEFAULTS = (
-    (64, (FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2)),
-     (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
-    (128, (FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2), FwdConfig(128, 32, 8, 2)),
+    (64, (FwdConfig(128, 64, 4, 2), FwdConfig(128, 32, 4, 2)),
+     (BwdConfig(128, 64, 64, 128, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
+    (128, (FwdConfig(128, 64, 4, 2), FwdConfig(128, 32, 4, 2), FwdConfig(64, 32, 4, 2)),
      (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2), BwdConfig(32, 64, 64, 32, 4, 1))),
-    (256, (FwdConfig(64, 64, 4, 2), FwdConfig(64, 32, 4, 1)),
-     (BwdConfig(32, 64, 64, 32, 4, 2), BwdConfig(16, 64, 64, 16, 4, 1))),
+    (256, (FwdConfig(128, 32, 8, 2), FwdConfig(64, 32, 4, 2), FwdConfig(64, 32, 4, 1)),
+     (BwdConfig(32, 64, 64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1))),
 )
 # The interpreter runs each tile op in numpy; small tiles waste the fewest out-of-bounds lanes.
 INTERPRETER_DEFAULT = (256, FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1))

@@ -78,7 +78,9 @@ def test_a_build_failure_names_nvcc_s_error(cubin_cache):
 
 def test_launcher_rules_and_variant_flags():
     assert launch.is_supported(FwdConfig(64, 64, 4, 2), SHAPE) is None
-    assert "16 x num_warps" in launch.is_supported(FwdConfig(128, 64, 4, 2), SHAPE)
+    assert launch.is_supported(FwdConfig(128, 64, 4, 2), SHAPE) is None  # two m16 tiles per warp
+    assert "block_m=96 is not 16 or 32 x num_warps=4" in launch.is_supported(FwdConfig(96, 64, 4, 2), SHAPE)
+    assert "block_m=256 is not 16 or 32 x num_warps=4" in launch.is_supported(FwdConfig(256, 64, 4, 2), SHAPE)
     assert launch.is_supported(BwdConfig(32, 64, 64, 32, 4, 2), SHAPE) is None
     assert "block_n=128 is not 16 x num_warps" in launch.is_supported(BwdConfig(32, 128, 64, 32, 4, 2), SHAPE)
     assert "block_m_dq=128 is not 16 x num_warps" in launch.is_supported(BwdConfig(32, 64, 128, 32, 4, 2), SHAPE)
@@ -91,7 +93,7 @@ def test_launcher_rules_and_variant_flags():
     flags = launch.variant(FwdConfig(64, 32, 4, 3), 72, torch.bfloat16, None, is_causal=False, has_mask=True,
                            softcap=30.0)
     assert flags == ("-DELEMENT=1", "-DBIAS_FP32=0", "-DHEAD_DIM=72", "-DNUM_WARPS=4", "-DSTAGES=3", "-DIS_CAUSAL=0",
-                     "-DHAS_MASK=1", "-DHAS_BIAS=0", "-DHAS_SOFTCAP=1", "-DBLOCK_N=32")
+                     "-DHAS_MASK=1", "-DHAS_BIAS=0", "-DHAS_SOFTCAP=1", "-DBLOCK_M=64", "-DBLOCK_N=32")
     flags = launch.backward_variant(BwdConfig(16, 64, 64, 32, 4, 1), 64, torch.float16, torch.float16,
                                     is_causal=True, has_mask=False, softcap=0.0, group=1, dbias=(False, torch.float16))
     assert flags[-6:] == ("-DDKDV_BLOCK_M=16", "-DDQ_BLOCK_N=32", "-DHAS_DBIAS=1", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=0",
@@ -132,3 +134,11 @@ def test_info_says_which_backends_can_run_here():
     assert result.exit_code == 0, result.output
     backends = json.loads(result.stdout)["backends"]
     assert backends == {"triton": "interpreter (no GPU)", "cuda": "unavailable: no CUDA GPU", "reference": "available"}
+
+
+def test_a_grid_over_cuda_s_y_limit_is_a_clear_error():
+    """Query blocks sit on grid y (the forward's longest causal blocks start first), so a query
+    longer than 65535 blocks is refused before the driver sees the launch."""
+    launcher = launch._Launcher.__new__(launch._Launcher)  # no cubin needed: the check comes first
+    with pytest.raises(ValueError, match=r"dmattn_fwd_kernel: needs 65536 CTAs on grid y, over CUDA's limit of 65535"):
+        launcher(b"dmattn_fwd_kernel", (32, 65536), 4, 0, None)

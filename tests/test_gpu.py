@@ -27,7 +27,8 @@ GPU_CONFIGS = {
     "fwd64x64-bwd32x64": ("triton", FwdConfig(64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 1)),
     "fwd128x32-bwd64x32": ("triton", FwdConfig(128, 32, 8, 2), BwdConfig(64, 32, 32, 64, 8, 1)),
     "fwd32x32-bwd16x32": ("triton", FwdConfig(32, 32, 4, 1), BwdConfig(16, 32, 32, 16, 4, 1)),
-    "cuda-fwd128x128-bwd64x64": ("cuda", FwdConfig(128, 128, 8, 2), BwdConfig(64, 64, 64, 64, 4, 2)),
+    # two m16 tiles per warp in the forward (block_m = 32 x num_warps), one in the others
+    "cuda-fwd128x64w4-bwd64x64": ("cuda", FwdConfig(128, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2)),
     "cuda-fwd64x32-bwd16x64": ("cuda", FwdConfig(64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1)),
     "cuda-fwd32x32-bwd32x32": ("cuda", FwdConfig(32, 32, 2, 3), BwdConfig(32, 32, 32, 16, 2, 3)),
 }

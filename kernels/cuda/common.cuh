@@ -39,8 +39,15 @@ constexpr int BLOCK_D = (HEAD_DIM + 15) / 16 * 16;  // the mma k-step is 16
 constexpr int ROW = BLOCK_D + 8;                     // shared row length in elements (16 B pad)
 constexpr int CHUNKS = BLOCK_D / 8;                  // 16-byte chunks per row
 constexpr int THREADS = NUM_WARPS * 32;
-constexpr int CTA_ROWS = WARP_ROWS * NUM_WARPS;     // rows a CTA owns: fwd and dQ query rows, dK/dV keys
+constexpr int CTA_ROWS = WARP_ROWS * NUM_WARPS;     // rows a backward CTA owns: dQ query rows, dK/dV keys
 constexpr float LOG2E = 1.4426950408889634f;
+
+// A compile-time flag as a value: `f(Flag<true>())` instantiates a generic lambda's body
+// for one case (C++17 has no lambda template parameters).
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
 
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
@@ -104,41 +111,80 @@ __device__ __forceinline__ void accumulator_to_a(uint32_t (&a)[4], const float (
   a[3] = as_u32(pack2(x[2 * kk + 1][2], x[2 * kk + 1][3]));
 }
 
-// c (16 x 8 N8) += a (this warp's 16 rows, k-step kk) x Y^T, Y the first 8 N8 rows of a row-major
-// shared tile (one row per output column): S = Q K^T, dP = dO V^T and their transposes.
-template <int N8>
-__device__ __forceinline__ void mma_abt(float (&c)[N8][4], const uint32_t (&a)[4], const elem_t* tile, int kk, int lane) {
+// c (MT m16 tiles x 8 N8) += a (MT m16 tiles of this warp's rows, k-step kk) x Y^T, Y the first
+// 8 N8 rows of a row-major shared tile (one row per output column): S = Q K^T, dP = dO V^T and
+// their transposes. Each B fragment loaded feeds 2 MT products: shared-memory traffic per mma
+// falls as a warp owns more m16 tiles.
+template <int MT, int N8>
+__device__ __forceinline__ void mma_abt(float (&c)[MT][N8][4], const uint32_t (&a)[MT][4], const elem_t* tile, int kk,
+                                        int lane) {
 #pragma unroll
   for (int nn = 0; nn < N8 / 2; ++nn) {
     uint32_t b[4];
     load_b(b, tile, nn, kk, lane);
-    mma(c[2 * nn], a, b[0], b[1]);
-    mma(c[2 * nn + 1], a, b[2], b[3]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma(c[mt][2 * nn], a[mt], b[0], b[1]);
+      mma(c[mt][2 * nn + 1], a[mt], b[2], b[3]);
+    }
   }
 }
 
-// acc (16 x BLOCK_D) += a (k-step kk of P or dS) x rows [16 kk, 16 kk + 16) of a row-major shared
-// tile (one row per k): out += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K.
-__device__ __forceinline__ void mma_ab(float (&acc)[BLOCK_D / 8][4], const uint32_t (&a)[4], const elem_t* tile, int kk,
-                                       int lane) {
+template <int N8>
+__device__ __forceinline__ void mma_abt(float (&c)[N8][4], const uint32_t (&a)[4], const elem_t* tile, int kk, int lane) {
+  mma_abt<1, N8>(reinterpret_cast<float (&)[1][N8][4]>(c), reinterpret_cast<const uint32_t (&)[1][4]>(a), tile, kk,
+                 lane);
+}
+
+// acc (MT m16 tiles x BLOCK_D) += a (k-step kk of P or dS, MT m16 tiles) x rows [16 kk, 16 kk + 16)
+// of a row-major shared tile (one row per k): out += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K.
+template <int MT>
+__device__ __forceinline__ void mma_ab(float (&acc)[MT][BLOCK_D / 8][4], const uint32_t (&a)[MT][4], const elem_t* tile,
+                                       int kk, int lane) {
 #pragma unroll
   for (int dd = 0; dd < BLOCK_D / 16; ++dd) {
     uint32_t b[4];
     load_b_trans(b, tile, kk, dd, lane);
-    mma(acc[2 * dd], a, b[0], b[1]);
-    mma(acc[2 * dd + 1], a, b[2], b[3]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma(acc[mt][2 * dd], a[mt], b[0], b[1]);
+      mma(acc[mt][2 * dd + 1], a[mt], b[2], b[3]);
+    }
   }
 }
 
+__device__ __forceinline__ void mma_ab(float (&acc)[BLOCK_D / 8][4], const uint32_t (&a)[4], const elem_t* tile, int kk,
+                                       int lane) {
+  mma_ab<1>(reinterpret_cast<float (&)[1][BLOCK_D / 8][4]>(acc), reinterpret_cast<const uint32_t (&)[1][4]>(a), tile,
+            kk, lane);
+}
+
 // ROWS x BLOCK_D tile of a (batch, head) slice starting at row `first`; rows past `rows_end`
-// and lanes past HEAD_DIM zero-filled (never read).
+// and lanes past HEAD_DIM zero-filled (never read). Thread i copies the 16-byte chunk i % CHUNKS
+// of rows i / CHUNKS + k THREADS / CHUNKS: its source address steps by a constant, so a copy
+// costs one 64-bit add, not a row-times-stride product (the index math once outnumbered the
+// copies in the H200 forward's instruction counts).
 template <int ROWS>
 __device__ __forceinline__ void load_tile(elem_t* dst, const elem_t* base, int64_t row_stride, int first,
                                           int rows_end) {
-  for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
-    const int r = c / CHUNKS, d = (c % CHUNKS) * 8;
-    const bool valid = first + r < rows_end && d < HEAD_DIM;
-    copy_chunk(dst + r * ROW + d, valid ? base + (first + r) * row_stride + d : base, valid);
+  if constexpr (THREADS % CHUNKS == 0) {
+    constexpr int ROW_STEP = THREADS / CHUNKS, PASSES = (ROWS + ROW_STEP - 1) / ROW_STEP;
+    const int r0 = threadIdx.x / CHUNKS, d = (threadIdx.x % CHUNKS) * 8;
+    const elem_t* src = base + (first + r0) * row_stride + d;
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass, src += ROW_STEP * row_stride) {
+      const int r = r0 + pass * ROW_STEP;
+      if (ROWS % ROW_STEP == 0 || r < ROWS) {
+        const bool valid = first + r < rows_end && d < HEAD_DIM;
+        copy_chunk(dst + r * ROW + d, valid ? src : base, valid);
+      }
+    }
+  } else {  // head dims whose chunk count does not divide the thread count (BLOCK_D 48, 80, ...)
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+      const int r = c / CHUNKS, d = (c % CHUNKS) * 8;
+      const bool valid = first + r < rows_end && d < HEAD_DIM;
+      copy_chunk(dst + r * ROW + d, valid ? base + (first + r) * row_stride + d : base, valid);
+    }
   }
 }
 
@@ -165,7 +211,7 @@ struct Inputs {
   float softcap;           // 1 when HAS_SOFTCAP is off (never divided by then)
 };
 
-// The (batch, query head) a CTA works on (blockIdx.y) and the q, k, v slices it reads.
+// The (batch, query head) a CTA works on and the q, k, v slices it reads.
 struct HeadSlices {
   int batch, head, kv_head;
   const elem_t* q;
@@ -173,10 +219,11 @@ struct HeadSlices {
   const elem_t* v;
 };
 
-__device__ __forceinline__ HeadSlices head_slices(const Inputs& in) {
+// `slice` = batch * num_heads + query head: the grid index the kernel keeps for it.
+__device__ __forceinline__ HeadSlices head_slices(const Inputs& in, int slice) {
   HeadSlices at;
-  at.batch = blockIdx.y / in.num_heads;
-  at.head = blockIdx.y % in.num_heads;
+  at.batch = slice / in.num_heads;
+  at.head = slice % in.num_heads;
   at.kv_head = at.head / in.group;
   at.q = in.q + at.batch * in.q_stride[0] + at.head * in.q_stride[2];
   at.k = in.k + at.batch * in.k_stride[0] + at.kv_head * in.k_stride[2];

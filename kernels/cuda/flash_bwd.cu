@@ -31,6 +31,11 @@
 //   each dS element is stored; without one each key's dS is summed over all its queries in
 //   registers and stored once.
 //
+// Positions are tested (bounds, causal, mask) only in boundary tiles, and a warp skips the
+// products of a tile that the causal rule hides from all its rows, as in the forward.
+// Grid: (batch x head) on x, blocks on y in the order that starts the longest causal work
+// first (the forward's header says why).
+//
 // Memory: Q/dO (dK/dV kernel) and K/V (dQ kernel) tiles stream through a cp.async ring of
 // STAGES buffers, zero-filled past the sequence ends and HEAD_DIM, as in the forward.
 //
@@ -110,14 +115,16 @@ __device__ __forceinline__ float row_lse(const float* lse, int64_t stride, int r
 }
 
 // P and dS of one position from its dot products; 0 and 0 where excluded. `ds` before the
-// softcap factor is dBias.
+// softcap factor is dBias. CHECK == false: the caller knows the position is allowed (an
+// interior tile, as in the forward), so no bound, causal or mask test runs.
 struct Grad {
   float prob, dbias, ds;
 };
 
+template <bool CHECK>
 __device__ __forceinline__ Grad position_grad(const ScoreRule& rule, float dot, float dp, float lse, float delta,
                                               int row, int col) {
-  if (!rule.visible(row, col)) return {0.f, 0.f, 0.f};
+  if (CHECK && !rule.visible(row, col)) return {0.f, 0.f, 0.f};
   const float capped = rule.capped(dot);
   const float prob = exp2f((rule.score(capped, row, col) - lse) * LOG2E);
   const float dbias = prob * (dp - delta);
@@ -139,13 +146,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
   float* delta_smem = lse_smem + STAGES * BLOCK_M;
 
   const Inputs& in = p.in;
-  const HeadSlices at = head_slices(in);
+  const HeadSlices at = head_slices(in, blockIdx.x);
   const GradSlices grads = grad_slices(p, at);
   const ScoreRule rule = score_rule(in, at);
-  const int n_block = blockIdx.x;
+  const int n_block = blockIdx.y;  // causal: the first key blocks see the most queries, and run first
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int key0 = n_block * BLOCK_N + warp * 16 + g;  // this thread's keys: key0, key0 + 8
+  const int warp_key0 = n_block * BLOCK_N + warp * 16;  // this warp's first key
+  const int key0 = warp_key0 + g;                      // this thread's keys: key0, key0 + 8
 
   // query tiles that can see a key of this block: with causal, query i sees key j iff i >= j - offset
   const int m_begin = IS_CAUSAL ? max(0, n_block * BLOCK_N - rule.offset) / BLOCK_M : 0;
@@ -186,40 +194,55 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
     const float* lse_tile = lse_smem + slot * BLOCK_M;
     const float* delta_tile = delta_smem + slot * BLOCK_M;
 
-    // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x BLOCK_M queries
-    float s[BLOCK_M / 8][4] = {}, dp[BLOCK_M / 8][4] = {};
+    // causal: no query of this tile sees a key of this warp, whose products would all be 0
+    // (the dBias target is zero already)
+    const bool reached = !IS_CAUSAL || warp_key0 <= (m + 1) * BLOCK_M - 1 + rule.offset;
+    // every query of the tile sees every key of this warp: no per-position test
+    const bool interior = !HAS_MASK && (m + 1) * BLOCK_M <= in.seqlen_q && warp_key0 + 16 <= in.seqlen_k &&
+                          (!IS_CAUSAL || warp_key0 + 15 <= m * BLOCK_M + rule.offset);
+    if (reached) {
+      // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x BLOCK_M queries
+      float s[BLOCK_M / 8][4] = {}, dp[BLOCK_M / 8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
-      uint32_t k_frag[4], v_frag[4];
-      load_a(k_frag, k_warp, kk, lane);
-      load_a(v_frag, v_warp, kk, lane);
-      mma_abt(s, k_frag, q_tile, kk, lane);
-      mma_abt(dp, v_frag, do_tile, kk, lane);
-    }
-
-    // P^T and dS^T in place of S^T and dP^T; c = 0, 1: key0; c = 2, 3: key0 + 8
-#pragma unroll
-    for (int n = 0; n < BLOCK_M / 8; ++n) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int key = key0 + (c / 2) * 8, column = n * 8 + 2 * t + (c % 2), row = m * BLOCK_M + column;
-        const Grad grad = position_grad(rule, s[n][c], dp[n][c], lse_tile[column], delta_tile[column], row, key);
-        s[n][c] = grad.prob;
-        dp[n][c] = grad.ds;
-        if (HAS_DBIAS && DBIAS_ROWS && row < in.seqlen_q && key < in.seqlen_k)
-          dbias[row * p.dbias_stride[2] + key * p.dbias_stride[3]] = static_cast<dbias_t>(grad.dbias);
-        if (HAS_DBIAS && !DBIAS_ROWS) dbias_sum[c / 2] += grad.dbias;
+      for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
+        uint32_t k_frag[4], v_frag[4];
+        load_a(k_frag, k_warp, kk, lane);
+        load_a(v_frag, v_warp, kk, lane);
+        mma_abt(s, k_frag, q_tile, kk, lane);
+        mma_abt(dp, v_frag, do_tile, kk, lane);
       }
-    }
 
-    // dV += P^T dO and dK += dS^T Q
+      // P^T and dS^T in place of S^T and dP^T; c = 0, 1: key0; c = 2, 3: key0 + 8
+      auto gradients = [&](auto check) {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-      uint32_t p_frag[4], ds_frag[4];
-      accumulator_to_a(p_frag, s, kk);
-      accumulator_to_a(ds_frag, dp, kk);
-      mma_ab(dv_acc, p_frag, do_tile, kk, lane);
-      mma_ab(dk_acc, ds_frag, q_tile, kk, lane);
+        for (int n = 0; n < BLOCK_M / 8; ++n) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int key = key0 + (c / 2) * 8, column = n * 8 + 2 * t + (c % 2), row = m * BLOCK_M + column;
+            const Grad grad = position_grad<decltype(check)::value>(rule, s[n][c], dp[n][c], lse_tile[column],
+                                                                     delta_tile[column], row, key);
+            s[n][c] = grad.prob;
+            dp[n][c] = grad.ds;
+            if (HAS_DBIAS && DBIAS_ROWS && row < in.seqlen_q && key < in.seqlen_k)
+              dbias[row * p.dbias_stride[2] + key * p.dbias_stride[3]] = static_cast<dbias_t>(grad.dbias);
+            if (HAS_DBIAS && !DBIAS_ROWS) dbias_sum[c / 2] += grad.dbias;
+          }
+        }
+      };
+      if (interior)
+        gradients(Flag<false>());
+      else
+        gradients(Flag<true>());
+
+      // dV += P^T dO and dK += dS^T Q
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+        uint32_t p_frag[4], ds_frag[4];
+        accumulator_to_a(p_frag, s, kk);
+        accumulator_to_a(ds_frag, dp, kk);
+        mma_ab(dv_acc, p_frag, do_tile, kk, lane);
+        mma_ab(dk_acc, ds_frag, q_tile, kk, lane);
+      }
     }
     __syncthreads();  // the next iteration's loads overwrite the slot just read
   }
@@ -260,13 +283,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
   elem_t* v_smem = k_smem + STAGES * BLOCK_N * ROW;    // and their value tiles
 
   const Inputs& in = p.in;
-  const HeadSlices at = head_slices(in);
+  const HeadSlices at = head_slices(in, blockIdx.x);
   const GradSlices grads = grad_slices(p, at);
   const ScoreRule rule = score_rule(in, at);
-  const int m_block = blockIdx.x;
+  const int m_block = gridDim.y - 1 - blockIdx.y;  // causal: the last query blocks see the most keys, and run first
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int row0 = m_block * BLOCK_M + warp * 16 + g;  // this thread's rows: row0, row0 + 8
+  const int warp_row0 = m_block * BLOCK_M + warp * 16;  // this warp's first query row
+  const int row0 = warp_row0 + g;                       // this thread's rows: row0, row0 + 8
   float lse_of_row[2], delta_of_row[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -278,6 +302,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
   int n_end = in.seqlen_k;
   if (IS_CAUSAL) n_end = min(n_end, max(0, (m_block + 1) * BLOCK_M + rule.offset));
   const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+  // as in the forward: every row of this warp sees every key of the tiles before `n_interior`,
+  // and no key of the tiles from `n_reached` on
+  int interior_keys = warp_row0 + 16 <= in.seqlen_q ? in.seqlen_k : 0;
+  if (IS_CAUSAL) interior_keys = min(interior_keys, max(0, warp_row0 + rule.offset + 1));
+  const int n_interior = HAS_MASK ? 0 : interior_keys / BLOCK_N;
+  const int n_reached = IS_CAUSAL ? (max(0, warp_row0 + 16 + rule.offset) + BLOCK_N - 1) / BLOCK_N : n_tiles;
 
   load_tile<BLOCK_M>(q_smem, at.q, in.q_stride[1], m_block * BLOCK_M, in.seqlen_q);
   load_tile<BLOCK_M>(do_smem, grads.dout, p.dout_stride[1], m_block * BLOCK_M, in.seqlen_q);
@@ -302,33 +332,42 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
         load_a(do_frag[kk], do_smem + warp * 16 * ROW, kk, lane);
       }
     }
-    const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
-    const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
+    if (j < n_reached) {
+      const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
+      const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
 
-    // S = Q K^T and dP = dO V^T
-    float s[BLOCK_N / 8][4] = {}, dp[BLOCK_N / 8][4] = {};
+      // S = Q K^T and dP = dO V^T
+      float s[BLOCK_N / 8][4] = {}, dp[BLOCK_N / 8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
-      mma_abt(s, q_frag[kk], k_tile, kk, lane);
-      mma_abt(dp, do_frag[kk], v_tile, kk, lane);
-    }
-
-    // dS in place of dP; c = 0, 1: row0; c = 2, 3: row0 + 8
-#pragma unroll
-    for (int n = 0; n < BLOCK_N / 8; ++n) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = row0 + (c / 2) * 8, key = j * BLOCK_N + n * 8 + 2 * t + (c % 2);
-        dp[n][c] = position_grad(rule, s[n][c], dp[n][c], lse_of_row[c / 2], delta_of_row[c / 2], row, key).ds;
+      for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
+        mma_abt(s, q_frag[kk], k_tile, kk, lane);
+        mma_abt(dp, do_frag[kk], v_tile, kk, lane);
       }
-    }
 
-    // dQ += dS K
+      // dS in place of dP; c = 0, 1: row0; c = 2, 3: row0 + 8
+      auto gradients = [&](auto check) {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      uint32_t ds_frag[4];
-      accumulator_to_a(ds_frag, dp, kk);
-      mma_ab(dq_acc, ds_frag, k_tile, kk, lane);
+        for (int n = 0; n < BLOCK_N / 8; ++n) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int row = row0 + (c / 2) * 8, key = j * BLOCK_N + n * 8 + 2 * t + (c % 2);
+            dp[n][c] = position_grad<decltype(check)::value>(rule, s[n][c], dp[n][c], lse_of_row[c / 2],
+                                                              delta_of_row[c / 2], row, key).ds;
+          }
+        }
+      };
+      if (j < n_interior)
+        gradients(Flag<false>());
+      else
+        gradients(Flag<true>());
+
+      // dQ += dS K
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        uint32_t ds_frag[4];
+        accumulator_to_a(ds_frag, dp, kk);
+        mma_ab(dq_acc, ds_frag, k_tile, kk, lane);
+      }
     }
     __syncthreads();
   }

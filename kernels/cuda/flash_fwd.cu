@@ -1,7 +1,8 @@
 // Flash dynamic-mask attention, forward (FlashAttention-2 style) for SM80, SM90 and SM120.
 //
-// One CTA owns BLOCK_M = 16 * NUM_WARPS query rows of one (batch, head); warp w owns rows
-// [16w, 16w + 16). For each key tile j of BLOCK_N keys (only those the causal rule can reach):
+// One CTA owns BLOCK_M query rows of one (batch, head); warp w owns the WARP_M = BLOCK_M /
+// NUM_WARPS rows [WARP_M w, WARP_M (w + 1)), as WARP_TILES (1 or 2) m16 tiles. For each key
+// tile j of BLOCK_N keys (only those the causal rule can reach):
 //
 //   S   = softmax_scale * Q K_j^T                      (mma.sync m16n8k16, fp32 accumulators)
 //   S   = softcap * tanh(S / softcap)                  (HAS_SOFTCAP)
@@ -13,16 +14,36 @@
 // out = 0 and lse = -inf. The bias is read only where `allowed` holds, so NaN or inf at
 // excluded positions never reaches S; a -inf bias at an allowed position only zeroes P.
 //
+// Where `allowed` is tested: without a mask, a key tile that lies inside the sequence bounds and
+// at or below the causal diagonal of every row of the warp is allowed everywhere, so only the
+// boundary tiles (the diagonal, the last key tile, the last query block) test each position. A
+// tile wholly above the diagonal of the warp's rows is excluded everywhere: the warp skips its
+// products (the CTA still loads it for the warps below the diagonal).
+//
+// Why up to two m16 tiles per warp: each K or V fragment read from shared memory (ldmatrix)
+// then feeds four mma instead of two. With one tile per warp the H200 forward was bound by
+// shared memory reads (205 TFLOP/s on W3, results/cuda/README.md). Q is re-read from shared
+// memory per key tile instead of held in registers: that leaves room for the 32-row
+// accumulators.
+//
+// Order: CTAs start in grid order (x fastest), so with the (batch, head) slice on x and query
+// blocks on y taken last to first, every head's longest causal blocks run first and the short
+// ones fill the tail. In the first order (query blocks on x, first to last) the H200 W3 forward
+// kept its SMs busy 80% of the time (ncu: executed IPC 1.61 elapsed vs 2.00 active).
+//
 // Memory: K and V tiles go global -> shared through cp.async in a ring of STAGES buffers, rows
 // past the sequence end and lanes past HEAD_DIM zero-filled (never read), so 0 * NaN cannot
 // happen. Shared rows are padded by 16 bytes: consecutive rows start in different banks, and
 // ldmatrix reads 8 rows without conflicts.
 //
-// Compile-time parameters: those of common.cuh, and BLOCK_N.
+// Compile-time parameters: those of common.cuh, and BLOCK_M and BLOCK_N.
 
 #include "common.cuh"
 
-constexpr int BLOCK_M = CTA_ROWS;
+constexpr int WARP_TILES = BLOCK_M / (WARP_ROWS * NUM_WARPS);  // m16 tiles per warp
+constexpr int WARP_M = WARP_ROWS * WARP_TILES;                 // query rows per warp
+static_assert(WARP_TILES * WARP_ROWS * NUM_WARPS == BLOCK_M && (WARP_TILES == 1 || WARP_TILES == 2),
+              "BLOCK_M must be 16 or 32 rows per warp");
 
 struct FwdParams {  // `dmattn_kernels.cuda.launch._FwdParams` mirrors it
   Inputs in;
@@ -32,6 +53,27 @@ struct FwdParams {  // `dmattn_kernels.cuda.launch._FwdParams` mirrors it
   int64_t lse_stride[3];   // batch, head, query
 };
 
+// S of one key tile -> scores, in place: -inf where excluded. CHECK == false is an interior
+// tile, where the caller knows every position is allowed: no bound, causal or mask test.
+// Fragment (mt, n, c) sits at row `warp_row0 + 16 mt + g + 8 (c / 2)`, column
+// `col0 + 8 n + 2 t + c % 2`.
+template <bool CHECK>
+__device__ __forceinline__ void scores(float (&s)[WARP_TILES][BLOCK_N / 8][4], const ScoreRule& rule, int warp_row0,
+                                       int col0, int g, int t) {
+#pragma unroll
+  for (int mt = 0; mt < WARP_TILES; ++mt) {
+#pragma unroll
+    for (int n = 0; n < BLOCK_N / 8; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = warp_row0 + mt * 16 + g + (c / 2) * 8, col = col0 + n * 8 + 2 * t + (c % 2);
+        const bool allowed = !CHECK || rule.visible(row, col);
+        s[mt][n][c] = allowed ? rule.score(rule.capped(s[mt][n][c]), row, col) : -INFINITY;
+      }
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const FwdParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);
@@ -39,17 +81,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
   elem_t* v_smem = k_smem + STAGES * BLOCK_N * ROW;
 
   const Inputs& in = p.in;
-  const HeadSlices at = head_slices(in);
+  const HeadSlices at = head_slices(in, blockIdx.x);
   const ScoreRule rule = score_rule(in, at);
-  const int m_block = blockIdx.x;
+  const int m_block = gridDim.y - 1 - blockIdx.y;  // the longest causal rows first: see the header
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, column pair
-  const int row0 = m_block * BLOCK_M + warp * 16 + g;  // this thread's rows: row0, row0 + 8
+  const int warp_row0 = m_block * BLOCK_M + warp * WARP_M;  // this warp's first query row
+  const elem_t* q_warp = q_smem + warp * WARP_M * ROW;
 
   // key tiles the causal rule lets this query block reach
   int n_end = in.seqlen_k;
   if (IS_CAUSAL) n_end = min(n_end, max(0, (m_block + 1) * BLOCK_M + rule.offset));
   const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+  // Every row of this warp sees every key of the tiles before `n_interior` (no mask, in bounds,
+  // causal) and no key of the tiles from `n_reached` on (causal).
+  int interior_keys = warp_row0 + WARP_M <= in.seqlen_q ? in.seqlen_k : 0;
+  if (IS_CAUSAL) interior_keys = min(interior_keys, max(0, warp_row0 + rule.offset + 1));
+  const int n_interior = HAS_MASK ? 0 : interior_keys / BLOCK_N;
+  const int n_reached = IS_CAUSAL ? (max(0, warp_row0 + WARP_M + rule.offset) + BLOCK_N - 1) / BLOCK_N : n_tiles;
 
   load_tile<BLOCK_M>(q_smem, at.q, in.q_stride[1], m_block * BLOCK_M, in.seqlen_q);
   commit_group();  // Q is a group of its own: every later wait also covers it
@@ -58,9 +107,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
     commit_group();
   }
 
-  float acc[BLOCK_D / 8][4] = {};
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  uint32_t q_frag[BLOCK_D / 16][4];
+  float acc[WARP_TILES][BLOCK_D / 8][4] = {};
+  float row_max[WARP_TILES][2], row_sum[WARP_TILES][2];
+#pragma unroll
+  for (int mt = 0; mt < WARP_TILES; ++mt) {
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
 
   for (int j = 0; j < n_tiles; ++j) {
     const int ahead = j + STAGES - 1;  // keep STAGES - 1 tiles in flight
@@ -68,59 +121,63 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
     commit_group();
     wait_group<STAGES - 1>();  // Q and tile j have landed (only later tiles may be in flight)
     __syncthreads();
-    if (j == 0) {
-      for (int kk = 0; kk < BLOCK_D / 16; ++kk)
-        load_a(q_frag[kk], q_smem + warp * 16 * ROW, kk, lane);
-    }
-    const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
-    const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
+    if (j < n_reached) {
+      const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
+      const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
 
-    // S = Q K^T
-    float s[BLOCK_N / 8][4] = {};
+      // S = Q K^T
+      float s[WARP_TILES][BLOCK_N / 8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_D / 16; ++kk) mma_abt(s, q_frag[kk], k_tile, kk, lane);
-
-    // scores, exclusions and the online softmax; c = 0, 1: row0; c = 2, 3: row0 + 8
-    float tile_max[2] = {-INFINITY, -INFINITY};
+      for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
+        uint32_t q_frag[WARP_TILES][4];
 #pragma unroll
-    for (int n = 0; n < BLOCK_N / 8; ++n) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = row0 + (c / 2) * 8, col = j * BLOCK_N + n * 8 + 2 * t + (c % 2);
-        s[n][c] = rule.visible(row, col) ? rule.score(rule.capped(s[n][c]), row, col) : -INFINITY;
-        tile_max[c / 2] = fmaxf(tile_max[c / 2], s[n][c]);
+        for (int mt = 0; mt < WARP_TILES; ++mt) load_a(q_frag[mt], q_warp + mt * 16 * ROW, kk, lane);
+        mma_abt(s, q_frag, k_tile, kk, lane);
       }
-    }
-    float scale[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
-      const float new_max = fmaxf(row_max[r], tile_max[r]);
-      // a row with nothing allowed yet keeps max -inf: subtract 0 so exp(-inf - -inf) never runs
-      const float base = new_max == -INFINITY ? 0.f : new_max;
-      scale[r] = exp2f((row_max[r] - base) * LOG2E);
-      row_max[r] = new_max;
-      row_sum[r] *= scale[r];
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n) {
-        s[n][2 * r] = exp2f((s[n][2 * r] - base) * LOG2E);
-        s[n][2 * r + 1] = exp2f((s[n][2 * r + 1] - base) * LOG2E);
-        row_sum[r] += s[n][2 * r] + s[n][2 * r + 1];
-      }
-    }
-#pragma unroll
-    for (int d = 0; d < BLOCK_D / 8; ++d) {
-      acc[d][0] *= scale[0]; acc[d][1] *= scale[0];
-      acc[d][2] *= scale[1]; acc[d][3] *= scale[1];
-    }
+      if (j < n_interior)
+        scores<false>(s, rule, warp_row0, j * BLOCK_N, g, t);
+      else
+        scores<true>(s, rule, warp_row0, j * BLOCK_N, g, t);
 
-    // acc += P V: the S accumulators of two n8 tiles form one 16x16 A fragment
+      // the online softmax; r = 0: row g (c = 0, 1), r = 1: row g + 8 (c = 2, 3) of tile mt
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      uint32_t a[4];
-      accumulator_to_a(a, s, kk);
-      mma_ab(acc, a, v_tile, kk, lane);
+      for (int mt = 0; mt < WARP_TILES; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float tile_max = -INFINITY;
+#pragma unroll
+          for (int n = 0; n < BLOCK_N / 8; ++n) tile_max = fmaxf(tile_max, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+          const float new_max = fmaxf(row_max[mt][r], tile_max);
+          // a row with nothing allowed yet keeps max -inf: subtract 0 so exp(-inf - -inf) never runs
+          const float base = (new_max == -INFINITY ? 0.f : new_max) * LOG2E;
+          const float rescale = exp2f(row_max[mt][r] * LOG2E - base);
+          row_max[mt][r] = new_max;
+          float sum = 0.f;
+#pragma unroll
+          for (int n = 0; n < BLOCK_N / 8; ++n) {
+            s[mt][n][2 * r] = exp2f(fmaf(s[mt][n][2 * r], LOG2E, -base));
+            s[mt][n][2 * r + 1] = exp2f(fmaf(s[mt][n][2 * r + 1], LOG2E, -base));
+            sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+          }
+          row_sum[mt][r] = row_sum[mt][r] * rescale + sum;
+#pragma unroll
+          for (int d = 0; d < BLOCK_D / 8; ++d) {
+            acc[mt][d][2 * r] *= rescale;
+            acc[mt][d][2 * r + 1] *= rescale;
+          }
+        }
+      }
+
+      // acc += P V: the S accumulators of two n8 tiles form one 16x16 A fragment
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        uint32_t p_frag[WARP_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < WARP_TILES; ++mt) accumulator_to_a(p_frag[mt], s[mt], kk);
+        mma_ab(acc, p_frag, v_tile, kk, lane);
+      }
     }
     __syncthreads();  // the next iteration's loads overwrite the slot just read
   }
@@ -128,22 +185,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
 
   // out = acc / l, lse = m + log l; rows with l == 0 saw no allowed key (dead rows)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 2);
-    const int row = row0 + r * 8;
-    if (row >= in.seqlen_q) continue;
-    const bool dead = row_sum[r] == 0.f;
-    const float inverse = dead ? 0.f : 1.f / row_sum[r];
-    elem_t* out = p.out + at.batch * p.out_stride[0] + row * p.out_stride[1] + at.head * p.out_stride[2];
+  for (int mt = 0; mt < WARP_TILES; ++mt) {
 #pragma unroll
-    for (int d = 0; d < BLOCK_D / 8; ++d) {
-      const int col = d * 8 + 2 * t;
-      if (col < HEAD_DIM)  // HEAD_DIM is a multiple of 8: the pair is in or out together
-        store_pair(out + col, acc[d][2 * r] * inverse, acc[d][2 * r + 1] * inverse);
+    for (int r = 0; r < 2; ++r) {
+      float sum = row_sum[mt][r];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      const int row = warp_row0 + mt * 16 + r * 8 + g;
+      if (row >= in.seqlen_q) continue;
+      const bool dead = sum == 0.f;
+      const float inverse = dead ? 0.f : 1.f / sum;
+      elem_t* out = p.out + at.batch * p.out_stride[0] + row * p.out_stride[1] + at.head * p.out_stride[2];
+#pragma unroll
+      for (int d = 0; d < BLOCK_D / 8; ++d) {
+        const int col = d * 8 + 2 * t;
+        if (col < HEAD_DIM)  // HEAD_DIM is a multiple of 8: the pair is in or out together
+          store_pair(out + col, acc[mt][d][2 * r] * inverse, acc[mt][d][2 * r + 1] * inverse);
+      }
+      if (t == 0)
+        p.lse[at.batch * p.lse_stride[0] + at.head * p.lse_stride[1] + row * p.lse_stride[2]] =
+            dead ? -INFINITY : row_max[mt][r] + logf(sum);
     }
-    if (t == 0)
-      p.lse[at.batch * p.lse_stride[0] + at.head * p.lse_stride[1] + row * p.lse_stride[2]] =
-          dead ? -INFINITY : row_max[r] + logf(row_sum[r]);
   }
 }

@@ -23,9 +23,13 @@ from dmattn_kernels.cuda.build import build, defines
 from dmattn_kernels.triton.launch import _finish_dbias, compile_only, is_compile_only  # noqa: F401 (re-exported)
 
 MAX_HEAD_DIM = 256
-WARP_CHOICES = (2, 4, 8)  # a warp owns 16 rows: fwd block_m, bwd block_n and block_m_dq = 16 * num_warps
+WARP_CHOICES = (2, 4, 8)
+# Rows a warp owns, as m16 tiles: forward block_m = 16 or 32 x num_warps (flash_fwd.cu: WARP_TILES),
+# backward block_n and block_m_dq = 16 x num_warps.
+FORWARD_WARP_ROWS = (16, 32)
 INNER_CHOICES = (16, 32, 64, 128)  # the tiles a CTA walks: fwd block_n, bwd block_m and block_n_dq
 MAX_STAGES = 4
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 SHARED_PAD = 8  # elements per shared row beyond the padded head dim (common.cuh: ROW)
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
@@ -179,9 +183,11 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
         return f"num_warps={config.num_warps} is not one of {WARP_CHOICES}"
     owned = ("block_m",) if isinstance(config, FwdConfig) else ("block_n", "block_m_dq")
     walked = ("block_n",) if isinstance(config, FwdConfig) else ("block_m", "block_n_dq")
+    rows_per_warp = FORWARD_WARP_ROWS if isinstance(config, FwdConfig) else (16,)
     for name in owned:
-        if getattr(config, name) != 16 * config.num_warps:
-            return f"{name}={getattr(config, name)} is not 16 x num_warps={config.num_warps} (a warp owns 16 rows)"
+        if getattr(config, name) not in tuple(rows * config.num_warps for rows in rows_per_warp):
+            return (f"{name}={getattr(config, name)} is not {' or '.join(map(str, rows_per_warp))} x "
+                    f"num_warps={config.num_warps} (the rows a warp owns)")
     for name in walked:
         if getattr(config, name) not in INNER_CHOICES:
             return f"{name}={getattr(config, name)} is not one of {INNER_CHOICES}"
@@ -224,7 +230,8 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
             is_causal: bool, has_mask: bool, softcap: float) -> tuple[str, ...]:
     """The -D list of the forward variant a call needs."""
     return defines(_element(dtype), head_dim, config.num_warps, config.num_stages,
-                   **_features(bias_dtype, is_causal, has_mask, softcap), BLOCK_N=config.block_n)
+                   **_features(bias_dtype, is_causal, has_mask, softcap), BLOCK_M=config.block_m,
+                   BLOCK_N=config.block_n)
 
 
 def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
@@ -275,6 +282,9 @@ class _Launcher:
         self.device = device.index if device.index is not None else torch.cuda.current_device()
 
     def __call__(self, name: bytes, grid: tuple[int, int], num_warps: int, shared_bytes: int, params) -> None:
+        if grid[1] > MAX_GRID_Y:
+            raise ValueError(f"{name.decode()}: needs {grid[1]} CTAs on grid y, over CUDA's limit of {MAX_GRID_Y} "
+                             "(fewer heads x batch in the backward, or a shorter query in the forward)")
         driver = _the_driver()
         with torch.cuda.device(self.device):  # the runtime makes the device's primary context current
             function = driver.function(self.device, self.cubin, name, shared_bytes)
@@ -296,7 +306,7 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
         return
     params = _FwdParams(_inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), lse.data_ptr(),
                         out.stride()[:3], lse.stride())
-    launcher(b"dmattn_fwd_kernel", (triton.cdiv(seqlen_q, config.block_m), batch * num_heads), config.num_warps,
+    launcher(b"dmattn_fwd_kernel", (batch * num_heads, triton.cdiv(seqlen_q, config.block_m)), config.num_warps,
              forward_shared_bytes(config, head_dim), params)
 
 
@@ -350,9 +360,9 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     shared = backward_shared_bytes(config, head_dim)
     launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, config.num_warps), heads), config.num_warps, 0,
              params)
-    launcher(b"dmattn_bwd_dkdv_kernel", (triton.cdiv(seqlen_k, config.block_n), heads), config.num_warps,
+    launcher(b"dmattn_bwd_dkdv_kernel", (heads, triton.cdiv(seqlen_k, config.block_n)), config.num_warps,
              shared["dkdv"], params)
-    launcher(b"dmattn_bwd_dq_kernel", (triton.cdiv(seqlen_q, config.block_m_dq), heads), config.num_warps,
+    launcher(b"dmattn_bwd_dq_kernel", (heads, triton.cdiv(seqlen_q, config.block_m_dq)), config.num_warps,
              shared["dq"], params)
     if group > 1:
         dk.copy_(dk_share.unflatten(2, (num_heads_kv, group)).sum(3))

@@ -21,7 +21,7 @@ what = sys.argv[1] if len(sys.argv) > 1 else "all"
 cuda = get_backend("cuda")
 DTYPES = (torch.bfloat16, torch.float16)
 PAIRS = [
-    (FwdConfig(128, 128, 8, 2), BwdConfig(64, 64, 64, 64, 4, 2)),
+    (FwdConfig(128, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2)),
     (FwdConfig(128, 64, 8, 2), BwdConfig(32, 64, 64, 32, 4, 2)),
     (FwdConfig(64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1)),
     (FwdConfig(32, 32, 2, 3), BwdConfig(32, 32, 32, 16, 2, 3)),
@@ -89,7 +89,7 @@ if what in ("time", "all"):
 
     for name in ("cuda", "triton"):
         backend = get_backend(name)
-        fwds = ([FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2), FwdConfig(128, 64, 8, 3)] if name == "cuda"
+        fwds = ([FwdConfig(128, 64, 4, 2), FwdConfig(256, 64, 8, 2), FwdConfig(128, 32, 4, 2)] if name == "cuda"
                 else [FwdConfig(64, 64, 4, 3)])
         bwds = ([BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2), BwdConfig(64, 128, 128, 64, 8, 2),
                  BwdConfig(32, 128, 128, 32, 8, 2), BwdConfig(64, 64, 64, 32, 4, 3), BwdConfig(32, 64, 64, 64, 4, 3)]
