@@ -151,8 +151,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
           tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
           const float new_max = fmaxf(row_max[mt][r], tile_max);
           // a row with nothing allowed yet keeps max -inf: subtract 0 so exp(-inf - -inf) never runs
-          const float base = (new_max == -INFINITY ? 0.f : new_max) * LOG2E;
-          const float rescale = exp2f(row_max[mt][r] * LOG2E - base);
+          const float shift = new_max == -INFINITY ? 0.f : new_max;
+          // Difference first, so an unchanged max rescales by exactly 1. exp2f(m L - round(m L))
+          // (one FFMA) is 2^delta with delta up to half an ulp of m L: applied once per key tile
+          // it weights early and late tiles apart, 0.6% over 64 tiles at a row max of -1e4.
+          const float rescale = exp2f((row_max[mt][r] - shift) * LOG2E);
+          const float base = shift * LOG2E;  // P = exp2(S L - base): the same base for every P of the tile
           row_max[mt][r] = new_max;
           float sum = 0.f;
 #pragma unroll
