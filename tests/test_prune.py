@@ -146,7 +146,7 @@ def test_cli_rejects_unknown_arch_and_a_dtype_the_cuda_kernels_lack(tmp_path):
 def test_cli_compile_checks_the_cuda_space(tmp_path, monkeypatch):
     monkeypatch.setenv("DMATTN_BENCH_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cuda-fwd.yaml").write_text(
-        "backend: cuda\ndirection: fwd\narch:\n  sm90:\n    block_m: [64, 128]\n    block_n: [64]\n"
+        "backend: cuda\ndirection: fwd\narch:\n  sm90:\n    block_m: [64, 128, 256]\n    block_n: [64]\n"
         "    num_warps: [4]\n    num_stages: [2]\n")
     (tmp_path / "cuda-bwd.yaml").write_text(
         "backend: cuda\ndirection: bwd\narch:\n  sm90:\n    block_m: [32]\n    block_n: [64, 128]\n"
@@ -157,5 +157,6 @@ def test_cli_compile_checks_the_cuda_space(tmp_path, monkeypatch):
     document = json.loads(result.stdout)
     assert document["backend"] == "cuda"
     assert [(c["direction"], c["config"]["block_m"], c["config"]["block_n"], c["status"])
-            for c in document["candidates"]] == [("fwd", 64, 64, "fits"), ("fwd", 128, 64, "unsupported"),
+            for c in document["candidates"]] == [("fwd", 64, 64, "fits"), ("fwd", 128, 64, "fits"),
+                                                 ("fwd", 256, 64, "unsupported"),  # 16 or 32 rows per warp
                                                  ("bwd", 32, 64, "fits"), ("bwd", 32, 128, "unsupported")]
