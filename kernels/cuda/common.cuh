@@ -111,10 +111,21 @@ __device__ __forceinline__ void accumulator_to_a(uint32_t (&a)[4], const float (
   a[3] = as_u32(pack2(x[2 * kk + 1][2], x[2 * kk + 1][3]));
 }
 
+// c[mt][n8] and c[mt][n8 + 1] += a[mt] x the two n8 B fragments b[0..1], b[2..3], for each of the
+// MT m16 tiles: one loaded B fragment pair feeds 2 MT products.
+template <int MT, int N8>
+__device__ __forceinline__ void mma_tiles(float (&c)[MT][N8][4], int n8, const uint32_t (&a)[MT][4],
+                                          const uint32_t (&b)[4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    mma(c[mt][n8], a[mt], b[0], b[1]);
+    mma(c[mt][n8 + 1], a[mt], b[2], b[3]);
+  }
+}
+
 // c (MT m16 tiles x 8 N8) += a (MT m16 tiles of this warp's rows, k-step kk) x Y^T, Y the first
 // 8 N8 rows of a row-major shared tile (one row per output column): S = Q K^T, dP = dO V^T and
-// their transposes. Each B fragment loaded feeds 2 MT products: shared-memory traffic per mma
-// falls as a warp owns more m16 tiles.
+// their transposes. Shared-memory traffic per mma falls as a warp owns more m16 tiles.
 template <int MT, int N8>
 __device__ __forceinline__ void mma_abt(float (&c)[MT][N8][4], const uint32_t (&a)[MT][4], const elem_t* tile, int kk,
                                         int lane) {
@@ -122,11 +133,7 @@ __device__ __forceinline__ void mma_abt(float (&c)[MT][N8][4], const uint32_t (&
   for (int nn = 0; nn < N8 / 2; ++nn) {
     uint32_t b[4];
     load_b(b, tile, nn, kk, lane);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      mma(c[mt][2 * nn], a[mt], b[0], b[1]);
-      mma(c[mt][2 * nn + 1], a[mt], b[2], b[3]);
-    }
+    mma_tiles(c, 2 * nn, a, b);
   }
 }
 
@@ -145,11 +152,7 @@ __device__ __forceinline__ void mma_ab(float (&acc)[MT][BLOCK_D / 8][4], const u
   for (int dd = 0; dd < BLOCK_D / 16; ++dd) {
     uint32_t b[4];
     load_b_trans(b, tile, kk, dd, lane);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      mma(acc[mt][2 * dd], a[mt], b[0], b[1]);
-      mma(acc[mt][2 * dd + 1], a[mt], b[2], b[3]);
-    }
+    mma_tiles(acc, 2 * dd, a, b);
   }
 }
 
@@ -276,6 +279,29 @@ __device__ __forceinline__ ScoreRule score_rule(const Inputs& in, const HeadSlic
   rule.scale = in.softmax_scale;
   rule.softcap = in.softcap;
   return rule;
+}
+
+// The key tiles of KEYS keys that a query block walks (the forward and dQ kernels): the block
+// reaches tiles [0, block); every row of one warp's rows [warp_row0, warp_row0 + warp_rows) sees
+// every key of tiles [0, interior) (no mask, in bounds, causal) and no key of tiles
+// [reached, block) (causal), so only tiles [interior, reached) test positions.
+struct KeyTiles {
+  int block, interior, reached;
+};
+
+template <int KEYS>
+__device__ __forceinline__ KeyTiles key_tiles(const ScoreRule& rule, int block_row_end, int warp_row0,
+                                              int warp_rows) {
+  int block_keys = rule.seqlen_k;
+  if (IS_CAUSAL) block_keys = min(block_keys, max(0, block_row_end + rule.offset));
+  int interior_keys = warp_row0 + warp_rows <= rule.seqlen_q ? rule.seqlen_k : 0;
+  if (IS_CAUSAL) interior_keys = min(interior_keys, max(0, warp_row0 + rule.offset + 1));
+  KeyTiles tiles;
+  tiles.block = (block_keys + KEYS - 1) / KEYS;
+  tiles.interior = HAS_MASK ? 0 : interior_keys / KEYS;
+  tiles.reached =
+      IS_CAUSAL ? (max(0, warp_row0 + warp_rows + rule.offset) + KEYS - 1) / KEYS : tiles.block;
+  return tiles;
 }
 
 // Two adjacent columns of an output row (the column is even: 4- or 8-byte aligned).

@@ -299,15 +299,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
     delta_of_row[r] = row < in.seqlen_q ? grads.delta[row * p.delta_stride[2]] : 0.f;
   }
 
-  int n_end = in.seqlen_k;
-  if (IS_CAUSAL) n_end = min(n_end, max(0, (m_block + 1) * BLOCK_M + rule.offset));
-  const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
-  // as in the forward: every row of this warp sees every key of the tiles before `n_interior`,
-  // and no key of the tiles from `n_reached` on
-  int interior_keys = warp_row0 + 16 <= in.seqlen_q ? in.seqlen_k : 0;
-  if (IS_CAUSAL) interior_keys = min(interior_keys, max(0, warp_row0 + rule.offset + 1));
-  const int n_interior = HAS_MASK ? 0 : interior_keys / BLOCK_N;
-  const int n_reached = IS_CAUSAL ? (max(0, warp_row0 + 16 + rule.offset) + BLOCK_N - 1) / BLOCK_N : n_tiles;
+  const KeyTiles tiles = key_tiles<BLOCK_N>(rule, (m_block + 1) * BLOCK_M, warp_row0, 16);
+  const int n_tiles = tiles.block;
 
   load_tile<BLOCK_M>(q_smem, at.q, in.q_stride[1], m_block * BLOCK_M, in.seqlen_q);
   load_tile<BLOCK_M>(do_smem, grads.dout, p.dout_stride[1], m_block * BLOCK_M, in.seqlen_q);
@@ -332,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
         load_a(do_frag[kk], do_smem + warp * 16 * ROW, kk, lane);
       }
     }
-    if (j < n_reached) {
+    if (j < tiles.reached) {
       const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
       const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
 
@@ -356,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
           }
         }
       };
-      if (j < n_interior)
+      if (j < tiles.interior)
         gradients(Flag<false>());
       else
         gradients(Flag<true>());

@@ -89,16 +89,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
   const int warp_row0 = m_block * BLOCK_M + warp * WARP_M;  // this warp's first query row
   const elem_t* q_warp = q_smem + warp * WARP_M * ROW;
 
-  // key tiles the causal rule lets this query block reach
-  int n_end = in.seqlen_k;
-  if (IS_CAUSAL) n_end = min(n_end, max(0, (m_block + 1) * BLOCK_M + rule.offset));
-  const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
-  // Every row of this warp sees every key of the tiles before `n_interior` (no mask, in bounds,
-  // causal) and no key of the tiles from `n_reached` on (causal).
-  int interior_keys = warp_row0 + WARP_M <= in.seqlen_q ? in.seqlen_k : 0;
-  if (IS_CAUSAL) interior_keys = min(interior_keys, max(0, warp_row0 + rule.offset + 1));
-  const int n_interior = HAS_MASK ? 0 : interior_keys / BLOCK_N;
-  const int n_reached = IS_CAUSAL ? (max(0, warp_row0 + WARP_M + rule.offset) + BLOCK_N - 1) / BLOCK_N : n_tiles;
+  const KeyTiles tiles = key_tiles<BLOCK_N>(rule, (m_block + 1) * BLOCK_M, warp_row0, WARP_M);
+  const int n_tiles = tiles.block;
 
   load_tile<BLOCK_M>(q_smem, at.q, in.q_stride[1], m_block * BLOCK_M, in.seqlen_q);
   commit_group();  // Q is a group of its own: every later wait also covers it
@@ -121,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
     commit_group();
     wait_group<STAGES - 1>();  // Q and tile j have landed (only later tiles may be in flight)
     __syncthreads();
-    if (j < n_reached) {
+    if (j < tiles.reached) {
       const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
       const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
 
@@ -134,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
         for (int mt = 0; mt < WARP_TILES; ++mt) load_a(q_frag[mt], q_warp + mt * 16 * ROW, kk, lane);
         mma_abt(s, q_frag, k_tile, kk, lane);
       }
-      if (j < n_interior)
+      if (j < tiles.interior)
         scores<false>(s, rule, warp_row0, j * BLOCK_N, g, t);
       else
         scores<true>(s, rule, warp_row0, j * BLOCK_N, g, t);
