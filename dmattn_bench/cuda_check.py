@@ -34,7 +34,7 @@ def _judge(direction: str, config: FwdConfig | BwdConfig, arch: str, head_dim: i
 
     limits = parse_arch(arch)
     start = time.perf_counter()
-    shared = launch.shared_bytes(config, head_dim)
+    shared = launch.shared_bytes(config, head_dim, limits.arch)
 
     def verdict(status: str, reason: str = "", check: str = "", registers=None, stack=None) -> Candidate:
         return Candidate(direction, config, limits.arch, head_dim, dtype, status, reason, shared, check, registers, stack,
@@ -48,9 +48,10 @@ def _judge(direction: str, config: FwdConfig | BwdConfig, arch: str, head_dim: i
     for is_causal, has_mask, bias_dtype, softcap, group, dbias in VARIANTS:
         features = dict(is_causal=is_causal, has_mask=has_mask, softcap=softcap)
         if direction == "fwd":
-            flags = launch.variant(config, head_dim, element, bias_dtype, **features)
+            flags = launch.variant(config, head_dim, element, bias_dtype, arch=limits.arch, **features)
         else:
-            flags = launch.backward_variant(config, head_dim, element, bias_dtype, group=group, dbias=dbias, **features)
+            flags = launch.backward_variant(config, head_dim, element, bias_dtype, arch=limits.arch, group=group,
+                                                dbias=dbias, **features)
         try:
             cubin = build.build(direction, limits.arch, flags)
         except build.CudaBuildError as exc:

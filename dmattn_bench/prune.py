@@ -220,7 +220,7 @@ def precheck(direction: str, config: Config, limits: ArchLimits, head_dim: int, 
     if backend == "cuda":
         from dmattn_kernels.cuda.launch import shared_bytes
 
-        shared = shared_bytes(config, head_dim)
+        shared = shared_bytes(config, head_dim, limits.arch)
         if shared > limits.shared_memory_per_block:
             return unsupported("shared", f"shared memory {shared} B > {limits.shared_memory_per_block} B limit of "
                                          f"{limits.arch}", shared)

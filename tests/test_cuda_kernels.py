@@ -61,10 +61,11 @@ def _parameter_sizes(cubin: Path) -> list[int]:
 @needs_nvcc
 def test_the_launcher_parameter_blocks_are_the_kernels(cubin_cache):
     """The ctypes structs the launcher passes have the size of each kernel's one parameter."""
-    flags = launch.variant(FwdConfig(64, 64, 4, 2), 72, torch.float16, torch.float32, is_causal=True, has_mask=True,
-                           softcap=0.0)
-    assert _parameter_sizes(build.build("fwd", "sm90", flags)) == [ctypes.sizeof(launch._FwdParams)] == [272]
-    flags = launch.backward_variant(BwdConfig(32, 64, 64, 32, 4, 2), 72, torch.bfloat16, torch.float32,
+    for head_dim in (72, 128):  # mma.sync and wgmma (the tile allows it on sm90 at 128)
+        flags = launch.variant(FwdConfig(64, 64, 4, 2), head_dim, torch.float16, torch.float32, arch="sm90",
+                               is_causal=True, has_mask=True, softcap=0.0)
+        assert _parameter_sizes(build.build("fwd", "sm90", flags)) == [ctypes.sizeof(launch._FwdParams)] == [272]
+    flags = launch.backward_variant(BwdConfig(32, 64, 64, 32, 4, 2), 72, torch.bfloat16, torch.float32, arch="sm90",
                                     is_causal=True, has_mask=True, softcap=0.0, group=2, dbias=(True, torch.float32))
     # the delta, dK/dV and dQ kernels all take BwdParams
     assert _parameter_sizes(build.build("bwd", "sm90", flags)) == [ctypes.sizeof(launch._BwdParams)] * 3 == [472] * 3
@@ -90,14 +91,14 @@ def test_launcher_rules_and_variant_flags():
     # dK/dV: K, V and 2-stage rings of Q and dO tiles plus their fp32 lse and delta; dQ: Q, dO, K and V rings
     assert launch.backward_shared_bytes(BwdConfig(32, 64, 64, 16, 4, 2), 72) == {
         "dkdv": (2 * 64 + 2 * 2 * 32) * 88 * 2 + 2 * 2 * 32 * 4, "dq": (2 * 64 + 2 * 2 * 16) * 88 * 2}
-    flags = launch.variant(FwdConfig(64, 32, 4, 3), 72, torch.bfloat16, None, is_causal=False, has_mask=True,
-                           softcap=30.0)
+    flags = launch.variant(FwdConfig(64, 32, 4, 3), 72, torch.bfloat16, None, arch="sm90", is_causal=False,
+                           has_mask=True, softcap=30.0)
     assert flags == ("-DELEMENT=1", "-DBIAS_FP32=0", "-DHEAD_DIM=72", "-DNUM_WARPS=4", "-DSTAGES=3", "-DIS_CAUSAL=0",
-                     "-DHAS_MASK=1", "-DHAS_BIAS=0", "-DHAS_SOFTCAP=1", "-DBLOCK_M=64", "-DBLOCK_N=32")
-    flags = launch.backward_variant(BwdConfig(16, 64, 64, 32, 4, 1), 64, torch.float16, torch.float16,
+                     "-DHAS_MASK=1", "-DHAS_BIAS=0", "-DHAS_SOFTCAP=1", "-DBLOCK_M=64", "-DBLOCK_N=32", "-DWGMMA=0")
+    flags = launch.backward_variant(BwdConfig(16, 64, 64, 32, 4, 1), 64, torch.float16, torch.float16, arch="sm90",
                                     is_causal=True, has_mask=False, softcap=0.0, group=1, dbias=(False, torch.float16))
-    assert flags[-6:] == ("-DDKDV_BLOCK_M=16", "-DDQ_BLOCK_N=32", "-DHAS_DBIAS=1", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=0",
-                          "-DDKV_FP32=0")
+    assert flags[-7:] == ("-DDKDV_BLOCK_M=16", "-DDQ_BLOCK_N=32", "-DHAS_DBIAS=1", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=0",
+                          "-DDKV_FP32=0", "-DWGMMA=0")  # no m64n16 product for the 16-query tiles
 
 
 def test_the_cuda_backend_is_registered_and_refuses_cpu_tensors():
@@ -142,3 +143,34 @@ def test_a_grid_over_cuda_s_y_limit_is_a_clear_error():
     launcher = launch._Launcher.__new__(launch._Launcher)  # no cubin needed: the check comes first
     with pytest.raises(ValueError, match=r"dmattn_fwd_kernel: needs 65536 CTAs on grid y, over CUDA's limit of 65535"):
         launcher(b"dmattn_fwd_kernel", (32, 65536), 4, 0, None)
+
+
+def test_the_forward_runs_wgmma_only_where_sm90_and_the_tile_allow_it():
+    assert launch.uses_wgmma(FwdConfig(128, 128, 8, 2), 128, "sm90")
+    assert launch.uses_wgmma(FwdConfig(64, 64, 4, 2), 120, "sm90")  # padded to 128: zero lanes past 120
+    assert not launch.uses_wgmma(FwdConfig(128, 128, 8, 2), 128, "sm80")  # no wgmma before Hopper
+    assert not launch.uses_wgmma(FwdConfig(128, 128, 8, 2), 128, "sm120")  # nor on consumer Blackwell
+    assert not launch.uses_wgmma(FwdConfig(128, 64, 4, 2), 128, "sm90")  # 32 rows per warp
+    assert not launch.uses_wgmma(FwdConfig(64, 64, 2, 2), 128, "sm90")  # half a warpgroup
+    assert not launch.uses_wgmma(FwdConfig(128, 16, 8, 2), 128, "sm90")  # no m64n16 product
+    assert not launch.uses_wgmma(FwdConfig(128, 64, 8, 2), 96, "sm90")  # 96 is not whole 128-byte lines
+    flags = launch.variant(FwdConfig(128, 64, 8, 2), 128, torch.bfloat16, None, arch="sm90", is_causal=True,
+                           has_mask=False, softcap=0.0)
+    assert flags[-1] == "-DWGMMA=1"
+    assert launch.uses_wgmma(BwdConfig(64, 128, 128, 64, 8, 2), 128, "sm90")
+    assert not launch.uses_wgmma(BwdConfig(16, 64, 64, 32, 4, 1), 128, "sm90")  # 16-query tiles
+    assert not launch.uses_wgmma(BwdConfig(64, 32, 32, 64, 2, 2), 128, "sm90")  # half a warpgroup
+
+
+def test_wgmma_tiles_are_unpadded_and_aligned_in_shared_memory():
+    fwd = FwdConfig(128, 128, 8, 3)
+    # Q and two 3-stage rings of 128 x 128 tiles, 2 bytes, no row pad, 1 KiB of alignment slack
+    assert launch.forward_shared_bytes(fwd, 128, "sm90") == (128 + 2 * 3 * 128) * 128 * 2 + 1024 == 230400
+    assert launch.forward_shared_bytes(fwd, 128, "sm80") == (128 + 2 * 3 * 128) * 136 * 2
+    # without an arch the padded layout bounds both (at least 128 rows)
+    assert launch.shared_bytes(fwd, 128) >= max(launch.shared_bytes(fwd, 128, arch) for arch in ("sm80", "sm90"))
+    bwd = BwdConfig(64, 128, 128, 64, 8, 2)
+    assert launch.backward_shared_bytes(bwd, 128, "sm90") == {
+        "dkdv": (2 * 128 + 2 * 2 * 64) * 128 * 2 + 1024 + 2 * 2 * 64 * 4, "dq": (2 * 128 + 2 * 2 * 64) * 128 * 2 + 1024}
+    assert launch.shared_bytes(bwd, 128) >= launch.shared_bytes(bwd, 128, "sm90")
+

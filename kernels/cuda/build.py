@@ -23,7 +23,9 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent
 SOURCES = {"fwd": KERNEL_DIR / "flash_fwd.cu", "bwd": KERNEL_DIR / "flash_bwd.cu"}  # each includes common.cuh
-ARCH_FLAGS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90", "sm120": "sm_120"}
+# sm_90a, not sm_90: wgmma is an arch-specific feature (the "a" target), and such a cubin loads
+# on SM90 GPUs only, which is all an sm90 build is for.
+ARCH_FLAGS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90a", "sm120": "sm_120"}
 NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", f"-I{KERNEL_DIR}")
 NVCC_TIMEOUT_S = 300
 ELEMENTS = {"fp16": 0, "bf16": 1}

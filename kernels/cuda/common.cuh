@@ -3,7 +3,8 @@
 //
 // Compile-time parameters (one -D each; `dmattn_kernels.cuda.build.defines` is the only place
 // that sets them): ELEMENT (0 fp16, 1 bf16), BIAS_FP32, HEAD_DIM, NUM_WARPS, STAGES, IS_CAUSAL,
-// HAS_MASK, HAS_BIAS, HAS_SOFTCAP, and each kernel's own tile sizes.
+// HAS_MASK, HAS_BIAS, HAS_SOFTCAP, each kernel's own tile sizes, and WGMMA (SM90 products
+// through wgmma.mma_async, shared tiles in its swizzled layout: sm90.cuh; default 0).
 //
 // Fragment coordinates (PTX ISA, mma.m16n8k16): lane = 4 g + t. A (16x16) holds rows g and
 // g + 8, columns 2t, 2t + 1 and 8 + 2t, 9 + 2t; a C/D accumulator c[4] of a 16x8 tile holds
@@ -28,6 +29,10 @@ typedef __half2 elem2_t;
 __device__ __forceinline__ elem2_t pack2(float a, float b) { return __floats2half2_rn(a, b); }
 #endif
 
+#ifndef WGMMA
+#define WGMMA 0
+#endif
+
 #if BIAS_FP32
 typedef float bias_t;
 #else
@@ -36,7 +41,9 @@ typedef elem_t bias_t;
 
 constexpr int WARP_ROWS = 16;                        // rows of the mma tile a warp owns
 constexpr int BLOCK_D = (HEAD_DIM + 15) / 16 * 16;  // the mma k-step is 16
-constexpr int ROW = BLOCK_D + 8;                     // shared row length in elements (16 B pad)
+// Shared row length in elements: ldmatrix tiles pad each row by 16 B, so the 8 rows one ldmatrix
+// reads start in different banks; wgmma tiles are swizzled instead (sm90.cuh), unpadded.
+constexpr int ROW = WGMMA ? BLOCK_D : BLOCK_D + 8;
 constexpr int CHUNKS = BLOCK_D / 8;                  // 16-byte chunks per row
 constexpr int THREADS = NUM_WARPS * 32;
 constexpr int CTA_ROWS = WARP_ROWS * NUM_WARPS;     // rows a backward CTA owns: dQ query rows, dK/dV keys
@@ -162,6 +169,30 @@ __device__ __forceinline__ void mma_ab(float (&acc)[BLOCK_D / 8][4], const uint3
             kk, lane);
 }
 
+#if WGMMA
+#include "sm90.cuh"
+#endif
+
+// The start of a kernel's dynamic shared memory as tiles: wgmma's swizzle atoms start on
+// 1024-byte boundaries (launch.py reserves the slack).
+__device__ __forceinline__ elem_t* shared_tiles(unsigned char* raw) {
+#if WGMMA
+  return reinterpret_cast<elem_t*>(raw + (-shared_address(raw) & (SWIZZLE_ATOM - 1)));
+#else
+  return reinterpret_cast<elem_t*>(raw);
+#endif
+}
+
+// Where element (row, col) of a ROWS-row shared tile lives.
+template <int ROWS>
+__device__ __forceinline__ int tile_offset(int row, int col) {
+#if WGMMA
+  return swizzled(row, col, ROWS);
+#else
+  return row * ROW + col;
+#endif
+}
+
 // ROWS x BLOCK_D tile of a (batch, head) slice starting at row `first`; rows past `rows_end`
 // and lanes past HEAD_DIM zero-filled (never read). Thread i copies the 16-byte chunk i % CHUNKS
 // of rows i / CHUNKS + k THREADS / CHUNKS: its source address steps by a constant, so a copy
@@ -179,14 +210,14 @@ __device__ __forceinline__ void load_tile(elem_t* dst, const elem_t* base, int64
       const int r = r0 + pass * ROW_STEP;
       if (ROWS % ROW_STEP == 0 || r < ROWS) {
         const bool valid = first + r < rows_end && d < HEAD_DIM;
-        copy_chunk(dst + r * ROW + d, valid ? src : base, valid);
+        copy_chunk(dst + tile_offset<ROWS>(r, d), valid ? src : base, valid);
       }
     }
   } else {  // head dims whose chunk count does not divide the thread count (BLOCK_D 48, 80, ...)
     for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
       const int r = c / CHUNKS, d = (c % CHUNKS) * 8;
       const bool valid = first + r < rows_end && d < HEAD_DIM;
-      copy_chunk(dst + r * ROW + d, valid ? base + (first + r) * row_stride + d : base, valid);
+      copy_chunk(dst + tile_offset<ROWS>(r, d), valid ? base + (first + r) * row_stride + d : base, valid);
     }
   }
 }

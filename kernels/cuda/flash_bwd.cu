@@ -39,11 +39,20 @@
 // Memory: Q/dO (dK/dV kernel) and K/V (dQ kernel) tiles stream through a cp.async ring of
 // STAGES buffers, zero-filled past the sequence ends and HEAD_DIM, as in the forward.
 //
+// SM90 (WGMMA): the products run as wgmma.mma_async, one m64 product per warpgroup (its 64 keys
+// in dK/dV, 64 queries in dQ): S^T, dP^T, S and dP from shared tiles, dV, dK and dQ with P^T or
+// dS^T / dS from registers. The fragments each warp owns are those of mma.sync, so the
+// gradient code is one; a warpgroup skips a tile only when it is hidden from all its rows.
+//
 // Compile-time parameters: those of common.cuh, and DKDV_BLOCK_M, DQ_BLOCK_N, HAS_DBIAS,
 // DBIAS_ROWS, DBIAS_FP32 (dBias target fp32, else the input dtype), DKV_FP32 (dK/dV shares in
 // fp32, else dK/dV themselves).
 
 #include "common.cuh"
+
+#if WGMMA
+static_assert(is_wgmma_width(DKDV_BLOCK_M) && is_wgmma_width(DQ_BLOCK_N), "wgmma: no m64nN product for these tiles");
+#endif
 
 #if DKV_FP32
 typedef float dkv_t;
@@ -138,7 +147,7 @@ __device__ __forceinline__ Grad position_grad(const ScoreRule& rule, float dot, 
 extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(const BwdParams p) {
   constexpr int BLOCK_N = CTA_ROWS, BLOCK_M = DKDV_BLOCK_M;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  elem_t* k_smem = reinterpret_cast<elem_t*>(smem_raw);
+  elem_t* k_smem = shared_tiles(smem_raw);
   elem_t* v_smem = k_smem + BLOCK_N * ROW;
   elem_t* q_smem = v_smem + BLOCK_N * ROW;             // ring of STAGES query tiles
   elem_t* do_smem = q_smem + STAGES * BLOCK_M * ROW;   // and their dO tiles
@@ -154,6 +163,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
   const int g = lane / 4, t = lane % 4;
   const int warp_key0 = n_block * BLOCK_N + warp * 16;  // this warp's first key
   const int key0 = warp_key0 + g;                      // this thread's keys: key0, key0 + 8
+#if WGMMA  // the warpgroup's products: its keys [group_key0, group_key0 + 64) of the block
+  const int group_key0 = (warp / GROUP_WARPS) * GROUP_ROWS;
+  const int first_key = n_block * BLOCK_N + group_key0;  // the reach test below is the warpgroup's
+#else
+  const int first_key = warp_key0;
+#endif
 
   // query tiles that can see a key of this block: with causal, query i sees key j iff i >= j - offset
   const int m_begin = IS_CAUSAL ? max(0, n_block * BLOCK_N - rule.offset) / BLOCK_M : 0;
@@ -179,14 +194,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
   float dk_acc[BLOCK_D / 8][4] = {}, dv_acc[BLOCK_D / 8][4] = {};
   float dbias_sum[2] = {0.f, 0.f};  // per key, summed over every query (HAS_DBIAS, !DBIAS_ROWS)
   dbias_t* dbias = HAS_DBIAS ? p.dbias + at.batch * p.dbias_stride[0] + at.head * p.dbias_stride[1] : nullptr;
+#if !WGMMA
   const elem_t* k_warp = k_smem + warp * 16 * ROW;
   const elem_t* v_warp = v_smem + warp * 16 * ROW;
+#endif
 
   for (int m = m_begin; m < m_tiles; ++m) {
     const int step = m - m_begin, ahead = m + STAGES - 1;
     if (ahead < m_tiles) load_query_tile(ahead, (step + STAGES - 1) % STAGES);
     commit_group();
     wait_group<STAGES - 1>();  // K, V and query tile m have landed
+#if WGMMA
+    fence_async_shared();
+#endif
     __syncthreads();
     const int slot = step % STAGES;
     const elem_t* q_tile = q_smem + slot * BLOCK_M * ROW;
@@ -196,12 +216,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
 
     // causal: no query of this tile sees a key of this warp, whose products would all be 0
     // (the dBias target is zero already)
-    const bool reached = !IS_CAUSAL || warp_key0 <= (m + 1) * BLOCK_M - 1 + rule.offset;
+    const bool reached = !IS_CAUSAL || first_key <= (m + 1) * BLOCK_M - 1 + rule.offset;
     // every query of the tile sees every key of this warp: no per-position test
     const bool interior = !HAS_MASK && (m + 1) * BLOCK_M <= in.seqlen_q && warp_key0 + 16 <= in.seqlen_k &&
                           (!IS_CAUSAL || warp_key0 + 15 <= m * BLOCK_M + rule.offset);
     if (reached) {
       // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x BLOCK_M queries
+#if WGMMA
+      float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // the first k-step overwrites (scale-d 0)
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
+        Wgmma<BLOCK_M>::ss<0>(s, k_major(k_smem, BLOCK_N, group_key0, kk), k_major(q_tile, BLOCK_M, 0, kk), kk > 0);
+        Wgmma<BLOCK_M>::ss<0>(dp, k_major(v_smem, BLOCK_N, group_key0, kk), k_major(do_tile, BLOCK_M, 0, kk), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      touch(s);
+      touch(dp);
+#else
       float s[BLOCK_M / 8][4] = {}, dp[BLOCK_M / 8][4] = {};
 #pragma unroll
       for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
@@ -211,6 +244,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
         mma_abt(s, k_frag, q_tile, kk, lane);
         mma_abt(dp, v_frag, do_tile, kk, lane);
       }
+#endif
 
       // P^T and dS^T in place of S^T and dP^T; c = 0, 1: key0; c = 2, 3: key0 + 8
       auto gradients = [&](auto check) {
@@ -235,6 +269,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
         gradients(Flag<true>());
 
       // dV += P^T dO and dK += dS^T Q
+#if WGMMA
+      uint32_t p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];  // all first, as in the forward
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+        accumulator_to_a(p_frag[kk], s, kk);
+        accumulator_to_a(ds_frag[kk], dp, kk);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+        Wgmma<BLOCK_D>::rs<1>(dv_acc, p_frag[kk], mn_major(do_tile, BLOCK_M, kk), 1);
+        Wgmma<BLOCK_D>::rs<1>(dk_acc, ds_frag[kk], mn_major(q_tile, BLOCK_M, kk), 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      touch(dv_acc);
+      touch(dk_acc);
+#else
 #pragma unroll
       for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
         uint32_t p_frag[4], ds_frag[4];
@@ -243,6 +295,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
         mma_ab(dv_acc, p_frag, do_tile, kk, lane);
         mma_ab(dk_acc, ds_frag, q_tile, kk, lane);
       }
+#endif
     }
     __syncthreads();  // the next iteration's loads overwrite the slot just read
   }
@@ -277,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
 extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const BwdParams p) {
   constexpr int BLOCK_M = CTA_ROWS, BLOCK_N = DQ_BLOCK_N;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);
+  elem_t* q_smem = shared_tiles(smem_raw);
   elem_t* do_smem = q_smem + BLOCK_M * ROW;
   elem_t* k_smem = do_smem + BLOCK_M * ROW;            // ring of STAGES key tiles
   elem_t* v_smem = k_smem + STAGES * BLOCK_N * ROW;    // and their value tiles
@@ -301,6 +354,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
 
   const KeyTiles tiles = key_tiles<BLOCK_N>(rule, (m_block + 1) * BLOCK_M, warp_row0, 16);
   const int n_tiles = tiles.block;
+#if WGMMA  // the warpgroup's products: its rows [group_row0, group_row0 + 64) of the block
+  const int group_row0 = (warp / GROUP_WARPS) * GROUP_ROWS;
+  const int reached =
+      key_tiles<BLOCK_N>(rule, (m_block + 1) * BLOCK_M, m_block * BLOCK_M + group_row0, GROUP_ROWS).reached;
+#else
+  const int reached = tiles.reached;
+#endif
 
   load_tile<BLOCK_M>(q_smem, at.q, in.q_stride[1], m_block * BLOCK_M, in.seqlen_q);
   load_tile<BLOCK_M>(do_smem, grads.dout, p.dout_stride[1], m_block * BLOCK_M, in.seqlen_q);
@@ -311,31 +371,52 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
   }
 
   float dq_acc[BLOCK_D / 8][4] = {};
+#if !WGMMA  // mma.sync: this warp's Q and dO rows as A fragments, loaded once (wgmma reads shared)
   uint32_t q_frag[BLOCK_D / 16][4], do_frag[BLOCK_D / 16][4];
+#endif
 
   for (int j = 0; j < n_tiles; ++j) {
     const int ahead = j + STAGES - 1;
     if (ahead < n_tiles) load_kv_tile<BLOCK_N>(k_smem, v_smem, at, in, ahead, ahead % STAGES);
     commit_group();
     wait_group<STAGES - 1>();  // Q, dO and key tile j have landed
+#if WGMMA
+    fence_async_shared();
+#endif
     __syncthreads();
+#if !WGMMA
     if (j == 0) {
       for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
         load_a(q_frag[kk], q_smem + warp * 16 * ROW, kk, lane);
         load_a(do_frag[kk], do_smem + warp * 16 * ROW, kk, lane);
       }
     }
-    if (j < tiles.reached) {
+#endif
+    if (j < reached) {
       const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
       const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
 
       // S = Q K^T and dP = dO V^T
+#if WGMMA
+      float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];  // the first k-step overwrites (scale-d 0)
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
+        Wgmma<BLOCK_N>::ss<0>(s, k_major(q_smem, BLOCK_M, group_row0, kk), k_major(k_tile, BLOCK_N, 0, kk), kk > 0);
+        Wgmma<BLOCK_N>::ss<0>(dp, k_major(do_smem, BLOCK_M, group_row0, kk), k_major(v_tile, BLOCK_N, 0, kk), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      touch(s);
+      touch(dp);
+#else
       float s[BLOCK_N / 8][4] = {}, dp[BLOCK_N / 8][4] = {};
 #pragma unroll
       for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
         mma_abt(s, q_frag[kk], k_tile, kk, lane);
         mma_abt(dp, do_frag[kk], v_tile, kk, lane);
       }
+#endif
 
       // dS in place of dP; c = 0, 1: row0; c = 2, 3: row0 + 8
       auto gradients = [&](auto check) {
@@ -355,12 +436,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
         gradients(Flag<true>());
 
       // dQ += dS K
+#if WGMMA
+      uint32_t ds_frag[BLOCK_N / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) accumulator_to_a(ds_frag[kk], dp, kk);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<BLOCK_D>::rs<1>(dq_acc, ds_frag[kk], mn_major(k_tile, BLOCK_N, kk), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      touch(dq_acc);
+#else
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         uint32_t ds_frag[4];
         accumulator_to_a(ds_frag, dp, kk);
         mma_ab(dq_acc, ds_frag, k_tile, kk, lane);
       }
+#endif
     }
     __syncthreads();
   }

@@ -36,6 +36,13 @@
 // happen. Shared rows are padded by 16 bytes: consecutive rows start in different banks, and
 // ldmatrix reads 8 rows without conflicts.
 //
+// SM90 (WGMMA, build.py picks it on sm90 where the tile allows): the two products run as
+// wgmma.mma_async on shared operands (Q, K, V in the swizzled layout of sm90.cuh; P from
+// registers), one m64 product per warpgroup of four warps. Each warp still owns 16 rows and
+// the same accumulator fragments, so the score rule and the online softmax are one code. The
+// warpgroup issues its products together, so it skips a tile only when the causal rule hides
+// it from all its 64 rows.
+//
 // Compile-time parameters: those of common.cuh, and BLOCK_M and BLOCK_N.
 
 #include "common.cuh"
@@ -44,6 +51,10 @@ constexpr int WARP_TILES = BLOCK_M / (WARP_ROWS * NUM_WARPS);  // m16 tiles per 
 constexpr int WARP_M = WARP_ROWS * WARP_TILES;                 // query rows per warp
 static_assert(WARP_TILES * WARP_ROWS * NUM_WARPS == BLOCK_M && (WARP_TILES == 1 || WARP_TILES == 2),
               "BLOCK_M must be 16 or 32 rows per warp");
+#if WGMMA
+static_assert(WARP_TILES == 1, "wgmma: 16 rows per warp");
+static_assert(is_wgmma_width(BLOCK_N), "wgmma: no m64nN product for this BLOCK_N");
+#endif
 
 struct FwdParams {  // `dmattn_kernels.cuda.launch._FwdParams` mirrors it
   Inputs in;
@@ -76,7 +87,7 @@ __device__ __forceinline__ void scores(float (&s)[WARP_TILES][BLOCK_N / 8][4], c
 
 extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const FwdParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);
+  elem_t* q_smem = shared_tiles(smem_raw);
   elem_t* k_smem = q_smem + BLOCK_M * ROW;
   elem_t* v_smem = k_smem + STAGES * BLOCK_N * ROW;
 
@@ -87,10 +98,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, column pair
   const int warp_row0 = m_block * BLOCK_M + warp * WARP_M;  // this warp's first query row
+#if !WGMMA
   const elem_t* q_warp = q_smem + warp * WARP_M * ROW;
+#endif
 
   const KeyTiles tiles = key_tiles<BLOCK_N>(rule, (m_block + 1) * BLOCK_M, warp_row0, WARP_M);
   const int n_tiles = tiles.block;
+#if WGMMA  // the warpgroup's products: its rows [group_row0, group_row0 + 64) of Q
+  const int group_row0 = (warp / GROUP_WARPS) * GROUP_ROWS;
+  const int reached =
+      key_tiles<BLOCK_N>(rule, (m_block + 1) * BLOCK_M, m_block * BLOCK_M + group_row0, GROUP_ROWS).reached;
+#else
+  const int reached = tiles.reached;
+#endif
 
   load_tile<BLOCK_M>(q_smem, at.q, in.q_stride[1], m_block * BLOCK_M, in.seqlen_q);
   commit_group();  // Q is a group of its own: every later wait also covers it
@@ -112,12 +132,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
     if (ahead < n_tiles) load_kv_tile<BLOCK_N>(k_smem, v_smem, at, in, ahead, ahead % STAGES);
     commit_group();
     wait_group<STAGES - 1>();  // Q and tile j have landed (only later tiles may be in flight)
+#if WGMMA
+    fence_async_shared();
+#endif
     __syncthreads();
-    if (j < tiles.reached) {
+    if (j < reached) {
       const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
       const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
 
       // S = Q K^T
+#if WGMMA
+      float s[WARP_TILES][BLOCK_N / 8][4];  // the first k-step overwrites (scale-d 0)
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_D / 16; ++kk)
+        Wgmma<BLOCK_N>::ss<0>(s[0], k_major(q_smem, BLOCK_M, group_row0, kk), k_major(k_tile, BLOCK_N, 0, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      touch(s[0]);
+#else
       float s[WARP_TILES][BLOCK_N / 8][4] = {};
 #pragma unroll
       for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
@@ -126,6 +159,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
         for (int mt = 0; mt < WARP_TILES; ++mt) load_a(q_frag[mt], q_warp + mt * 16 * ROW, kk, lane);
         mma_abt(s, q_frag, k_tile, kk, lane);
       }
+#endif
       if (j < tiles.interior)
         scores<false>(s, rule, warp_row0, j * BLOCK_N, g, t);
       else
@@ -167,6 +201,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
       }
 
       // acc += P V: the S accumulators of two n8 tiles form one 16x16 A fragment
+#if WGMMA
+      uint32_t p_frag[BLOCK_N / 16][4];  // all of them first: wgmma then reads registers no one writes
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) accumulator_to_a(p_frag[kk], s[0], kk);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<BLOCK_D>::rs<1>(acc[0], p_frag[kk], mn_major(v_tile, BLOCK_N, kk), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      touch(acc[0]);
+#else
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         uint32_t p_frag[WARP_TILES][4];
@@ -174,6 +219,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
         for (int mt = 0; mt < WARP_TILES; ++mt) accumulator_to_a(p_frag[mt], s[mt], kk);
         mma_ab(acc, p_frag, v_tile, kk, lane);
       }
+#endif
     }
     __syncthreads();  // the next iteration's loads overwrite the slot just read
   }

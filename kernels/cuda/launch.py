@@ -30,6 +30,9 @@ FORWARD_WARP_ROWS = (16, 32)
 INNER_CHOICES = (16, 32, 64, 128)  # the tiles a CTA walks: fwd block_n, bwd block_m and block_n_dq
 MAX_STAGES = 4
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
+WGMMA_TILES = (32, 64, 128)  # inner tiles with an m64nN wgmma product (sm90.cuh: is_wgmma_width)
+WARPGROUP = 4  # warps that issue one wgmma together
+SWIZZLE_SLACK = 1024  # bytes a wgmma kernel may skip to align its tiles (sm90.cuh: SWIZZLE_ATOM)
 SHARED_PAD = 8  # elements per shared row beyond the padded head dim (common.cuh: ROW)
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
@@ -144,30 +147,52 @@ def padded_head_dim(head_dim: int) -> int:
     return (head_dim + 15) // 16 * 16
 
 
-def _tile_bytes(rows: int, head_dim: int) -> int:
+def uses_wgmma(config: FwdConfig | BwdConfig, head_dim: int, arch: str | None) -> bool:
+    """Whether `config`'s kernels run their products as SM90 wgmma (sm90.cuh): on SM90, with 16
+    rows per warp in whole warpgroups, inner tiles wgmma has a width for, and a head dim padded to
+    a multiple of 64 (the 128-byte swizzle line); elsewhere mma.sync."""
+    if arch != "sm90" or config.num_warps % WARPGROUP or padded_head_dim(head_dim) % 64:
+        return False
+    if isinstance(config, FwdConfig):
+        return config.block_m == 16 * config.num_warps and config.block_n in WGMMA_TILES
+    return config.block_m in WGMMA_TILES and config.block_n_dq in WGMMA_TILES
+
+
+def _tile_bytes(rows: int, head_dim: int, wgmma: bool) -> int:
+    """Shared bytes of `rows` tile rows: padded rows for ldmatrix, or swizzled ones plus the
+    alignment slack for wgmma (common.cuh: ROW)."""
+    if wgmma:
+        return rows * padded_head_dim(head_dim) * 2 + SWIZZLE_SLACK
     return rows * (padded_head_dim(head_dim) + SHARED_PAD) * 2
 
 
-def forward_shared_bytes(config: FwdConfig, head_dim: int) -> int:
-    """flash_fwd.cu's dynamic shared memory: Q, and K and V rings of num_stages tiles."""
-    return _tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim)
+def forward_shared_bytes(config: FwdConfig, head_dim: int, arch: str | None = None) -> int:
+    """flash_fwd.cu's dynamic shared memory on `arch`: Q, and K and V rings of num_stages tiles.
+
+    Without an arch, the mma.sync layout's: with at least 128 rows (64 query rows and two
+    32-key tiles) it bounds the wgmma layout's too.
+    """
+    return _tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim,
+                       uses_wgmma(config, head_dim, arch))
 
 
-def backward_shared_bytes(config: BwdConfig, head_dim: int) -> dict[str, int]:
-    """flash_bwd.cu's dynamic shared memory per kernel: dK/dV holds K, V and rings of Q and dO
-    tiles with their lse and delta (fp32); dQ holds Q, dO and rings of K and V tiles."""
+def backward_shared_bytes(config: BwdConfig, head_dim: int, arch: str | None = None) -> dict[str, int]:
+    """flash_bwd.cu's dynamic shared memory per kernel on `arch` (as the forward's): dK/dV holds
+    K, V and rings of Q and dO tiles with their lse and delta (fp32); dQ holds Q, dO and rings of
+    K and V tiles."""
     ring = config.num_stages * config.block_m
+    wgmma = uses_wgmma(config, head_dim, arch)
     return {
-        "dkdv": _tile_bytes(2 * config.block_n + 2 * ring, head_dim) + 2 * ring * 4,
-        "dq": _tile_bytes(2 * config.block_m_dq + 2 * config.num_stages * config.block_n_dq, head_dim),
+        "dkdv": _tile_bytes(2 * config.block_n + 2 * ring, head_dim, wgmma) + 2 * ring * 4,
+        "dq": _tile_bytes(2 * config.block_m_dq + 2 * config.num_stages * config.block_n_dq, head_dim, wgmma),
     }
 
 
-def shared_bytes(config: FwdConfig | BwdConfig, head_dim: int) -> int:
-    """The most dynamic shared memory one kernel of `config`'s direction asks for."""
+def shared_bytes(config: FwdConfig | BwdConfig, head_dim: int, arch: str | None = None) -> int:
+    """The most dynamic shared memory one kernel of `config`'s direction asks for on `arch`."""
     if isinstance(config, FwdConfig):
-        return forward_shared_bytes(config, head_dim)
-    return max(backward_shared_bytes(config, head_dim).values())
+        return forward_shared_bytes(config, head_dim, arch)
+    return max(backward_shared_bytes(config, head_dim, arch).values())
 
 
 def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | None:
@@ -226,24 +251,25 @@ def _features(bias_dtype: torch.dtype | None, is_causal: bool, has_mask: bool, s
                 has_bias=bias_dtype is not None, has_softcap=softcap > 0)
 
 
-def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
+def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *, arch: str,
             is_causal: bool, has_mask: bool, softcap: float) -> tuple[str, ...]:
-    """The -D list of the forward variant a call needs."""
+    """The -D list of the forward variant a call needs on `arch` ("sm90")."""
     return defines(_element(dtype), head_dim, config.num_warps, config.num_stages,
                    **_features(bias_dtype, is_causal, has_mask, softcap), BLOCK_M=config.block_m,
-                   BLOCK_N=config.block_n)
+                   BLOCK_N=config.block_n, WGMMA=uses_wgmma(config, head_dim, arch))
 
 
 def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
-                     is_causal: bool, has_mask: bool, softcap: float, group: int,
+                     arch: str, is_causal: bool, has_mask: bool, softcap: float, group: int,
                      dbias: tuple[bool, torch.dtype] | None) -> tuple[str, ...]:
-    """The -D list of the backward variant a call needs; `dbias` is (rows, target dtype) of the
-    dBias target (`_dbias_target`) or None without dBias."""
+    """The -D list of the backward variant a call needs on `arch`; `dbias` is (rows, target
+    dtype) of the dBias target (`_dbias_target`) or None without dBias."""
     rows, target_dtype = dbias if dbias is not None else (False, torch.float32)
     return defines(_element(dtype), head_dim, config.num_warps, config.num_stages,
                    **_features(bias_dtype, is_causal, has_mask, softcap), DKDV_BLOCK_M=config.block_m,
                    DQ_BLOCK_N=config.block_n_dq, HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows,
-                   DBIAS_FP32=target_dtype == torch.float32, DKV_FP32=group > 1)
+                   DBIAS_FP32=target_dtype == torch.float32, DKV_FP32=group > 1,
+                   WGMMA=uses_wgmma(config, head_dim, arch))
 
 
 def _check_call(config, q, k, mask, bias, is_causal: bool, softcap: float, bias_requires_grad: bool) -> None:
@@ -300,14 +326,16 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
     _check_call(config, q, k, mask, bias, is_causal, softcap, False)
     for name, t in (("query", q), ("key", k), ("value", v), ("out", out)):
         _check_aligned(name, t)
+    arch = arch_of(q.device)
     launcher = _Launcher("fwd", q.device, variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None,
-                                                  is_causal=is_causal, has_mask=mask is not None, softcap=softcap))
+                                                  arch=arch, is_causal=is_causal, has_mask=mask is not None,
+                                                  softcap=softcap))
     if is_compile_only():
         return
     params = _FwdParams(_inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), lse.data_ptr(),
                         out.stride()[:3], lse.stride())
     launcher(b"dmattn_fwd_kernel", (batch * num_heads, triton.cdiv(seqlen_q, config.block_m)), config.num_warps,
-             forward_shared_bytes(config, head_dim), params)
+             forward_shared_bytes(config, head_dim, arch), params)
 
 
 def _dbias_layout(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int):
@@ -333,8 +361,9 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
                     ("dk", dk), ("dv", dv)):
         _check_aligned(name, t)
     layout = None if dbias is None else _dbias_layout(dbias, batch, num_heads, seqlen_q, seqlen_k)
+    arch = arch_of(q.device)
     flags = backward_variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None,
-                             is_causal=is_causal, has_mask=mask is not None, softcap=softcap, group=group,
+                             arch=arch, is_causal=is_causal, has_mask=mask is not None, softcap=softcap, group=group,
                              dbias=None if layout is None else (layout[1], dbias.dtype if layout[2] else torch.float32))
     launcher = _Launcher("bwd", q.device, flags)
     if is_compile_only():
@@ -357,7 +386,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
         _zero_broadcast_strides(target),
     )
     heads = batch * num_heads
-    shared = backward_shared_bytes(config, head_dim)
+    shared = backward_shared_bytes(config, head_dim, arch)
     launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, config.num_warps), heads), config.num_warps, 0,
              params)
     launcher(b"dmattn_bwd_dkdv_kernel", (heads, triton.cdiv(seqlen_k, config.block_n)), config.num_warps,

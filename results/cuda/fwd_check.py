@@ -4,6 +4,7 @@ import time
 import torch
 import torch.nn.functional as F
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from dmattn_bench.adversarial import adversarial_cases
 from dmattn_bench.registry import Backend, get_backend
 from dmattn_bench.space import FwdConfig
@@ -15,21 +16,28 @@ def no_backward(*a, **k):
     raise RuntimeError("no backward")
 
 cuda = Backend("cuda", cl.attention_forward, no_backward, cl.is_supported)
-# warps owning 32 rows (block_m = 32 x num_warps) and 16 rows (16 x num_warps)
-configs = [FwdConfig(128, 64, 4, 2), FwdConfig(64, 32, 2, 3), FwdConfig(256, 64, 8, 2), FwdConfig(128, 64, 8, 2),
-           FwdConfig(32, 32, 2, 1)]
+# warps owning 32 rows (block_m = 32 x num_warps) and 16 rows (16 x num_warps); on sm90 the 16-row
+# configs of 4 or 8 warps run wgmma where the head dim pads to a multiple of 64
+configs = [FwdConfig(128, 64, 4, 2), FwdConfig(64, 32, 2, 3), FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2),
+           FwdConfig(64, 32, 4, 3), FwdConfig(32, 32, 2, 1)]
+# Most suite cases use head dim 32, which runs mma.sync everywhere; the suite runs again at head
+# dims 64 and 128, where the sm90 forward's 16-row configs run wgmma.
+def suite(cfg):
+    cases = adversarial_cases("full", config_tiles(cfg, None))
+    return cases + [replace(c, name=f"{c.name}@d{d}", head_dim=d) for d in (64, 128) for c in cases if c.head_dim < d]
+
 # warm the nvcc cache in parallel: every variant the suite needs
 t0 = time.time()
 jobs = set()
 for cfg in configs:
-    for case in adversarial_cases("full", config_tiles(cfg, None)):
+    for case in suite(cfg):
         for dt in (torch.bfloat16, torch.float16):
             bias_dtype = (torch.float32 if case.bias_fp32 else dt) if case.bias != "none" else None
-            jobs.add(cl.variant(cfg, case.head_dim, dt, bias_dtype, is_causal=case.causal, has_mask=case.mask != "none", softcap=case.softcap))
+            jobs.add(cl.variant(cfg, case.head_dim, dt, bias_dtype, arch=cl.arch_of(torch.device('cuda')), is_causal=case.causal, has_mask=case.mask != "none", softcap=case.softcap))
 errors = []
 def one(flags):
     try:
-        cb.build("fwd", "sm90", flags)
+        cb.build("fwd", cl.arch_of(torch.device("cuda")), flags)
     except Exception as exc:
         errors.append(str(exc)[:300])
 with ThreadPoolExecutor(16) as pool:
@@ -41,7 +49,7 @@ fails = []
 count = 0
 for cfg in configs:
     for dt in (torch.bfloat16, torch.float16):
-        for case in adversarial_cases("full", config_tiles(cfg, None)):
+        for case in suite(cfg):
             r = check_case(cuda, case, dt, "cuda", cfg, None)
             count += 1
             if r.status != "ok":
@@ -60,7 +68,9 @@ tri = get_backend("triton")
 for name, launch_fn, cfgs in (("cuda", cl.attention_forward, [FwdConfig(128, 64, 4, 2), FwdConfig(128, 64, 4, 3), FwdConfig(128, 32, 4, 2),
                                                  FwdConfig(128, 32, 4, 3), FwdConfig(256, 64, 8, 2), FwdConfig(256, 32, 8, 2),
                                                  FwdConfig(64, 64, 2, 2), FwdConfig(128, 128, 4, 2),
-                                                 FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 2)]),
+                                                 FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 2),
+                                                 FwdConfig(128, 128, 8, 3), FwdConfig(128, 64, 8, 3),
+                                                 FwdConfig(64, 128, 4, 2), FwdConfig(64, 64, 4, 3)]),
                        ("triton", tri.forward, [FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3)])):
     for cfg in cfgs:
         f = lambda: launch_fn(q, k, v, None, None, is_causal=True, softmax_scale=D ** -0.5, softcap=0.0, config=cfg, out=out, lse=lse)

@@ -1,0 +1,70 @@
+// SM90 (Hopper) only: shared tiles in the layout wgmma reads, matrix descriptors and the
+// warpgroup fences. Included by the kernels when WGMMA is set (build.py: sm90, head dim a
+// multiple of 64, 16 rows per warp).
+//
+// Layout (PTX ISA "shared memory matrix layout", 128-byte swizzle): a ROWS x BLOCK_D tile is
+// BLOCK_D / 64 column blocks of ROWS x 64 elements, one 128-byte line per row; in line r the
+// 16-byte chunk c sits at chunk c ^ (r % 8). Eight lines form a 1024-byte swizzle atom, so
+// blocks start on 1024-byte boundaries. The same bytes serve both operand roles: a tile whose
+// rows run along the product's k (K^T in S = Q K^T: "K-major") and one whose rows are k
+// (V in P V: "MN-major", wgmma's transpose flag).
+#pragma once
+
+#include "wgmma.cuh"
+
+constexpr int SWIZZLE_COLS = 64;      // elements per 128-byte line
+constexpr int SWIZZLE_ATOM = 1024;    // bytes: 8 lines
+constexpr int GROUP_WARPS = 4;        // a warpgroup: the warps that issue one wgmma
+constexpr int GROUP_ROWS = 64;        // rows of its m64 products, 16 per warp
+static_assert(BLOCK_D % SWIZZLE_COLS == 0, "wgmma: the head dim must pad to a multiple of 64");
+static_assert(NUM_WARPS % GROUP_WARPS == 0, "wgmma: whole warpgroups");
+
+// The widths wgmma.cuh spells out (products over key or query tiles and over BLOCK_D).
+constexpr bool is_wgmma_width(int n) { return n == 32 || n == 64 || n == 128 || n == 192 || n == 256; }
+static_assert(is_wgmma_width(BLOCK_D), "wgmma: no m64nN product for this BLOCK_D");
+
+// Element offset of (row, col) in a tile of `rows` rows.
+__device__ __forceinline__ int swizzled(int row, int col, int rows) {
+  return (col / SWIZZLE_COLS) * rows * SWIZZLE_COLS + row * SWIZZLE_COLS +
+         (((col % SWIZZLE_COLS) / 8) ^ (row % 8)) * 8 + col % 8;
+}
+
+// Matrix descriptor: start address, leading and stride byte offsets, 128-byte swizzle (mode 1).
+__device__ __forceinline__ uint64_t descriptor(const elem_t* start, uint32_t leading_bytes, uint32_t stride_bytes) {
+  const uint64_t address = shared_address(start);
+  return ((address & 0x3FFFF) >> 4) | (uint64_t((leading_bytes & 0x3FFFF) >> 4) << 16) |
+         (uint64_t((stride_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// The operand of k-step kk for rows [row0, row0 + 8 n) of a tile whose rows run along k
+// (K-major: Q and K in S = Q K^T). Within a 128-byte line the k-steps sit 32 bytes apart; the
+// hardware applies the swizzle to the address it forms, so the start moves unswizzled.
+__device__ __forceinline__ uint64_t k_major(const elem_t* tile, int rows, int row0, int kk) {
+  const elem_t* start = tile + (kk * 16 / SWIZZLE_COLS) * rows * SWIZZLE_COLS + row0 * SWIZZLE_COLS + (kk * 16) % SWIZZLE_COLS;
+  return descriptor(start, 16, SWIZZLE_ATOM);  // leading offset unused: one k-step stays in a line
+}
+
+// The operand of k-step kk (rows [16 kk, 16 kk + 16)) of a tile whose rows are k and whose
+// columns are the product's n (MN-major: V in P V); consecutive column blocks of 64 lie
+// `rows` lines apart.
+__device__ __forceinline__ uint64_t mn_major(const elem_t* tile, int rows, int kk) {
+  return descriptor(tile + kk * 16 * SWIZZLE_COLS, rows * 128, SWIZZLE_ATOM);
+}
+
+// cp.async and plain stores write through the generic proxy, wgmma reads through the async
+// proxy: each writer fences its own writes before the barrier that publishes them.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+
+// Pins accumulators in program order around wgmma: the compiler sees them read and written here.
+template <int N8>
+__device__ __forceinline__ void touch(float (&d)[N8][4]) {
+#pragma unroll
+  for (int n = 0; n < N8; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) asm volatile("" : "+f"(d[n][c])::"memory");
+}
