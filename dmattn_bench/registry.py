@@ -204,10 +204,11 @@ GPU_DEFAULTS = (
     (128, FwdConfig(64, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)),
     (256, FwdConfig(64, 32, 4, 2), BwdConfig(16, 32, 32, 16, 4, 1)),
 )
-# The CUDA kernels' defaults per class, fastest first (H200, B2 H16 L4096 causal at D = 64, 128
-# and 256: results/cuda/h200-defaults-sweep.txt): the first whose shared memory fits the GPU at
-# the class's largest head dim is used, so an SM86 or SM120 part (99 KiB per block) gets
-# smaller tiles or rings than an H100 (227 KiB).
+# The CUDA kernels' defaults per class off SM90 (mma.sync), fastest first (measured on the H200
+# through mma.sync, the nearest GPU we have: B2 H16 L4096 causal at D = 64, 128 and 256,
+# results/cuda/h200-defaults-sweep.txt): the first whose shared memory fits the GPU at the
+# class's largest head dim is used, so an SM86 or SM120 part (99 KiB per block) gets smaller
+# tiles or rings than an A100 (163 KiB).
 CUDA_DEFAULTS = (
     (64, (FwdConfig(128, 64, 4, 2), FwdConfig(128, 32, 4, 2)),
      (BwdConfig(128, 64, 64, 128, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
@@ -216,21 +217,34 @@ CUDA_DEFAULTS = (
     (256, (FwdConfig(128, 32, 8, 2), FwdConfig(64, 32, 4, 2), FwdConfig(64, 32, 4, 1)),
      (BwdConfig(32, 64, 64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1))),
 )
+# On SM90, where configs of 16 rows per warp in whole warpgroups run wgmma (launch.uses_wgmma):
+# H200, same shapes, results/cuda/h200-wgmma-defaults-sweep.txt (2026-11-22). Forward, TFLOP/s:
+# D64 64x128 w4 337, D128 128x128 w8 363, D256 128x64 w8 423; backward: D64 128x64 dq64x64 w4
+# 271, D128 64x64 dq64x64 w4 317. The D256 backward stays on mma.sync (WGMMA_BWD_MAX_HEAD_DIM).
+CUDA_SM90_DEFAULTS = (
+    (64, (FwdConfig(64, 128, 4, 2), FwdConfig(64, 64, 4, 2)),
+     (BwdConfig(128, 64, 64, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2))),
+    (128, (FwdConfig(128, 128, 8, 2), FwdConfig(64, 64, 4, 2)),
+     (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
+    (256, (FwdConfig(128, 64, 8, 2), FwdConfig(64, 32, 4, 2)),
+     (BwdConfig(32, 64, 64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1))),
+)
 # The interpreter runs each tile op in numpy; small tiles waste the fewest out-of-bounds lanes.
 INTERPRETER_DEFAULT = (256, FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1))
 
 
-def _shared_limit(device: torch.device) -> int:
-    """Shared memory a block may opt into on `device`; without a GPU to ask, the smallest of the
-    archs the kernels target (SM86/SM120: 99 KiB)."""
+def _device_limits(device: torch.device):
+    """Limits of `device`; without a GPU to ask, the smallest of the archs the kernels target
+    (SM120: 99 KiB of shared memory per block)."""
     limits = local_limits(device) if device.type == "cuda" and torch.cuda.is_available() else None
-    return limits.shared_memory_per_block if limits is not None else ARCH_LIMITS["sm120"].shared_memory_per_block
+    return limits if limits is not None else ARCH_LIMITS["sm120"]
 
 
-def _fitting(candidates, head_dim: int, limit: int):
+def _fitting(candidates, head_dim: int, limits):
     from dmattn_kernels.cuda.launch import shared_bytes
 
-    return next((c for c in candidates if shared_bytes(c, head_dim) <= limit), candidates[-1])
+    return next((c for c in candidates if shared_bytes(c, head_dim, limits.arch) <= limits.shared_memory_per_block),
+                candidates[-1])
 
 
 def default_entries(device: torch.device | str, backend: str = "triton") -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
@@ -241,8 +255,9 @@ def default_entries(device: torch.device | str, backend: str = "triton") -> tupl
 @lru_cache(maxsize=None)  # per (device, backend): a forced backend looks its defaults up on every call
 def _default_entries(device: torch.device, backend: str) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
     if backend == "cuda":
-        limit = _shared_limit(device)
-        classes = tuple((high, _fitting(fwd, high, limit), _fitting(bwd, high, limit)) for high, fwd, bwd in CUDA_DEFAULTS)
+        limits = _device_limits(device)
+        defaults = CUDA_SM90_DEFAULTS if limits.arch == "sm90" else CUDA_DEFAULTS
+        classes = tuple((high, _fitting(fwd, high, limits), _fitting(bwd, high, limits)) for high, fwd, bwd in defaults)
     else:
         classes = GPU_DEFAULTS if device.type == "cuda" else (INTERPRETER_DEFAULT,)
     entries, low = [], 8

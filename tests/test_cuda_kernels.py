@@ -123,6 +123,21 @@ def test_cuda_defaults_fit_the_smallest_shared_memory_without_a_gpu():
         assert launch.shared_bytes(fwd, high) <= 101376 and launch.shared_bytes(bwd, high) <= 101376, (low, high)
 
 
+def test_the_sm90_defaults_run_wgmma_where_it_pays_and_fit_hopper():
+    from dmattn_bench.hardware import ARCH_LIMITS
+    from dmattn_bench.registry import CUDA_SM90_DEFAULTS
+
+    limit = ARCH_LIMITS["sm90"].shared_memory_per_block
+    for high, fwds, bwds in CUDA_SM90_DEFAULTS:
+        shape = AttentionShape(1, 16, 16, 2, 1, high)
+        for config in fwds + bwds:
+            assert launch.is_supported(config, shape) is None
+        assert launch.shared_bytes(fwds[0], high, "sm90") <= limit
+        assert launch.shared_bytes(bwds[0], high, "sm90") <= limit
+        assert launch.uses_wgmma(fwds[0], high, "sm90")
+        assert launch.uses_wgmma(bwds[0], high, "sm90") == (high <= launch.WGMMA_BWD_MAX_HEAD_DIM)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU reports")
 def test_info_says_which_backends_can_run_here():
     import json
@@ -160,6 +175,8 @@ def test_the_forward_runs_wgmma_only_where_sm90_and_the_tile_allow_it():
     assert launch.uses_wgmma(BwdConfig(64, 128, 128, 64, 8, 2), 128, "sm90")
     assert not launch.uses_wgmma(BwdConfig(16, 64, 64, 32, 4, 1), 128, "sm90")  # 16-query tiles
     assert not launch.uses_wgmma(BwdConfig(64, 32, 32, 64, 2, 2), 128, "sm90")  # half a warpgroup
+    assert not launch.uses_wgmma(BwdConfig(32, 64, 64, 32, 4, 1), 256, "sm90")  # dK/dV accumulators would spill
+    assert launch.uses_wgmma(FwdConfig(128, 64, 8, 2), 256, "sm90")  # the forward holds one accumulator
 
 
 def test_wgmma_tiles_are_unpadded_and_aligned_in_shared_memory():

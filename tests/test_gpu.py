@@ -9,6 +9,8 @@ config's worst error-to-bound ratio per tensor. Skipped without CUDA.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from dmattn_bench import flash_dmattn_func
 from dmattn_bench.adversarial import Case, adversarial_cases, build_inputs
 from dmattn_bench.space import BwdConfig, FwdConfig
 from dmattn_bench.registry import default_configs, get_backend
-from dmattn_bench.validator import compare, config_tiles, run_kernel, run_reference, validate
+from dmattn_bench.validator import check_case, compare, config_tiles, run_kernel, run_reference, validate
 
 pytestmark = pytest.mark.gpu
 
@@ -55,6 +57,40 @@ def test_full_suite(dtype, config, record_property):
     passed = {c.case for c in result.cases if c.status == "ok"}
     assert SEED_CASES <= passed
     assert all(ratio <= 1.0 for ratio in result.worst_ratios().values())
+
+
+# CUDA configs whose kernels run wgmma on SM90 (launch.uses_wgmma) where the head dim pads to a
+# multiple of 64; most suite cases use head dim 32, which runs mma.sync.
+WGMMA_PAIRS = {
+    "fwd128x128w8-bwd64x128": (FwdConfig(128, 128, 8, 2), BwdConfig(64, 128, 128, 64, 8, 2)),
+    "fwd64x64w4-bwd32x64": (FwdConfig(64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pair", list(WGMMA_PAIRS), ids=list(WGMMA_PAIRS))
+def test_full_suite_at_the_head_dims_wgmma_runs(dtype, pair, record_property):
+    """Every case of the full suite again at head dims 64 and 128, where the SM90 kernels run wgmma."""
+    from dmattn_kernels.cuda.launch import arch_of, uses_wgmma
+
+    fwd, bwd = WGMMA_PAIRS[pair]
+    if not uses_wgmma(fwd, 128, arch_of(torch.device("cuda"))):
+        pytest.skip("wgmma runs on SM90 only")
+    assert uses_wgmma(bwd, 64, "sm90")
+    backend = get_backend("cuda")
+    cases = [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
+             for case in adversarial_cases("full", config_tiles(fwd, bwd)) for head_dim in (64, 128)
+             if case.head_dim < head_dim]
+    results = [check_case(backend, case, dtype, "cuda", fwd, bwd) for case in cases]
+    worst = {}
+    for result in results:
+        for name, check in result.checks.items():
+            worst[name] = max(worst.get(name, 0.0), check.ratio)
+    record_property("worst_ratios", {k: round(v, 4) for k, v in worst.items()})
+    failures = [f"{case.name}: {result.status} {result.reason}" for case, result in zip(cases, results)
+                if result.status != "ok"]
+    assert not failures, "\n".join(failures)
+    assert len(results) > 50 and all(ratio <= 1.0 for ratio in worst.values())
 
 
 @pytest.mark.parametrize("backend", ["auto", "cuda"])

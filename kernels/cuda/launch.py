@@ -33,6 +33,11 @@ MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 WGMMA_TILES = (32, 64, 128)  # inner tiles with an m64nN wgmma product (sm90.cuh: is_wgmma_width)
 WARPGROUP = 4  # warps that issue one wgmma together
 SWIZZLE_SLACK = 1024  # bytes a wgmma kernel may skip to align its tiles (sm90.cuh: SWIZZLE_ATOM)
+# Above it a dK/dV thread holds 2 x head_dim / 2 fp32 accumulators (192 or more registers) plus
+# its S^T and dP^T fragments, and wgmma's register-resident operands spill: H200, B2 H16 L4096
+# D256 causal bf16, 32x64 dq64x32 w4 s1: 9.79 ms through wgmma (results/cuda/
+# h200-wgmma-defaults-sweep.txt, 2026-11-22) vs 5.90 ms through mma.sync (h200-defaults-sweep.txt).
+WGMMA_BWD_MAX_HEAD_DIM = 128
 SHARED_PAD = 8  # elements per shared row beyond the padded head dim (common.cuh: ROW)
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
@@ -150,12 +155,16 @@ def padded_head_dim(head_dim: int) -> int:
 def uses_wgmma(config: FwdConfig | BwdConfig, head_dim: int, arch: str | None) -> bool:
     """Whether `config`'s kernels run their products as SM90 wgmma (sm90.cuh): on SM90, with 16
     rows per warp in whole warpgroups, inner tiles wgmma has a width for, and a head dim padded to
-    a multiple of 64 (the 128-byte swizzle line); elsewhere mma.sync."""
-    if arch != "sm90" or config.num_warps % WARPGROUP or padded_head_dim(head_dim) % 64:
+    a multiple of 64 (the 128-byte swizzle line); elsewhere mma.sync.
+
+    The backward also needs a head dim of at most 128 (WGMMA_BWD_MAX_HEAD_DIM).
+    """
+    padded = padded_head_dim(head_dim)
+    if arch != "sm90" or config.num_warps % WARPGROUP or padded % 64:
         return False
     if isinstance(config, FwdConfig):
         return config.block_m == 16 * config.num_warps and config.block_n in WGMMA_TILES
-    return config.block_m in WGMMA_TILES and config.block_n_dq in WGMMA_TILES
+    return padded <= WGMMA_BWD_MAX_HEAD_DIM and config.block_m in WGMMA_TILES and config.block_n_dq in WGMMA_TILES
 
 
 def _tile_bytes(rows: int, head_dim: int, wgmma: bool) -> int:

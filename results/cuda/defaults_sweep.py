@@ -1,5 +1,6 @@
 """CUDA fwd/bwd configs per head dim on B2 H16 L4096 causal bf16 (W3 shape at D=128): the
-measurements behind registry.CUDA_DEFAULTS (h200-defaults-sweep.txt).
+measurements behind registry.CUDA_SM90_DEFAULTS (h200-wgmma-defaults-sweep.txt; the earlier
+mma.sync-only run behind CUDA_DEFAULTS is h200-defaults-sweep.txt).
 
 Usage: python3 results/cuda/defaults_sweep.py   (on a CUDA GPU; prints one line per config)
 """
@@ -8,12 +9,18 @@ from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, config_label
 from dmattn_bench.timing import time_kernel
 cuda = get_backend("cuda")
-FWD = {64: [(128, 64, 4, 2), (128, 128, 4, 2), (128, 32, 4, 2), (256, 64, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2)],
-       128: [(128, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 2)],
-       256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2), (128, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 1)]}
-BWD = {64: [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2), (64, 128, 128, 64, 8, 2), (128, 64, 64, 128, 4, 2)],
-       128: [(64, 64, 64, 64, 4, 2), (64, 64, 64, 32, 4, 2), (32, 64, 64, 64, 4, 2)],
-       256: [(32, 64, 64, 32, 4, 2), (16, 64, 64, 16, 4, 1), (32, 64, 64, 32, 4, 1), (16, 64, 64, 16, 4, 2)]}
+# On sm90 the configs of 16 rows per warp in whole warpgroups run wgmma (launch.uses_wgmma), the
+# others (32 rows per warp, 2 warps, 16-row tiles) mma.sync.
+FWD = {64: [(128, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 3), (64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 2)],
+       128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2), (64, 64, 4, 3),
+             (128, 64, 4, 2)],
+       256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 1), (128, 32, 8, 3)]}
+BWD = {64: [(64, 64, 64, 64, 4, 2), (128, 64, 64, 128, 4, 2), (64, 128, 128, 64, 8, 2), (128, 128, 128, 128, 8, 2),
+            (64, 64, 64, 128, 4, 2), (128, 64, 64, 64, 4, 2)],
+       128: [(64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3), (32, 64, 64, 64, 4, 2), (64, 64, 64, 32, 4, 2),
+             (64, 128, 128, 128, 8, 2), (64, 128, 128, 64, 8, 2)],
+       256: [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 4, 2), (16, 64, 64, 16, 4, 1), (16, 64, 64, 16, 4, 2),
+             (64, 64, 64, 64, 4, 1)]}
 B, H, L = 2, 16, 4096
 for D in (64, 128, 256):
     q, k, v, do = (torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
