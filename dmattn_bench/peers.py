@@ -80,8 +80,8 @@ def _ours(inputs: BenchInputs, table: str | None, backend: str = "auto") -> Prep
     def forward():
         return flash_dmattn_func(q, k, v, inputs.mask, bias, is_causal=inputs.is_causal, backend=backend, table=table)
 
-    note = (f"{chosen['fwd'][0].name} fwd {config_label(chosen['fwd'][1])}, "
-            f"bwd {config_label(chosen['bwd'][1])}")
+    # a table tuned over both backends may pick a different one per direction
+    note = ", ".join(f"{chosen[d][0].name} {d} {config_label(chosen[d][1])}" for d in ("fwd", "bwd"))
     return Prepared(forward, _grad_leaves(q, k, v, bias), note=note)
 
 

@@ -115,6 +115,8 @@ def test_a_peer_computing_the_same_function_agrees_with_ours(tmp_path):
     assert all(r.status == "ok" and r.ours_over_peer > 0 for r in peer), [r.error for r in peer]
     forward = [r for r in peer if r.direction == "fwd"]
     assert len(forward) == 2 and all(r.max_abs_diff_vs_ours < 1e-5 for r in forward)
+    # each direction's backend is named: a table tuned over both may pick two
+    assert all(r.note.startswith("triton fwd ") and ", triton bwd " in r.note for r in rows if r.peer == "dmattn")
 
 
 def test_bench_keeps_failed_peers_as_rows_and_fills_ratios(tmp_path):
