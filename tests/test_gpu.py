@@ -70,7 +70,8 @@ WGMMA_PAIRS = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("pair", list(WGMMA_PAIRS), ids=list(WGMMA_PAIRS))
 def test_full_suite_at_the_head_dims_wgmma_runs(dtype, pair, record_property):
-    """Every case of the full suite again at head dims 64 and 128, where the SM90 kernels run wgmma."""
+    """Every case of the full suite again at head dims 64, 120 (padded to 128) and 128, where the
+    SM90 kernels run wgmma."""
     from dmattn_kernels.cuda.launch import arch_of, uses_wgmma
 
     fwd, bwd = WGMMA_PAIRS[pair]
@@ -79,9 +80,27 @@ def test_full_suite_at_the_head_dims_wgmma_runs(dtype, pair, record_property):
     assert uses_wgmma(bwd, 64, "sm90")
     backend = get_backend("cuda")
     cases = [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
-             for case in adversarial_cases("full", config_tiles(fwd, bwd)) for head_dim in (64, 128)
+             for case in adversarial_cases("full", config_tiles(fwd, bwd)) for head_dim in (64, 120, 128)
              if case.head_dim < head_dim]
-    results = [check_case(backend, case, dtype, "cuda", fwd, bwd) for case in cases]
+    _assert_all_ok(cases, [check_case(backend, case, dtype, "cuda", fwd, bwd) for case in cases], record_property)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_wgmma_forward_at_the_widest_head_dims(dtype, record_property):
+    """The forward alone (the backward keeps mma.sync above 128) at head dims 184, 192 and 256."""
+    from dmattn_kernels.cuda.launch import arch_of, uses_wgmma
+
+    fwd = FwdConfig(128, 64, 8, 2)
+    if not uses_wgmma(fwd, 256, arch_of(torch.device("cuda"))):
+        pytest.skip("wgmma runs on SM90 only")
+    cases = [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
+             for case in adversarial_cases("full", config_tiles(fwd, None)) for head_dim in (184, 192, 256)
+             if case.head_dim < head_dim]
+    _assert_all_ok(cases, [check_case(get_backend("cuda"), case, dtype, "cuda", fwd, None) for case in cases],
+                   record_property)
+
+
+def _assert_all_ok(cases, results, record_property):
     worst = {}
     for result in results:
         for name, check in result.checks.items():

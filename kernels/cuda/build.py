@@ -26,7 +26,7 @@ SOURCES = {"fwd": KERNEL_DIR / "flash_fwd.cu", "bwd": KERNEL_DIR / "flash_bwd.cu
 # sm_90a, not sm_90: wgmma is an arch-specific feature (the "a" target), and such a cubin loads
 # on SM90 GPUs only, which is all an sm90 build is for.
 ARCH_FLAGS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90a", "sm120": "sm_120"}
-NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", f"-I{KERNEL_DIR}")
+NVCC_OPTIONS = ("-cubin", "-O3", "-std=c++17")  # part of the cache key, unlike the include path
 NVCC_TIMEOUT_S = 300
 ELEMENTS = {"fp16": 0, "bf16": 1}
 
@@ -82,14 +82,15 @@ def build(direction: str, arch: str, flags: tuple[str, ...]) -> Path:
     """
     if arch not in ARCH_FLAGS:
         raise ValueError(f"arch: got {arch!r}, expected one of {sorted(ARCH_FLAGS)}")
-    key = hashlib.sha256(" ".join((direction, *flags)).encode()).hexdigest()[:24]
+    # the target and nvcc flags too: a cubin built for sm_90 must not stand in for an sm_90a one
+    key = hashlib.sha256(" ".join((direction, ARCH_FLAGS[arch], *NVCC_OPTIONS, *flags)).encode()).hexdigest()[:24]
     target = cache_dir() / source_hash() / arch / f"{direction}-{key}.cubin"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         output = Path(scratch) / target.name
-        command = [nvcc(), *NVCC_FLAGS, f"-arch={ARCH_FLAGS[arch]}", *flags, "-o", str(output),
+        command = [nvcc(), *NVCC_OPTIONS, f"-I{KERNEL_DIR}", f"-arch={ARCH_FLAGS[arch]}", *flags, "-o", str(output),
                    str(SOURCES[direction])]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)

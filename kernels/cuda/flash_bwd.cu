@@ -276,6 +276,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
         accumulator_to_a(p_frag[kk], s, kk);
         accumulator_to_a(ds_frag[kk], dp, kk);
       }
+      touch(dv_acc);  // their zero-fill stays before the fence (PTX: no register writes after it)
+      touch(dk_acc);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
@@ -440,6 +442,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
       uint32_t ds_frag[BLOCK_N / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) accumulator_to_a(ds_frag[kk], dp, kk);
+      touch(dq_acc);  // its zero-fill stays before the fence (PTX: no register writes after it)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<BLOCK_D>::rs<1>(dq_acc, ds_frag[kk], mn_major(k_tile, BLOCK_N, kk), 1);

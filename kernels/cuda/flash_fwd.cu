@@ -33,10 +33,10 @@
 //
 // Memory: K and V tiles go global -> shared through cp.async in a ring of STAGES buffers, rows
 // past the sequence end and lanes past HEAD_DIM zero-filled (never read), so 0 * NaN cannot
-// happen. Shared rows are padded by 16 bytes: consecutive rows start in different banks, and
-// ldmatrix reads 8 rows without conflicts.
+// happen. For ldmatrix, shared rows are padded by 16 bytes: consecutive rows start in different
+// banks, and ldmatrix reads 8 rows without conflicts (wgmma tiles are swizzled instead).
 //
-// SM90 (WGMMA, build.py picks it on sm90 where the tile allows): the two products run as
+// SM90 (WGMMA, launch.uses_wgmma picks it on sm90 where the tile allows): the two products run as
 // wgmma.mma_async on shared operands (Q, K, V in the swizzled layout of sm90.cuh; P from
 // registers), one m64 product per warpgroup of four warps. Each warp still owns 16 rows and
 // the same accumulator fragments, so the score rule and the online softmax are one code. The
@@ -205,6 +205,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
       uint32_t p_frag[BLOCK_N / 16][4];  // all of them first: wgmma then reads registers no one writes
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) accumulator_to_a(p_frag[kk], s[0], kk);
+      touch(acc[0]);  // the rescale's writes stay before the fence (PTX: no register writes after it)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<BLOCK_D>::rs<1>(acc[0], p_frag[kk], mn_major(v_tile, BLOCK_N, kk), 1);

@@ -34,7 +34,8 @@ WGMMA_TILES = (32, 64, 128)  # inner tiles with an m64nN wgmma product (sm90.cuh
 WARPGROUP = 4  # warps that issue one wgmma together
 SWIZZLE_SLACK = 1024  # bytes a wgmma kernel may skip to align its tiles (sm90.cuh: SWIZZLE_ATOM)
 # Above it a dK/dV thread holds 2 x head_dim / 2 fp32 accumulators (192 or more registers) plus
-# its S^T and dP^T fragments, and wgmma's register-resident operands spill: H200, B2 H16 L4096
+# its S^T and dP^T fragments, and spills heavily (at 128 only the largest 4-warp tiles spill a
+# little, 128x64 w4: the tuner measures those): H200, B2 H16 L4096
 # D256 causal bf16, 32x64 dq64x32 w4 s1: 9.79 ms through wgmma (results/cuda/
 # h200-wgmma-defaults-sweep.txt, 2026-11-22) vs 5.90 ms through mma.sync (h200-defaults-sweep.txt).
 WGMMA_BWD_MAX_HEAD_DIM = 128
