@@ -68,8 +68,19 @@ __device__ __forceinline__ void copy_chunk(elem_t* dst, const elem_t* src, bool 
 
 __device__ __forceinline__ void commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
 
+// cp.async and plain stores write through the generic proxy, wgmma reads through the async
+// proxy: each writer fences its own writes before the barrier that publishes them.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// All but the newest N cp.async groups have landed (and, for wgmma, are visible to it once the
+// caller's barrier publishes them).
 template <int N>
-__device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+__device__ __forceinline__ void wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+#if WGMMA
+  fence_async_shared();
+#endif
+}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const elem_t* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -314,8 +325,11 @@ __device__ __forceinline__ ScoreRule score_rule(const Inputs& in, const HeadSlic
 
 // The key tiles of KEYS keys that a query block walks (the forward and dQ kernels): the block
 // reaches tiles [0, block); every row of one warp's rows [warp_row0, warp_row0 + warp_rows) sees
-// every key of tiles [0, interior) (no mask, in bounds, causal) and no key of tiles
-// [reached, block) (causal), so only tiles [interior, reached) test positions.
+// every key of tiles [0, interior) (no mask, in bounds, causal), so only tiles from `interior`
+// on test positions. No row that issues the warp's products sees a key of tiles [reached, block)
+// (causal), so the warp skips them: under wgmma those rows are its warpgroup's 64 (all four
+// warps issue each product; blocks hold whole warpgroups, so the group starts on a multiple
+// of 64), else its own.
 struct KeyTiles {
   int block, interior, reached;
 };
@@ -330,8 +344,12 @@ __device__ __forceinline__ KeyTiles key_tiles(const ScoreRule& rule, int block_r
   KeyTiles tiles;
   tiles.block = (block_keys + KEYS - 1) / KEYS;
   tiles.interior = HAS_MASK ? 0 : interior_keys / KEYS;
-  tiles.reached =
-      IS_CAUSAL ? (max(0, warp_row0 + warp_rows + rule.offset) + KEYS - 1) / KEYS : tiles.block;
+#if WGMMA
+  const int issue_row_end = warp_row0 / GROUP_ROWS * GROUP_ROWS + GROUP_ROWS;
+#else
+  const int issue_row_end = warp_row0 + warp_rows;
+#endif
+  tiles.reached = IS_CAUSAL ? (max(0, issue_row_end + rule.offset) + KEYS - 1) / KEYS : tiles.block;
   return tiles;
 }
 

@@ -204,9 +204,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
     if (ahead < m_tiles) load_query_tile(ahead, (step + STAGES - 1) % STAGES);
     commit_group();
     wait_group<STAGES - 1>();  // K, V and query tile m have landed
-#if WGMMA
-    fence_async_shared();
-#endif
     __syncthreads();
     const int slot = step % STAGES;
     const elem_t* q_tile = q_smem + slot * BLOCK_M * ROW;
@@ -225,11 +222,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
 #if WGMMA
       float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // the first k-step overwrites (scale-d 0)
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
-        Wgmma<BLOCK_M>::ss<0>(s, k_major(k_smem, BLOCK_N, group_key0, kk), k_major(q_tile, BLOCK_M, 0, kk), kk > 0);
-        Wgmma<BLOCK_M>::ss<0>(dp, k_major(v_smem, BLOCK_N, group_key0, kk), k_major(do_tile, BLOCK_M, 0, kk), kk > 0);
-      }
+      wgmma_abt(s, k_smem, BLOCK_N, group_key0, q_tile);
+      wgmma_abt(dp, v_smem, BLOCK_N, group_key0, do_tile);
       wgmma_commit();
       wgmma_wait<0>();
       touch(s);
@@ -279,11 +273,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dkdv_kernel(con
       touch(dv_acc);  // their zero-fill stays before the fence (PTX: no register writes after it)
       touch(dk_acc);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-        Wgmma<BLOCK_D>::rs<1>(dv_acc, p_frag[kk], mn_major(do_tile, BLOCK_M, kk), 1);
-        Wgmma<BLOCK_D>::rs<1>(dk_acc, ds_frag[kk], mn_major(q_tile, BLOCK_M, kk), 1);
-      }
+      wgmma_ab(dv_acc, p_frag, do_tile);
+      wgmma_ab(dk_acc, ds_frag, q_tile);
       wgmma_commit();
       wgmma_wait<0>();
       touch(dv_acc);
@@ -356,12 +347,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
 
   const KeyTiles tiles = key_tiles<BLOCK_N>(rule, (m_block + 1) * BLOCK_M, warp_row0, 16);
   const int n_tiles = tiles.block;
-#if WGMMA  // the warpgroup's products: its rows [group_row0, group_row0 + 64) of the block
-  const int group_row0 = (warp / GROUP_WARPS) * GROUP_ROWS;
-  const int reached =
-      key_tiles<BLOCK_N>(rule, (m_block + 1) * BLOCK_M, m_block * BLOCK_M + group_row0, GROUP_ROWS).reached;
-#else
-  const int reached = tiles.reached;
+#if WGMMA
+  const int group_row0 = (warp / GROUP_WARPS) * GROUP_ROWS;  // the warpgroup's rows of the block: its products'
 #endif
 
   load_tile<BLOCK_M>(q_smem, at.q, in.q_stride[1], m_block * BLOCK_M, in.seqlen_q);
@@ -382,9 +369,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
     if (ahead < n_tiles) load_kv_tile<BLOCK_N>(k_smem, v_smem, at, in, ahead, ahead % STAGES);
     commit_group();
     wait_group<STAGES - 1>();  // Q, dO and key tile j have landed
-#if WGMMA
-    fence_async_shared();
-#endif
     __syncthreads();
 #if !WGMMA
     if (j == 0) {
@@ -394,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
       }
     }
 #endif
-    if (j < reached) {
+    if (j < tiles.reached) {
       const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
       const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
 
@@ -402,11 +386,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
 #if WGMMA
       float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];  // the first k-step overwrites (scale-d 0)
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
-        Wgmma<BLOCK_N>::ss<0>(s, k_major(q_smem, BLOCK_M, group_row0, kk), k_major(k_tile, BLOCK_N, 0, kk), kk > 0);
-        Wgmma<BLOCK_N>::ss<0>(dp, k_major(do_smem, BLOCK_M, group_row0, kk), k_major(v_tile, BLOCK_N, 0, kk), kk > 0);
-      }
+      wgmma_abt(s, q_smem, BLOCK_M, group_row0, k_tile);
+      wgmma_abt(dp, do_smem, BLOCK_M, group_row0, v_tile);
       wgmma_commit();
       wgmma_wait<0>();
       touch(s);
@@ -444,8 +425,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_dq_kernel(const
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) accumulator_to_a(ds_frag[kk], dp, kk);
       touch(dq_acc);  // its zero-fill stays before the fence (PTX: no register writes after it)
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<BLOCK_D>::rs<1>(dq_acc, ds_frag[kk], mn_major(k_tile, BLOCK_N, kk), 1);
+      wgmma_ab(dq_acc, ds_frag, k_tile);
       wgmma_commit();
       wgmma_wait<0>();
       touch(dq_acc);

@@ -104,12 +104,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
 
   const KeyTiles tiles = key_tiles<BLOCK_N>(rule, (m_block + 1) * BLOCK_M, warp_row0, WARP_M);
   const int n_tiles = tiles.block;
-#if WGMMA  // the warpgroup's products: its rows [group_row0, group_row0 + 64) of Q
-  const int group_row0 = (warp / GROUP_WARPS) * GROUP_ROWS;
-  const int reached =
-      key_tiles<BLOCK_N>(rule, (m_block + 1) * BLOCK_M, m_block * BLOCK_M + group_row0, GROUP_ROWS).reached;
-#else
-  const int reached = tiles.reached;
+#if WGMMA
+  const int group_row0 = (warp / GROUP_WARPS) * GROUP_ROWS;  // the warpgroup's rows of Q: its products'
 #endif
 
   load_tile<BLOCK_M>(q_smem, at.q, in.q_stride[1], m_block * BLOCK_M, in.seqlen_q);
@@ -132,11 +128,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
     if (ahead < n_tiles) load_kv_tile<BLOCK_N>(k_smem, v_smem, at, in, ahead, ahead % STAGES);
     commit_group();
     wait_group<STAGES - 1>();  // Q and tile j have landed (only later tiles may be in flight)
-#if WGMMA
-    fence_async_shared();
-#endif
     __syncthreads();
-    if (j < reached) {
+    if (j < tiles.reached) {
       const elem_t* k_tile = k_smem + (j % STAGES) * BLOCK_N * ROW;
       const elem_t* v_tile = v_smem + (j % STAGES) * BLOCK_N * ROW;
 
@@ -144,9 +137,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
 #if WGMMA
       float s[WARP_TILES][BLOCK_N / 8][4];  // the first k-step overwrites (scale-d 0)
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_D / 16; ++kk)
-        Wgmma<BLOCK_N>::ss<0>(s[0], k_major(q_smem, BLOCK_M, group_row0, kk), k_major(k_tile, BLOCK_N, 0, kk), kk > 0);
+      wgmma_abt(s[0], q_smem, BLOCK_M, group_row0, k_tile);
       wgmma_commit();
       wgmma_wait<0>();
       touch(s[0]);
@@ -207,8 +198,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) accumulator_to_a(p_frag[kk], s[0], kk);
       touch(acc[0]);  // the rescale's writes stay before the fence (PTX: no register writes after it)
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<BLOCK_D>::rs<1>(acc[0], p_frag[kk], mn_major(v_tile, BLOCK_N, kk), 1);
+      wgmma_ab(acc[0], p_frag, v_tile);
       wgmma_commit();
       wgmma_wait<0>();
       touch(acc[0]);

@@ -51,14 +51,28 @@ __device__ __forceinline__ uint64_t mn_major(const elem_t* tile, int rows, int k
   return descriptor(tile + kk * 16 * SWIZZLE_COLS, rows * 128, SWIZZLE_ATOM);
 }
 
-// cp.async and plain stores write through the generic proxy, wgmma reads through the async
-// proxy: each writer fences its own writes before the barrier that publishes them.
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+
+// c = A B^T over BLOCK_D, issued (the caller fences, commits and waits): A the 64 rows
+// [a_row0, a_row0 + 64) of a shared tile of a_rows rows, B a shared tile of 8 N8 rows, both
+// with rows along k (S = Q K^T, dP = dO V^T and their transposes). The first k-step overwrites c.
+template <int N8>
+__device__ __forceinline__ void wgmma_abt(float (&c)[N8][4], const elem_t* a, int a_rows, int a_row0, const elem_t* b) {
+#pragma unroll
+  for (int kk = 0; kk < BLOCK_D / 16; ++kk)
+    Wgmma<N8 * 8>::template ss<0>(c, k_major(a, a_rows, a_row0, kk), k_major(b, N8 * 8, 0, kk), kk > 0);
+}
+
+// c (64 x BLOCK_D) += A B, issued: A the K16 k-steps of this warp's rows in registers (P, P^T,
+// dS^T, dS), B a shared tile of 16 K16 rows, one row per k (V, dO, Q, K).
+template <int K16>
+__device__ __forceinline__ void wgmma_ab(float (&c)[BLOCK_D / 8][4], const uint32_t (&a)[K16][4], const elem_t* b) {
+#pragma unroll
+  for (int kk = 0; kk < K16; ++kk) Wgmma<BLOCK_D>::template rs<1>(c, a[kk], mn_major(b, 16 * K16, kk), 1);
+}
 
 // Pins accumulators in program order around wgmma: the compiler sees them read and written here.
 template <int N8>
