@@ -14,7 +14,7 @@ Triton can software-pipeline its loads; tiles with no visible position cost noth
 import triton
 import triton.language as tl
 
-from dmattn_kernels.triton.common import visible_tile
+from dmattn_kernels.triton.common import load_keep, visible_tile
 
 CELL = 16  # rows and columns of a cell: the smallest tile any kernel uses (tl.dot's minimum)
 
@@ -43,10 +43,9 @@ def tile_activity_kernel(
     h = (pid_bh % num_mask_heads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    visible = visible_tile(
-        mask_ptr + b * stride_mb + h * stride_mh, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn,
-        seqlen_q, seqlen_k, IS_CAUSAL, True,
-    )
+    keep = load_keep(mask_ptr + b * stride_mb + h * stride_mh, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn,
+                     seqlen_q, seqlen_k, True, True)
+    visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, True)
     cells = tl.reshape(visible.to(tl.int32), [BLOCK_M // CELL, CELL, BLOCK_N // CELL, CELL])
     cells = tl.max(tl.max(cells, 3), 1)
     cell_rows = pid_m * (BLOCK_M // CELL) + tl.arange(0, BLOCK_M // CELL)

@@ -24,12 +24,34 @@ def tanh(x):
 
 
 @triton.jit
+def load_keep(mask_base, rows, cols, stride_mm, stride_mn, seqlen_q, seqlen_k, wanted, HAS_MASK: tl.constexpr):
+    """The mask tile at `rows` x `cols` (index tensors as in `visible_tile`); 0 outside the
+    sequence bounds, so memory past a sliced mask's logical extent is never read, and everywhere
+    when `wanted` is false (a prefetch past the end of a tile list). Without a mask: 0.
+
+    The attention loops load the next tile's mask one iteration ahead and carry it. Triton's
+    pipeliner leaves this byte-wide load where it is (sm90 TTGIR, triton 3.9: a plain tt.load
+    feeding a convert_layout, where the bias, K and V loads of the same loop become async
+    copies), so loaded in place every tile waited a full memory latency before its first dot.
+
+    The load is predicated on the bounds alone, not on the causal rule: a per-element predicate
+    keeps Triton from vectorising it (one byte per load instruction; H100, 2026-11-21: the W1
+    forward went from 2.12 ms to the figure in results/bench/ with this and the same change in
+    `scores_tile`).
+    """
+    if HAS_MASK:
+        # `wanted` enters through the bound: the interpreter rejects a mask that ANDs in a scalar
+        in_bounds = (rows < seqlen_q) & (cols < tl.where(wanted, seqlen_k, 0))
+        return tl.load(mask_base + rows * stride_mm + cols * stride_mn, mask=in_bounds, other=0)
+    else:
+        return 0
+
+
+@triton.jit
 def visible_tile(
-    mask_base,
+    keep,
     rows,
     cols,
-    stride_mm,
-    stride_mn,
     seqlen_q,
     seqlen_k,
     IS_CAUSAL: tl.constexpr,
@@ -39,19 +61,14 @@ def visible_tile(
 
     `rows` (query indices) and `cols` (key indices) are broadcastable 2-D index tensors:
     `offs_m[:, None], offs_n[None, :]` gives a (BLOCK_M, BLOCK_N) tile, `offs_m[None, :],
-    offs_n[:, None]` its key-major transpose. The mask is read only inside the sequence bounds,
-    so memory past a sliced mask's logical extent never matters. The load is predicated on the
-    bounds alone, not on the causal rule: a per-element predicate keeps Triton from vectorising
-    it (one byte per load instruction; H100, 2026-11-21: the W1 forward went from 2.12 ms to
-    the figure in results/bench/ with this and the same change in `scores_tile`).
+    offs_n[:, None]` its key-major transpose. `keep` is the mask tile from `load_keep` at the
+    same indices (ignored without a mask).
     """
-    in_bounds = (rows < seqlen_q) & (cols < seqlen_k)
-    visible = in_bounds
+    visible = (rows < seqlen_q) & (cols < seqlen_k)
     if IS_CAUSAL:
         # bottom-right alignment: query i sees key j iff j <= i + Lk - Lq
         visible = visible & (cols <= rows + (seqlen_k - seqlen_q))
     if HAS_MASK:
-        keep = tl.load(mask_base + rows * stride_mm + cols * stride_mn, mask=in_bounds, other=0)
         visible = visible & (keep != 0)
     return visible
 
@@ -87,10 +104,13 @@ def scores_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MASKED: tl.constexpr = True,
+    UNITS: tl.constexpr = 1.0,
 ):
-    """Scores of one tile from its raw q.k products, -inf where not visible.
+    """Scores of one tile from its raw q.k products, -inf where not visible, times UNITS.
 
     MASKED=False is for tiles the caller knows to be wholly visible: `visible` is then ignored.
+    UNITS = LOG2E gives the scores in log2 units (the forward on 16-bit inputs): the factor
+    rides on the scale and the bias, so exp2(s - m) needs no multiply per element.
 
     The bias is read everywhere inside the sequence bounds and discarded by the final `where`
     at excluded positions, so NaN/inf there never reaches a result; predicating its load on
@@ -100,29 +120,30 @@ def scores_tile(
         (s, capped): the masked scores (fp32) and tanh(scale*qk/softcap) (the softcap backward
         needs 1 - capped^2; it is a dummy when HAS_SOFTCAP is off).
     """
-    s = qk * softmax_scale
-    capped = s
     if HAS_SOFTCAP:
-        capped = tanh(s / softcap)
-        s = softcap * capped
+        capped = tanh(qk * softmax_scale / softcap)
+        s = (softcap * UNITS) * capped
+    else:
+        s = qk * (softmax_scale * UNITS)
+        capped = s
     if HAS_BIAS:
         in_bounds = (rows < seqlen_q) & (cols < seqlen_k)
         bias = tl.load(bias_base + rows * stride_bm + cols * stride_bn, mask=in_bounds, other=0.0)
-        s = s + bias.to(tl.float32)
+        s = s + bias.to(tl.float32) * UNITS
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     return s, capped
 
 
 @triton.jit
-def listed_block(blocks, i, HAS_MASK: tl.constexpr):
-    """The i-th tile index a loop visits.
+def listed_block(blocks, i, num_blocks, HAS_MASK: tl.constexpr):
+    """The i-th tile index a loop visits (0 for i >= num_blocks, a prefetch past the end).
 
     With a mask, `blocks` points at one row of `launch.block_lists`: [count, index_0, index_1,
     ...], the tiles that hold a visible position, increasing. Without one every tile in the loop
     bounds is visited and the index is `i` itself.
     """
     if HAS_MASK:
-        return tl.load(blocks + 1 + i)
+        return tl.load(blocks + 1 + i, mask=i < num_blocks, other=0)
     else:
         return i

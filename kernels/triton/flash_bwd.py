@@ -49,7 +49,7 @@ D=128, BLOCK_M=32, no mask, triton 3.6, 2026-11-21.
 import triton
 import triton.language as tl
 
-from dmattn_kernels.triton.common import LOG2E, listed_block, score_dot, scores_tile, visible_tile
+from dmattn_kernels.triton.common import LOG2E, listed_block, load_keep, score_dot, scores_tile, visible_tile
 
 
 @triton.jit
@@ -171,9 +171,18 @@ def flash_bwd_dkdv_kernel(
 
     mask_base = mask_ptr + b * stride_mb + (h_first // mask_head_div) * stride_mh
     bias_base = bias_ptr + b * stride_bb + (h_first // bias_head_div) * stride_bh
+    # split mode: the mask of the first tile; each iteration then loads the next one's
+    # (`common.load_keep`). Group mode loads each query head's tile in place.
+    PREFETCH: tl.constexpr = HAS_MASK and HEADS_PER_PROGRAM == 1
+    first_m = (m_first + listed_block(blocks, 0, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    keep = load_keep(mask_base, first_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                     num_blocks > 0, PREFETCH)
     for i in range(0, num_blocks):
-        start_m = (m_first + listed_block(blocks, i, HAS_MASK)) * BLOCK_M
+        start_m = (m_first + listed_block(blocks, i, num_blocks, HAS_MASK)) * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
+        next_m = (m_first + listed_block(blocks, i + 1, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        keep_next = load_keep(mask_base, next_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                              i + 1 < num_blocks, PREFETCH)
         q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
         if HEADS_PER_PROGRAM > 1:
             db_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # dS^T summed over the group
@@ -186,10 +195,12 @@ def flash_bwd_dkdv_kernel(
             mask_base_h = mask_base + (g // mask_head_div) * stride_mh
             bias_base_h = bias_base + (g // bias_head_div) * stride_bh
             # key-major tile: rows of the tile are keys, columns are queries
-            visible_t = visible_tile(
-                mask_base_h, offs_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
-                IS_CAUSAL, HAS_MASK,
-            )
+            if HEADS_PER_PROGRAM > 1:
+                keep_h = load_keep(mask_base_h, offs_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q,
+                                   seqlen_k, True, HAS_MASK)
+            else:
+                keep_h = keep
+            visible_t = visible_tile(keep_h, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK)
             # -- load q, dO and the row statistics of this query head --
             q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
             dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
@@ -215,6 +226,7 @@ def flash_bwd_dkdv_kernel(
                                    stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
                 else:
                     db_t += ds_t
+        keep = keep_next
         if HEADS_PER_PROGRAM > 1:
             # one store per query block: the (b, h_kv) tile of a (B, Hkv, Lq, Lk) partial
             _store_dbias_t(dbias_ptr + b * stride_dbb + slot * stride_dbh, db_t, start_m, offs_m, offs_n,
@@ -285,12 +297,16 @@ def flash_bwd_dq_kernel(
             n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
         num_blocks = tl.cdiv(n_end, BLOCK_N)
 
+    # the mask of the first tile; each iteration then loads the next one's (`common.load_keep`)
+    first_n = listed_block(blocks, 0, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = load_keep(mask_base, offs_m[:, None], first_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                     num_blocks > 0, HAS_MASK)
     for i in range(0, num_blocks):
-        offs_n = listed_block(blocks, i, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
-        visible = visible_tile(
-            mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
-            IS_CAUSAL, HAS_MASK,
-        )
+        offs_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+        next_n = listed_block(blocks, i + 1, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+        keep_next = load_keep(mask_base, offs_m[:, None], next_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                              i + 1 < num_blocks, HAS_MASK)
+        visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK)
         kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
@@ -305,6 +321,7 @@ def flash_bwd_dq_kernel(
         if HAS_SOFTCAP:
             ds = ds * (1.0 - capped * capped)
         dq += tl.dot(ds.to(k.dtype), k)
+        keep = keep_next
 
     # epilogue
     dq = dq * softmax_scale

@@ -23,7 +23,7 @@ from pipelining its loads.
 import triton
 import triton.language as tl
 
-from dmattn_kernels.triton.common import LOG2E, listed_block, score_dot, scores_tile, visible_tile
+from dmattn_kernels.triton.common import LOG2E, listed_block, load_keep, score_dot, scores_tile, visible_tile
 
 
 @triton.jit
@@ -50,24 +50,41 @@ def _online_softmax_step(
     softmax_scale,
     softcap,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MASKED: tl.constexpr,
+    UNITS: tl.constexpr,
 ):
-    # -- load k, v (rows past Lk and lanes past HEAD_DIM read as 0, never as memory) --
-    kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
+    # -- load k, v (rows past Lk and lanes past HEAD_DIM read as 0, never as memory). A tile the
+    # caller knows to be inside Lk (MASKED=False) and a head dim with no masked lane load
+    # without a predicate: no per-element compare in the loop --
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if MASKED:
+        kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kv_in, other=0.0)
+    elif BLOCK_D == HEAD_DIM:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     s, _ = scores_tile(
         score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
-        visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, MASKED,
+        visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, MASKED, UNITS,
     )
-    # -- online softmax: a row that has seen nothing visible keeps m = -inf and shifts by 0 --
+    # -- online softmax in UNITS (s, m in log2 units: exp2(s - m) is exp(s' - m'));
+    # a row that has seen nothing visible keeps m = -inf and shifts by 0 --
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2((m_i - m_shift) * LOG2E)
-    p = tl.exp2((s - m_shift[:, None]) * LOG2E)
+    alpha = tl.exp2((m_i - m_shift) * (LOG2E / UNITS))
+    p = tl.exp2((s - m_shift[:, None]) * (LOG2E / UNITS))
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=kv_in, other=0.0)
+    elif BLOCK_D == HEAD_DIM:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
@@ -98,7 +115,11 @@ def flash_fwd_kernel(
 ):
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
-    pid_m = tl.program_id(0)
+    # 16-bit inputs keep scores in log2 units (`scores_tile`); fp32 (the interpreter tier) keeps
+    # natural units, so its scores equal the backward's recomputed ones bit for bit (`score_dot`)
+    UNITS: tl.constexpr = 1.0 if q_ptr.dtype.element_ty == tl.float32 else LOG2E
+    # causal: the last query blocks do the most work; scheduled first, they do not trail the grid
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_heads).to(tl.int64)
     h = (pid_bh % num_heads).to(tl.int64)
@@ -141,26 +162,31 @@ def flash_fwd_kernel(
             m_i, l_i, acc = _online_softmax_step(
                 q, m_i, l_i, acc, k_base, v_base, bias_base, offs_m, i * BLOCK_N + tl.arange(0, BLOCK_N), offs_d,
                 q_in, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, HAS_SOFTCAP, HAS_BIAS, False,
+                seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, False, UNITS,
             )
 
+    # the mask of the loop's first tile; each iteration then loads the next one's (`load_keep`)
+    first_n = listed_block(blocks, first_masked, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = load_keep(mask_base, offs_m[:, None], first_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                     first_masked < num_blocks, HAS_MASK)
     for i in range(first_masked, num_blocks):
-        offs_n = listed_block(blocks, i, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
-        visible = visible_tile(
-            mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
-            IS_CAUSAL, HAS_MASK,
-        )
+        offs_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+        next_n = listed_block(blocks, i + 1, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+        keep_next = load_keep(mask_base, offs_m[:, None], next_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                              i + 1 < num_blocks, HAS_MASK)
+        visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK)
         m_i, l_i, acc = _online_softmax_step(
             q, m_i, l_i, acc, k_base, v_base, bias_base, offs_m, offs_n, offs_d, visible,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-            seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, HAS_SOFTCAP, HAS_BIAS, True,
+            seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, True, UNITS,
         )
+        keep = keep_next
 
     # epilogue: a row with a visible key has l_i >= 1 (its max contributes exp(0)); l_i == 0 is dead
     dead = l_i == 0.0
     l_safe = tl.where(dead, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(dead, float("-inf"), m_i + tl.log(l_safe))
+    lse = tl.where(dead, float("-inf"), m_i / UNITS + tl.log(l_safe))
     out_base = out_ptr + b * stride_ob + h * stride_oh
     tl.store(out_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=q_in)
     lse_base = lse_ptr + b * stride_lb + h * stride_lh
