@@ -43,12 +43,13 @@ Config = FwdConfig | BwdConfig
 STATUSES = ("fits", "unsupported", "compile_error")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # The kernels of a direction that have tunables (the bwd preprocess kernel has a fixed tile).
-KERNELS = {"fwd": ("flash_fwd_kernel",), "bwd": ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel")}
+KERNELS = {"fwd": ("flash_fwd_kernel",),
+           "bwd": ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "flash_bwd_dq_from_ds_kernel")}
 # The feature variants a config must serve, compiled for each candidate (the fit is the max over
 # them). Causal + bias (+ dBias with query rows) carry the most tiles; softcap adds none; GROUP
 # alone only changes head arithmetic. Both mask settings are compiled: with a mask the loops walk
-# a block list and pipeline the mask tile's loads too, without one they do neither, so shared
-# memory and registers differ between the two. The dK/dV kernel's group mode (a GQA dBias with
+# a block list and carry the next mask tile, without one they do neither, so shared memory and
+# registers differ between the two. The dK/dV kernel's group mode (a GQA dBias with
 # query rows) holds one more fp32 tile, so it is a variant of its own; a variant is compiled only
 # for the kernels that take every flag it changes (`_serves`).
 WORST_CASE_FEATURES = dict(
@@ -64,10 +65,10 @@ FEATURE_VARIANTS = (
 # Strides that are 1 in a contiguous launch: Triton specializes an int argument equal to 1 into a
 # constexpr, which enables vectorized loads (and so changes shared-memory use).
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd",
-                "stride_dvd", "stride_dqd", "stride_mn", "stride_bn", "stride_dbn", "stride_lm")
+                "stride_dvd", "stride_dqd", "stride_mn", "stride_bn", "stride_dbn", "stride_dsn", "stride_lm")
 # Ints not known to be multiples of 16 (everything else is: pointers, row/head/batch strides).
 UNALIGNED_INTS = ("num_heads", "seqlen_q", "seqlen_k", "mask_head_div", "bias_head_div")
-FP32_POINTERS = ("lse_ptr", "delta_ptr", "bias_ptr", "dbias_ptr")  # bias: fp32 is the larger allowed dtype
+FP32_POINTERS = ("lse_ptr", "delta_ptr", "bias_ptr", "dbias_ptr", "ds_ptr")  # bias: fp32 is the larger allowed dtype
 U8_POINTERS = ("mask_ptr",)  # bool masks are launched as a uint8 view
 I32_POINTERS = ("blocks_ptr",)  # the block lists of `launch.block_lists`
 FP32_SCALARS = ("softmax_scale", "softcap")
@@ -237,8 +238,7 @@ def precheck(direction: str, config: Config, limits: ArchLimits, head_dim: int, 
 def _kernel_functions(direction: str) -> list:
     from dmattn_kernels.triton import flash_bwd, flash_fwd
 
-    modules = {"flash_fwd_kernel": flash_fwd, "flash_bwd_dkdv_kernel": flash_bwd, "flash_bwd_dq_kernel": flash_bwd}
-    return [getattr(modules[name], name) for name in KERNELS[direction]]
+    return [getattr(flash_fwd if direction == "fwd" else flash_bwd, name) for name in KERNELS[direction]]
 
 
 def _kernels_compilable() -> bool:
@@ -250,7 +250,7 @@ def _kernels_compilable() -> bool:
 
 def tile_constexprs(kernel_name: str, config: Config) -> dict[str, int]:
     """The tile sizes the launcher gives kernel `kernel_name` of `KERNELS` from `config`."""
-    if kernel_name == "flash_bwd_dq_kernel":
+    if kernel_name in ("flash_bwd_dq_kernel", "flash_bwd_dq_from_ds_kernel"):
         return {"BLOCK_M": config.block_m_dq, "BLOCK_N": config.block_n_dq}
     return {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
 

@@ -7,8 +7,9 @@
 
 with visible_ij the full rule of `common.visible_tile` (bounds, causal, mask). Each attention
 kernel then pools the cells to its own tile shape and walks a compacted, increasing list of the
-active tiles (`launch.block_lists`), so its key (or query) loop has no data-dependent branch and
-Triton can software-pipeline its loads; tiles with no visible position cost nothing.
+active tiles (`block_list_kernel`, one program per list row), so its key (or query) loop has no
+data-dependent branch and Triton can software-pipeline its loads; tiles with no visible position
+cost nothing.
 """
 
 import triton
@@ -53,3 +54,61 @@ def tile_activity_kernel(
     in_range = (cell_rows[:, None] * CELL < seqlen_q) & (cell_cols[None, :] * CELL < seqlen_k)
     tl.store(active_ptr + b * stride_ab + h * stride_ah + cell_rows[:, None] * stride_am + cell_cols[None, :] * stride_an,
              cells.to(tl.int8), mask=in_range)
+
+
+@triton.jit
+def block_list_kernel(
+    active_ptr, lists_ptr,
+    stride_ab, stride_ah, stride_own, stride_list,
+    stride_lb, stride_lh, stride_lr,
+    num_heads, own_cells, list_cells, num_tiles,
+    OWN_CELLS: tl.constexpr,
+    LIST_CELLS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One row of `launch.block_lists`: the tiles one program of an attention kernel visits.
+
+    The program's own tile spans OWN_CELLS cells along its axis (query cells for a query-major
+    list, key cells for a key-major one); the listed tiles span LIST_CELLS cells along the other
+    axis. A tile is active when any of its cells is. The row is written whole:
+
+        [count, active tile indices increasing..., skipped tile indices increasing...]
+
+    (the dK/dV kernel writes zero dBias tiles from the skipped part). Two passes over the tiles
+    in CHUNK-sized steps: the first counts the active ones, the second places every index.
+    """
+    row = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_heads).to(tl.int64)
+    h = (pid_bh % num_heads).to(tl.int64)
+    own = row * OWN_CELLS + tl.arange(0, OWN_CELLS)
+    cells_base = active_ptr + b * stride_ab + h * stride_ah + own[:, None, None] * stride_own
+    list_row = lists_ptr + b * stride_lb + h * stride_lh + row * stride_lr
+    count = 0
+    for start in range(0, num_tiles, CHUNK):
+        count += tl.sum(_chunk_activity(cells_base, own, start, stride_list, own_cells, list_cells, num_tiles,
+                                        LIST_CELLS, CHUNK), 0)
+    tl.store(list_row, count)
+    placed_active = 0
+    placed_skipped = 0
+    for start in range(0, num_tiles, CHUNK):
+        tiles = start + tl.arange(0, CHUNK)
+        active = _chunk_activity(cells_base, own, start, stride_list, own_cells, list_cells, num_tiles,
+                                 LIST_CELLS, CHUNK)
+        skipped = tl.where(tiles < num_tiles, 1 - active, 0)
+        position = tl.where(active != 0, placed_active + tl.cumsum(active, 0) - 1,
+                            count + placed_skipped + tl.cumsum(skipped, 0) - 1)
+        tl.store(list_row + 1 + position, tiles, mask=tiles < num_tiles)
+        placed_active += tl.sum(active, 0)
+        placed_skipped += tl.sum(skipped, 0)
+
+
+@triton.jit
+def _chunk_activity(cells_base, own, start, stride_list, own_cells, list_cells, num_tiles,
+                    LIST_CELLS: tl.constexpr, CHUNK: tl.constexpr):
+    """1 for each of the tiles start .. start + CHUNK - 1 holding an active cell, else 0 (int32)."""
+    tiles = start + tl.arange(0, CHUNK)
+    cell = tiles[None, :, None] * LIST_CELLS + tl.arange(0, LIST_CELLS)[None, None, :]
+    inside = (own[:, None, None] < own_cells) & (cell < list_cells) & (tiles[None, :, None] < num_tiles)
+    cells = tl.load(cells_base + cell * stride_list, mask=inside, other=0)
+    return tl.max(tl.max(cells.to(tl.int32), 2), 0)

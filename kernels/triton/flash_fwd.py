@@ -11,7 +11,9 @@ Math, per (b, h) and query row i (scores as in `common.py`):
     out_i = sum_j exp(s_ij - m_i) v_j / l_i
     lse_i = m_i + log(l_i)
 computed online over key tiles (FlashAttention-2). A row with no visible key (m_i = -inf) is
-"dead": out_i = 0, lse_i = -inf, never NaN.
+"dead": out_i = 0, lse_i = -inf, never NaN. On 16-bit inputs s and m are kept in log2 units
+(s' = s * log2(e), so exp(s - m) = exp2(s' - m') with no multiply per element) and lse_i =
+m'_i / log2(e) + log(l_i); fp32 keeps natural units (`score_dot` says why).
 
 Skipped work: key tiles beyond the causal diagonal are outside the loop bounds; without a mask,
 tiles wholly visible skip the visibility test (a loop of their own). With a mask the
@@ -24,6 +26,23 @@ import triton
 import triton.language as tl
 
 from dmattn_kernels.triton.common import LOG2E, listed_block, load_keep, score_dot, scores_tile, visible_tile
+
+
+@triton.jit
+def _load_kv_tile(base, offs_n, offs_d, stride_n, stride_d, seqlen_k, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, CHECK_KEYS: tl.constexpr):
+    """A (BLOCK_N, BLOCK_D) K or V tile, 0 on rows past Lk (CHECK_KEYS) and lanes past HEAD_DIM.
+
+    Interior tiles (CHECK_KEYS off: the caller knows them inside Lk) of a power-of-two head dim
+    load with no predicate at all, so the loop computes no per-element bound.
+    """
+    ptrs = base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
+    if CHECK_KEYS:
+        return tl.load(ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D == HEAD_DIM:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
 
 
 @triton.jit
@@ -56,35 +75,21 @@ def _online_softmax_step(
     MASKED: tl.constexpr,
     UNITS: tl.constexpr,
 ):
-    # -- load k, v (rows past Lk and lanes past HEAD_DIM read as 0, never as memory). A tile the
-    # caller knows to be inside Lk (MASKED=False) and a head dim with no masked lane load
-    # without a predicate: no per-element compare in the loop --
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    if MASKED:
-        kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptrs, mask=kv_in, other=0.0)
-    elif BLOCK_D == HEAD_DIM:
-        k = tl.load(k_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    # -- load k, v (rows past Lk and lanes past HEAD_DIM read as 0, never as memory) --
+    k = _load_kv_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
     s, _ = scores_tile(
         score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
         visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, MASKED, UNITS,
     )
-    # -- online softmax in UNITS (s, m in log2 units: exp2(s - m) is exp(s' - m'));
-    # a row that has seen nothing visible keeps m = -inf and shifts by 0 --
+    # -- online softmax in UNITS (LOG2E: s and m in log2 units, exp2 takes s - m as it is; 1:
+    # natural units, scaled by LOG2E); a row that has seen nothing visible keeps m = -inf and
+    # shifts by 0 --
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2((m_i - m_shift) * (LOG2E / UNITS))
     p = tl.exp2((s - m_shift[:, None]) * (LOG2E / UNITS))
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptrs, mask=kv_in, other=0.0)
-    elif BLOCK_D == HEAD_DIM:
-        v = tl.load(v_ptrs)
-    else:
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    v = _load_kv_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 

@@ -12,13 +12,13 @@ import threading
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
-from dmattn_kernels.triton.activity import CELL, tile_activity_kernel
+from dmattn_kernels.triton.activity import CELL, block_list_kernel, tile_activity_kernel
 from dmattn_kernels.triton.flash_bwd import (
     flash_bwd_dkdv_kernel,
+    flash_bwd_dq_from_ds_kernel,
     flash_bwd_dq_kernel,
     flash_bwd_preprocess_kernel,
 )
@@ -33,6 +33,7 @@ WARP_CHOICES = (1, 2, 4, 8, 16)
 MAX_STAGES = 8
 PREPROCESS_BLOCK_M = 64  # delta = rowsum(dO * O) is memory-bound; any reasonable tile will do
 ACTIVITY_BLOCK_M, ACTIVITY_BLOCK_N = 64, 256  # tile of the (memory-bound) activity pass; multiples of CELL
+LIST_CHUNK = 128  # tiles a block-list program pools per step (its cells: 16 x 128 x 16 at most)
 
 
 @contextmanager
@@ -131,19 +132,28 @@ def tile_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: b
 
 def block_lists(active: torch.Tensor, block_rows: int, block_cols: int, *, key_major: bool = False) -> torch.Tensor:
     """Per tile row, the tiles a kernel must visit: (Bm, Hm, rows, 1 + cols) int32, each row
-    [count, index_0, ..., index_{count-1}, unused...] with increasing indices.
+    [count, index_0, ..., index_{count-1}, skipped indices...], active and skipped tiles each
+    in increasing order (`activity.block_list_kernel`).
 
     `active` (from `tile_activity`) is pooled to (block_rows x block_cols) tiles of the
     (query x key) plane. key_major: one row per key tile listing query tiles (the dK/dV kernel).
     """
+    batch_m, heads_m, cell_rows, cell_cols = active.shape
     rows, cols = block_rows // CELL, block_cols // CELL
-    cells = F.pad(active, (0, -active.shape[-1] % cols, 0, -active.shape[-2] % rows))
-    tiles = cells.unflatten(-1, (-1, cols)).unflatten(-3, (-1, rows)).amax(dim=(-3, -1)) > 0
+    stride_b, stride_h, stride_r, stride_c = active.stride()
     if key_major:
-        tiles = tiles.transpose(-1, -2)
-    counts = tiles.sum(-1, dtype=torch.int32, keepdim=True)
-    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return torch.cat([counts, order], dim=-1)
+        own, listed, own_cells, list_cells, stride_own, stride_list = cols, rows, cell_cols, cell_rows, stride_c, stride_r
+    else:
+        own, listed, own_cells, list_cells, stride_own, stride_list = rows, cols, cell_rows, cell_cols, stride_r, stride_c
+    num_rows, num_tiles = triton.cdiv(own_cells, own), triton.cdiv(list_cells, listed)
+    lists = torch.empty((batch_m, heads_m, num_rows, 1 + num_tiles), dtype=torch.int32, device=active.device)
+    _launch(
+        block_list_kernel, (num_rows, batch_m * heads_m),
+        active, lists, stride_b, stride_h, stride_own, stride_list, *lists.stride()[:3],
+        heads_m, own_cells, list_cells, num_tiles,
+        OWN_CELLS=own, LIST_CELLS=listed, CHUNK=min(LIST_CHUNK, triton.next_power_of_2(num_tiles)), num_warps=4,
+    )
+    return lists
 
 
 def _block_list_args(blocks: torch.Tensor | None, fallback: torch.Tensor):
@@ -211,17 +221,18 @@ def _dbias_partial(dbias: torch.Tensor, batch, num_heads, group, seqlen_q, seqle
     else split mode stays: per-kv-head programs leave most SMs idle (flash_bwd.py docstring).
 
     Returns:
-        (partial, rows, heads_per_program): the kernel target (zeroed: tiles the schedule skips
-        are never written; `dbias` itself when the shapes agree), whether it keeps query rows,
-        and the kernel's HEADS_PER_PROGRAM (1: split mode, `group`: group mode).
+        (partial, rows, heads_per_program): the kernel target (`dbias` itself when the shapes
+        agree; never zero-filled: the kernel writes every element, skipped tiles as zeros),
+        whether it keeps query rows, and the kernel's HEADS_PER_PROGRAM (1: split mode, `group`:
+        group mode).
     """
     rows = dbias.shape[2] != 1 or seqlen_q == 1
     heads_per_program = group if rows and dbias.shape[1] < num_heads else 1
     partial_shape = (batch, num_heads // heads_per_program, seqlen_q if rows else triton.cdiv(seqlen_q, block_m),
                      seqlen_k)
     if tuple(dbias.shape) == partial_shape and dbias.is_contiguous():
-        return dbias.zero_(), rows, heads_per_program
-    return torch.zeros(partial_shape, dtype=torch.float32, device=dbias.device), rows, heads_per_program
+        return dbias, rows, heads_per_program
+    return torch.empty(partial_shape, dtype=torch.float32, device=dbias.device), rows, heads_per_program
 
 
 def _finish_dbias(partial: torch.Tensor, dbias: torch.Tensor) -> None:
@@ -317,16 +328,27 @@ def attention_backward(
         dk.copy_(dk_share.unflatten(2, (num_heads_kv, group)).sum(3))
         dv.copy_(dv_share.unflatten(2, (num_heads_kv, group)).sum(3))
 
-    # -- dQ: one program per query block and query head --
-    _launch(
-        flash_bwd_dq_kernel, (triton.cdiv(seqlen_q, config.block_m_dq), batch * num_heads),
-        q, k, v, mask_arg, bias_arg, dout, lse, delta, dq, q_blocks_arg,
-        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
-        *lse.stride(), *dq.stride(), *q_blocks_strides,
-        num_heads, seqlen_q, seqlen_k, *scalars,
-        BLOCK_M=config.block_m_dq, BLOCK_N=config.block_n_dq,
-        num_warps=config.num_warps, num_stages=config.num_stages, **flags,
-    )
+    # -- dQ: one program per query block and query head; from the stored dS when the dK/dV
+    # kernel wrote it whole, as the gradient of a full per-head bias without softcap --
+    if partial is dbias and rows and heads_per_program == 1 and softcap <= 0:
+        _launch(
+            flash_bwd_dq_from_ds_kernel, (triton.cdiv(seqlen_q, config.block_m_dq), batch * num_heads),
+            dbias, k, dq, q_blocks_arg, *dbias.stride(), *k.stride(), *dq.stride(), *q_blocks_strides,
+            num_heads, seqlen_q, seqlen_k, mask_head_div, softmax_scale,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m_dq, BLOCK_N=config.block_n_dq,
+            IS_CAUSAL=is_causal, HAS_MASK=mask is not None,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    else:
+        _launch(
+            flash_bwd_dq_kernel, (triton.cdiv(seqlen_q, config.block_m_dq), batch * num_heads),
+            q, k, v, mask_arg, bias_arg, dout, lse, delta, dq, q_blocks_arg,
+            *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
+            *lse.stride(), *dq.stride(), *q_blocks_strides,
+            num_heads, seqlen_q, seqlen_k, *scalars,
+            BLOCK_M=config.block_m_dq, BLOCK_N=config.block_n_dq,
+            num_warps=config.num_warps, num_stages=config.num_stages, **flags,
+        )
 
     # -- finish dBias: sum what the kernel kept apart --
     if dbias is not None and partial is not dbias:
