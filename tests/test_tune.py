@@ -206,7 +206,7 @@ def test_jobs_sharing_a_kernel_wait_for_the_first_that_compiles_it():
 
 def test_the_sm90_backward_candidates_share_their_kernels():
     """The Triton backend names the kernels a launch compiles by the config fields each reads:
-    the 16 sm90 backward candidates need 8 dK/dV and 4 dQ kernels."""
+    the 16 sm90 backward candidates need 8 dK/dV kernels and 4 of each dQ kernel."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -221,8 +221,8 @@ def test_the_sm90_backward_candidates_share_their_kernels():
     kernels = {kernel for config in space for kernel in triton.kernels("bwd", config, shape)}
     assert len(space) == 16
     assert sorted((name, sum(k[0] == name for k in kernels)) for name in {k[0] for k in kernels}) == [
-        ("flash_bwd_dkdv_kernel", 8), ("flash_bwd_dq_kernel", 4), ("flash_bwd_preprocess_kernel", 1),
-        ("tile_activity_kernel", 1)]
+        ("flash_bwd_dkdv_kernel", 8), ("flash_bwd_dq_from_ds_kernel", 4), ("flash_bwd_dq_kernel", 4),
+        ("flash_bwd_preprocess_kernel", 1), ("tile_activity_kernel", 1)]
     assert triton.kernels("fwd", FwdConfig(64, 32, 4, 2), replace(shape, has_mask=False)) == (
         ("flash_fwd_kernel", 64, 32, 4, 2),)
 
