@@ -71,6 +71,7 @@ UNALIGNED_INTS = ("num_heads", "seqlen_q", "seqlen_k", "mask_head_div", "bias_he
 FP32_POINTERS = ("lse_ptr", "delta_ptr", "bias_ptr", "dbias_ptr", "ds_ptr")  # bias: fp32 is the larger allowed dtype
 U8_POINTERS = ("mask_ptr",)  # bool masks are launched as a uint8 view
 I32_POINTERS = ("blocks_ptr",)  # the block lists of `launch.block_lists`
+KV_DESCRIPTORS = ("k_desc", "v_desc")  # the forward's K/V: TMA descriptors where `launch.kv_by_tma`, else pointers
 FP32_SCALARS = ("softmax_scale", "softcap")
 WARP_SIZE = 32
 ERROR_REASON_CHARS = 200
@@ -265,7 +266,11 @@ def _source(fn, dtype: str, constexprs: dict):
             signature[name] = "constexpr"
             values[name] = constexprs.get(name, 1)
             continue
-        if name.endswith("_ptr"):
+        if name in KV_DESCRIPTORS and constexprs.get("USE_TMA"):
+            # the (B, Lk, Hkv, D) descriptor of one (BLOCK_N, BLOCK_D) tile (`launch.kv_descriptors`)
+            signature[name] = f"tensordesc<{dtype}[1, {constexprs['BLOCK_N']}, 1, {constexprs['BLOCK_D']}]>"
+            continue
+        if name.endswith("_ptr") or name in KV_DESCRIPTORS:
             signature[name] = ("*u8" if name in U8_POINTERS else "*i32" if name in I32_POINTERS
                                else "*fp32" if name in FP32_POINTERS else f"*{dtype}")
         elif name in FP32_SCALARS:
@@ -330,6 +335,8 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from dmattn_kernels.triton.launch import TMA_ARCH_MAJORS
+
     limits = parse_arch(arch)
     major, minor = limits.compute_capability
     target = GPUTarget("cuda", major * 10 + minor, WARP_SIZE)
@@ -342,12 +349,20 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
                          shared if status != "compile_error" else None, check, registers, stack,
                          round(time.perf_counter() - start, 3))
 
+    # where the forward may load K/V by TMA, it still takes pointer loads on views the copy engine
+    # cannot read (`launch.kv_by_tma`), and that variant can need more shared memory (H200: the
+    # pointer variant of fwd 64x128 w8 s3 needed 254008 B, its descriptor variant fit)
+    tma_variants = (False, True) if major in TMA_ARCH_MAJORS else (False,)
     for flags in _variants(features):
-        for fn in filter(lambda fn: _serves(fn, flags), _kernel_functions(direction)):
+        for fn, use_tma in ((fn, use_tma) for fn in _kernel_functions(direction) if _serves(fn, flags)
+                            for use_tma in (tma_variants if "USE_TMA" in fn.arg_names else (None,))):
             where = f"{fn.__name__} HAS_MASK={flags['HAS_MASK']}" + (
-                f" HEADS_PER_PROGRAM={flags['HEADS_PER_PROGRAM']}" if flags["HEADS_PER_PROGRAM"] > 1 else "")
+                f" HEADS_PER_PROGRAM={flags['HEADS_PER_PROGRAM']}" if flags["HEADS_PER_PROGRAM"] > 1 else "") + (
+                f" USE_TMA={use_tma}" if use_tma else "")
             constexprs = {name: value for name, value in flags.items() if name in fn.arg_names}
             constexprs.update(HEAD_DIM=head_dim, BLOCK_D=width, **tile_constexprs(fn.__name__, config))
+            if use_tma is not None:
+                constexprs["USE_TMA"] = use_tma
             try:
                 compiled = triton.compile(_source(fn, dtype, constexprs), target=target,
                                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))

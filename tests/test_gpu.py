@@ -153,3 +153,29 @@ def test_long_rows_with_a_large_row_max(backend):
     out_error = (got["out"].double() - high["out"].double()).abs().max() / high["out"].double().abs().max()
     lse_error = (got["lse"].double() - high["lse"].double()).abs().max()
     assert out_error < 1e-2 and lse_error < 1e-2, (out_error.item(), lse_error.item())
+
+
+def test_key_views_the_copy_engine_cannot_take_fall_back_to_pointer_loads():
+    """On sm90 the forward loads K/V through TMA descriptors, which need 16-byte strides; a view
+    whose head stride is 132 bf16 (264 B) takes pointer loads and gives the same result as its
+    contiguous copy, which takes descriptors."""
+    from dmattn_kernels.triton import launch
+
+    if torch.cuda.get_device_capability()[0] not in launch.TMA_ARCH_MAJORS:
+        pytest.skip("no GPU of an arch that loads K/V by TMA")
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(2, 200, 4, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+    wide = torch.randn(2, 200, 2, 2, 132, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k, v = wide[:, :, 0, :, :128], wide[:, :, 1, :, :128]
+    assert not launch.kv_by_tma(k, v)
+    assert launch.kv_by_tma(k.contiguous(), v.contiguous())
+    assert not launch.kv_by_tma(k[:, :1].contiguous(), v[:, :1].contiguous())  # Lk = 1 (`kv_by_tma` says why)
+    results = []
+    for keys, values in ((k, v), (k.contiguous(), v.contiguous())):
+        out = torch.empty_like(q)
+        lse = torch.empty(2, 4, 200, device="cuda", dtype=torch.float32)
+        launch.attention_forward(q, keys, values, None, None, is_causal=True, softmax_scale=128 ** -0.5, softcap=0.0,
+                                 config=FwdConfig(64, 64, 4, 3), out=out, lse=lse)
+        results.append((out, lse))
+    assert torch.isfinite(results[0][0]).all()
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -147,3 +147,24 @@ def listed_block(blocks, i, num_blocks, HAS_MASK: tl.constexpr):
         return tl.load(blocks + 1 + i, mask=i < num_blocks, other=0)
     else:
         return i
+
+
+@triton.jit
+def key_tiles(blocks_ptr, list_offset, pid_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+    """The key tiles query block `pid_m` visits, as (blocks, count) for `listed_block`.
+
+    With a mask: the block-list row at `blocks_ptr + list_offset` (`launch.block_lists`).
+    Without one: every tile up to Lk or, causal, up to the diagonal of the block's last row.
+    """
+    if HAS_MASK:
+        blocks = blocks_ptr + list_offset
+        num_blocks = tl.load(blocks)
+    else:
+        blocks = blocks_ptr
+        n_end = seqlen_k
+        if IS_CAUSAL:
+            # the last row of the block sees keys up to (pid_m + 1) * BLOCK_M - 1 + Lk - Lq
+            n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
+        num_blocks = tl.cdiv(n_end, BLOCK_N)
+    return blocks, num_blocks

@@ -54,7 +54,15 @@ D=128, BLOCK_M=32, no mask, triton 3.6, 2026-11-21.
 import triton
 import triton.language as tl
 
-from dmattn_kernels.triton.common import LOG2E, listed_block, load_keep, score_dot, scores_tile, visible_tile
+from dmattn_kernels.triton.common import (
+    LOG2E,
+    key_tiles,
+    listed_block,
+    load_keep,
+    score_dot,
+    scores_tile,
+    visible_tile,
+)
 
 
 @triton.jit
@@ -312,16 +320,8 @@ def flash_bwd_dq_kernel(
     bias_base = bias_ptr + b * stride_bb + (h // bias_head_div) * stride_bh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if HAS_MASK:
-        # the active key tiles of this query block (`launch.block_lists`)
-        blocks = blocks_ptr + b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm
-        num_blocks = tl.load(blocks)
-    else:
-        blocks = blocks_ptr
-        n_end = seqlen_k
-        if IS_CAUSAL:
-            n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
-        num_blocks = tl.cdiv(n_end, BLOCK_N)
+    blocks, num_blocks = key_tiles(blocks_ptr, b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm,
+                                   pid_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK)
 
     # the mask of the first tile; each iteration then loads the next one's (`common.load_keep`)
     first_n = listed_block(blocks, 0, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -387,15 +387,8 @@ def flash_bwd_dq_from_ds_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     ds_base = ds_ptr + b * stride_dsb + h * stride_dsh
     k_base = k_ptr + b * stride_kb + (h // GROUP) * stride_kh
-    if HAS_MASK:
-        blocks = blocks_ptr + b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm
-        num_blocks = tl.load(blocks)
-    else:
-        blocks = blocks_ptr
-        n_end = seqlen_k
-        if IS_CAUSAL:
-            n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
-        num_blocks = tl.cdiv(n_end, BLOCK_N)
+    blocks, num_blocks = key_tiles(blocks_ptr, b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm,
+                                   pid_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i in range(0, num_blocks):
         offs_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)

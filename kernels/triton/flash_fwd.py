@@ -25,17 +25,31 @@ from pipelining its loads.
 import triton
 import triton.language as tl
 
-from dmattn_kernels.triton.common import LOG2E, listed_block, load_keep, score_dot, scores_tile, visible_tile
+from dmattn_kernels.triton.common import (
+    LOG2E,
+    key_tiles,
+    listed_block,
+    load_keep,
+    score_dot,
+    scores_tile,
+    visible_tile,
+)
 
 
 @triton.jit
-def _load_kv_tile(base, offs_n, offs_d, stride_n, stride_d, seqlen_k, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, CHECK_KEYS: tl.constexpr):
-    """A (BLOCK_N, BLOCK_D) K or V tile, 0 on rows past Lk (CHECK_KEYS) and lanes past HEAD_DIM.
+def _load_kv_tile(desc, base, b, h_kv, start_n, offs_d, stride_n, stride_d, seqlen_k, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_KEYS: tl.constexpr, USE_TMA: tl.constexpr):
+    """The (BLOCK_N, BLOCK_D) K or V tile of keys start_n.., 0 on rows past Lk and lanes past HEAD_DIM.
 
-    Interior tiles (CHECK_KEYS off: the caller knows them inside Lk) of a power-of-two head dim
-    load with no predicate at all, so the loop computes no per-element bound.
+    USE_TMA: a bulk tensor copy through `desc`, a (B, Lk, Hkv, HEAD_DIM) descriptor that
+    zero-fills past its bounds, so no lane computes an address or a predicate (H200, W3 forward
+    64x64 w4 s3: 0.316 -> 0.310 ms, `results/bench/README.md`). Otherwise pointer loads from
+    `base`; interior tiles (CHECK_KEYS off: the caller knows them inside Lk) of a power-of-two
+    head dim load with no predicate at all.
     """
+    if USE_TMA:
+        return desc.load([b, start_n, h_kv, 0]).reshape(BLOCK_N, BLOCK_D)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     ptrs = base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
     if CHECK_KEYS:
         return tl.load(ptrs, mask=(offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM), other=0.0)
@@ -51,11 +65,15 @@ def _online_softmax_step(
     m_i,
     l_i,
     acc,
+    k_desc,
+    v_desc,
     k_base,
     v_base,
     bias_base,
+    b,
+    h_kv,
     offs_m,
-    offs_n,
+    start_n,
     offs_d,
     visible,
     stride_kn,
@@ -69,34 +87,55 @@ def _online_softmax_step(
     softmax_scale,
     softcap,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MASKED: tl.constexpr,
     UNITS: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # -- load k, v (rows past Lk and lanes past HEAD_DIM read as 0, never as memory) --
-    k = _load_kv_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
-    s, _ = scores_tile(
-        score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
-        visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, MASKED, UNITS,
-    )
+    k = _load_kv_tile(k_desc, k_base, b, h_kv, start_n, offs_d, stride_kn, stride_kd, seqlen_k, HEAD_DIM, BLOCK_N,
+                      BLOCK_D, MASKED, USE_TMA)
+    qk = score_dot(q, tl.trans(k))
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if HAS_BIAS or HAS_SOFTCAP:
+        s, _ = scores_tile(
+            qk, bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn, visible, seqlen_q, seqlen_k,
+            softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, MASKED, UNITS,
+        )
+        row_max = tl.max(s, 1)
+        s_scale = 1.0
+    else:
+        # s = qk * scale' with scale' = scale * UNITS > 0, so max_j s = scale' * max_j qk exactly
+        # (rounding is monotone) and exp2 below takes qk * scale' - m as one FMA per element, an
+        # explicit one (Triton 3.10 turns implicit FP fusion off by default)
+        # (H200, W3 forward 64x64 w4 s3: 0.322 -> 0.316 ms, `results/bench/README.md`)
+        s = tl.where(visible, qk, float("-inf")) if MASKED else qk
+        s_scale = softmax_scale * UNITS
+        row_max = tl.max(s, 1) * s_scale
     # -- online softmax in UNITS (LOG2E: s and m in log2 units, exp2 takes s - m as it is; 1:
     # natural units, scaled by LOG2E); a row that has seen nothing visible keeps m = -inf and
-    # shifts by 0 --
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # shifts by 0. Only an excluded position or a -inf bias makes a score -inf: a wholly visible
+    # tile without bias needs no test (H200, W3 forward: 1.196 -> 1.188 x cuDNN) --
+    m_new = tl.maximum(m_i, row_max)
+    if MASKED or HAS_BIAS:
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
     alpha = tl.exp2((m_i - m_shift) * (LOG2E / UNITS))
-    p = tl.exp2((s - m_shift[:, None]) * (LOG2E / UNITS))
+    p = tl.exp2(tl.fma(s, s_scale, -m_shift[:, None]) * (LOG2E / UNITS))
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
+    v = _load_kv_tile(v_desc, v_base, b, h_kv, start_n, offs_d, stride_vn, stride_vd, seqlen_k, HEAD_DIM, BLOCK_N,
+                      BLOCK_D, MASKED, USE_TMA)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
 @triton.jit
 def flash_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, out_ptr, lse_ptr, blocks_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, out_ptr, lse_ptr, blocks_ptr, k_desc, v_desc,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -117,6 +156,7 @@ def flash_fwd_kernel(
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
@@ -129,6 +169,7 @@ def flash_fwd_kernel(
     b = (pid_bh // num_heads).to(tl.int64)
     h = (pid_bh % num_heads).to(tl.int64)
     h_kv = h // GROUP
+    b_tma, h_kv_tma = b.to(tl.int32), h_kv.to(tl.int32)  # descriptor coordinates are 32-bit
 
     q_base = q_ptr + b * stride_qb + h * stride_qh
     k_base = k_ptr + b * stride_kb + h_kv * stride_kh
@@ -145,18 +186,10 @@ def flash_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    blocks, num_blocks = key_tiles(blocks_ptr, b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm,
+                                   pid_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK)
     first_masked = 0
-    if HAS_MASK:
-        # the active key tiles of this query block (`launch.block_lists`)
-        blocks = blocks_ptr + b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm
-        num_blocks = tl.load(blocks)
-    else:
-        blocks = blocks_ptr
-        n_end = seqlen_k
-        if IS_CAUSAL:
-            # the last row of this block sees keys up to (pid_m + 1) * BLOCK_M - 1 + Lk - Lq
-            n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
-        num_blocks = tl.cdiv(n_end, BLOCK_N)
+    if not HAS_MASK:
         # Key tiles inside Lk and left of the causal diagonal of the block's first row are seen
         # whole by every row: they skip the visibility test (rows past Lq read q = 0, stay
         # finite and are never stored). Only the diagonal and the Lk tail need it.
@@ -165,25 +198,29 @@ def flash_fwd_kernel(
             first_masked = tl.minimum(first_masked, tl.maximum(pid_m * BLOCK_M + seqlen_k - seqlen_q + 1, 0) // BLOCK_N)
         for i in range(0, first_masked):
             m_i, l_i, acc = _online_softmax_step(
-                q, m_i, l_i, acc, k_base, v_base, bias_base, offs_m, i * BLOCK_N + tl.arange(0, BLOCK_N), offs_d,
-                q_in, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-                seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, False, UNITS,
+                q, m_i, l_i, acc, k_desc, v_desc, k_base, v_base, bias_base, b_tma, h_kv_tma, offs_m, i * BLOCK_N,
+                offs_d, q_in, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, seqlen_q, seqlen_k,
+                softmax_scale, softcap, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, False, UNITS, USE_TMA,
             )
 
     # the mask of the loop's first tile; each iteration then loads the next one's (`load_keep`)
     first_n = listed_block(blocks, first_masked, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep = load_keep(mask_base, offs_m[:, None], first_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
                      first_masked < num_blocks, HAS_MASK)
-    for i in range(first_masked, num_blocks):
-        offs_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Without a mask this loop holds only the diagonal tiles and the Lk tail (BLOCK_M / BLOCK_N + 1
+    # at most): software pipelining them costs more in prologue than it hides (H200, W3 forward
+    # 64x64 w4 s3: 1.188 -> 1.178 x cuDNN, median of 3 rounds)
+    for i in tl.range(first_masked, num_blocks, num_stages=None if HAS_MASK else 1):
+        start_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         next_n = listed_block(blocks, i + 1, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
         keep_next = load_keep(mask_base, offs_m[:, None], next_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
                               i + 1 < num_blocks, HAS_MASK)
         visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK)
         m_i, l_i, acc = _online_softmax_step(
-            q, m_i, l_i, acc, k_base, v_base, bias_base, offs_m, offs_n, offs_d, visible,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-            seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, True, UNITS,
+            q, m_i, l_i, acc, k_desc, v_desc, k_base, v_base, bias_base, b_tma, h_kv_tma, offs_m, start_n, offs_d,
+            visible, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, seqlen_q, seqlen_k,
+            softmax_scale, softcap, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, True, UNITS, USE_TMA,
         )
         keep = keep_next
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 from dmattn_kernels.triton.activity import CELL, block_list_kernel, tile_activity_kernel
@@ -33,6 +34,10 @@ WARP_CHOICES = (1, 2, 4, 8, 16)
 MAX_STAGES = 8
 PREPROCESS_BLOCK_M = 64  # delta = rowsum(dO * O) is memory-bound; any reasonable tile will do
 ACTIVITY_BLOCK_M, ACTIVITY_BLOCK_N = 64, 256  # tile of the (memory-bound) activity pass; multiples of CELL
+# Compute-capability majors whose forward loads K and V by bulk tensor copy (TMA descriptors).
+# Measured only on sm90 (H200, flash_fwd._load_kv_tile); Blackwell has the copy engine too, but
+# no sm100/sm120 GPU was available to show that it pays there.
+TMA_ARCH_MAJORS = (9,)
 LIST_CHUNK = 128  # tiles a block-list program pools per step (its cells: 16 x 128 x 16 at most)
 
 
@@ -156,6 +161,28 @@ def block_lists(active: torch.Tensor, block_rows: int, block_cols: int, *, key_m
     return lists
 
 
+def kv_by_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the forward loads K and V through TMA descriptors: on a GPU of TMA_ARCH_MAJORS,
+    when both meet the copy engine's alignment (16-byte base and strides); else pointer loads.
+
+    A single key (Lk = 1) takes pointer loads: Triton turns an int argument equal to 1 into a
+    constant, and with it the pipelined descriptor variant crashed Triton 3.6's ptxas (error
+    -11; H200, adversarial case single_key_lk1, every config with num_stages > 1).
+    """
+    if not k.is_cuda or k.shape[1] == 1 or torch.cuda.get_device_capability(k.device)[0] not in TMA_ARCH_MAJORS:
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
+               for t in (k, v))
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int, use_tma: bool):
+    """The forward's `k_desc, v_desc`: (B, Lk, Hkv, D) descriptors of (1, block_n, 1, block_d) tiles
+    (zero-filled past Lk and D) when `use_tma`, else k and v themselves (unused pointers)."""
+    if not use_tma:
+        return k, v
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, block_d]) for t in (k, v))
+
+
 def _block_list_args(blocks: torch.Tensor | None, fallback: torch.Tensor):
     """Pointer and (batch, head, row) strides of a block list; stride 0 on broadcast dims."""
     if blocks is None:
@@ -187,10 +214,12 @@ def attention_forward(
     if mask is not None:
         blocks = block_lists(tile_activity(mask, seqlen_q, seqlen_k, is_causal), config.block_m, config.block_n)
     blocks_arg, blocks_strides = _block_list_args(blocks, q)
+    use_tma = kv_by_tma(k, v)
+    k_desc, v_desc = kv_descriptors(k, v, config.block_n, head_block(head_dim), use_tma)
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * num_heads)
     _launch(
         flash_fwd_kernel, grid,
-        q, k, v, mask_arg, bias_arg, out, lse, blocks_arg,
+        q, k, v, mask_arg, bias_arg, out, lse, blocks_arg, k_desc, v_desc,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out.stride(), *lse.stride(),
         *blocks_strides,
         num_heads, seqlen_q, seqlen_k,
@@ -205,6 +234,7 @@ def attention_forward(
         HAS_MASK=mask is not None,
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=softcap > 0,
+        USE_TMA=use_tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
