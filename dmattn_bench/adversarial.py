@@ -218,6 +218,12 @@ def _quick_cases() -> list[Case]:
         Case("softcap_mask_bias", seqlen_q=33, seqlen_k=33, softcap=5.0, mask="random", bias="full", causal=True),
         Case("bhld_views_mqa", heads=4, heads_kv=1, seqlen_q=24, seqlen_k=24, bhld_views=True, bias="per_key", mask="random"),
         Case("fp32_bias", seqlen_q=24, seqlen_k=24, bias="full", bias_fp32=True, mask="random"),
+        # 16-divisible lengths take another Triton specialization, which can pipeline the bias tile
+        # and need more shared memory (H200: fwd 64x128 w8 s3, D128, ran out at L1024, not at L1000)
+        Case("lengths_multiple_of_16", seqlen_q=32, seqlen_k=48, head_dim=128, mask="random", bias="full",
+             causal=True),
+        Case("fp32_bias_lengths_multiple_of_16", seqlen_q=32, seqlen_k=48, head_dim=128, bias="full",
+             bias_fp32=True, mask="random"),
     ]
 
 

@@ -66,9 +66,17 @@ FEATURE_VARIANTS = (
 # constexpr, which enables vectorized loads (and so changes shared-memory use).
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd",
                 "stride_dvd", "stride_dqd", "stride_mn", "stride_bn", "stride_dbn", "stride_dsn", "stride_lm")
-# Ints not known to be multiples of 16 (everything else is: pointers, row/head/batch strides).
+# Ints a launch may or may not pass as multiples of 16 (everything else is: pointers, row/head/batch
+# strides). Triton specializes on it, and it changes what gets pipelined: a 16-divisible seqlen_k
+# lets the bias tile load become an async copy with a buffer per stage (Triton 3.6, sm90, bf16 bias,
+# fwd 64x128 w8 s3 D128: 221240 B with seqlen_k 1000, 254008 B with 1024, over the 232448 B limit).
 UNALIGNED_INTS = ("num_heads", "seqlen_q", "seqlen_k", "mask_head_div", "bias_head_div")
-FP32_POINTERS = ("lse_ptr", "delta_ptr", "bias_ptr", "dbias_ptr", "ds_ptr")  # bias: fp32 is the larger allowed dtype
+FP32_POINTERS = ("lse_ptr", "delta_ptr", "dbias_ptr", "ds_ptr")
+BIAS_POINTERS = ("bias_ptr",)  # the input dtype or fp32 (DESIGN §1)
+# What a launch varies beyond the feature flags, compiled for every variant (the fit is the max):
+# lengths 16-divisible or not, times the bias in the input dtype or in fp32. Neither axis is
+# monotone in shared memory: fp32 bias is larger per tile, but 16-bit bias tiles get pipelined.
+SPECIALIZATIONS = tuple(dict(ints_aligned=aligned, bias_fp32=fp32) for aligned in (False, True) for fp32 in (False, True))
 U8_POINTERS = ("mask_ptr",)  # bool masks are launched as a uint8 view
 I32_POINTERS = ("blocks_ptr",)  # the block lists of `launch.block_lists`
 KV_DESCRIPTORS = ("k_desc", "v_desc")  # the forward's K/V: TMA descriptors where `launch.kv_by_tma`, else pointers
@@ -256,8 +264,10 @@ def tile_constexprs(kernel_name: str, config: Config) -> dict[str, int]:
     return {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
 
 
-def _source(fn, dtype: str, constexprs: dict):
-    """An ASTSource specialized as a contiguous launch would be (unit strides, 16-aligned)."""
+def _source(fn, dtype: str, constexprs: dict, ints_aligned: bool = False, bias_fp32: bool = True):
+    """An ASTSource specialized as a contiguous launch would be (unit strides, 16-aligned pointers
+    and strides); `ints_aligned` marks UNALIGNED_INTS 16-divisible too, `bias_fp32` picks the
+    bias dtype (else the input dtype)."""
     from triton.compiler import ASTSource
 
     signature, values, attrs = {}, {}, {}
@@ -272,13 +282,14 @@ def _source(fn, dtype: str, constexprs: dict):
             continue
         if name.endswith("_ptr") or name in KV_DESCRIPTORS:
             signature[name] = ("*u8" if name in U8_POINTERS else "*i32" if name in I32_POINTERS
-                               else "*fp32" if name in FP32_POINTERS else f"*{dtype}")
+                               else "*fp32" if name in FP32_POINTERS or (bias_fp32 and name in BIAS_POINTERS)
+                               else f"*{dtype}")
         elif name in FP32_SCALARS:
             signature[name] = "fp32"
             continue
         else:
             signature[name] = "i32"
-            if name in UNALIGNED_INTS:
+            if name in UNALIGNED_INTS and not ints_aligned:
                 continue
         attrs[(index,)] = [["tt.divisibility", 16]]
     return ASTSource(fn=fn, signature=signature, constexprs=values, attrs=attrs)
@@ -324,6 +335,12 @@ def _variants(features: Mapping[str, object] | Sequence[Mapping[str, object]] | 
     return [dict(WORST_CASE_FEATURES, **variant) for variant in features]
 
 
+def _specializations(flags: Mapping[str, object], dtype: str) -> list[dict]:
+    """SPECIALIZATIONS that differ for this variant: the bias dtype only matters with a bias."""
+    distinct_bias = flags["HAS_BIAS"] and dtype != "fp32"
+    return [spec for spec in SPECIALIZATIONS if distinct_bias or spec["bias_fp32"]]
+
+
 def _serves(fn, flags: Mapping[str, object]) -> bool:
     """Whether a feature variant applies to kernel `fn`: it takes every flag the variant changes."""
     return all(name in fn.arg_names for name, value in flags.items() if WORST_CASE_FEATURES.get(name) != value)
@@ -354,17 +371,20 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
     # pointer variant of fwd 64x128 w8 s3 needed 254008 B, its descriptor variant fit)
     tma_variants = (False, True) if major in TMA_ARCH_MAJORS else (False,)
     for flags in _variants(features):
-        for fn, use_tma in ((fn, use_tma) for fn in _kernel_functions(direction) if _serves(fn, flags)
-                            for use_tma in (tma_variants if "USE_TMA" in fn.arg_names else (None,))):
+        for fn, use_tma, spec in ((fn, use_tma, spec) for fn in _kernel_functions(direction) if _serves(fn, flags)
+                                  for use_tma in (tma_variants if "USE_TMA" in fn.arg_names else (None,))
+                                  for spec in _specializations(flags, dtype)):
             where = f"{fn.__name__} HAS_MASK={flags['HAS_MASK']}" + (
                 f" HEADS_PER_PROGRAM={flags['HEADS_PER_PROGRAM']}" if flags["HEADS_PER_PROGRAM"] > 1 else "") + (
-                f" USE_TMA={use_tma}" if use_tma else "")
+                f" USE_TMA={use_tma}" if use_tma else "") + (
+                " lengths 16-divisible" if spec["ints_aligned"] else "") + (
+                f" {dtype} bias" if flags["HAS_BIAS"] and not spec["bias_fp32"] else "")
             constexprs = {name: value for name, value in flags.items() if name in fn.arg_names}
             constexprs.update(HEAD_DIM=head_dim, BLOCK_D=width, **tile_constexprs(fn.__name__, config))
             if use_tma is not None:
                 constexprs["USE_TMA"] = use_tma
             try:
-                compiled = triton.compile(_source(fn, dtype, constexprs), target=target,
+                compiled = triton.compile(_source(fn, dtype, constexprs, **spec), target=target,
                                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
             except Exception as exc:  # noqa: BLE001 - a failed candidate is data
                 return verdict("compile_error", f"{where}: {_one_line(exc)}", "compile")

@@ -160,3 +160,21 @@ def test_cli_compile_checks_the_cuda_space(tmp_path, monkeypatch):
             for c in document["candidates"]] == [("fwd", 64, 64, "fits"), ("fwd", 128, 64, "fits"),
                                                  ("fwd", 256, 64, "unsupported"),  # 16 or 32 rows per warp
                                                  ("bwd", 32, 64, "fits"), ("bwd", 32, 128, "unsupported")]
+
+
+def test_every_launch_specialization_is_compiled():
+    # 16-divisible lengths and a 16-bit bias are their own specializations: the fit is judged on
+    # each (a config that fit at seqlen_k 1000 ran out of shared memory at 1024 on an H200)
+    class Kernel:
+        __name__ = "kernel"
+        arg_names = ["q_ptr", "bias_ptr", "seqlen_k", "stride_qm", "BLOCK_N"]
+
+    with_bias = dict(prune.WORST_CASE_FEATURES, HAS_BIAS=True)
+    specs = prune._specializations(with_bias, "bf16")
+    assert {(s["ints_aligned"], s["bias_fp32"]) for s in specs} == {(a, f) for a in (False, True) for f in (False, True)}
+    assert all(s["bias_fp32"] for s in prune._specializations(dict(with_bias, HAS_BIAS=False), "bf16"))
+    seqlen_k = (Kernel.arg_names.index("seqlen_k"),)
+    aligned = prune._source(Kernel, "bf16", {"BLOCK_N": 64}, ints_aligned=True, bias_fp32=False)
+    unaligned = prune._source(Kernel, "bf16", {"BLOCK_N": 64}, ints_aligned=False, bias_fp32=True)
+    assert aligned.attrs[seqlen_k] == [["tt.divisibility", 16]] and seqlen_k not in unaligned.attrs
+    assert aligned.signature["bias_ptr"] == "*bf16" and unaligned.signature["bias_ptr"] == "*fp32"
