@@ -207,10 +207,10 @@ def flash_fwd_kernel(
     first_n = listed_block(blocks, first_masked, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep = load_keep(mask_base, offs_m[:, None], first_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
                      first_masked < num_blocks, HAS_MASK)
-    # Without a mask this loop holds only the diagonal tiles and the Lk tail (BLOCK_M / BLOCK_N + 1
-    # at most): software pipelining them costs more in prologue than it hides (H200, W3 forward
-    # 64x64 w4 s3: 1.188 -> 1.178 x cuDNN, median of 3 rounds)
-    for i in tl.range(first_masked, num_blocks, num_stages=None if HAS_MASK else 1):
+    # Not `num_stages=1` without a mask, though this loop then holds only the diagonal tiles and the
+    # Lk tail (H200, W3 forward 64x64 w4 s3: 1.188 -> 1.178 x cuDNN): with seqlen_k specialized to
+    # 1, Triton 3.6's ptxas crashed (-11) on fwd 64x64 w4 s2 (adversarial case single_key_lk1)
+    for i in range(first_masked, num_blocks):
         start_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
         next_n = listed_block(blocks, i + 1, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
