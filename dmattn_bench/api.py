@@ -62,7 +62,7 @@ def flash_dmattn_func(
         attn_mask: bool (or 0/1 integer), broadcastable as (B|1, H|Hkv|1, Lq|1, Lk|1); True = attend.
         attn_bias: query's dtype or fp32, same broadcast rule; added after scaling (not scaled).
         is_causal: bottom-right aligned causal rule, combined with the mask by AND.
-        softmax_scale: defaults to 1/sqrt(D).
+        softmax_scale: > 0; defaults to 1/sqrt(D).
         softcap: > 0 applies `softcap * tanh(S / softcap)` before the bias; 0 disables.
         return_lse: also return the (B, H, Lq) fp32 natural-log sum-exp (not differentiable).
         backend: "auto" (the dispatch table, else the heuristic default), "triton", "cuda" (GPU only)
@@ -86,6 +86,9 @@ def flash_dmattn_func(
         raise ValueError(f"softcap: got {softcap}, expected a finite value >= 0 (0 disables soft-capping)")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(query.shape[-1])
+    # > 0: the forward takes each row's max on the unscaled q.k (max of scale * qk = scale * max qk)
+    if not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale: got {softmax_scale}, expected a finite value > 0 (None: 1/sqrt(D))")
 
     if backend == "reference":
         out, lse = reference.attention(

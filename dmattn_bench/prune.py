@@ -367,8 +367,8 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
                          round(time.perf_counter() - start, 3))
 
     # where the forward may load K/V by TMA, it still takes pointer loads on views the copy engine
-    # cannot read (`launch.kv_by_tma`), and that variant can need more shared memory (H200: the
-    # pointer variant of fwd 64x128 w8 s3 needed 254008 B, its descriptor variant fit)
+    # cannot read (`launch.kv_by_tma`): both variants must fit, and they differ (Triton 3.6, sm90,
+    # fwd 64x128 w8 s3 D128, fp32 bias: 286720 B with pointers, 286776 B with descriptors)
     tma_variants = (False, True) if major in TMA_ARCH_MAJORS else (False,)
     for flags in _variants(features):
         for fn, use_tma, spec in ((fn, use_tma, spec) for fn in _kernel_functions(direction) if _serves(fn, flags)

@@ -350,8 +350,17 @@ def _negative_softcap():
     return _err_inputs(), {"softcap": -1.0}, ValueError, ["softcap", "-1.0"]
 
 
+def _zero_softmax_scale():
+    return _err_inputs(), {"softmax_scale": 0.0}, ValueError, ["softmax_scale", "0.0"]
+
+
+def _negative_softmax_scale():
+    return _err_inputs(), {"softmax_scale": -0.125}, ValueError, ["softmax_scale", "-0.125"]
+
+
 ERROR_CASES = [_wrong_mask, _key_other_d, _heads_not_divisible, _float_mask, _head_dim_36,
-               _bf16_on_cpu, _query_stride, _unknown_backend, _non_tensor_query, _negative_softcap]
+               _bf16_on_cpu, _query_stride, _unknown_backend, _non_tensor_query, _negative_softcap,
+               _zero_softmax_scale, _negative_softmax_scale]
 
 
 @pytest.mark.parametrize("make", ERROR_CASES, ids=[f.__name__.lstrip("_") for f in ERROR_CASES])
