@@ -346,18 +346,43 @@ def _serves(fn, flags: Mapping[str, object]) -> bool:
     return all(name in fn.arg_names for name, value in flags.items() if WORST_CASE_FEATURES.get(name) != value)
 
 
+def _compile_jobs(direction: str, config: Config, major: int, head_dim: int, dtype: str,
+                  features: Mapping[str, object] | Sequence[Mapping[str, object]] | None):
+    """Every compile a candidate's fit is the max over, as (kernel, constexprs, specialization, label):
+    feature variants x the kernels they serve x K/V by pointer or descriptor x SPECIALIZATIONS.
+
+    Where the forward may load K/V by TMA it still takes pointer loads on views the copy engine
+    cannot read (`launch.kv_by_tma`): both variants must fit, and they differ (Triton 3.6, sm90,
+    fwd 64x128 w8 s3 D128, fp32 bias: 286720 B with pointers, 286776 B with descriptors).
+    """
+    from dmattn_kernels.triton.launch import TMA_ARCH_MAJORS
+
+    tma_variants = (False, True) if major in TMA_ARCH_MAJORS else (False,)
+    for flags in _variants(features):
+        for fn in filter(lambda fn: _serves(fn, flags), _kernel_functions(direction)):
+            for use_tma in (tma_variants if "USE_TMA" in fn.arg_names else (None,)):
+                constexprs = {name: value for name, value in flags.items() if name in fn.arg_names}
+                constexprs.update(HEAD_DIM=head_dim, BLOCK_D=_head_block(head_dim), **tile_constexprs(fn.__name__, config))
+                if use_tma is not None:
+                    constexprs["USE_TMA"] = use_tma
+                for spec in _specializations(flags, dtype):
+                    labels = [fn.__name__, f"HAS_MASK={flags['HAS_MASK']}"]
+                    labels += [f"HEADS_PER_PROGRAM={flags['HEADS_PER_PROGRAM']}"] if flags["HEADS_PER_PROGRAM"] > 1 else []
+                    labels += ["USE_TMA=True"] if use_tma else []
+                    labels += ["lengths 16-divisible"] if spec["ints_aligned"] else []
+                    labels += [f"{dtype} bias"] if flags["HAS_BIAS"] and not spec["bias_fp32"] else []
+                    yield fn, constexprs, spec, " ".join(labels)
+
+
 def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtype: str,
                   features: Mapping[str, object] | Sequence[Mapping[str, object]] | None) -> Candidate:
     """Cross-compiles in this process (its kernels must be JIT functions, not interpreted)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from dmattn_kernels.triton.launch import TMA_ARCH_MAJORS
-
     limits = parse_arch(arch)
     major, minor = limits.compute_capability
     target = GPUTarget("cuda", major * 10 + minor, WARP_SIZE)
-    width = _head_block(head_dim)
     shared, registers, stack, heaviest, kernels_compiled = 0, None, None, "", 0
     start = time.perf_counter()
 
@@ -366,35 +391,19 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
                          shared if status != "compile_error" else None, check, registers, stack,
                          round(time.perf_counter() - start, 3))
 
-    # where the forward may load K/V by TMA, it still takes pointer loads on views the copy engine
-    # cannot read (`launch.kv_by_tma`): both variants must fit, and they differ (Triton 3.6, sm90,
-    # fwd 64x128 w8 s3 D128, fp32 bias: 286720 B with pointers, 286776 B with descriptors)
-    tma_variants = (False, True) if major in TMA_ARCH_MAJORS else (False,)
-    for flags in _variants(features):
-        for fn, use_tma, spec in ((fn, use_tma, spec) for fn in _kernel_functions(direction) if _serves(fn, flags)
-                                  for use_tma in (tma_variants if "USE_TMA" in fn.arg_names else (None,))
-                                  for spec in _specializations(flags, dtype)):
-            where = f"{fn.__name__} HAS_MASK={flags['HAS_MASK']}" + (
-                f" HEADS_PER_PROGRAM={flags['HEADS_PER_PROGRAM']}" if flags["HEADS_PER_PROGRAM"] > 1 else "") + (
-                f" USE_TMA={use_tma}" if use_tma else "") + (
-                " lengths 16-divisible" if spec["ints_aligned"] else "") + (
-                f" {dtype} bias" if flags["HAS_BIAS"] and not spec["bias_fp32"] else "")
-            constexprs = {name: value for name, value in flags.items() if name in fn.arg_names}
-            constexprs.update(HEAD_DIM=head_dim, BLOCK_D=width, **tile_constexprs(fn.__name__, config))
-            if use_tma is not None:
-                constexprs["USE_TMA"] = use_tma
-            try:
-                compiled = triton.compile(_source(fn, dtype, constexprs, **spec), target=target,
-                                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
-            except Exception as exc:  # noqa: BLE001 - a failed candidate is data
-                return verdict("compile_error", f"{where}: {_one_line(exc)}", "compile")
-            kernels_compiled += 1
-            if int(compiled.metadata.shared) > shared:
-                shared, heaviest = int(compiled.metadata.shared), where
-            regs, spill = _resource_usage(compiled.asm.get("cubin"))
-            if regs is not None:
-                registers = max(registers or 0, regs)
-                stack = max(stack or 0, spill)
+    for fn, constexprs, spec, where in _compile_jobs(direction, config, major, head_dim, dtype, features):
+        try:
+            compiled = triton.compile(_source(fn, dtype, constexprs, **spec), target=target,
+                                      options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+        except Exception as exc:  # noqa: BLE001 - a failed candidate is data
+            return verdict("compile_error", f"{where}: {_one_line(exc)}", "compile")
+        kernels_compiled += 1
+        if int(compiled.metadata.shared) > shared:
+            shared, heaviest = int(compiled.metadata.shared), where
+        regs, spill = _resource_usage(compiled.asm.get("cubin"))
+        if regs is not None:
+            registers = max(registers or 0, regs)
+            stack = max(stack or 0, spill)
 
     if not kernels_compiled:
         return verdict("compile_error", "no kernel of this direction takes the requested feature flags", "compile")
