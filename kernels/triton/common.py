@@ -56,6 +56,7 @@ def visible_tile(
     seqlen_k,
     IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    EDGE: tl.constexpr = True,
 ):
     """Boolean tile of positions that take part in the softmax.
 
@@ -63,13 +64,23 @@ def visible_tile(
     `offs_m[:, None], offs_n[None, :]` gives a (BLOCK_M, BLOCK_N) tile, `offs_m[None, :],
     offs_n[:, None]` its key-major transpose. `keep` is the mask tile from `load_keep` at the
     same indices (ignored without a mask).
+
+    EDGE=False is for an interior tile: the caller knows every key of it inside Lk and seen by
+    every query of it under the causal rule, so only the mask and the query bound decide. The
+    full rule costs integer instructions on every element of every tile (sm90 SASS counts in
+    `results/bench/README.md`, session 11).
     """
-    visible = (rows < seqlen_q) & (cols < seqlen_k)
-    if IS_CAUSAL:
-        # bottom-right alignment: query i sees key j iff j <= i + Lk - Lq
-        visible = visible & (cols <= rows + (seqlen_k - seqlen_q))
-    if HAS_MASK:
-        visible = visible & (keep != 0)
+    if EDGE:
+        visible = (rows < seqlen_q) & (cols < seqlen_k)
+        if IS_CAUSAL:
+            # bottom-right alignment: query i sees key j iff j <= i + Lk - Lq
+            visible = visible & (cols <= rows + (seqlen_k - seqlen_q))
+        if HAS_MASK:
+            visible = visible & (keep != 0)
+    elif HAS_MASK:
+        visible = keep != 0  # the whole rule here: `load_keep` reads 0 past Lq
+    else:
+        visible = rows < seqlen_q
     return visible
 
 
@@ -104,13 +115,12 @@ def scores_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MASKED: tl.constexpr = True,
-    UNITS: tl.constexpr = 1.0,
+    EDGE: tl.constexpr = True,
 ):
-    """Scores of one tile from its raw q.k products, -inf where not visible, times UNITS.
+    """Scores of one tile from its raw q.k products, -inf where not visible.
 
     MASKED=False is for tiles the caller knows to be wholly visible: `visible` is then ignored.
-    UNITS = LOG2E gives the scores in log2 units (the forward on 16-bit inputs): the factor
-    rides on the scale and the bias, so exp2(s - m) needs no multiply per element.
+    EDGE=False is for an interior tile (`visible_tile`): the bias load checks the query bound only.
 
     The bias is read everywhere inside the sequence bounds and discarded by the final `where`
     at excluded positions, so NaN/inf there never reaches a result; predicating its load on
@@ -122,14 +132,14 @@ def scores_tile(
     """
     if HAS_SOFTCAP:
         capped = tanh(qk * softmax_scale / softcap)
-        s = (softcap * UNITS) * capped
+        s = softcap * capped
     else:
-        s = qk * (softmax_scale * UNITS)
+        s = qk * softmax_scale
         capped = s
     if HAS_BIAS:
-        in_bounds = (rows < seqlen_q) & (cols < seqlen_k)
+        in_bounds = (rows < seqlen_q) & (cols < seqlen_k) if EDGE else rows < seqlen_q
         bias = tl.load(bias_base + rows * stride_bm + cols * stride_bn, mask=in_bounds, other=0.0)
-        s = s + bias.to(tl.float32) * UNITS
+        s = s + bias.to(tl.float32)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     return s, capped
@@ -147,6 +157,24 @@ def listed_block(blocks, i, num_blocks, HAS_MASK: tl.constexpr):
         return tl.load(blocks + 1 + i, mask=i < num_blocks, other=0)
     else:
         return i
+
+
+@triton.jit
+def listed_below(blocks, num_blocks, bound, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr = 64):
+    """How many of the first `num_blocks` tiles a loop visits have an index below `bound`.
+
+    With a mask the listed indices increase (`listed_block`), so these are the first ones; the
+    scan reads the list once per program. Without a mask the loop visits 0, 1, ... itself.
+    """
+    if HAS_MASK:
+        count = 0
+        for start in range(0, num_blocks, CHUNK):
+            at = start + tl.arange(0, CHUNK)
+            tiles = tl.load(blocks + 1 + at, mask=at < num_blocks, other=0)
+            count += tl.sum(((tiles < bound) & (at < num_blocks)).to(tl.int32), 0)
+        return count
+    else:
+        return tl.minimum(tl.maximum(bound, 0), num_blocks)
 
 
 @triton.jit

@@ -11,15 +11,17 @@ Math, per (b, h) and query row i (scores as in `common.py`):
     out_i = sum_j exp(s_ij - m_i) v_j / l_i
     lse_i = m_i + log(l_i)
 computed online over key tiles (FlashAttention-2). A row with no visible key (m_i = -inf) is
-"dead": out_i = 0, lse_i = -inf, never NaN. On 16-bit inputs s and m are kept in log2 units
-(s' = s * log2(e), so exp(s - m) = exp2(s' - m') with no multiply per element) and lse_i =
-m'_i / log2(e) + log(l_i); fp32 keeps natural units (`score_dot` says why).
+"dead": out_i = 0, lse_i = -inf, never NaN. On 16-bit inputs m is kept in log2 units (m' =
+m * log2(e)) and exp(s - m) = exp2(fma(s, log2(e), -m')): one FMA per element, the factor riding
+on it (with neither bias nor softcap s is the raw q.k and the FMA takes scale * log2(e)); lse_i =
+m'_i / log2(e) + log(l_i). fp32 keeps natural units (`score_dot` says why).
 
-Skipped work: key tiles beyond the causal diagonal are outside the loop bounds; without a mask,
-tiles wholly visible skip the visibility test (a loop of their own). With a mask the
-key loop walks only the tiles the activity summary lists (`activity.py`): a tile with no visible
-position loads no K, V, mask or bias and issues no dot, and the loop has no branch to stop Triton
-from pipelining its loads.
+Skipped work: key tiles beyond the causal diagonal are outside the loop bounds. Interior tiles
+(inside Lk, left of the diagonal of the block's first row) skip the bounds and causal tests:
+without a mask they need no visibility test at all, with one only the mask's. They form the
+first loop, the diagonal and the Lk tail the second. With a mask the loops walk only the tiles
+the activity summary lists (`activity.py`): a tile with no visible position loads no K, V, mask
+or bias and issues no dot, and the loops have no branch to stop Triton from pipelining loads.
 """
 
 import triton
@@ -28,6 +30,7 @@ import triton.language as tl
 from dmattn_kernels.triton.common import (
     LOG2E,
     key_tiles,
+    listed_below,
     listed_block,
     load_keep,
     score_dot,
@@ -92,21 +95,27 @@ def _online_softmax_step(
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MASKED: tl.constexpr,
+    EDGE: tl.constexpr,
     UNITS: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
+    """One key tile of the online softmax. MASKED: apply `visible` (else the tile is wholly
+    visible); EDGE: the tile may cross Lk or the causal diagonal (else `visible_tile`'s interior)."""
     # -- load k, v (rows past Lk and lanes past HEAD_DIM read as 0, never as memory) --
     k = _load_kv_tile(k_desc, k_base, b, h_kv, start_n, offs_d, stride_kn, stride_kd, seqlen_k, HEAD_DIM, BLOCK_N,
-                      BLOCK_D, MASKED, USE_TMA)
+                      BLOCK_D, EDGE, USE_TMA)
     qk = score_dot(q, tl.trans(k))
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if HAS_BIAS or HAS_SOFTCAP:
         s, _ = scores_tile(
             qk, bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn, visible, seqlen_q, seqlen_k,
-            softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, MASKED, UNITS,
+            softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, MASKED, EDGE,
         )
-        row_max = tl.max(s, 1)
-        s_scale = 1.0
+        # natural units: UNITS rides on the exp2 FMA below, not on a multiply per element of s
+        # and of the bias (H200, W1 forward 128x128 w8 s2, with the interior loop: -62 of 1211
+        # instructions per step in the sm90 SASS, 0.787 -> 0.709 ms, `results/bench/README.md`)
+        s_scale = UNITS
+        row_max = tl.max(s, 1) * s_scale
     else:
         # s = qk * scale' with scale' = scale * UNITS > 0, so max_j s = scale' * max_j qk exactly
         # (rounding is monotone) and exp2 below takes qk * scale' - m as one FMA per element, an
@@ -115,7 +124,7 @@ def _online_softmax_step(
         s = tl.where(visible, qk, float("-inf")) if MASKED else qk
         s_scale = softmax_scale * UNITS
         row_max = tl.max(s, 1) * s_scale
-    # -- online softmax in UNITS (LOG2E: s and m in log2 units, exp2 takes s - m as it is; 1:
+    # -- online softmax, m in UNITS (LOG2E: log2 units, exp2 takes s * s_scale - m as it is; 1:
     # natural units, scaled by LOG2E); a row that has seen nothing visible keeps m = -inf and
     # shifts by 0. Only an excluded position or a -inf bias makes a score -inf: a wholly visible
     # tile without bias needs no test (H200, W3 forward: 1.196 -> 1.188 x cuDNN) --
@@ -128,9 +137,43 @@ def _online_softmax_step(
     p = tl.exp2(tl.fma(s, s_scale, -m_shift[:, None]) * (LOG2E / UNITS))
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv_tile(v_desc, v_base, b, h_kv, start_n, offs_d, stride_vn, stride_vd, seqlen_k, HEAD_DIM, BLOCK_N,
-                      BLOCK_D, MASKED, USE_TMA)
+                      BLOCK_D, EDGE, USE_TMA)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _prefetch_keep(mask_base, blocks, i, num_blocks, offs_m, stride_mm, stride_mn, seqlen_q, seqlen_k,
+                   BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+    """The mask tile of the loop's i-th key tile (0 past the list's end, or without a mask)."""
+    offs_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return load_keep(mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                     i < num_blocks, HAS_MASK)
+
+
+@triton.jit
+def _listed_step(
+    q, m_i, l_i, acc, keep, k_desc, v_desc, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks,
+    b, h_kv, offs_m, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+    stride_bm, stride_bn, seqlen_q, seqlen_k, softmax_scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, EDGE: tl.constexpr,
+    UNITS: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """The loop's i-th key tile, whose mask tile `keep` the previous step loaded; returns the
+    updated (m_i, l_i, acc) and the next tile's mask. Triton's pipeliner leaves the byte-wide mask
+    load in place, so it is issued one tile ahead (`load_keep`)."""
+    start_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N
+    keep_next = _prefetch_keep(mask_base, blocks, i + 1, num_blocks, offs_m, stride_mm, stride_mn, seqlen_q,
+                               seqlen_k, BLOCK_N, HAS_MASK)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK, EDGE)
+    m_i, l_i, acc = _online_softmax_step(
+        q, m_i, l_i, acc, k_desc, v_desc, k_base, v_base, bias_base, b, h_kv, offs_m, start_n, offs_d, visible,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, seqlen_q, seqlen_k, softmax_scale,
+        softcap, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, HAS_MASK or EDGE, EDGE, UNITS, USE_TMA,
+    )
+    return m_i, l_i, acc, keep_next
 
 
 @triton.jit
@@ -188,43 +231,36 @@ def flash_fwd_kernel(
 
     blocks, num_blocks = key_tiles(blocks_ptr, b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm,
                                    pid_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK)
-    first_masked = 0
-    if not HAS_MASK:
-        # Key tiles inside Lk and left of the causal diagonal of the block's first row are seen
-        # whole by every row: they skip the visibility test (rows past Lq read q = 0, stay
-        # finite and are never stored). Only the diagonal and the Lk tail need it.
-        first_masked = seqlen_k // BLOCK_N
-        if IS_CAUSAL:
-            first_masked = tl.minimum(first_masked, tl.maximum(pid_m * BLOCK_M + seqlen_k - seqlen_q + 1, 0) // BLOCK_N)
-        for i in range(0, first_masked):
-            m_i, l_i, acc = _online_softmax_step(
-                q, m_i, l_i, acc, k_desc, v_desc, k_base, v_base, bias_base, b_tma, h_kv_tma, offs_m, i * BLOCK_N,
-                offs_d, q_in, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, seqlen_q, seqlen_k,
-                softmax_scale, softcap, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, False, UNITS, USE_TMA,
-            )
+    # Interior key tiles lie inside Lk and left of the causal diagonal of the block's first row:
+    # every row sees them whole but for the mask (rows past Lq read q = 0, stay finite and are
+    # never stored). They come first in the loop's order; the diagonal and the Lk tail follow.
+    interior_end = seqlen_k // BLOCK_N
+    if IS_CAUSAL:
+        interior_end = tl.minimum(interior_end, tl.maximum(pid_m * BLOCK_M + seqlen_k - seqlen_q + 1, 0) // BLOCK_N)
+    num_interior = listed_below(blocks, num_blocks, interior_end, HAS_MASK)
 
-    # the mask of the loop's first tile; each iteration then loads the next one's (`load_keep`)
-    first_n = listed_block(blocks, first_masked, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = load_keep(mask_base, offs_m[:, None], first_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
-                     first_masked < num_blocks, HAS_MASK)
+    # the mask of the first tile; each step then loads the next one's (`load_keep`)
+    keep = _prefetch_keep(mask_base, blocks, 0, num_blocks, offs_m, stride_mm, stride_mn, seqlen_q, seqlen_k,
+                          BLOCK_N, HAS_MASK)
+    for i in range(0, num_interior):
+        m_i, l_i, acc, keep = _listed_step(
+            q, m_i, l_i, acc, keep, k_desc, v_desc, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks,
+            b_tma, h_kv_tma, offs_m, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            stride_bm, stride_bn, seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_N, BLOCK_D,
+            IS_CAUSAL, HAS_MASK, HAS_SOFTCAP, HAS_BIAS, False, UNITS, USE_TMA,
+        )
     # Not `num_stages=1` without a mask, though this loop then holds only the diagonal tiles and the
     # Lk tail (H200, W3 forward 64x64 w4 s3: 1.188 -> 1.178 x cuDNN): with seqlen_k specialized to
     # 1, Triton 3.6's ptxas crashed (-11) on fwd 64x64 w4 s2 (adversarial case single_key_lk1)
-    for i in range(first_masked, num_blocks):
-        start_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        next_n = listed_block(blocks, i + 1, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
-        keep_next = load_keep(mask_base, offs_m[:, None], next_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
-                              i + 1 < num_blocks, HAS_MASK)
-        visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK)
-        m_i, l_i, acc = _online_softmax_step(
-            q, m_i, l_i, acc, k_desc, v_desc, k_base, v_base, bias_base, b_tma, h_kv_tma, offs_m, start_n, offs_d,
-            visible, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, seqlen_q, seqlen_k,
-            softmax_scale, softcap, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, True, UNITS, USE_TMA,
+    for i in range(num_interior, num_blocks):
+        m_i, l_i, acc, keep = _listed_step(
+            q, m_i, l_i, acc, keep, k_desc, v_desc, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks,
+            b_tma, h_kv_tma, offs_m, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            stride_bm, stride_bn, seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_N, BLOCK_D,
+            IS_CAUSAL, HAS_MASK, HAS_SOFTCAP, HAS_BIAS, True, UNITS, USE_TMA,
         )
-        keep = keep_next
 
-    # epilogue: a row with a visible key has l_i >= 1 (its max contributes exp(0)); l_i == 0 is dead
+    # epilogue: a row with a visible key has l_i > 0 (its max contributes about exp(0) = 1); l_i == 0 is dead
     dead = l_i == 0.0
     l_safe = tl.where(dead, 1.0, l_i)
     out = acc / l_safe[:, None]
