@@ -100,7 +100,7 @@ def flash_dmattn_func(
         get_backend(backend)  # names the known backends on a typo
     _check_strides_and_head_dim(query, key, value)
     as_list = (lambda config: None if config is None else list(config.to_dict().values()))
-    out, lse = ops.attention_fwd(
+    out, lse, _ = ops.attention_fwd(
         query, key, value, as_4d(attn_mask), as_4d(attn_bias), bool(is_causal), float(softmax_scale),
         float(softcap), backend, table, as_list(fwd_config), as_list(bwd_config),
     )

@@ -87,6 +87,27 @@ def select(direction: str, query, key, mask4, bias4, is_causal: bool, backend: s
     return get_backend(choice.backend), choice.config
 
 
+# -- the mask's tile activity, kept from the forward for the backward -------------------------------
+
+
+def _activity_shape(mask: torch.Tensor | None, query, key) -> tuple[int, ...]:
+    """Shape of the forward's tile-activity summary of `mask` (`activity.py`): empty without one."""
+    if mask is None:
+        return (0,)
+    from dmattn_kernels.triton.launch import activity_shape  # imported on first use (registry)
+
+    return activity_shape(mask.shape, query.shape[1], key.shape[1])
+
+
+def _fill_activity(chosen, mask, query, key, is_causal: bool, activity: torch.Tensor) -> None:
+    """Fills `activity` for a forward that did not (a backend other than Triton), so the backward
+    of the call can rely on it whichever backend it takes."""
+    if mask is not None and chosen.name != "triton":
+        from dmattn_kernels.triton.launch import tile_activity
+
+        tile_activity(mask, query.shape[1], key.shape[1], is_causal, out=activity)
+
+
 # -- the ops ------------------------------------------------------------------------------------
 
 
@@ -95,17 +116,22 @@ def attention_fwd(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
     bias: torch.Tensor | None, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
     table: str | None, fwd_config: list[int] | None, bwd_config: list[int] | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (B, Lq, H, D) and lse (B, H, Lq) fp32. `bwd_config` rides along for the backward."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out (B, Lq, H, D), lse (B, H, Lq) fp32 and, with a mask, its tile-activity summary (int8,
+    `launch.activity_shape`; empty without a mask), which the backward reuses instead of reading
+    the mask again. `bwd_config` rides along for the backward."""
     del bwd_config
     check_device_and_dtypes(query, key, value, bias)
     chosen, config = select("fwd", query, key, mask, bias, is_causal, backend, table, fwd_config, False)
     batch, seqlen_q, num_heads, _ = query.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=query.device)
+    activity = torch.empty(_activity_shape(mask, query, key), dtype=torch.int8, device=query.device)
+    extra = {"activity": activity} if mask is not None and chosen.name == "triton" else {}
     chosen.forward(query, key, value, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
-                   softcap=softcap, config=config, out=out, lse=lse)
-    return out, lse
+                   softcap=softcap, config=config, out=out, lse=lse, **extra)
+    _fill_activity(chosen, mask, query, key, is_causal, activity)
+    return out, lse, activity
 
 
 @attention_fwd.register_fake
@@ -113,7 +139,8 @@ def _attention_fwd_fake(query, key, value, mask, bias, is_causal, softmax_scale,
                         fwd_config, bwd_config):
     batch, seqlen_q, num_heads, _ = query.shape
     return (query.new_empty(query.shape),
-            query.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32))
+            query.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32),
+            query.new_empty(_activity_shape(mask, query, key), dtype=torch.int8))
 
 
 @torch.library.custom_op("dmattn_bench::attention_bwd", mutates_args=())
@@ -121,9 +148,10 @@ def attention_bwd(
     dout: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None, is_causal: bool,
     softmax_scale: float, softcap: float, bias_requires_grad: bool, backend: str, table: str | None,
-    bwd_config: list[int] | None,
+    bwd_config: list[int] | None, activity: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv and dbias (the bias's 4-D shape and dtype; empty when it needs no gradient)."""
+    """dq, dk, dv and dbias (the bias's 4-D shape and dtype; empty when it needs no gradient).
+    `activity`: the forward's tile-activity summary of `mask` (the Triton backward reuses it)."""
     chosen, config = select("bwd", query, key, mask, bias, is_causal, backend, table, bwd_config,
                             bias_requires_grad)
     if dout.stride(-1) != 1:
@@ -132,34 +160,37 @@ def attention_bwd(
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias_requires_grad else None
+    extra = {"activity": activity} if activity is not None and mask is not None and chosen.name == "triton" else {}
     chosen.backward(dout, query, key, value, out, lse, mask, bias, is_causal=is_causal,
-                    softmax_scale=softmax_scale, softcap=softcap, config=config, dq=dq, dk=dk, dv=dv, dbias=dbias)
+                    softmax_scale=softmax_scale, softcap=softcap, config=config, dq=dq, dk=dk, dv=dv, dbias=dbias,
+                    **extra)
     return dq, dk, dv, dbias if dbias is not None else query.new_empty(0)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, query, key, value, out, lse, mask, bias, is_causal, softmax_scale, softcap,
-                        bias_requires_grad, backend, table, bwd_config):
+                        bias_requires_grad, backend, table, bwd_config, activity=None):
     dbias = bias.new_empty(bias.shape) if bias_requires_grad else query.new_empty(0)
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dbias
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, mask, bias, is_causal, softmax_scale, softcap, backend, table, _, bwd_config = inputs
-    out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, mask, bias)
+    out, lse, activity = output
+    ctx.save_for_backward(query, key, value, out, lse, mask, bias, activity)
     ctx.options = (is_causal, softmax_scale, softcap)
     ctx.dispatch = (backend, table, bwd_config)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, activity)
 
 
-def _backward(ctx, dout, _dlse):
-    query, key, value, out, lse, mask, bias = ctx.saved_tensors
+def _backward(ctx, dout, _dlse, _dactivity):
+    query, key, value, out, lse, mask, bias, activity = ctx.saved_tensors
     is_causal, softmax_scale, softcap = ctx.options
     backend, table, bwd_config = ctx.dispatch
     bias_requires_grad = bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dbias = attention_bwd(dout, query, key, value, out, lse, mask, bias, is_causal, softmax_scale,
-                                      softcap, bias_requires_grad, backend, table, bwd_config)
+                                      softcap, bias_requires_grad, backend, table, bwd_config,
+                                      activity if mask is not None else None)
     return (dq, dk, dv, None, dbias if bias_requires_grad else None,
             None, None, None, None, None, None, None)
 

@@ -82,6 +82,7 @@ I32_POINTERS = ("blocks_ptr",)  # the block lists of `launch.block_lists`
 KV_DESCRIPTORS = ("k_desc", "v_desc")  # the forward's K/V: TMA descriptors where `launch.kv_by_tma`, else pointers
 FP32_SCALARS = ("softmax_scale", "softcap")
 WARP_SIZE = 32
+MIN_TILE = 16  # tl.dot's smallest tile dim (`launch.MIN_BLOCK`): the fp32-bias fallback stops there
 ERROR_REASON_CHARS = 200
 CUOBJDUMP_TIMEOUT_S = 60
 
@@ -392,11 +393,19 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
                          round(time.perf_counter() - start, 3))
 
     for fn, constexprs, spec, where in _compile_jobs(direction, config, major, head_dim, dtype, features):
-        try:
-            compiled = triton.compile(_source(fn, dtype, constexprs, **spec), target=target,
-                                      options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
-        except Exception as exc:  # noqa: BLE001 - a failed candidate is data
-            return verdict("compile_error", f"{where}: {_one_line(exc)}", "compile")
+        # the forward runs an fp32 bias under 16-bit inputs with key tiles halved until they fit
+        # (`launch.fitting_forward_config`); everything else runs the config's own tiles
+        fallback = direction == "fwd" and spec["bias_fp32"] and dtype != "fp32" and constexprs.get("HAS_BIAS", False)
+        while True:
+            try:
+                compiled = triton.compile(_source(fn, dtype, constexprs, **spec), target=target,
+                                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+            except Exception as exc:  # noqa: BLE001 - a failed candidate is data
+                return verdict("compile_error", f"{where}: {_one_line(exc)}", "compile")
+            if not fallback or compiled.metadata.shared <= limits.shared_memory_per_block or constexprs["BLOCK_N"] <= MIN_TILE:
+                break
+            constexprs = dict(constexprs, BLOCK_N=constexprs["BLOCK_N"] // 2)
+            where = f"{where} at BLOCK_N={constexprs['BLOCK_N']}"
         kernels_compiled += 1
         if int(compiled.metadata.shared) > shared:
             shared, heaviest = int(compiled.metadata.shared), where

@@ -42,3 +42,41 @@ def test_block_lists_read_broadcast_views():
     active = (torch.rand(1, 1, 6, 9, generator=torch.Generator().manual_seed(1)) < 0.5).to(torch.int8)
     got = launch.block_lists(active.expand(2, 2, 6, 9), 32, 16)
     assert torch.equal(got, expected_lists(active.expand(2, 2, 6, 9).contiguous(), 32, 16, False))
+
+
+def expected_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: bool) -> torch.Tensor:
+    """The cell summary pooled directly in torch from the full visibility rule."""
+    keep = mask.expand(mask.shape[0], mask.shape[1], seqlen_q, seqlen_k) != 0
+    rows, cols = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)[None, :]
+    visible = keep & (cols <= rows + seqlen_k - seqlen_q) if causal else keep
+    cell_rows, cell_cols = -(-seqlen_q // CELL), -(-seqlen_k // CELL)
+    padded = torch.zeros(*keep.shape[:2], cell_rows * CELL, cell_cols * CELL, dtype=torch.bool)
+    padded[..., :seqlen_q, :seqlen_k] = visible
+    return padded.reshape(*keep.shape[:2], cell_rows, CELL, cell_cols, CELL).any(5).any(3).to(torch.int8)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(320, 512), (512, 300), (64, 256), (17, 1000), (100, 37)])
+def test_tile_activity_matches_a_direct_pooling(causal, seqlen_q, seqlen_k):
+    """Interior tiles of 8-byte-aligned rows are read as int64 words, the others byte by byte:
+    sparse masks (a few visible positions per cell) catch a word or cell boundary off by one."""
+    generator = torch.Generator().manual_seed(seqlen_q + 7 * seqlen_k + causal)
+    mask = torch.rand(2, 3, seqlen_q, seqlen_k, generator=generator) < 0.01
+    assert launch.mask_words_readable(mask.view(torch.uint8)) == (seqlen_k % 8 == 0)
+    got = launch.tile_activity(mask, seqlen_q, seqlen_k, causal)
+    assert torch.equal(got, expected_activity(mask, seqlen_q, seqlen_k, causal))
+
+
+@pytest.mark.parametrize("view", ["key-broadcast", "query-broadcast", "offset-slice"])
+def test_tile_activity_reads_views(view):
+    """Broadcast masks (stride 0) and a slice that starts off the 8-byte grid (byte reads)."""
+    generator = torch.Generator().manual_seed(3)
+    if view == "key-broadcast":
+        mask = (torch.rand(1, 2, 300, 1, generator=generator) < 0.5).expand(1, 2, 300, 256)
+    elif view == "query-broadcast":
+        mask = (torch.rand(2, 1, 1, 512, generator=generator) < 0.02).expand(2, 1, 320, 512)
+    else:
+        mask = (torch.rand(1, 1, 256, 513, generator=generator) < 0.02)[..., 1:]
+        assert not launch.mask_words_readable(mask.view(torch.uint8))
+    got = launch.tile_activity(mask, mask.shape[2], mask.shape[3], True)
+    assert torch.equal(got, expected_activity(mask, mask.shape[2], mask.shape[3], True))

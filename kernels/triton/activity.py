@@ -9,7 +9,12 @@ with visible_ij the full rule of `common.visible_tile` (bounds, causal, mask). E
 kernel then pools the cells to its own tile shape and walks a compacted, increasing list of the
 active tiles (`block_list_kernel`, one program per list row), so its key (or query) loop has no
 data-dependent branch and Triton can software-pipeline its loads; tiles with no visible position
-cost nothing.
+cost nothing. The forward's summary is kept for the backward of the same call (`ops`), so the
+mask is read for it once per training step.
+
+Interior tiles (inside Lq and Lk, left of the causal diagonal) of a mask with contiguous,
+8-byte-aligned rows are read as int64 words: the pass is memory-bound, and one test per eight
+bytes leaves the loads, not the reduction, as its cost.
 """
 
 import triton
@@ -18,6 +23,30 @@ import triton.language as tl
 from dmattn_kernels.triton.common import load_keep, visible_tile
 
 CELL = 16  # rows and columns of a cell: the smallest tile any kernel uses (tl.dot's minimum)
+WORD_BYTES = 8  # mask bytes per int64 word of an interior tile (`tile_activity_kernel`)
+
+
+@triton.jit
+def _word_cells(mask_base, offs_m, pid_n, stride_mm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CELL: tl.constexpr, WORD: tl.constexpr):
+    """Cell activity of an interior tile (the mask alone decides) from int64 words: a word is
+    nonzero iff one of its WORD mask bytes is."""
+    offs_w = pid_n * (BLOCK_N // WORD) + tl.arange(0, BLOCK_N // WORD)
+    words = tl.load(mask_base.to(tl.pointer_type(tl.int64)) + offs_m[:, None] * (stride_mm // WORD) + offs_w[None, :])
+    cells = tl.reshape((words != 0).to(tl.int32), [BLOCK_M // CELL, CELL, BLOCK_N // CELL, CELL // WORD])
+    return tl.max(tl.max(cells, 3), 1)
+
+
+@triton.jit
+def _byte_cells(mask_base, offs_m, pid_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CELL: tl.constexpr):
+    """Cell activity of any tile under the full visibility rule, one mask byte at a time."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = load_keep(mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                     True, True)
+    visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, True)
+    cells = tl.reshape(visible.to(tl.int32), [BLOCK_M // CELL, CELL, BLOCK_N // CELL, CELL])
+    return tl.max(tl.max(cells, 3), 1)
 
 
 @triton.jit
@@ -30,8 +59,13 @@ def tile_activity_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CELL: tl.constexpr,
+    WORDS: tl.constexpr,
+    WORD: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M % CELL == 0 and BLOCK_N % CELL == 0)
+    """WORDS: the mask rows are contiguous and WORD-byte aligned (`launch.mask_words_readable`), so
+    an interior tile is read as int64 words of WORD (8) mask bytes: a word is nonzero iff one of
+    its bytes is. Tiles that cross Lq, Lk or the causal diagonal test each byte (`visible_tile`)."""
+    tl.static_assert(BLOCK_M % CELL == 0 and BLOCK_N % CELL == 0 and CELL % WORD == 0 and WORD == 8)
     # one program per (BLOCK_M x BLOCK_N) tile: the pass is memory-bound and needs every load in
     # flight at once (a program walking a whole row strip ran at a fifth of HBM speed, H100)
     pid_m = tl.program_id(0)
@@ -42,13 +76,21 @@ def tile_activity_kernel(
             return  # entirely past the causal diagonal: its cells stay 0 (zero-initialised output)
     b = (pid_bh // num_mask_heads).to(tl.int64)
     h = (pid_bh % num_mask_heads).to(tl.int64)
+    mask_base = mask_ptr + b * stride_mb + h * stride_mh
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = load_keep(mask_ptr + b * stride_mb + h * stride_mh, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn,
-                     seqlen_q, seqlen_k, True, True)
-    visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, True)
-    cells = tl.reshape(visible.to(tl.int32), [BLOCK_M // CELL, CELL, BLOCK_N // CELL, CELL])
-    cells = tl.max(tl.max(cells, 3), 1)
+    interior = ((pid_m + 1) * BLOCK_M <= seqlen_q) & ((pid_n + 1) * BLOCK_N <= seqlen_k)
+    if IS_CAUSAL:
+        # the tile's last key is visible from its first query
+        interior = interior & ((pid_n + 1) * BLOCK_N - 1 <= pid_m * BLOCK_M + seqlen_k - seqlen_q)
+    if WORDS:
+        if interior:
+            cells = _word_cells(mask_base, offs_m, pid_n, stride_mm, BLOCK_M, BLOCK_N, CELL, WORD)
+        else:
+            cells = _byte_cells(mask_base, offs_m, pid_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL,
+                                BLOCK_M, BLOCK_N, CELL)
+    else:
+        cells = _byte_cells(mask_base, offs_m, pid_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL,
+                            BLOCK_M, BLOCK_N, CELL)
     cell_rows = pid_m * (BLOCK_M // CELL) + tl.arange(0, BLOCK_M // CELL)
     cell_cols = pid_n * (BLOCK_N // CELL) + tl.arange(0, BLOCK_N // CELL)
     in_range = (cell_rows[:, None] * CELL < seqlen_q) & (cell_cols[None, :] * CELL < seqlen_k)

@@ -8,15 +8,17 @@ mask/bias as 4-D views (B|1, H|Hkv|1, Lq|1, Lk|1) or None. Nothing here copies o
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import contextmanager
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
-from dmattn_kernels.triton.activity import CELL, block_list_kernel, tile_activity_kernel
+from dmattn_kernels.triton.activity import CELL, WORD_BYTES, block_list_kernel, tile_activity_kernel
 from dmattn_kernels.triton.flash_bwd import (
     flash_bwd_dkdv_kernel,
     flash_bwd_dq_from_ds_kernel,
@@ -26,6 +28,7 @@ from dmattn_kernels.triton.flash_bwd import (
 from dmattn_kernels.triton.flash_fwd import flash_fwd_kernel
 
 _MODE = threading.local()  # compile-only switch of the current thread (see `compile_only`)
+_FITTED_FWD: dict[tuple, FwdConfig] = {}  # forward tiles `fitting_forward_config` learned
 
 MAX_HEAD_DIM = 256  # the largest head dim whose fp32 accumulator tile fits the register file
 MIN_BLOCK = CELL  # tl.dot needs every tile dim >= 16; the activity cells are that size
@@ -119,20 +122,40 @@ def _zero_size1_strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
 
 
-def tile_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool) -> torch.Tensor:
+def mask_words_readable(mask: torch.Tensor) -> bool:
+    """Whether `tile_activity_kernel` may read the mask's interior tiles as int64 words: its key
+    dim is contiguous and every row starts 8-byte aligned (broadcast dims have stride 0)."""
+    strides = _zero_size1_strides(mask)
+    return (strides[3] == 1 and mask.element_size() == 1 and mask.data_ptr() % WORD_BYTES == 0
+            and all(stride % WORD_BYTES == 0 for stride in strides[:3]))
+
+
+def activity_shape(mask_shape, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int, int]:
+    """Shape of `tile_activity`'s summary for a 4-D mask of `mask_shape`."""
+    return (mask_shape[0], mask_shape[1], triton.cdiv(seqlen_q, CELL), triton.cdiv(seqlen_k, CELL))
+
+
+def tile_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """(Bm, Hm, ceil(Lq/CELL), ceil(Lk/CELL)) int8: 1 where a CELL x CELL cell of the mask's own
-    batch and head slices holds a visible position (`activity.py`). One read of the mask."""
+    batch and head slices holds a visible position (`activity.py`). One read of the mask.
+
+    `out`, when given, is a buffer of that shape to fill (every element is written)."""
     mask_arg = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     batch_m, heads_m = mask.shape[0], mask.shape[1]
-    active = torch.zeros((batch_m, heads_m, triton.cdiv(seqlen_q, CELL), triton.cdiv(seqlen_k, CELL)),
-                         dtype=torch.int8, device=mask.device)
+    shape = activity_shape(mask.shape, seqlen_q, seqlen_k)
+    if out is None:
+        out = torch.zeros(shape, dtype=torch.int8, device=mask.device)
+    else:
+        out.zero_()  # tiles past the causal diagonal are skipped by the kernel
     _launch(
         tile_activity_kernel,
         (triton.cdiv(seqlen_q, ACTIVITY_BLOCK_M), triton.cdiv(seqlen_k, ACTIVITY_BLOCK_N), batch_m * heads_m),
-        mask_arg, active, *_zero_size1_strides(mask_arg), *active.stride(), heads_m, seqlen_q, seqlen_k,
-        IS_CAUSAL=is_causal, BLOCK_M=ACTIVITY_BLOCK_M, BLOCK_N=ACTIVITY_BLOCK_N, CELL=CELL, num_warps=8,
+        mask_arg, out, *_zero_size1_strides(mask_arg), *out.stride(), heads_m, seqlen_q, seqlen_k,
+        IS_CAUSAL=is_causal, BLOCK_M=ACTIVITY_BLOCK_M, BLOCK_N=ACTIVITY_BLOCK_N, CELL=CELL,
+        WORDS=mask_words_readable(mask_arg), WORD=WORD_BYTES, num_warps=8,
     )
-    return active
+    return out
 
 
 def block_lists(active: torch.Tensor, block_rows: int, block_cols: int, *, key_major: bool = False) -> torch.Tensor:
@@ -203,8 +226,46 @@ def attention_forward(
     config: FwdConfig,
     out: torch.Tensor,
     lse: torch.Tensor,
+    activity: torch.Tensor | None = None,
 ) -> None:
-    """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call."""
+    """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call, and, when a mask
+    and an `activity` buffer (`activity_shape`) are given, the mask's tile activity into it, for
+    the backward of the same call (`attention_backward`).
+
+    An fp32 bias under 16-bit inputs runs `config` with key tiles halved until it fits the GPU's
+    shared memory (`fitting_forward_config`)."""
+    fp32_bias = bias is not None and bias.dtype == torch.float32 and q.dtype != torch.float32
+    # what decides the kernel's shared memory beside the tiles (Triton specializes 16-divisible ints)
+    if fp32_bias:
+        fit_key = (config, q.dtype, q.device, q.shape[-1], mask is None, is_causal, softcap > 0,
+                   _zero_size1_strides(bias), q.shape[1] % 16, k.shape[1] % 16)
+        config = _FITTED_FWD.get(fit_key, config)
+    while True:
+        try:
+            _forward(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap,
+                     config=config, out=out, lse=lse, activity=activity)
+            return
+        except OutOfResources:
+            if not fp32_bias or config.block_n <= MIN_BLOCK:
+                raise
+            config = fitting_forward_config(config)
+            _FITTED_FWD[fit_key] = config
+
+
+def fitting_forward_config(config: FwdConfig) -> FwdConfig:
+    """The forward tiles tried when `config` does not fit with an fp32 bias: key tiles halved.
+
+    A table key has no bias dtype, so its config was tuned on a 16-bit bias, and an fp32 bias
+    tile takes twice the shared memory per stage (sm90, Triton 3.6, D128: fwd 128x128 w8 s2 needs
+    214016 B with a bf16 bias, 246784 B with an fp32 one, over the 232448 B limit). Halving the
+    key tile keeps the pipeline: one stage instead (the other way to fit) ran W1 in 1.509 ms
+    against 0.693 ms with the bf16 bias (H100, `results/bench/session12-h100-probe.txt`).
+    `prune` checks that the halved tiles fit.
+    """
+    return dataclasses.replace(config, block_n=config.block_n // 2)
+
+
+def _forward(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap, config, out, lse, activity) -> None:
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
     group = num_heads // num_heads_kv
@@ -212,7 +273,8 @@ def attention_forward(
     bias_arg, bias_strides, bias_head_div = _broadcast_operand(bias, num_heads, group, q)
     blocks = None
     if mask is not None:
-        blocks = block_lists(tile_activity(mask, seqlen_q, seqlen_k, is_causal), config.block_m, config.block_n)
+        blocks = block_lists(tile_activity(mask, seqlen_q, seqlen_k, is_causal, out=activity), config.block_m,
+                             config.block_n)
     blocks_arg, blocks_strides = _block_list_args(blocks, q)
     use_tma = kv_by_tma(k, v)
     k_desc, v_desc = kv_descriptors(k, v, config.block_n, head_block(head_dim), use_tma)
@@ -294,8 +356,13 @@ def attention_backward(
     dk: torch.Tensor,
     dv: torch.Tensor,
     dbias: torch.Tensor | None,
+    activity: torch.Tensor | None = None,
 ) -> None:
-    """Writes dq, dk, dv and, when given, dbias (the bias's own 4-D shape and dtype)."""
+    """Writes dq, dk, dv and, when given, dbias (the bias's own 4-D shape and dtype).
+
+    `activity`: the mask's tile activity as the forward of this call wrote it (`tile_activity`);
+    without it the mask is read again (W1, the bench's full (B, H, L, L) mask, H100: 2.254 ->
+    2.129 ms for the backward with it, `results/bench/session12-h100-probe.txt`)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
     group = num_heads // num_heads_kv
@@ -314,8 +381,8 @@ def attention_backward(
         partial, rows, heads_per_program = q, True, 1
     kv_blocks = q_blocks = None
     if mask is not None:
-        # one read of the mask serves both kernels' schedules
-        active = tile_activity(mask, seqlen_q, seqlen_k, is_causal)
+        # one read of the mask, the forward's, serves both kernels' schedules
+        active = activity if activity is not None else tile_activity(mask, seqlen_q, seqlen_k, is_causal)
         kv_active = active
         if heads_per_program > 1 and mask.shape[1] == num_heads:
             # group mode visits the union of its query heads' tiles (each tile still applies its
