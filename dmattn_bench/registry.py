@@ -89,8 +89,8 @@ def _reference_is_supported(config, shape) -> str | None:
 def _triton_kernels(direction: str, config, shape: AttentionShape) -> tuple[tuple, ...]:
     """The kernels `dmattn_kernels.triton.launch` compiles for one launch, each keyed by what it
     reads of the config: its tiles (`prune.tile_constexprs`), warps and stages. The mask's
-    activity pass and the backward's delta pass read none of it. So the 16 sm90 backward
-    candidates need 8 dK/dV kernels and 4 of each dQ kernel, not 16 of each."""
+    activity pass and the backward's delta pass read none of it. So the 32 sm90 backward
+    candidates need 8 dK/dV kernels and 8 of each dQ kernel, not 32 of each."""
     from dmattn_bench.prune import KERNELS, tile_constexprs
 
     shared = (("tile_activity_kernel",),) if shape.has_mask else ()

@@ -1,0 +1,52 @@
+"""Where the time of W1/W2 forward+backward goes: torch.profiler over `flash_dmattn_func` with a
+bench table, CUDA time per kernel, summed over PROFILED_STEPS steps after a warm-up.
+
+Run from the repository root on a GPU:
+`python results/bench/session12_profile.py results/bench/h100-session12-table.yaml`.
+"""
+
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dmattn_bench import flash_dmattn_func
+from dmattn_bench.bench import build_bench_inputs, load_peer_workloads
+
+PROFILED_STEPS = 5
+
+
+def main(table: str) -> None:
+    device = torch.device("cuda")
+    print(f"# {torch.cuda.get_device_name(device)}, table {table}")
+    for pw in load_peer_workloads("configs/workloads/peers.yaml", names=["W1", "W2"]):
+        inputs = build_bench_inputs(pw, device)
+        q, k, v = (t.requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+        grad_out = torch.randn_like(q)
+
+        def step():
+            out = flash_dmattn_func(q, k, v, attn_mask=inputs.mask, attn_bias=inputs.bias, is_causal=True,
+                                    table=table)
+            out.backward(grad_out)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILED_STEPS):
+                step()
+            torch.cuda.synchronize()
+        print(f"\n## {pw.name}: CUDA time per step (ms), {PROFILED_STEPS} steps")
+        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in events)
+        for e in events:
+            if e.device_time_total / total < 0.002:
+                continue
+            print(f"{e.device_time_total / PROFILED_STEPS / 1e3:8.4f}  x{e.count // PROFILED_STEPS:<3d} {e.key[:110]}")
+        print(f"{total / PROFILED_STEPS / 1e3:8.4f}  total")
+        del inputs, q, k, v
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
