@@ -178,3 +178,46 @@ def test_every_launch_specialization_is_compiled():
     unaligned = prune._source(Kernel, "bf16", {"BLOCK_N": 64}, ints_aligned=False, bias_fp32=True)
     assert aligned.attrs[seqlen_k] == [["tt.divisibility", 16]] and seqlen_k not in unaligned.attrs
     assert aligned.signature["bias_ptr"] == "*bf16" and unaligned.signature["bias_ptr"] == "*fp32"
+
+
+class _FakeCompiled:
+    def __init__(self, shared: int):
+        self.metadata = type("Metadata", (), {"shared": shared})()
+        self.asm = {}
+
+
+def _fake_compile_bias_sized(compiled_block_n: list):
+    """A `triton.compile` stand-in: shared memory of 1000 B per key of BLOCK_N, twice that with
+    an fp32 bias (as a pipelined fp32 bias tile doubles its buffers)."""
+    def fake(source, target, options):
+        del target, options
+        block_n = source.constants[(source.fn.arg_names.index("BLOCK_N"),)]
+        fp32 = source.signature.get("bias_ptr") == "*fp32"
+        compiled_block_n.append((block_n, fp32))
+        return _FakeCompiled(block_n * 1000 * (2 if fp32 else 1))
+    return fake
+
+
+def test_an_fp32_bias_fits_a_forward_config_with_halved_key_tiles(monkeypatch):
+    """The forward's fp32-bias specializations are checked at the key tiles the launcher falls
+    back to (`launch.fitting_forward_config`); the config's own tiles for everything else."""
+    import triton
+
+    seen = []
+    monkeypatch.setattr(triton, "compile", _fake_compile_bias_sized(seen))
+    limit = ARCH_LIMITS["sm90"].shared_memory_per_block
+    block_n = 128  # 128 000 B with a 16-bit bias, 256 000 B with an fp32 one: over the sm90 limit
+    assert 2 * block_n * 1000 > limit >= block_n * 1000
+    candidate = prune._compile_here("fwd", FwdConfig(64, block_n, 4, 2), "sm90", 64, "bf16", None)
+    assert candidate.status == "fits", candidate.reason
+    assert candidate.shared_bytes == block_n * 1000
+    assert (block_n, True) in seen and (block_n // 2, True) in seen
+    assert all(n == block_n for n, fp32 in seen if not fp32)
+
+
+def test_the_backward_has_no_fp32_bias_fallback(monkeypatch):
+    import triton
+
+    monkeypatch.setattr(triton, "compile", _fake_compile_bias_sized([]))
+    candidate = prune._compile_here("bwd", BwdConfig(32, 128, 64, 128, 4, 2), "sm90", 64, "bf16", None)
+    assert candidate.status == "unsupported" and candidate.check == "shared", candidate.reason
