@@ -160,7 +160,7 @@ def attention_bwd(
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias_requires_grad else None
-    extra = {"activity": activity} if activity is not None and mask is not None and chosen.name == "triton" else {}
+    extra = {"activity": activity} if activity is not None and chosen.name == "triton" else {}
     chosen.backward(dout, query, key, value, out, lse, mask, bias, is_causal=is_causal,
                     softmax_scale=softmax_scale, softcap=softcap, config=config, dq=dq, dk=dk, dv=dv, dbias=dbias,
                     **extra)

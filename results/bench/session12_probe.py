@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 from dmattn_bench.bench import build_bench_inputs, load_peer_workloads
 from dmattn_bench.space import BwdConfig, FwdConfig
@@ -26,7 +27,7 @@ BWD_CONFIG = BwdConfig(64, 128, 64, 32, 8, 2)
 def activity_pass(mask, seqlen, words):
     mask_arg = mask.view(torch.uint8)
     out = torch.zeros(launch.activity_shape(mask.shape, seqlen, seqlen), dtype=torch.int8, device=mask.device)
-    grid = (triton_cdiv(seqlen, launch.ACTIVITY_BLOCK_M), triton_cdiv(seqlen, launch.ACTIVITY_BLOCK_N),
+    grid = (triton.cdiv(seqlen, launch.ACTIVITY_BLOCK_M), triton.cdiv(seqlen, launch.ACTIVITY_BLOCK_N),
             mask.shape[0] * mask.shape[1])
 
     def run():
@@ -35,10 +36,6 @@ def activity_pass(mask, seqlen, words):
                                    BLOCK_N=launch.ACTIVITY_BLOCK_N, CELL=CELL, WORDS=words, WORD=WORD_BYTES,
                                    num_warps=8)
     return run, out
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def main():
