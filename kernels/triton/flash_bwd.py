@@ -41,7 +41,9 @@ The launcher sums the remaining broadcast dims on the host.
 
 Skipped work: with a mask both kernels walk only the tiles the activity summary lists
 (`activity.py`, `launch.block_lists`); in group mode that is the union of the group's lists, and
-each tile still applies its own query head's mask.
+each tile still applies its own query head's mask. Tiles wholly inside the bounds and the causal
+rule (interior) skip those tests, as in the forward: the dK/dV kernel always, the dQ kernel
+without a mask (see each for the measurements).
 
 Orientation: the dK/dV kernel works on key-major tiles (S^T, P^T, dS^T of shape
 (BLOCK_N, BLOCK_M), as in Triton's fused-attention tutorial), so the products dV += P^T dO and
@@ -57,6 +59,7 @@ import triton.language as tl
 from dmattn_kernels.triton.common import (
     LOG2E,
     key_tiles,
+    listed_below,
     listed_block,
     load_keep,
     score_dot,
@@ -101,17 +104,96 @@ def _load_row_stats(lse_ptr, delta_ptr, offs_m, stride_lm, seqlen_q):
 
 @triton.jit
 def _store_dbias_t(dbias_base, ds_t, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k,
-                   BLOCK_M: tl.constexpr, DBIAS_ROWS: tl.constexpr):
+                   BLOCK_M: tl.constexpr, DBIAS_ROWS: tl.constexpr, EDGE: tl.constexpr = True):
     """Stores a key-major dBias tile (DBIAS_ROWS) through transposed addresses, or the row-sum
-    vector of one query block at partial row start_m // BLOCK_M."""
+    vector of one query block at partial row start_m // BLOCK_M. EDGE=False: the caller knows
+    the key block inside Lk, so only the query bound is tested."""
     if DBIAS_ROWS:
-        tile_in = (offs_n[:, None] < seqlen_k) & (offs_m[None, :] < seqlen_q)
+        if EDGE:
+            tile_in = (offs_n[:, None] < seqlen_k) & (offs_m[None, :] < seqlen_q)
+        else:
+            tile_in = offs_m[None, :] < seqlen_q
         tl.store(dbias_base + offs_n[:, None] * stride_dbn + offs_m[None, :] * stride_dbm,
                  ds_t.to(dbias_base.dtype.element_ty), mask=tile_in)
     else:
         row = start_m // BLOCK_M
         tl.store(dbias_base + row * stride_dbm + offs_n * stride_dbn, ds_t.to(dbias_base.dtype.element_ty),
                  mask=offs_n < seqlen_k)
+
+
+@triton.jit
+def _dkdv_query_tile(
+    dk, dv, keep, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base, blocks, i,
+    num_blocks, m_first, h_first, offs_n, offs_d,
+    stride_qm, stride_qh, stride_qd, stride_dom, stride_doh, stride_dod, stride_lh, stride_lm,
+    stride_mh, stride_mm, stride_mn, stride_bh, stride_bm, stride_bn, stride_dbm, stride_dbn,
+    seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
+    DBIAS_ROWS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, PREFETCH: tl.constexpr, EDGE: tl.constexpr,
+):
+    """The loop's i-th query tile of one key block, whose mask tile `keep` the previous step
+    loaded: returns dk, dv updated and the next tile's mask. EDGE: the tile may cross Lq, Lk or
+    the causal diagonal. Else the caller knows the key block inside Lk and every query of the
+    tile at or below the diagonal of its last key: only the mask and the query bound decide
+    (`common.visible_tile`), as in the forward's interior loop."""
+    start_m = (m_first + listed_block(blocks, i, num_blocks, HAS_MASK)) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    next_m = (m_first + listed_block(blocks, i + 1, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    keep_next = load_keep(mask_base, next_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                          i + 1 < num_blocks, PREFETCH)
+    q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    if HEADS_PER_PROGRAM > 1:
+        db_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # dS^T summed over the group
+    # a dynamic loop: unrolling it would copy the whole body GROUP times. In split mode its one
+    # iteration folds away: sm80/sm90 PTX of 4 split-mode variants (bf16, D128, 64x128 tiles)
+    # equals the PTX from before group mode existed but for register numbering, 2026-11-21.
+    for g in range(0, HEADS_PER_PROGRAM):
+        h = h_first + g
+        # h_first is a multiple of both head divisors (1 or GROUP): h // div = h_first // div + g // div
+        mask_base_h = mask_base + (g // mask_head_div) * stride_mh
+        bias_base_h = bias_base + (g // bias_head_div) * stride_bh
+        # key-major tile: rows of the tile are keys, columns are queries
+        if HEADS_PER_PROGRAM > 1:
+            keep_h = load_keep(mask_base_h, offs_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q,
+                               seqlen_k, True, HAS_MASK)
+        else:
+            keep_h = keep
+        visible_t = visible_tile(keep_h, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK,
+                                 EDGE)
+        # -- load q, dO and the row statistics of this query head --
+        q = tl.load(q_base + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in,
+                    other=0.0)
+        dout = tl.load(dout_base + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                       mask=q_in, other=0.0)
+        lse, delta = _load_row_stats(lse_base + h * stride_lh, delta_base + h * stride_lh, offs_m, stride_lm, seqlen_q)
+        # -- recompute P^T, then dV, dS^T, dK (an interior tile without a mask tests nothing: a
+        # query past Lq reads q = dO = 0, lse = delta = 0, so it adds 0 to dK and dV and its dBias
+        # column is not stored) --
+        s_t, capped_t = scores_tile(
+            score_dot(k, tl.trans(q)), bias_base_h, offs_m[None, :], offs_n[:, None], stride_bm, stride_bn,
+            visible_t, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, HAS_MASK or EDGE, EDGE,
+        )
+        p_t = tl.exp2((s_t - lse[None, :]) * LOG2E)
+        dv += tl.dot(p_t.to(dout.dtype), dout)
+        dp_t = tl.dot(v, tl.trans(dout))
+        ds_t = p_t * (dp_t - delta[None, :])
+        ds_raw_t = ds_t
+        if HAS_SOFTCAP:
+            ds_raw_t = ds_t * (1.0 - capped_t * capped_t)
+        dk += tl.dot(ds_raw_t.to(q.dtype), q)
+        if HAS_DBIAS:
+            if HEADS_PER_PROGRAM == 1:
+                db = ds_t if DBIAS_ROWS else tl.sum(ds_t, 1)
+                _store_dbias_t(dbias_base, db, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k,
+                               BLOCK_M, DBIAS_ROWS, EDGE)
+            else:
+                db_t += ds_t
+    if HEADS_PER_PROGRAM > 1:
+        # one store per query block: the (b, h_kv) tile of a (B, Hkv, Lq, Lk) partial
+        _store_dbias_t(dbias_base, db_t, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k,
+                       BLOCK_M, DBIAS_ROWS, EDGE)
+    return dk, dv, keep_next
 
 
 @triton.jit
@@ -187,63 +269,50 @@ def flash_bwd_dkdv_kernel(
     # split mode: the mask of the first tile; each iteration then loads the next one's
     # (`common.load_keep`). Group mode loads each query head's tile in place.
     PREFETCH: tl.constexpr = HAS_MASK and HEADS_PER_PROGRAM == 1
+    # Query tiles at or below the causal diagonal of the block's last key, the block inside Lk,
+    # are interior: every position passes the bounds and the causal rule but for the query bound,
+    # so their loop tests only that and the mask. The list has the diagonal tiles first; they run
+    # last, in a loop of their own. In the other order the interior loop spilled (sm90, 64x128 w8
+    # s2: 95 local loads and stores per tile against 8) and W1's backward took 2.41 ms against
+    # 2.13 before the split; interior first, 2.10 (H100, `results/bench/session13-h100-probe.txt`).
+    if IS_CAUSAL:
+        first_interior = tl.cdiv(tl.maximum(pid_n * BLOCK_N + BLOCK_N - 1 - (seqlen_k - seqlen_q), 0), BLOCK_M)
+    else:
+        first_interior = 0
+    if pid_n * BLOCK_N + BLOCK_N <= seqlen_k:
+        num_edge = listed_below(blocks, num_blocks, first_interior - m_first, HAS_MASK)
+    else:
+        num_edge = num_blocks
     first_m = (m_first + listed_block(blocks, 0, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    edge_m = (m_first + listed_block(blocks, num_edge, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    keep = load_keep(mask_base, edge_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                     num_edge < num_blocks, PREFETCH)
+    q_base = q_ptr + b * stride_qb
+    dout_base = dout_ptr + b * stride_dob
+    lse_base = lse_ptr + b * stride_lb
+    delta_base = delta_ptr + b * stride_lb
+    dbias_base = dbias_ptr + b * stride_dbb + slot * stride_dbh
+    for i in range(num_edge, num_blocks):
+        dk, dv, keep = _dkdv_query_tile(
+            dk, dv, keep, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base, blocks, i,
+            num_blocks, m_first, h_first, offs_n, offs_d, stride_qm, stride_qh, stride_qd, stride_dom, stride_doh,
+            stride_dod, stride_lh, stride_lm, stride_mh, stride_mm, stride_mn, stride_bh, stride_bm, stride_bn,
+            stride_dbm, stride_dbn, seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale, softcap,
+            HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, HAS_DBIAS, DBIAS_ROWS,
+            HEADS_PER_PROGRAM, PREFETCH, False,
+        )
+    # the diagonal tiles last: their first mask tile is loaded here, the chain then goes on
     keep = load_keep(mask_base, first_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
-                     num_blocks > 0, PREFETCH)
-    for i in range(0, num_blocks):
-        start_m = (m_first + listed_block(blocks, i, num_blocks, HAS_MASK)) * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        next_m = (m_first + listed_block(blocks, i + 1, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
-        keep_next = load_keep(mask_base, next_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
-                              i + 1 < num_blocks, PREFETCH)
-        q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-        if HEADS_PER_PROGRAM > 1:
-            db_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # dS^T summed over the group
-        # a dynamic loop: unrolling it would copy the whole body GROUP times. In split mode its one
-        # iteration folds away: sm80/sm90 PTX of 4 split-mode variants (bf16, D128, 64x128 tiles)
-        # equals the PTX from before group mode existed but for register numbering, 2026-11-21.
-        for g in range(0, HEADS_PER_PROGRAM):
-            h = h_first + g
-            # h_first is a multiple of both head divisors (1 or GROUP): h // div = h_first // div + g // div
-            mask_base_h = mask_base + (g // mask_head_div) * stride_mh
-            bias_base_h = bias_base + (g // bias_head_div) * stride_bh
-            # key-major tile: rows of the tile are keys, columns are queries
-            if HEADS_PER_PROGRAM > 1:
-                keep_h = load_keep(mask_base_h, offs_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q,
-                                   seqlen_k, True, HAS_MASK)
-            else:
-                keep_h = keep
-            visible_t = visible_tile(keep_h, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK)
-            # -- load q, dO and the row statistics of this query head --
-            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
-            dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
-            row_base = b * stride_lb + h * stride_lh
-            lse, delta = _load_row_stats(lse_ptr + row_base, delta_ptr + row_base, offs_m, stride_lm, seqlen_q)
-            # -- recompute P^T, then dV, dS^T, dK --
-            s_t, capped_t = scores_tile(
-                score_dot(k, tl.trans(q)), bias_base_h, offs_m[None, :], offs_n[:, None], stride_bm, stride_bn,
-                visible_t, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
-            )
-            p_t = tl.exp2((s_t - lse[None, :]) * LOG2E)
-            dv += tl.dot(p_t.to(dout.dtype), dout)
-            dp_t = tl.dot(v, tl.trans(dout))
-            ds_t = p_t * (dp_t - delta[None, :])
-            ds_raw_t = ds_t
-            if HAS_SOFTCAP:
-                ds_raw_t = ds_t * (1.0 - capped_t * capped_t)
-            dk += tl.dot(ds_raw_t.to(q.dtype), q)
-            if HAS_DBIAS:
-                if HEADS_PER_PROGRAM == 1:
-                    db = ds_t if DBIAS_ROWS else tl.sum(ds_t, 1)
-                    _store_dbias_t(dbias_ptr + b * stride_dbb + slot * stride_dbh, db, start_m, offs_m, offs_n,
-                                   stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
-                else:
-                    db_t += ds_t
-        keep = keep_next
-        if HEADS_PER_PROGRAM > 1:
-            # one store per query block: the (b, h_kv) tile of a (B, Hkv, Lq, Lk) partial
-            _store_dbias_t(dbias_ptr + b * stride_dbb + slot * stride_dbh, db_t, start_m, offs_m, offs_n,
-                           stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
+                     num_edge > 0, PREFETCH)
+    for i in range(0, num_edge):
+        dk, dv, keep = _dkdv_query_tile(
+            dk, dv, keep, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base, blocks, i,
+            num_blocks, m_first, h_first, offs_n, offs_d, stride_qm, stride_qh, stride_qd, stride_dom, stride_doh,
+            stride_dod, stride_lh, stride_lm, stride_mh, stride_mm, stride_mn, stride_bh, stride_bm, stride_bn,
+            stride_dbm, stride_dbn, seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale, softcap,
+            HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, HAS_DBIAS, DBIAS_ROWS,
+            HEADS_PER_PROGRAM, PREFETCH, True,
+        )
 
     if HAS_DBIAS:
         # the query tiles this key block skips hold no visible position: their dS is 0. Written
@@ -272,6 +341,48 @@ def flash_bwd_dkdv_kernel(
     # groups), else the kv head's dK/dV
     tl.store(dk_ptr + b * stride_dkb + slot * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty), mask=kv_in)
     tl.store(dv_ptr + b * stride_dvb + slot * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=kv_in)
+
+
+@triton.jit
+def _dq_key_tile(
+    dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks, offs_m, offs_d,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q, seqlen_k,
+    softmax_scale, softcap, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    EDGE: tl.constexpr,
+):
+    """The loop's i-th key tile of one query block, whose mask tile `keep` the previous step
+    loaded: returns dq updated and the next tile's mask. EDGE as in the forward's
+    `_online_softmax_step`: off, the tile is inside Lk and left of the block's diagonal."""
+    offs_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+    next_n = listed_block(blocks, i + 1, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep_next = load_keep(mask_base, offs_m[:, None], next_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                          i + 1 < num_blocks, HAS_MASK)
+    visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK, EDGE)
+    if EDGE:
+        kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    else:
+        kv_in = offs_d[None, :] < HEAD_DIM
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if EDGE or BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=kv_in, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_in, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    # -- recompute P, then dS = P (dP - delta); rows past Lq are never stored --
+    s, capped = scores_tile(
+        score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
+        visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, HAS_MASK or EDGE, EDGE,
+    )
+    p = tl.exp2((s - lse[:, None]) * LOG2E)
+    dp = tl.dot(dout, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - capped * capped)
+    dq += tl.dot(ds.to(k.dtype), k)
+    return dq, keep_next
 
 
 @triton.jit
@@ -323,31 +434,38 @@ def flash_bwd_dq_kernel(
     blocks, num_blocks = key_tiles(blocks_ptr, b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm,
                                    pid_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK)
 
+    # Without a mask, interior key tiles (inside Lk, left of the causal diagonal of the block's
+    # first row, as in `flash_fwd.py`) take a loop of their own that tests nothing: W3, H100,
+    # backward 64x64 dq64x32 w4 s2, 1.206 -> 1.159 ms. With a mask the same split measured
+    # slower (W2 2.497 -> 2.548 ms), so every tile takes the edge loop
+    # (`results/bench/session13-h100-probe.txt`).
+    SPLIT: tl.constexpr = not HAS_MASK
+    num_interior = 0
+    if SPLIT:
+        interior_end = seqlen_k // BLOCK_N
+        if IS_CAUSAL:
+            interior_end = tl.minimum(interior_end,
+                                      tl.maximum(pid_m * BLOCK_M + seqlen_k - seqlen_q + 1, 0) // BLOCK_N)
+        num_interior = listed_below(blocks, num_blocks, interior_end, HAS_MASK)
+
     # the mask of the first tile; each iteration then loads the next one's (`common.load_keep`)
     first_n = listed_block(blocks, 0, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep = load_keep(mask_base, offs_m[:, None], first_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
                      num_blocks > 0, HAS_MASK)
-    for i in range(0, num_blocks):
-        offs_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
-        next_n = listed_block(blocks, i + 1, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
-        keep_next = load_keep(mask_base, offs_m[:, None], next_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
-                              i + 1 < num_blocks, HAS_MASK)
-        visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK)
-        kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
-        # -- recompute P, then dS = P (dP - delta) --
-        s, capped = scores_tile(
-            score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
-            visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS,
+    for i in range(0, num_interior):
+        dq, keep = _dq_key_tile(
+            dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks, offs_m, offs_d,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q,
+            seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+            False,
         )
-        p = tl.exp2((s - lse[:, None]) * LOG2E)
-        dp = tl.dot(dout, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - capped * capped)
-        dq += tl.dot(ds.to(k.dtype), k)
-        keep = keep_next
+    for i in range(num_interior, num_blocks):
+        dq, keep = _dq_key_tile(
+            dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks, offs_m, offs_d,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q,
+            seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+            True,
+        )
 
     # epilogue
     dq = dq * softmax_scale
