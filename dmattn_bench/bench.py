@@ -4,7 +4,8 @@ For each workload of `configs/workloads/peers.yaml` and each peer (`dmattn_bench
 forward and the forward+backward are timed with `timing.time_kernel` (warm-up, L2 flushed,
 median and spread). Reported per row:
 
-- ms (median, p20-p80 spread) and TFLOP/s over the work actually needed: the matmuls of the
+- ms (median, p20-p80 spread) of GPU time, and the host's own time per call beside it;
+- TFLOP/s over the work actually needed: the matmuls of the
   (query, key) pairs the causal rule leaves (2 GEMMs forward, 5 backward; FlashAttention's count);
 - the floor: max(FLOPs / tensor-core peak, bytes that must move / HBM bandwidth) for this GPU
   (`hardware.device_peaks`), and the fraction of it reached;
@@ -205,6 +206,7 @@ class Row:
     p20_ms: float | None = None
     p80_ms: float | None = None
     spread: float | None = None
+    host_ms: float | None = None  # host time of one call, which the timing hides (`timing.py`)
     tflops: float | None = None
     floor_ms: float | None = None
     floor_fraction: float | None = None
@@ -263,8 +265,8 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
         except Exception as exc:  # a failing peer is a row, whatever failed
             row.status, row.error = "error", _one_line(exc)
         else:
-            row.median_ms, row.p20_ms, row.p80_ms, row.spread = (
-                timing.median_ms, timing.p20_ms, timing.p80_ms, timing.spread)
+            row.median_ms, row.p20_ms, row.p80_ms, row.spread, row.host_ms = (
+                timing.median_ms, timing.p20_ms, timing.p80_ms, timing.spread, timing.host_ms)
             row.tflops = flops_needed(w, direction) / (timing.median_ms * 1e-3) / 1e12
             row.floor_ms = floor_ms(w, direction, peaks)
             if row.floor_ms is not None:
@@ -314,7 +316,7 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-COLUMNS = ("workload", "direction", "peer", "status", "median ms", "spread", "TFLOP/s", "floor ms",
+COLUMNS = ("workload", "direction", "peer", "status", "median ms", "spread", "host ms", "TFLOP/s", "floor ms",
            "of floor", "ours/peer", "max|diff|", "setup ms")
 
 
@@ -322,7 +324,7 @@ def row_cells(row: Row) -> list[str]:
     status = row.status if row.status == "ok" else f"error: {row.error}"
     return [row.workload, row.direction, row.peer, status, _fmt(row.median_ms, ".3f"),
             _fmt(None if row.spread is None else 100 * row.spread, ".1f") + ("%" if row.spread is not None else ""),
-            _fmt(row.tflops, ".1f"), _fmt(row.floor_ms, ".3f"),
+            _fmt(row.host_ms, ".3f"), _fmt(row.tflops, ".1f"), _fmt(row.floor_ms, ".3f"),
             _fmt(None if row.floor_fraction is None else 100 * row.floor_fraction, ".0f") + ("%" if row.floor_fraction else ""),
             _fmt(row.ours_over_peer, ".2f"), _fmt(row.max_abs_diff_vs_ours, ".2e"), _fmt(row.setup_ms, ".0f")]
 
@@ -332,7 +334,9 @@ def markdown(document: dict) -> str:
     lines = [f"# dmattn-bench bench on {document['device']}", "",
              f"Command: `{document['command']}`", "",
              f"Software: {', '.join(f'{k} {v}' for k, v in document['software'].items())}. "
-             f"Medians of {document['repeats']} repeats, L2 flushed before each; spread = (p80 - p20) / median. "
+             f"Medians of {document['repeats']} repeats of GPU time, L2 flushed before each and the host's "
+             "launch work hidden behind a GPU spin; spread = (p80 - p20) / median; host ms = the host's own "
+             "time per call (median; '-' in reports from before it was measured). "
              "TFLOP/s over the causal pairs (fwd 2 GEMMs, bwd 5). Floor = max(FLOPs / tensor peak, "
              "needed bytes / HBM bandwidth) with "
              f"{document['peaks'] or 'no known peaks for this device'}. ours/peer < 1: ours is faster.", ""]

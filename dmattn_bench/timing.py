@@ -1,12 +1,20 @@
 """Kernel timing: warm-up, repeats, medians and spread, L2 flushed between repeats.
 
 On a GPU each repeat is bracketed by CUDA events and preceded by a write over a buffer twice the
-L2 size, so no repeat finds its inputs in cache. On the CPU (the Triton interpreter) the same
-loop runs with a host clock and the result is marked as not meaningful.
+L2 size, so no repeat finds its inputs in cache, and before that by a GPU spin (`_HostLead`)
+long enough for the host to enqueue the whole call while the GPU is still busy. Without the
+spin, host work of the call beyond the flush's 40 us (Python wrapper, dispatch, launches) left
+the GPU idle inside the measured interval: our W3 forward takes 0.25 ms of host time per call
+against 0.31 ms on the GPU, and a host hiccup showed as GPU time (W3 rows of `dmattn-bench bench`
+10-40% spread while the peers' were under 1%; with the spin, the same medians within 2% and
+maxima 0.538 -> 0.319 ms; H200, `results/bench/session13-h200-timing-probe.txt`). The host's own
+time per call is reported beside (`Timing.host_ms`). On the CPU (the Triton interpreter) the
+same loop runs with a host clock and the result is marked as not meaningful.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -16,6 +24,9 @@ import torch
 
 DEFAULT_L2_BYTES = 50 * 2**20  # H100's L2; used when the driver does not report it
 FLUSH_FACTOR = 2  # write twice the L2 so nothing of the inputs survives
+LEAD_FACTOR = 2  # the spin lasts this many times the host time of the last warm-up call ...
+MIN_LEAD_MS = 0.2  # ... and at least this long
+MAX_LEAD_MS = 50.0
 
 
 @dataclass(frozen=True)
@@ -27,6 +38,7 @@ class Timing:
     p80_ms: float
     repeats: int
     meaningful: bool  # False for interpreter timings
+    host_ms: float | None = None  # median host time of one call (GPU only: the spin hides it)
 
     @property
     def spread(self) -> float:
@@ -45,6 +57,31 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+@functools.cache
+def _spin_cycles_per_ms(device_index: int) -> float:
+    """GPU clock cycles of `torch.cuda._sleep` per millisecond, measured once per device."""
+    cycles = 2_000_000
+    with torch.cuda.device(device_index):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)  # the first spin pays the module load
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / max(start.elapsed_time(end), 1e-3)
+
+
+class _HostLead:
+    """Keeps the GPU busy for `lead_ms` so that the host enqueues the timed call ahead of it."""
+
+    def __init__(self, device: torch.device, lead_ms: float):
+        self.cycles = int(lead_ms * _spin_cycles_per_ms(device.index if device.index is not None else
+                                                        torch.cuda.current_device()))
+
+    def __call__(self) -> None:
+        torch.cuda._sleep(self.cycles)
+
+
 class _L2Flusher:
     def __init__(self, device: torch.device):
         props = torch.cuda.get_device_properties(device)
@@ -58,20 +95,30 @@ class _L2Flusher:
 def time_kernel(fn: Callable[[], None], device: torch.device | str, warmup: int = 3, repeats: int = 20) -> Timing:
     """Times `fn` (which launches the kernel and writes preallocated outputs)."""
     device = torch.device(device)
+    warmup_host_ms = 0.0
     for _ in range(warmup):
+        begin = time.perf_counter()
         fn()
+        warmup_host_ms = (time.perf_counter() - begin) * 1e3  # the last: the first may compile
     samples: list[float] = []
+    host_ms = None
     if device.type == "cuda":
         flush = _L2Flusher(device)
+        lead = _HostLead(device, min(max(LEAD_FACTOR * warmup_host_ms, MIN_LEAD_MS), MAX_LEAD_MS))
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        host_samples = []
         for start, end in zip(starts, ends):
+            lead()
             flush()
             start.record()
+            begin = time.perf_counter()
             fn()
+            host_samples.append((time.perf_counter() - begin) * 1e3)
             end.record()
         torch.cuda.synchronize(device)
         samples = [start.elapsed_time(end) for start, end in zip(starts, ends)]
+        host_ms = statistics.median(host_samples)
         meaningful = True
     else:
         for _ in range(repeats):
@@ -79,4 +126,5 @@ def time_kernel(fn: Callable[[], None], device: torch.device | str, warmup: int 
             fn()
             samples.append((time.perf_counter() - begin) * 1e3)
         meaningful = False
-    return Timing(statistics.median(samples), _quantile(samples, 0.2), _quantile(samples, 0.8), repeats, meaningful)
+    return Timing(statistics.median(samples), _quantile(samples, 0.2), _quantile(samples, 0.8), repeats, meaningful,
+                  host_ms)

@@ -18,6 +18,7 @@ from dmattn_bench.bench import (
     floor_ms,
     load_peer_workloads,
     markdown,
+    row_cells,
     run_bench,
 )
 from dmattn_bench.cli.bench import DEFAULT_WORKLOADS, bench
@@ -169,3 +170,13 @@ def test_bench_command_rejects_an_unknown_peer(tmp_path):
 def test_row_serialisation_round_trips():
     row = Row("W", "flex", "fwd", "ok", median_ms=1.234567891, ours_over_peer=0.5)
     assert Row(**row.to_dict()).median_ms == pytest.approx(1.23457)
+
+
+def test_reports_from_before_the_host_time_render_it_as_unknown():
+    document = {"device": "NVIDIA H100", "command": "dmattn-bench bench", "software": {"torch": "2.11"},
+                "repeats": 20, "peaks": None, "workloads": ["W"], "rows": [
+                    {"workload": "W", "peer": "dmattn", "direction": "fwd", "status": "ok", "median_ms": 0.5,
+                     "spread": 0.01, "ours_over_peer": 1.0, "note": ""}]}
+    assert "| W | fwd | dmattn | ok | 0.500 | 1.0% | - |" in markdown(document)
+    row = Row("W", "flex", "fwd", "ok", median_ms=0.5, host_ms=0.0512)
+    assert "0.051" in row_cells(row)

@@ -9,9 +9,13 @@ one call (no sync), and the median / spread of 50 repeats timed as `time_kernel`
 2 ms GPU spin (`torch.cuda._sleep`) enqueued before the flush, which lets the host run ahead.
 
 Run from the repository root on a GPU:
-`python results/bench/session13_timing_probe.py [TABLE]` (TABLE: a peer-shape table).
+`python results/bench/session13_timing_probe.py [TABLE]` (TABLE: a peer-shape table);
+PROBE_PROFILE=1 also prints a cProfile of our calls to stderr.
 """
 
+import cProfile
+import os
+import pstats
 import statistics
 import sys
 import time
@@ -24,6 +28,7 @@ from dmattn_bench.timing import _L2Flusher, _quantile
 
 REPEATS = 50
 SPIN_CYCLES = 4_000_000  # about 2 ms at 1.98 GHz
+PROFILE = os.environ.get("PROBE_PROFILE") == "1"  # also cProfile our calls (to stderr)
 
 
 def gpu_times(fn, flush, spin: bool) -> list[float]:
@@ -52,6 +57,19 @@ def host_times(fn) -> list[float]:
     return samples
 
 
+def profile(fn, label: str) -> None:
+    """cProfile of 100 calls (GPU kept busy), the top 30 by own time, to stderr."""
+    profiler = cProfile.Profile()
+    for _ in range(100):
+        torch.cuda._sleep(SPIN_CYCLES // 4)
+        profiler.enable()
+        fn()
+        profiler.disable()
+    torch.cuda.synchronize()
+    print(f"## profile {label}: 100 calls", file=sys.stderr)
+    pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+
+
 def summary(samples: list[float]) -> str:
     median = statistics.median(samples)
     spread = (_quantile(samples, 0.8) - _quantile(samples, 0.2)) / median
@@ -71,12 +89,18 @@ def main():
             prepared = PEERS[peer](inputs, table)
             grad_out = torch.ones_like(prepared.forward().detach())
             for direction, fn in (("fwd", prepared.forward), ("fwd+bwd", _fwd_bwd(prepared, grad_out))):
-                with torch.no_grad() if direction == "fwd" else torch.enable_grad():
-                    for _ in range(3):
-                        fn()
-                    host = host_times(fn)
-                    plain = gpu_times(fn, flush, spin=False)
-                    spun = gpu_times(fn, flush, spin=True)
+                try:
+                    with torch.no_grad() if direction == "fwd" else torch.enable_grad():
+                        for _ in range(3):
+                            fn()
+                        host = host_times(fn)
+                        plain = gpu_times(fn, flush, spin=False)
+                        spun = gpu_times(fn, flush, spin=True)
+                        if PROFILE and peer == "dmattn":
+                            profile(fn, f"{pw.name.split()[0]} {direction}")
+                except Exception as exc:  # noqa: BLE001 - a probe row, not a crash
+                    print(f"| {pw.name.split()[0]} | {peer} | {direction} | error {type(exc).__name__} | | |")
+                    continue
                 print(f"| {pw.name.split()[0]} | {peer} | {direction} | {summary(host)} | {summary(plain)} | "
                       f"{summary(spun)} |", flush=True)
             del prepared
