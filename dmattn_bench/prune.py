@@ -51,10 +51,11 @@ KERNELS = {"fwd": ("flash_fwd_kernel",),
 # a block list and carry the next mask tile, without one they do neither, so shared memory and
 # registers differ between the two. The dK/dV kernel's group mode (a GQA dBias with
 # query rows) holds one more fp32 tile, so it is a variant of its own; a variant is compiled only
-# for the kernels that take every flag it changes (`_serves`).
+# for the kernels that take every flag it changes (`_serves`). A per-key bias (BIAS_PER_KEY) reads a
+# key vector where a full bias reads a tile, so the full bias is the worst case.
 WORST_CASE_FEATURES = dict(
     IS_CAUSAL=True, HAS_MASK=True, HAS_BIAS=True, HAS_SOFTCAP=False,
-    HAS_DBIAS=True, DBIAS_ROWS=True, GROUP=1, HEADS_PER_PROGRAM=1,
+    HAS_DBIAS=True, DBIAS_ROWS=True, GROUP=1, HEADS_PER_PROGRAM=1, BIAS_PER_KEY=False,
 )
 FEATURE_VARIANTS = (
     WORST_CASE_FEATURES,

@@ -100,6 +100,33 @@ def score_dot(a, b):
 
 
 @triton.jit
+def load_bias(bias_base, rows, cols, stride_bm, stride_bn, seqlen_q, seqlen_k, wanted, EDGE: tl.constexpr,
+              BIAS_PER_KEY: tl.constexpr):
+    """The bias at `rows` x `cols` (index tensors as in `visible_tile`), 0 outside the sequence
+    bounds and everywhere when `wanted` is false (a prefetch past a tile list's end).
+
+    EDGE=False: the caller knows every key inside Lk, so only the query bound is tested.
+    BIAS_PER_KEY: the row stride is 0, so the bias is one value per key: only the key vector is
+    read, (1, N) or (N, 1) as `cols` is, and it broadcasts over the queries where it is added.
+    A full tile of a stride-0 bias costs the same loads, shared-memory staging and conversions as
+    a real one (H100, W2's (B, Hkv, 1, L) bias, tile -> vector: forward 128x128 w8 s2 0.682 ->
+    0.522 ms, backward 64x64 dq64x32 w4 s2 2.485 -> 1.863 ms, `results/bench/session14-h100-probe.txt`).
+    """
+    if BIAS_PER_KEY:
+        if EDGE:
+            return tl.load(bias_base + cols * stride_bn, mask=cols < tl.where(wanted, seqlen_k, 0), other=0.0)
+        else:
+            return tl.load(bias_base + cols * stride_bn)
+    else:
+        # `wanted` enters through the bound: the interpreter rejects a mask that ANDs in a scalar
+        if EDGE:
+            in_bounds = (rows < tl.where(wanted, seqlen_q, 0)) & (cols < seqlen_k)
+        else:
+            in_bounds = rows < tl.where(wanted, seqlen_q, 0)
+        return tl.load(bias_base + rows * stride_bm + cols * stride_bn, mask=in_bounds, other=0.0)
+
+
+@triton.jit
 def scores_tile(
     qk,
     bias_base,
@@ -116,11 +143,14 @@ def scores_tile(
     HAS_BIAS: tl.constexpr,
     MASKED: tl.constexpr = True,
     EDGE: tl.constexpr = True,
+    BIAS_PER_KEY: tl.constexpr = False,
 ):
     """Scores of one tile from its raw q.k products, -inf where not visible.
 
     MASKED=False is for tiles the caller knows to be wholly visible: `visible` is then ignored.
     EDGE=False is for an interior tile (`visible_tile`): the bias load checks the query bound only.
+    BIAS_PER_KEY: the bias broadcasts over the queries (its row stride is 0, e.g. (B, Hkv, 1, Lk)):
+    one value per key is read and added along `rows` (`load_bias`).
 
     The bias is read everywhere inside the sequence bounds and discarded by the final `where`
     at excluded positions, so NaN/inf there never reaches a result; predicating its load on
@@ -137,8 +167,7 @@ def scores_tile(
         s = qk * softmax_scale
         capped = s
     if HAS_BIAS:
-        in_bounds = (rows < seqlen_q) & (cols < seqlen_k) if EDGE else rows < seqlen_q
-        bias = tl.load(bias_base + rows * stride_bm + cols * stride_bn, mask=in_bounds, other=0.0)
+        bias = load_bias(bias_base, rows, cols, stride_bm, stride_bn, seqlen_q, seqlen_k, True, EDGE, BIAS_PER_KEY)
         s = s + bias.to(tl.float32)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))

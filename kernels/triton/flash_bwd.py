@@ -61,6 +61,7 @@ from dmattn_kernels.triton.common import (
     key_tiles,
     listed_below,
     listed_block,
+    load_bias,
     load_keep,
     score_dot,
     scores_tile,
@@ -123,25 +124,39 @@ def _store_dbias_t(dbias_base, ds_t, start_m, offs_m, offs_n, stride_dbm, stride
 
 @triton.jit
 def _dkdv_query_tile(
-    dk, dv, keep, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base, blocks, i,
-    num_blocks, m_first, h_first, offs_n, offs_d,
+    dk, dv, keep, bias_t, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base, blocks,
+    i, num_blocks, m_first, h_first, offs_n, offs_d,
     stride_qm, stride_qh, stride_qd, stride_dom, stride_doh, stride_dod, stride_lh, stride_lm,
     stride_mh, stride_mm, stride_mn, stride_bh, stride_bm, stride_bn, stride_dbm, stride_dbn,
     seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
     DBIAS_ROWS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, PREFETCH: tl.constexpr, EDGE: tl.constexpr,
+    BIAS_PER_KEY: tl.constexpr,
 ):
-    """The loop's i-th query tile of one key block, whose mask tile `keep` the previous step
-    loaded: returns dk, dv updated and the next tile's mask. EDGE: the tile may cross Lq, Lk or
-    the causal diagonal. Else the caller knows the key block inside Lk and every query of the
-    tile at or below the diagonal of its last key: only the mask and the query bound decide
-    (`common.visible_tile`), as in the forward's interior loop."""
+    """The loop's i-th query tile of one key block, whose mask tile `keep` and bias `bias_t` the
+    previous step loaded: returns dk, dv updated and the next tile's mask and bias. EDGE: the
+    tile may cross Lq, Lk or the causal diagonal. Else the caller knows the key block inside Lk
+    and every query of the tile at or below the diagonal of its last key: only the mask and the
+    query bound decide (`common.visible_tile`), as in the forward's interior loop.
+
+    `bias_t` (split mode only, `_first_bias_t`): a per-key bias is the key block's own vector,
+    loaded once; a full one is the key-major tile, loaded one step ahead like the mask (the
+    pipeliner prefetched it only from the end of the previous step, after the last product; H100,
+    W1 backward 32x128 dq64x64 w8 s2: 1.893 -> 1.751 ms, though 64x128 went 1.959 -> 2.179,
+    `results/bench/session14-h100-probe.txt`)."""
     start_m = (m_first + listed_block(blocks, i, num_blocks, HAS_MASK)) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     next_m = (m_first + listed_block(blocks, i + 1, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
     keep_next = load_keep(mask_base, next_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
                           i + 1 < num_blocks, PREFETCH)
+    # split mode carries the bias (`_first_bias_t`); group mode reads one per query head in place
+    BIAS_AHEAD: tl.constexpr = HAS_BIAS and HEADS_PER_PROGRAM == 1
+    if BIAS_AHEAD and not BIAS_PER_KEY:
+        bias_next = load_bias(bias_base, next_m[None, :], offs_n[:, None], stride_bm, stride_bn, seqlen_q, seqlen_k,
+                              i + 1 < num_blocks, True, False)
+    else:
+        bias_next = bias_t
     q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     if HEADS_PER_PROGRAM > 1:
         db_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # dS^T summed over the group
@@ -172,8 +187,13 @@ def _dkdv_query_tile(
         # column is not stored) --
         s_t, capped_t = scores_tile(
             score_dot(k, tl.trans(q)), bias_base_h, offs_m[None, :], offs_n[:, None], stride_bm, stride_bn,
-            visible_t, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, HAS_MASK or EDGE, EDGE,
+            visible_t, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS and not BIAS_AHEAD,
+            (HAS_MASK or EDGE) and not BIAS_AHEAD, EDGE, BIAS_PER_KEY,
         )
+        if BIAS_AHEAD:
+            s_t = s_t + bias_t.to(tl.float32)
+            if HAS_MASK or EDGE:
+                s_t = tl.where(visible_t, s_t, float("-inf"))
         p_t = tl.exp2((s_t - lse[None, :]) * LOG2E)
         dv += tl.dot(p_t.to(dout.dtype), dout)
         dp_t = tl.dot(v, tl.trans(dout))
@@ -193,7 +213,23 @@ def _dkdv_query_tile(
         # one store per query block: the (b, h_kv) tile of a (B, Hkv, Lq, Lk) partial
         _store_dbias_t(dbias_base, db_t, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k,
                        BLOCK_M, DBIAS_ROWS, EDGE)
-    return dk, dv, keep_next
+    return dk, dv, keep_next, bias_next
+
+
+@triton.jit
+def _first_bias_t(bias_base, first_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k, wanted, HAS_BIAS: tl.constexpr,
+                  HEADS_PER_PROGRAM: tl.constexpr, BIAS_PER_KEY: tl.constexpr):
+    """The bias a dK/dV loop starts with (`_dkdv_query_tile`): the key block's vector (N, 1) of a
+    per-key bias, else the key-major tile of query tile `first_m`; 0 when not carried."""
+    if HAS_BIAS and HEADS_PER_PROGRAM == 1:
+        if BIAS_PER_KEY:
+            return load_bias(bias_base, first_m[None, :], offs_n[:, None], stride_bm, stride_bn, seqlen_q, seqlen_k,
+                             True, True, True)
+        else:
+            return load_bias(bias_base, first_m[None, :], offs_n[:, None], stride_bm, stride_bn, seqlen_q, seqlen_k,
+                             wanted, True, False)
+    else:
+        return 0
 
 
 @triton.jit
@@ -226,6 +262,7 @@ def flash_bwd_dkdv_kernel(
     HAS_DBIAS: tl.constexpr,
     DBIAS_ROWS: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
+    BIAS_PER_KEY: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
@@ -287,31 +324,35 @@ def flash_bwd_dkdv_kernel(
     edge_m = (m_first + listed_block(blocks, num_edge, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
     keep = load_keep(mask_base, edge_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
                      num_edge < num_blocks, PREFETCH)
+    bias_t = _first_bias_t(bias_base, edge_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k, num_edge < num_blocks,
+                           HAS_BIAS, HEADS_PER_PROGRAM, BIAS_PER_KEY)
     q_base = q_ptr + b * stride_qb
     dout_base = dout_ptr + b * stride_dob
     lse_base = lse_ptr + b * stride_lb
     delta_base = delta_ptr + b * stride_lb
     dbias_base = dbias_ptr + b * stride_dbb + slot * stride_dbh
     for i in range(num_edge, num_blocks):
-        dk, dv, keep = _dkdv_query_tile(
-            dk, dv, keep, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base, blocks, i,
-            num_blocks, m_first, h_first, offs_n, offs_d, stride_qm, stride_qh, stride_qd, stride_dom, stride_doh,
+        dk, dv, keep, bias_t = _dkdv_query_tile(
+            dk, dv, keep, bias_t, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base,
+            blocks, i, num_blocks, m_first, h_first, offs_n, offs_d, stride_qm, stride_qh, stride_qd, stride_dom, stride_doh,
             stride_dod, stride_lh, stride_lm, stride_mh, stride_mm, stride_mn, stride_bh, stride_bm, stride_bn,
             stride_dbm, stride_dbn, seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale, softcap,
             HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, HAS_DBIAS, DBIAS_ROWS,
-            HEADS_PER_PROGRAM, PREFETCH, False,
+            HEADS_PER_PROGRAM, PREFETCH, False, BIAS_PER_KEY,
         )
     # the diagonal tiles last: their first mask tile is loaded here, the chain then goes on
     keep = load_keep(mask_base, first_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
                      num_edge > 0, PREFETCH)
+    bias_t = _first_bias_t(bias_base, first_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k, num_edge > 0,
+                           HAS_BIAS, HEADS_PER_PROGRAM, BIAS_PER_KEY)
     for i in range(0, num_edge):
-        dk, dv, keep = _dkdv_query_tile(
-            dk, dv, keep, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base, blocks, i,
-            num_blocks, m_first, h_first, offs_n, offs_d, stride_qm, stride_qh, stride_qd, stride_dom, stride_doh,
+        dk, dv, keep, bias_t = _dkdv_query_tile(
+            dk, dv, keep, bias_t, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base,
+            blocks, i, num_blocks, m_first, h_first, offs_n, offs_d, stride_qm, stride_qh, stride_qd, stride_dom, stride_doh,
             stride_dod, stride_lh, stride_lm, stride_mh, stride_mm, stride_mn, stride_bh, stride_bm, stride_bn,
             stride_dbm, stride_dbn, seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale, softcap,
             HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, HAS_DBIAS, DBIAS_ROWS,
-            HEADS_PER_PROGRAM, PREFETCH, True,
+            HEADS_PER_PROGRAM, PREFETCH, True, BIAS_PER_KEY,
         )
 
     if HAS_DBIAS:
@@ -349,7 +390,7 @@ def _dq_key_tile(
     stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q, seqlen_k,
     softmax_scale, softcap, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    EDGE: tl.constexpr,
+    EDGE: tl.constexpr, BIAS_PER_KEY: tl.constexpr,
 ):
     """The loop's i-th key tile of one query block, whose mask tile `keep` the previous step
     loaded: returns dq updated and the next tile's mask. EDGE as in the forward's
@@ -375,6 +416,7 @@ def _dq_key_tile(
     s, capped = scores_tile(
         score_dot(q, tl.trans(k)), bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn,
         visible, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, HAS_MASK or EDGE, EDGE,
+        BIAS_PER_KEY,
     )
     p = tl.exp2((s - lse[:, None]) * LOG2E)
     dp = tl.dot(dout, tl.trans(v))
@@ -409,6 +451,7 @@ def flash_bwd_dq_kernel(
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    BIAS_PER_KEY: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
@@ -457,14 +500,14 @@ def flash_bwd_dq_kernel(
             dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks, offs_m, offs_d,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q,
             seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-            False,
+            False, BIAS_PER_KEY,
         )
     for i in range(num_interior, num_blocks):
         dq, keep = _dq_key_tile(
             dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks, offs_m, offs_d,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q,
             seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-            True,
+            True, BIAS_PER_KEY,
         )
 
     # epilogue

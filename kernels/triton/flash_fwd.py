@@ -2,7 +2,8 @@
 
 Layouts (strides are passed, only the head dim must be contiguous):
     q    (B, Lq, H, D)        k, v (B, Lk, Hkv, D)       query head h reads kv head h // GROUP
-    mask (B|1, H|Hkv|1, Lq|1, Lk|1) as stride-0 views     bias: same broadcast rule
+    mask (B|1, H|Hkv|1, Lq|1, Lk|1) as stride-0 views     bias: same broadcast rule; one whose
+    query dim broadcasts (BIAS_PER_KEY) is read as one vector per key tile (`common.load_bias`)
     out  (B, Lq, H, D)        lse  (B, H, Lq) fp32
 
 Math, per (b, h) and query row i (scores as in `common.py`):
@@ -98,6 +99,7 @@ def _online_softmax_step(
     EDGE: tl.constexpr,
     UNITS: tl.constexpr,
     USE_TMA: tl.constexpr,
+    BIAS_PER_KEY: tl.constexpr,
 ):
     """One key tile of the online softmax. MASKED: apply `visible` (else the tile is wholly
     visible); EDGE: the tile may cross Lk or the causal diagonal (else `visible_tile`'s interior)."""
@@ -109,7 +111,7 @@ def _online_softmax_step(
     if HAS_BIAS or HAS_SOFTCAP:
         s, _ = scores_tile(
             qk, bias_base, offs_m[:, None], offs_n[None, :], stride_bm, stride_bn, visible, seqlen_q, seqlen_k,
-            softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, MASKED, EDGE,
+            softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS, MASKED, EDGE, BIAS_PER_KEY,
         )
         # natural units: UNITS rides on the exp2 FMA below, not on a multiply per element of s
         # and of the bias (H200, W1 forward 128x128 w8 s2, with the interior loop: -62 of 1211
@@ -158,7 +160,7 @@ def _listed_step(
     stride_bm, stride_bn, seqlen_q, seqlen_k, softmax_scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, EDGE: tl.constexpr,
-    UNITS: tl.constexpr, USE_TMA: tl.constexpr,
+    UNITS: tl.constexpr, USE_TMA: tl.constexpr, BIAS_PER_KEY: tl.constexpr,
 ):
     """The loop's i-th key tile, whose mask tile `keep` the previous step loaded; returns the
     updated (m_i, l_i, acc) and the next tile's mask. Triton's pipeliner leaves the byte-wide mask
@@ -172,6 +174,7 @@ def _listed_step(
         q, m_i, l_i, acc, k_desc, v_desc, k_base, v_base, bias_base, b, h_kv, offs_m, start_n, offs_d, visible,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, seqlen_q, seqlen_k, softmax_scale,
         softcap, HEAD_DIM, BLOCK_N, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, HAS_MASK or EDGE, EDGE, UNITS, USE_TMA,
+        BIAS_PER_KEY,
     )
     return m_i, l_i, acc, keep_next
 
@@ -200,6 +203,7 @@ def flash_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     USE_TMA: tl.constexpr,
+    BIAS_PER_KEY: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
@@ -247,7 +251,7 @@ def flash_fwd_kernel(
             q, m_i, l_i, acc, keep, k_desc, v_desc, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks,
             b_tma, h_kv_tma, offs_m, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
             stride_bm, stride_bn, seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_N, BLOCK_D,
-            IS_CAUSAL, HAS_MASK, HAS_SOFTCAP, HAS_BIAS, False, UNITS, USE_TMA,
+            IS_CAUSAL, HAS_MASK, HAS_SOFTCAP, HAS_BIAS, False, UNITS, USE_TMA, BIAS_PER_KEY,
         )
     # Not `num_stages=1` without a mask, though this loop then holds only the diagonal tiles and the
     # Lk tail (H200, W3 forward 64x64 w4 s3: 1.188 -> 1.178 x cuDNN): with seqlen_k specialized to
@@ -257,7 +261,7 @@ def flash_fwd_kernel(
             q, m_i, l_i, acc, keep, k_desc, v_desc, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks,
             b_tma, h_kv_tma, offs_m, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
             stride_bm, stride_bn, seqlen_q, seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_N, BLOCK_D,
-            IS_CAUSAL, HAS_MASK, HAS_SOFTCAP, HAS_BIAS, True, UNITS, USE_TMA,
+            IS_CAUSAL, HAS_MASK, HAS_SOFTCAP, HAS_BIAS, True, UNITS, USE_TMA, BIAS_PER_KEY,
         )
 
     # epilogue: a row with a visible key has l_i > 0 (its max contributes about exp(0) = 1); l_i == 0 is dead

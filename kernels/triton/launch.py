@@ -118,6 +118,12 @@ def _broadcast_operand(t: torch.Tensor | None, num_heads: int, group: int, fallb
     return t, strides, head_div
 
 
+def bias_per_key(strides: tuple[int, ...], bias: torch.Tensor | None) -> bool:
+    """Whether the kernels read the bias as one value per key (`common.load_bias`): its query
+    dim broadcasts (stride 0 in the (batch, head, query, key) `strides` of `_broadcast_operand`)."""
+    return bias is not None and strides[2] == 0
+
+
 def _zero_size1_strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
 
@@ -297,6 +303,7 @@ def _forward(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap, config, 
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=softcap > 0,
         USE_TMA=use_tma,
+        BIAS_PER_KEY=bias_per_key(bias_strides, bias),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -372,6 +379,7 @@ def attention_backward(
     flags = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=is_causal,
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
+        BIAS_PER_KEY=bias_per_key(bias_strides, bias),
     )
     scalars = (mask_head_div, bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0)
     if dbias is not None:
