@@ -17,7 +17,7 @@ import yaml
 
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.registry import default_configs
-from dmattn_bench.tuner import Journal, JournalError
+from dmattn_bench.journal import Journal, JournalError
 from dmattn_bench.workers import MAX_WORKERS_PER_GPU, PoolStats, Worker, parallel_map, worker_count
 
 REPO = Path(__file__).resolve().parents[1]

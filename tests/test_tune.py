@@ -154,7 +154,7 @@ def test_suite_verdict_from_cases_matches_the_whole_suite():
     """The GPU tune spreads a suite's cases over processes: a case job returns what that case of
     the whole suite returns, and the verdict is the first failure in case order. A suite checks
     one direction's config: a backward one on the tensors of the backward alone."""
-    from dmattn_bench.tuner import _suite_verdict, suite_case_job, suite_cases
+    from dmattn_bench.trials import suite_case_job, suite_cases, suite_verdict
     from dmattn_bench.validator import CaseResult, validate
 
     _, bwd = default_configs(32, "cpu")
@@ -163,16 +163,16 @@ def test_suite_verdict_from_cases_matches_the_whole_suite():
     parts = [suite_case_job(("triton", "bwd", bwd, "fp32", "quick", "cpu", index)) for index in range(2)]
     assert [(r.case, r.status) for r in parts] == [(r.case, r.status) for r in whole.cases] == [(c.name, "ok") for c in cases[:2]]
     assert set(whole.worst_ratios()) >= {"dq", "dk", "dv"} and not {"out", "lse"} & set(whole.worst_ratios())
-    assert _suite_verdict(parts, "quick") == ("ok", "quick suite, 2 cases")
+    assert suite_verdict(parts, "quick") == ("ok", "quick suite, 2 cases")
     failed = [parts[0], CaseResult("b", "mismatch", "dq: error"), CaseResult("c", "nonfinite", "dk: 1 non-finite")]
-    assert _suite_verdict(failed, "quick") == ("mismatch", "adversarial b: dq: error")
+    assert suite_verdict(failed, "quick") == ("mismatch", "adversarial b: dq: error")
 
 
 def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatch):
     """After a case that kills its process's CUDA context, that process answers `retry` for its
     later jobs (the tune reruns them in fresh processes); a failure outside the kernel (inputs,
     references) is a status too, never an exception out of the job."""
-    from dmattn_bench import tuner
+    from dmattn_bench import trials
     from dmattn_bench.validator import CaseResult
 
     fwd, bwd = default_configs(32, "cpu")
@@ -182,17 +182,17 @@ def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatc
         ran.append(case.name)
         return CaseResult(case.name, "launch_error", "CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(tuner, "_context_lost", False)
-    monkeypatch.setattr(tuner, "check_case", illegal_access)
-    first, second = (tuner.suite_case_job(("triton", "fwd", fwd, "fp32", "quick", "cpu", i)) for i in (0, 1))
+    monkeypatch.setattr(trials, "_context_lost", False)
+    monkeypatch.setattr(trials, "check_case", illegal_access)
+    first, second = (trials.suite_case_job(("triton", "fwd", fwd, "fp32", "quick", "cpu", i)) for i in (0, 1))
     assert (first.status, second.status) == ("launch_error", "retry") and len(ran) == 1
 
     def inputs_fail(*args):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(tuner, "_context_lost", False)
-    monkeypatch.setattr(tuner, "check_case", inputs_fail)
-    third = tuner.suite_case_job(("triton", "bwd", bwd, "fp32", "quick", "cpu", 2))
+    monkeypatch.setattr(trials, "_context_lost", False)
+    monkeypatch.setattr(trials, "check_case", inputs_fail)
+    third = trials.suite_case_job(("triton", "bwd", bwd, "fp32", "quick", "cpu", 2))
     assert third.status not in ("ok", "retry") and "out of memory" in third.reason
 
 

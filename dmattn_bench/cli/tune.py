@@ -16,8 +16,9 @@ from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.prune import load_ci_space, load_space
 from dmattn_bench.space import config_label
-from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, JournalError, TuneResult,
-                                candidate_list, combine_backends, tune)
+from dmattn_bench.journal import JournalError
+from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, candidate_list,
+                                combine_backends, tune)
 from dmattn_bench.workloads import load_workloads
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"

@@ -1,0 +1,234 @@
+"""One tuning trial, as the measuring and compiling worker processes run it.
+
+A trial is one candidate config on one workload and direction. `measure_job` validates it on the
+workload's own tensors, written into NaN-poisoned outputs and compared with the reference (DESIGN
+§2 bound), then times it; `warm_job` only compiles it; `suite_case_job` runs one case of a
+config's adversarial suite. Every job is a module-level function (workers receive them pickled by
+name), and a failure inside one is data: a status and a reason, never an exception.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from dmattn_bench.adversarial import Case, Inputs, adversarial_cases, build_inputs
+from dmattn_bench.registry import get_backend
+from dmattn_bench.space import DTYPES, BwdConfig, FwdConfig, as_4d
+from dmattn_bench.timing import Timing, time_kernel
+from dmattn_bench.validator import (CaseResult, check_case, classify_failure, compare, config_tiles,
+                                    reference_forward, run_reference, shape_of_case, validate)
+from dmattn_bench.workloads import Workload
+
+WARMUP = 2
+REPEATS = 15  # medians of 15 L2-flushed runs: spread under 2% on H200 in the first tunes
+# Interpreter timings rank nothing real (DESIGN §4): measure once, to exercise the pipeline.
+INTERPRETER_REPEATS = 1
+STAGES = ("pruned", "compiled", "validated", "timed", "adversarial")
+
+
+@dataclass
+class Trial:
+    """One candidate on one workload and direction: what happened and what it measured."""
+
+    workload: str
+    key: dict
+    direction: str
+    backend: str
+    config: dict
+    status: str  # ok | unsupported | compile_error | launch_error | oom | timeout | nonfinite | mismatch | crash | skipped
+    reason: str = ""
+    median_ms: float | None = None
+    spread: float | None = None
+    tflops: float | None = None
+    validation: dict = field(default_factory=dict)  # tensor -> error / bound on this workload
+    is_default: bool = False
+    # furthest stage reached: pruned | compiled | validated | timed | adversarial (passed the suite)
+    stage: str = "pruned"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _alone(direction: str, config) -> tuple[FwdConfig | None, BwdConfig | None]:
+    """(fwd, bwd) configs that run `config` in its direction and nothing in the other."""
+    return (config, None) if direction == "fwd" else (None, config)
+
+
+class _Problem:
+    """A workload's tensors, outputs and references, shared by all its candidates."""
+
+    def __init__(self, workload: Workload, device: torch.device, with_reference: bool = True):
+        self.workload = workload
+        self.case = workload.case()
+        self.dtype = DTYPES[workload.dtype]
+        self.inputs: Inputs = build_inputs(self.case, self.dtype, device, seed=0)
+        q, k, v = self.inputs.q, self.inputs.k, self.inputs.v
+        self.mask = as_4d(self.inputs.mask)
+        self.bias = as_4d(self.inputs.bias)
+        self.options = dict(is_causal=workload.causal, softmax_scale=workload.head_dim ** -0.5, softcap=0.0)
+        nan = float("nan")
+        self.out = torch.full(q.shape, nan, dtype=q.dtype, device=device)
+        self.lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), nan, dtype=torch.float32, device=device)
+        self.dq = torch.full(q.shape, nan, dtype=q.dtype, device=device)
+        self.dk = torch.full(k.shape, nan, dtype=k.dtype, device=device)
+        self.dv = torch.full(v.shape, nan, dtype=v.dtype, device=device)
+        self.dbias = None
+        if self.bias is not None and workload.bias_grad:
+            self.dbias = torch.full(self.bias.shape, nan, dtype=self.bias.dtype, device=device)
+        self.high = self.low = None
+        if with_reference:
+            self.high = run_reference(self.inputs, self.case, None)
+            self.low = run_reference(self.inputs, self.case, self.dtype)
+            # the backward is tuned on the reference's forward, independent of any fwd candidate
+            self.ref_out, self.ref_lse = reference_forward(self.high, self.dtype)
+        else:
+            self.ref_out, self.ref_lse = torch.zeros_like(q), torch.zeros_like(self.lse)
+
+    def launcher(self, backend, direction: str, config) -> Callable[[], None]:
+        i = self.inputs
+        if direction == "fwd":
+            return lambda: backend.forward(i.q, i.k, i.v, self.mask, self.bias, config=config,
+                                           out=self.out, lse=self.lse, **self.options)
+        return lambda: backend.backward(i.dout, i.q, i.k, i.v, self.ref_out, self.ref_lse, self.mask, self.bias,
+                                        config=config, dq=self.dq, dk=self.dk, dv=self.dv, dbias=self.dbias,
+                                        **self.options)
+
+    def poison(self) -> None:
+        for t in (self.out, self.lse, self.dq, self.dk, self.dv, self.dbias):
+            if t is not None:
+                t.fill_(float("nan"))
+
+    def checks(self, direction: str) -> dict:
+        names = ("out", "lse") if direction == "fwd" else ("dq", "dk", "dv") + (("dbias",) if self.dbias is not None else ())
+        got = {"out": self.out, "lse": self.lse, "dq": self.dq, "dk": self.dk, "dv": self.dv, "dbias": self.dbias}
+        if "dbias" in names:
+            got["dbias"] = self.dbias.view(self.inputs.bias.shape)
+        return {n: compare(n, got[n], self.high[n], self.low[n], self.dtype) for n in names}
+
+
+# -- jobs: these run in worker processes ---------------------------------------------------
+
+_problems: dict = {}  # the worker's current workload (one at a time: tensors can be large)
+
+
+def _problem_for(workload: Workload, device: torch.device, with_reference: bool) -> _Problem:
+    problem = _problems.get((workload, with_reference))
+    if problem is None:
+        _problems.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        problem = _problems[(workload, with_reference)] = _Problem(workload, device, with_reference)
+    return problem
+
+
+def warm_job(job: tuple) -> tuple[str, str]:
+    """Compile worker: compile one candidate without launching it; returns (status, reason)."""
+    workload, direction, config, backend_name = job
+    try:
+        problem = _problem_for(workload, torch.device("cuda"), with_reference=False)
+        backend = get_backend(backend_name)
+        with backend.compile_only():
+            problem.launcher(backend, direction, config)()
+        return "ok", ""
+    except Exception as exc:  # noqa: BLE001 - a failed candidate is data
+        return classify_failure(exc)
+
+
+def measure_job(workload: Workload, direction: str, config, backend_name: str, device_name: str) -> dict:
+    """Measuring worker: validate one candidate on its workload and time it; returns trial fields."""
+    device = torch.device(device_name)
+    problem = _problem_for(workload, device, with_reference=True)
+    trial = Trial(workload.label, {}, direction, backend_name, config.to_dict(), "ok")
+    _measure(trial, problem, get_backend(backend_name), direction, config, device, workload)
+    return {name: getattr(trial, name) for name in ("status", "reason", "median_ms", "spread", "tflops",
+                                                     "validation", "stage")}
+
+
+def suite_verdict(results: list[CaseResult], suite: str) -> tuple[str, str]:
+    """A config's suite verdict from its case results, in case order: the first failure."""
+    bad = next((c for c in results if c.status != "ok"), None)
+    if bad is None:
+        return "ok", f"{suite} suite, {len(results)} cases"
+    return bad.status, f"adversarial {bad.case}: {bad.reason}"
+
+
+def suite_job(backend_name: str, direction: str, config, dtype_name: str, suite: str,
+              device_name: str) -> tuple[str, str]:
+    """Worker: the adversarial suite for one direction's config; returns (status, note)."""
+    result = validate(backend_name, *_alone(direction, config), DTYPES[dtype_name], device_name, suite=suite)
+    return suite_verdict(result.cases, suite)
+
+
+def suite_cases(direction: str, config, suite: str) -> list[Case]:
+    return adversarial_cases(suite, config_tiles(*_alone(direction, config)))
+
+
+_context_lost = False  # this process's CUDA context died in a case (illegal access): it runs no more
+
+
+def suite_case_job(job: tuple) -> CaseResult:
+    """Worker: one case of a config's adversarial suite (the GPU phase spreads a suite's cases
+    over all processes: whole suites, ~50 s each on an H200, left the last ones alone).
+
+    Never raises. After a case that kills the CUDA context (`launch_error`, e.g. an illegal
+    memory access) every later job of this process answers `retry`, so no other config is
+    blamed for it; the parent reruns those in fresh processes.
+    """
+    global _context_lost
+    backend_name, direction, config, dtype_name, suite, device_name, index = job
+    case = suite_cases(direction, config, suite)[index]
+    if _context_lost:
+        return CaseResult(case.name, "retry", "an earlier case in this process lost the CUDA context")
+    try:
+        result = check_case(get_backend(backend_name), case, DTYPES[dtype_name], device_name,
+                            *_alone(direction, config))
+    except Exception as exc:  # noqa: BLE001 - inputs or references failed: data, not a crash
+        result = CaseResult(case.name, *classify_failure(exc))
+    _context_lost = result.status == "launch_error"
+    return CaseResult(result.case, result.status, result.reason)  # the checks stay in the worker
+
+
+def shape_of_workload(workload: Workload):
+    return shape_of_case(workload.case())
+
+
+def _measure(trial: Trial, problem: _Problem, backend, direction: str, config, device, workload: Workload) -> None:
+    """Validate on the workload (poisoned outputs) and time one candidate, in place."""
+    launch = problem.launcher(backend, direction, config)
+    try:
+        problem.poison()
+        launch()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        trial.stage = "compiled"
+        checks = problem.checks(direction)
+        trial.validation = {n: round(c.ratio, 4) for n, c in checks.items()}
+        failed = [c for c in checks.values() if not c.passed]
+        if failed:
+            bad = max(failed, key=lambda c: c.ratio)
+            trial.status = "nonfinite" if not bad.finite else "mismatch"
+            trial.reason = f"{bad.name}: {bad.detail or f'error/bound {bad.ratio:.2f}'}"
+            return
+        trial.stage = "validated"
+        if device.type == "cuda":
+            timing = time_kernel(launch, device, warmup=WARMUP, repeats=REPEATS)
+        else:
+            timing = time_kernel(launch, device, warmup=0, repeats=INTERPRETER_REPEATS)
+        _record_timing(trial, timing, workload, direction)
+    except Exception as exc:  # noqa: BLE001 - a failed candidate is data
+        trial.status, trial.reason = classify_failure(exc)
+
+
+def _record_timing(trial: Trial, timing: Timing, workload: Workload, direction: str) -> None:
+    trial.stage = "timed"
+    trial.median_ms = round(timing.median_ms, 5)
+    trial.spread = round(timing.spread, 4)
+    trial.tflops = round(workload.flops(direction) / (timing.median_ms * 1e-3) / 1e12, 3)
+
+
+def ready_job(device_name: str) -> None:
+    """Measuring worker, before its first trial: imports and the CUDA context, paid up front."""
+    torch.zeros(1, device=device_name)
