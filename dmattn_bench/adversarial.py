@@ -193,7 +193,7 @@ def build_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Input
 
 
 def _quick_cases() -> list[Case]:
-    """CPU-interpreter sized: every §2 feature, lengths <= 113."""
+    """CPU-interpreter sized: every §2 feature, lengths <= 136."""
     return [
         Case("sliced_nan_tails", batch=2, heads=4, heads_kv=2, seqlen_q=17, seqlen_k=40, head_dim=40,
              mask="random", mask_shape="kv_head", bias="full", sliced=True),
@@ -215,6 +215,10 @@ def _quick_cases() -> list[Case]:
         Case("head_dim_40_gqa", heads=4, heads_kv=2, seqlen_q=17, seqlen_k=17, head_dim=40, bias="kv_head", mask="random"),
         Case("large_logits", seqlen_q=33, seqlen_k=33, logit_factor=LARGE_LOGIT_FACTOR, mask="random", bias="full"),
         Case("large_bias", seqlen_q=33, seqlen_k=33, large_bias=True, mask="random", bias="full"),
+        # no mask: interior key tiles test nothing, so query rows past Lq (20 fits no tile) see
+        # the per-key bias too; 136 keys leave a whole 128-key tile inside Lk
+        Case("large_per_key_bias_no_mask", heads=2, heads_kv=1, seqlen_q=20, seqlen_k=136, large_bias=True,
+             bias="per_key"),
         Case("softcap_mask_bias", seqlen_q=33, seqlen_k=33, softcap=5.0, mask="random", bias="full", causal=True),
         Case("bhld_views_mqa", heads=4, heads_kv=1, seqlen_q=24, seqlen_k=24, bhld_views=True, bias="per_key", mask="random"),
         Case("fp32_bias", seqlen_q=24, seqlen_k=24, bias="full", bias_fp32=True, mask="random"),

@@ -285,6 +285,28 @@ def test_reference_backend_lse_is_float32():
 # ----------------------------------------------------------------------------- determinism
 
 
+@pytest.mark.parametrize("row_bias", [-1e8, -1e9, -1e12])
+def test_a_row_of_huge_fp32_bias_stays_finite_in_16_bits(row_bias):
+    """An HF-style additive padding mask (-1e9 on a whole query row) as an fp32 bias of an fp16
+    call: scores beyond fp32's resolution. The row's values cannot match the fp64 reference, but
+    nothing may turn NaN or inf (before the forward's row max was moved up an ulp, the -1e9 row
+    came out NaN and the backward spread it over dK); past about -2e9 the row is dead."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, L, 2, 32, dtype=F16, requires_grad=True) for L in (20, 24, 24))
+    bias = torch.randn(1, 1, 20, 24, dtype=F32)
+    bias[..., 5, :] = row_bias
+    bias.requires_grad_()
+    out, lse = flash_dmattn_func(q, k, v, attn_bias=bias, return_lse=True, backend="triton",
+                                 fwd_config=FWD_SMALL, bwd_config=BWD_SMALL)
+    out.float().square().sum().backward()
+    for name, tensor in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad), ("dbias", bias.grad)):
+        assert torch.isfinite(tensor).all(), f"{name}: {(~torch.isfinite(tensor)).sum().item()} non-finite"
+    assert not lse.isnan().any() and not (lse == float("inf")).any()
+    rows = [i for i in range(20) if i != 5]  # the other rows are ordinary attention
+    expected = attention(q.detach().double(), k.detach().double(), v.detach().double(), attn_bias=bias.detach().double())
+    assert (out[:, rows].double() - expected[:, rows]).abs().max() < TOL[F16]
+
+
 def test_repeat_runs_are_bitwise_identical():
     B, H, Hkv, Lq, Lk, D = 2, 4, 2, 33, 33, 16
     q, k, v = qkv(B, H, Hkv, Lq, Lk, D, F16)

@@ -48,6 +48,10 @@ constexpr int CHUNKS = BLOCK_D / 8;                  // 16-byte chunks per row
 constexpr int THREADS = NUM_WARPS * 32;
 constexpr int CTA_ROWS = WARP_ROWS * NUM_WARPS;     // rows a backward CTA owns: dQ query rows, dK/dV keys
 constexpr float LOG2E = 1.4426950408889634f;
+constexpr float FP32_EPS = 1.1920928955078125e-07f;  // 2^-23: x * (1 + FP32_EPS) is at least an ulp above x > 0
+
+// x moved up (towards +inf) by one to two ulps; +-inf and 0 unchanged, never NaN.
+__device__ __forceinline__ float above_by_an_ulp(float x) { return fmaxf(x * (1.f + FP32_EPS), x * (1.f - FP32_EPS)); }
 
 // A compile-time flag as a value: `f(Flag<true>())` instantiates a generic lambda's body
 // for one case (C++17 has no lambda template parameters).

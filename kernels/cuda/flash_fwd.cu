@@ -166,7 +166,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
           for (int n = 0; n < BLOCK_N / 8; ++n) tile_max = fmaxf(tile_max, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
           tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
           tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
-          const float new_max = fmaxf(row_max[mt][r], tile_max);
+          // An ulp up: the FFMA below takes the exact product S L, up to half an ulp above the
+          // rounded base; at |S| ~ 1e9 (a -1e9 fp32 bias on a whole row) P was 2^64, inf in fp16.
+          const float new_max = fmaxf(row_max[mt][r], above_by_an_ulp(tile_max));
           // a row with nothing allowed yet keeps max -inf: subtract 0 so exp(-inf - -inf) never runs
           const float shift = new_max == -INFINITY ? 0.f : new_max;
           // Difference first, so an unchanged max rescales by exactly 1. exp2f(m L - round(m L))

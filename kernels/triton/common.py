@@ -14,6 +14,13 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1/ln(2): exp(x) == exp2(x * LOG2E); exp2 is the native unit
+FP32_EPS = tl.constexpr(1.1920928955078125e-07)  # 2^-23: x * (1 + FP32_EPS) is at least one ulp above x > 0
+
+
+@triton.jit
+def above_by_an_ulp(x):
+    """x moved up (towards +inf) by one to two ulps; +-inf and 0 unchanged, never NaN."""
+    return tl.maximum(x * (1.0 + FP32_EPS), x * (1.0 - FP32_EPS))
 
 
 @triton.jit

@@ -95,9 +95,11 @@ def flash_bwd_preprocess_kernel(
 
 @triton.jit
 def _load_row_stats(lse_ptr, delta_ptr, offs_m, stride_lm, seqlen_q):
-    """lse and delta of a query block; dead rows (lse = -inf) become +inf so that P = 0."""
+    """lse and delta of a query block; dead rows (lse = -inf) and rows past Lq become +inf so
+    that P = 0. A row past Lq reads q = dO = 0 but still its per-key bias: with lse = 0 its P was
+    exp(bias), inf in fp16 from a bias of 11.1 (fp32: 88.8), and inf * dO = NaN in dV."""
     row_in = offs_m < seqlen_q
-    lse = tl.load(lse_ptr + offs_m * stride_lm, mask=row_in, other=0.0)
+    lse = tl.load(lse_ptr + offs_m * stride_lm, mask=row_in, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     delta = tl.load(delta_ptr + offs_m * stride_lm, mask=row_in, other=0.0)
     return lse, delta
@@ -183,8 +185,8 @@ def _dkdv_query_tile(
                        mask=q_in, other=0.0)
         lse, delta = _load_row_stats(lse_base + h * stride_lh, delta_base + h * stride_lh, offs_m, stride_lm, seqlen_q)
         # -- recompute P^T, then dV, dS^T, dK (an interior tile without a mask tests nothing: a
-        # query past Lq reads q = dO = 0, lse = delta = 0, so it adds 0 to dK and dV and its dBias
-        # column is not stored) --
+        # query past Lq reads q = dO = 0, lse = +inf, delta = 0, so P = 0 and it adds 0 to dK and
+        # dV; its dBias column is not stored) --
         s_t, capped_t = scores_tile(
             score_dot(k, tl.trans(q)), bias_base_h, offs_m[None, :], offs_n[:, None], stride_bm, stride_bn,
             visible_t, seqlen_q, seqlen_k, softmax_scale, softcap, HAS_SOFTCAP, HAS_BIAS and not BIAS_AHEAD,
