@@ -64,7 +64,8 @@ def flash_dmattn_func(
         is_causal: bottom-right aligned causal rule, combined with the mask by AND.
         softmax_scale: > 0; defaults to 1/sqrt(D).
         softcap: > 0 applies `softcap * tanh(S / softcap)` before the bias; 0 disables.
-        return_lse: also return the (B, H, Lq) fp32 natural-log sum-exp (not differentiable).
+        return_lse: also return the (B, H, Lq) fp32 natural-log sum-exp; a loss may use it (its
+            gradient flows into dq, dk and dbias, as for merging partial attentions).
         backend: "auto" (the dispatch table, else the heuristic default), "triton", "cuda" (GPU only)
             or "reference".
         table: a dispatch-table path for this call (overrides `use_table` and DMATTN_BENCH_TABLE).

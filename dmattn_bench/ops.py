@@ -148,10 +148,11 @@ def attention_bwd(
     dout: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None, is_causal: bool,
     softmax_scale: float, softcap: float, bias_requires_grad: bool, backend: str, table: str | None,
-    bwd_config: list[int] | None, activity: torch.Tensor | None = None,
+    bwd_config: list[int] | None, activity: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and dbias (the bias's 4-D shape and dtype; empty when it needs no gradient).
-    `activity`: the forward's tile-activity summary of `mask` (the Triton backward reuses it)."""
+    `activity`: the forward's tile-activity summary of `mask` (the Triton backward reuses it);
+    `dlse`: the gradient reaching lse, None when the loss does not use it."""
     chosen, config = select("bwd", query, key, mask, bias, is_causal, backend, table, bwd_config,
                             bias_requires_grad)
     if dout.stride(-1) != 1:
@@ -161,6 +162,8 @@ def attention_bwd(
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias_requires_grad else None
     extra = {"activity": activity} if activity is not None and chosen.name == "triton" else {}
+    if dlse is not None:
+        extra["dlse"] = dlse
     chosen.backward(dout, query, key, value, out, lse, mask, bias, is_causal=is_causal,
                     softmax_scale=softmax_scale, softcap=softcap, config=config, dq=dq, dk=dk, dv=dv, dbias=dbias,
                     **extra)
@@ -169,7 +172,7 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, query, key, value, out, lse, mask, bias, is_causal, softmax_scale, softcap,
-                        bias_requires_grad, backend, table, bwd_config, activity=None):
+                        bias_requires_grad, backend, table, bwd_config, activity=None, dlse=None):
     dbias = bias.new_empty(bias.shape) if bias_requires_grad else query.new_empty(0)
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dbias
 
@@ -180,17 +183,20 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(query, key, value, out, lse, mask, bias, activity)
     ctx.options = (is_causal, softmax_scale, softcap)
     ctx.dispatch = (backend, table, bwd_config)
-    ctx.mark_non_differentiable(lse, activity)
+    ctx.mark_non_differentiable(activity)
+    ctx.set_materialize_grads(False)  # an lse the loss does not use sends None, not zeros
 
 
-def _backward(ctx, dout, _dlse, _dactivity):
+def _backward(ctx, dout, dlse, _dactivity):
     query, key, value, out, lse, mask, bias, activity = ctx.saved_tensors
     is_causal, softmax_scale, softcap = ctx.options
     backend, table, bwd_config = ctx.dispatch
     bias_requires_grad = bias is not None and ctx.needs_input_grad[4]
+    if dout is None:  # the loss reads lse alone
+        dout = torch.zeros_like(out)
     dq, dk, dv, dbias = attention_bwd(dout, query, key, value, out, lse, mask, bias, is_causal, softmax_scale,
                                       softcap, bias_requires_grad, backend, table, bwd_config,
-                                      activity if mask is not None else None)
+                                      activity if mask is not None else None, dlse)
     return (dq, dk, dv, None, dbias if bias_requires_grad else None,
             None, None, None, None, None, None, None)
 

@@ -67,16 +67,18 @@ def _reference_forward(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap
 
 
 def _reference_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal, softmax_scale, softcap,
-                        config, dq, dk, dv, dbias):
+                        config, dq, dk, dv, dbias, dlse=None):
     del out, lse, config  # recomputed by autograd through the reference
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     bias_leaf = bias.detach().requires_grad_(dbias is not None) if bias is not None else None
     with torch.enable_grad():
-        result = reference.attention(
+        result, result_lse = reference.attention(
             *leaves, mask, bias_leaf, is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap,
+            return_lse=True,
         )
         inputs = leaves + ([bias_leaf] if dbias is not None else [])
-        grads = torch.autograd.grad(result, inputs, dout)
+        outputs, grads_in = ([result], [dout]) if dlse is None else ([result, result_lse], [dout, dlse])
+        grads = torch.autograd.grad(outputs, inputs, grads_in)
     for target, grad in zip((dq, dk, dv, dbias), grads):
         target.copy_(grad)
 

@@ -276,6 +276,39 @@ def test_return_lse_and_reference_backend(dtype):
     assert_close(lse, ref_lse, F32, "triton vs reference backend lse")
 
 
+@pytest.mark.parametrize("dtype,uses_out", [(F32, True), (F16, True), (F32, False)],
+                         ids=["fp32-out-and-lse", "fp16-out-and-lse", "fp32-lse-alone"])
+def test_a_loss_through_lse_gets_its_gradient(dtype, uses_out):
+    """Merging partial attentions weighs each by exp(lse): the gradient reaching lse must flow
+    into dq, dk and dbias (dv does not depend on lse). Before, lse was non-differentiable and a
+    loss using it lost that part of its gradient without a word. Dead rows (lse = -inf) are
+    kept out of the loss, as a merge does."""
+    B, H, Hkv, Lq, Lk, D = 1, 4, 2, 33, 40, 16
+    q, k, v = qkv(B, H, Hkv, Lq, Lk, D, dtype)
+    mask = random_mask((B, Hkv, Lq, Lk))
+    mask[..., 3, :] = False  # a dead row
+    bias = torch.randn(B, Hkv, 1, Lk, requires_grad=True)
+    dout = torch.randn(B, Lq, H, D, dtype=F64)
+    weight = torch.randn(B, H, Lq, dtype=F64)
+
+    def loss(out, lse):
+        from_lse = (torch.where(torch.isfinite(lse), lse, 0.0).to(F64) * weight).sum()
+        return from_lse + ((out.to(F64) * dout).sum() if uses_out else 0.0)
+
+    got = flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True, backend="triton",
+                            fwd_config=FWD_WIDE, bwd_config=BWD_WIDE)
+    got_grads = torch.autograd.grad(loss(*got), (q, k, v, bias), allow_unused=True)
+    leaves = [t.detach().to(F64).requires_grad_() for t in (q, k, v, bias)]
+    expected = attention(*leaves[:3], mask, leaves[3], is_causal=True, return_lse=True)
+    expected_grads = torch.autograd.grad(loss(*expected), leaves, allow_unused=True)
+    for name, a, e in zip(("dq", "dk", "dv", "dbias"), got_grads, expected_grads):
+        if e is None or (not uses_out and name == "dv"):
+            assert a is None or not a.abs().any(), f"{name}: the loss does not depend on it"
+            continue
+        assert_close(a, e, dtype, name)
+    assert got_grads[0][:, 3].abs().max() == 0  # the dead row
+
+
 def test_reference_backend_lse_is_float32():
     q, k, v = (t.detach() for t in qkv(1, 2, 2, 8, 8, 16, F32))
     _, lse = flash_dmattn_func(q, k, v, backend="reference", return_lse=True)

@@ -20,7 +20,8 @@ from dmattn_kernels.cuda.build import build, defines
 # One compile-only switch for every bundled kernel (the tuner's compile workers: within
 # `compile_only()` the launchers build what a launch needs and launch nothing), and the one
 # fixed-order reduction of dBias partials into the bias's broadcast shape.
-from dmattn_kernels.triton.launch import _finish_dbias, compile_only, is_compile_only  # noqa: F401 (re-exported)
+from dmattn_kernels.triton.launch import (  # noqa: F401 (compile_only, is_compile_only re-exported)
+    _finish_dbias, compile_only, delta_with_lse_grad, is_compile_only)
 
 MAX_HEAD_DIM = 256
 WARP_CHOICES = (2, 4, 8)
@@ -360,8 +361,9 @@ def _dbias_layout(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int
 
 def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                        config: BwdConfig, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                       dbias: torch.Tensor | None) -> None:
-    """Writes dq, dk, dv and, when given, dbias (the bias's own 4-D shape and dtype)."""
+                       dbias: torch.Tensor | None, dlse: torch.Tensor | None = None) -> None:
+    """Writes dq, dk, dv and, when given, dbias (the bias's own 4-D shape and dtype); `dlse`, a
+    gradient reaching lse, as in the Triton launcher (`delta_with_lse_grad`)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
     group = num_heads // num_heads_kv
@@ -399,6 +401,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     shared = backward_shared_bytes(config, head_dim, arch)
     launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, config.num_warps), heads), config.num_warps, 0,
              params)
+    delta_with_lse_grad(delta, dlse)  # on the launches' stream (the current one), between them
     launcher(b"dmattn_bwd_dkdv_kernel", (heads, triton.cdiv(seqlen_k, config.block_n)), config.num_warps,
              shared["dkdv"], params)
     launcher(b"dmattn_bwd_dq_kernel", (heads, triton.cdiv(seqlen_q, config.block_m_dq)), config.num_warps,

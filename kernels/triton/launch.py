@@ -345,6 +345,13 @@ def _finish_dbias(partial: torch.Tensor, dbias: torch.Tensor) -> None:
     dbias.copy_(partial.sum(dim=reduce_dims, keepdim=True) if reduce_dims else partial)
 
 
+def delta_with_lse_grad(delta: torch.Tensor, dlse: torch.Tensor | None) -> None:
+    """delta - dlse in place: the backward kernels compute dS = P * (dP - delta), and a gradient
+    on lse adds P * dlse to it (a dead row has P = 0, so its dlse changes nothing)."""
+    if dlse is not None:
+        delta.sub_(dlse)
+
+
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -364,8 +371,12 @@ def attention_backward(
     dv: torch.Tensor,
     dbias: torch.Tensor | None,
     activity: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> None:
     """Writes dq, dk, dv and, when given, dbias (the bias's own 4-D shape and dtype).
+
+    `dlse`: the gradient reaching lse, (B, H, Lq) fp32. d lse_i / d s_ij = P_ij, so it adds
+    P * dlse to dS, which is dS with delta - dlse for delta (`delta_with_lse_grad`).
 
     `activity`: the mask's tile activity as the forward of this call wrote it (`tile_activity`);
     without it the mask is read again (W1, the bench's full (B, H, L, L) mask, H100: 2.254 ->
@@ -408,6 +419,7 @@ def attention_backward(
         out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), num_heads, seqlen_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK_M,
     )
+    delta_with_lse_grad(delta, dlse)
 
     # -- dK, dV (and dBias partials): one program per key block and query head (split mode) or
     # kv head (group mode) --
