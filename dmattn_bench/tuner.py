@@ -187,6 +187,10 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             for index, c in enumerate(candidate_list(d, spaces[d], w, device, backend_name))]
     trials: dict[str, Trial] = {}
     record_lock = threading.Lock()  # measuring threads share the journal, the trials and progress
+    # Set when the run is interrupted (Ctrl-C): the workers are then killed under the measuring
+    # threads, and what those threads see next is that kill, not their candidate's verdict; a
+    # journaled "crash" would be kept by --resume
+    interrupted = threading.Event()
 
     def finish(workload, direction, config, is_default, fields, journaled=True) -> None:
         key = workload.key(direction)
@@ -194,6 +198,8 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                       is_default=is_default, **fields)
         identifier = trial_id(workload, direction, backend_name, config)
         with record_lock:
+            if interrupted.is_set():
+                return
             trials[identifier] = trial
             if journaled and trial.status != "skipped":
                 journal.append({"kind": "trial", "id": identifier, **trial.to_dict()})
@@ -260,6 +266,13 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         queue.put([item for item in todo if item[0] == workload])
 
     def measure_share(worker) -> None:
+        try:
+            measure_queue(worker)
+        except Exception:
+            if not interrupted.is_set():
+                raise  # after an interrupt a killed worker may fail in any way: nothing to report
+
+    def measure_queue(worker) -> None:
         while True:
             try:
                 share = queue.get_nowait()
@@ -288,8 +301,12 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     threads = [threading.Thread(target=measure_share, args=(worker,), daemon=True) for worker in workers]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except BaseException:
+        interrupted.set()
+        raise
     if fatal:
         raise fatal[0]
     phases["measure"] = time.monotonic() - phase_start

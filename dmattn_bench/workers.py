@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -40,9 +41,16 @@ def _pin_gpu(gpu: int | None, visible: list[str] | None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
 
 
+def _ignore_interrupts() -> None:
+    """Ctrl-C reaches every process of the terminal's group: a worker dying of it would pass for
+    its job crashing. Only the parent handles it; it kills the workers as it stops."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _init_worker(slots, gpus: int, visible: list[str] | None) -> None:
     """Runs first in each pool process: real kernels, and with several GPUs a GPU of its own
     (processes are dealt out round-robin in start order)."""
+    _ignore_interrupts()
     os.environ.pop("TRITON_INTERPRET", None)
     if gpus > 1:
         with slots.get_lock():
@@ -178,6 +186,7 @@ class WorkerTimedOut(RuntimeError):
 
 def _serve(conn, interpret: bool, gpu: int | None, visible: list[str] | None) -> None:
     """Worker loop: run (fn, args) requests until the pipe closes."""
+    _ignore_interrupts()
     _pin_gpu(gpu, visible)
     if not interpret:
         os.environ.pop("TRITON_INTERPRET", None)

@@ -106,6 +106,26 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     assert [r["id"] for r in _records(journal) if r["kind"] == "trial"] == ids  # nothing re-measured
 
 
+def test_ctrl_c_journals_no_trial_it_interrupted(tmp_path):
+    """Ctrl-C signals the whole process group: workers ignore it and the parent stops them, so
+    the trial in flight is not journaled as a crash (which --resume would keep), and the run
+    ends with exit code 130 and no traceback."""
+    workloads, space = _files(tmp_path, [16, 32], [20, 24, 40])
+    out = tmp_path / "T.yaml"
+    journal = Path(f"{out}.trials.jsonl")
+    run = _tune(["--workloads", workloads, "--space", space, "--out", str(out)], start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # interrupt mid-run, once some trials are journaled
+        if journal.exists() and sum(r["kind"] == "trial" for r in _records(journal)) >= 3:
+            break
+        time.sleep(0.5)
+    os.killpg(run.pid, signal.SIGINT)
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr, stderr[-2000:]
+    trials = [r for r in _records(journal) if r["kind"] == "trial"]
+    assert len(trials) >= 3 and all(r["status"] == "ok" for r in trials), [r["reason"] for r in trials]
+
+
 def test_journal_is_exclusive_and_ignores_a_torn_last_line(tmp_path):
     path = tmp_path / "j.jsonl"
     path.write_text('{"kind": "trial", "id": "a", "status": "ok"}\n{"kind": "trial", "id": "b", "sta')

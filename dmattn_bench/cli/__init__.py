@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except click.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(1)
+    except click.Abort:  # click's form of Ctrl-C (KeyboardInterrupt) in a command
+        click.echo("interrupted", err=True)
+        sys.exit(130)
     except DmattnError as exc:
         if os.environ.get("DMATTN_BENCH_DEBUG") == "1":
             raise
