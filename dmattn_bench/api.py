@@ -26,10 +26,10 @@ def _check_strides_and_head_dim(query, key, value) -> None:
                 f"{name}: got strides {tuple(t.stride())} for shape {tuple(t.shape)}, expected the "
                 f"last (head) dim to have stride 1 (call .contiguous() on it)"
             )
-    if query.shape[-1] % 8 or query.shape[-1] > 256:
+    if query.shape[-1] % 8 or not 8 <= query.shape[-1] <= 256:
         raise ValueError(
             f"query: got head dim {query.shape[-1]} (shape {tuple(query.shape)}), expected a "
-            f"multiple of 8 that is at most 256"
+            f"multiple of 8 in [8, 256]"
         )
 
 
@@ -88,6 +88,8 @@ def flash_dmattn_func(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(query.shape[-1])
     # > 0: the forward takes each row's max on the unscaled q.k (max of scale * qk = scale * max qk)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale: got {type(softmax_scale).__name__} {softmax_scale!r}, expected a float > 0")
     if not (softmax_scale > 0 and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale: got {softmax_scale}, expected a finite value > 0 (None: 1/sqrt(D))")
 

@@ -23,11 +23,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 from dmattn_bench import hardware, output
 from dmattn_bench.peers import OURS, PEERS, BenchInputs, Prepared
-from dmattn_bench.space import DTYPES
+from dmattn_bench.space import DTYPES, load_yaml
 from dmattn_bench.timing import time_kernel
 from dmattn_bench.workloads import Workload
 
@@ -91,7 +90,7 @@ def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[
         ValueError: a malformed entry (naming the file, the entry and the key) or no match.
     """
     path = Path(path)
-    document = yaml.safe_load(path.read_text())
+    document = load_yaml(path)
     if not isinstance(document, dict) or not isinstance(document.get("workloads"), list):
         raise ValueError(f"{path}: expected a mapping with a `workloads:` list")
     workloads = [_parse(entry, f"{path}:workloads[{i}]", dtype) for i, entry in enumerate(document["workloads"])]
@@ -340,7 +339,7 @@ def markdown(document: dict) -> str:
              "TFLOP/s over the causal pairs (fwd 2 GEMMs, bwd 5). Floor = max(FLOPs / tensor peak, "
              "needed bytes / HBM bandwidth) with "
              f"{document['peaks'] or 'no known peaks for this device'}. ours/peer < 1: ours is faster.", ""]
-    lines.append("| " + " | ".join(COLUMNS) + " |")
+    lines.append("| " + " | ".join(c.replace("|", "\\|") for c in COLUMNS) + " |")  # max|diff| is one cell
     lines.append("|" + "---|" * len(COLUMNS))
     for data in document["rows"]:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in row_cells(Row(**data))) + " |")

@@ -43,7 +43,8 @@ def check_device_and_dtypes(query, key, value, attn_bias) -> None:
                 f"{name}: got dtype {t.dtype}, expected {query.dtype if t is not query else allowed} {where}"
             )
     if attn_bias is not None and attn_bias.dtype not in (query.dtype, torch.float32):
-        raise TypeError(f"attn_bias: got dtype {attn_bias.dtype}, expected {query.dtype} or torch.float32")
+        expected = "torch.float32" if query.dtype == torch.float32 else f"{query.dtype} (the query's) or torch.float32"
+        raise TypeError(f"attn_bias: got dtype {attn_bias.dtype}, expected {expected}")
 
 
 # -- dispatch -----------------------------------------------------------------------------------

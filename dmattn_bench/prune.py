@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
-import yaml
 
 from dmattn_bench.hardware import ArchLimits, parse_arch, search_section
 from dmattn_bench.space import (
@@ -36,6 +35,7 @@ from dmattn_bench.space import (
     BwdConfig,
     FwdConfig,
     expand_grid,
+    load_yaml,
 )
 
 Config = FwdConfig | BwdConfig
@@ -126,8 +126,7 @@ class Candidate:
 # -- search spaces ------------------------------------------------------------------------------
 
 def _read_yaml(path: str | Path) -> dict:
-    with open(path, encoding="utf-8") as handle:
-        data = yaml.safe_load(handle)
+    data = load_yaml(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     return data

@@ -92,6 +92,8 @@ def check_inputs(
             raise TypeError(f"{name}: got dtype {t.dtype}, expected a floating dtype")
     B, Lq, H, D = query.shape
     _, Lk, Hkv, _ = key.shape
+    if D == 0:
+        raise ValueError(f"query: got shape {_shape(query)} with head dim 0, expected D >= 1")
     if key.shape[0] != B or key.shape[3] != D:
         raise ValueError(f"key: got shape {_shape(key)}, expected (B={B}, Lk, Hkv, D={D}) "
                          f"to match query {_shape(query)}")

@@ -8,9 +8,40 @@ caches and tables.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+
+
+def _configs_dir() -> Path:
+    """`configs/` (search spaces, workloads, the CI space): package data `dmattn_bench/configs/`
+    in a wheel install, read in place in a source checkout, as the shipped tables are."""
+    packaged = Path(__file__).parent / "configs"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[1] / "configs"
+
+
+CONFIGS_DIR = _configs_dir()
+
+
+def load_yaml(path: str | Path) -> Any:
+    """A YAML file's document (safe_load).
+
+    Raises:
+        ValueError: the file cannot be read or is not YAML, naming the file (and the line).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ValueError(f"{path}: not valid YAML{where}: {problem}") from None
 
 # The dtype spellings of the CLI, workloads and tables, and the torch dtypes they name.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

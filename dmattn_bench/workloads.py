@@ -10,10 +10,8 @@ import itertools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
-
 from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case
-from dmattn_bench.space import DTYPES, OPERAND_KINDS, TableKey, operand_kind, seqlen_bucket
+from dmattn_bench.space import DTYPES, OPERAND_KINDS, TableKey, load_yaml, operand_kind, seqlen_bucket
 
 _BIAS_KINDS = ("none", "full", "kv_head", "per_key")
 GRID_KEYS = {"tokens", "heads", "head_dim", "seqlen", "causal", "gqa_ratio", "variants", "dtype"}
@@ -95,14 +93,39 @@ def _axis(grid: dict, name: str, where: str) -> list:
     return values
 
 
+def _positive_int(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: got {value!r}, expected a positive integer")
+    return value
+
+
+def _checked_axes(grid: dict, where: str) -> list[list]:
+    """The head_dim, seqlen, causal, gqa_ratio and variants axes, each value checked."""
+    head_dims = [_positive_int(d, f"{where}.head_dim") for d in _axis(grid, "head_dim", where)]
+    for head_dim in head_dims:
+        if head_dim % 8 or head_dim > 256:
+            raise ValueError(f"{where}.head_dim: got {head_dim}, expected a multiple of 8 in [8, 256]")
+    seqlens = [_positive_int(n, f"{where}.seqlen") for n in _axis(grid, "seqlen", where)]
+    causals = _axis(grid, "causal", where)
+    if any(not isinstance(c, bool) for c in causals):
+        raise ValueError(f"{where}.causal: got {causals}, expected true/false values")
+    gqa_ratios = [_positive_int(g, f"{where}.gqa_ratio") for g in _axis(grid, "gqa_ratio", where)]
+    variants = _axis(grid, "variants", where)
+    if any(not isinstance(v, dict) for v in variants):
+        raise ValueError(f"{where}.variants: expected mappings like {{mask: full, bias: per_key, bias_grad: true}}")
+    return [head_dims, seqlens, causals, gqa_ratios, variants]
+
+
 def _expand(grid: dict, where: str, dtypes: list[str] | None) -> list[Workload]:
+    if not isinstance(grid, dict):
+        raise ValueError(f"{where}: expected a mapping of {sorted(GRID_KEYS)}")
     unknown = sorted(set(grid) - GRID_KEYS)
     missing = sorted(GRID_KEYS - set(grid))
     if unknown or missing:
         raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
-    tokens, heads = int(grid["tokens"]), int(grid["heads"])
+    tokens, heads = _positive_int(grid["tokens"], f"{where}.tokens"), _positive_int(grid["heads"], f"{where}.heads")
     workloads = []
-    axes = [_axis(grid, n, where) for n in ("head_dim", "seqlen", "causal", "gqa_ratio", "variants")]
+    axes = _checked_axes(grid, where)
     for dtype in dtypes or _axis(grid, "dtype", where):
         if dtype not in DTYPES:
             raise ValueError(f"{where}.dtype: got {dtype!r}, expected one of {tuple(DTYPES)}")
@@ -128,10 +151,13 @@ def load_workloads(path: str | Path, grid: str = "default", dtypes: list[str] | 
         ValueError: a missing grid or a malformed axis, naming the file and the key.
     """
     path = Path(path)
-    document = yaml.safe_load(path.read_text())
+    document = load_yaml(path)
     if not isinstance(document, dict):
         raise ValueError(f"{path}: expected a mapping of grids")
     grids = document.get("workloads", document)
+    if not isinstance(grids, dict):
+        raise ValueError(f"{path}: `workloads:` is not a mapping of grids (a list of named workloads is "
+                         f"the bench's format: `dmattn-bench bench --workloads`)")
     if grid not in grids:
         raise ValueError(f"{path}: no grid {grid!r}; it has {sorted(grids)}")
     return _expand(grids[grid], f"{path}:{grid}", dtypes)

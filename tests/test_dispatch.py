@@ -362,7 +362,7 @@ def test_a_wheel_install_carries_the_shipped_tables(tmp_path):
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(root / name, source / name)
-    for package_dir in ("dmattn_bench", "kernels", "results/tables"):
+    for package_dir in ("dmattn_bench", "kernels", "results/tables", "configs"):
         shutil.copytree(root / package_dir, source / package_dir, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
                     "-w", str(tmp_path / "wheel")], check=True, capture_output=True)
@@ -370,9 +370,13 @@ def test_a_wheel_install_carries_the_shipped_tables(tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
-    probe = ("from dmattn_bench.dispatch import lookup; "
-             "print(lookup.SHIPPED_TABLES_DIR); print(*sorted(p.name for p in lookup.SHIPPED_TABLES_DIR.glob('*.yaml')))")
+    probe = ("from dmattn_bench.dispatch import lookup; from dmattn_bench.space import CONFIGS_DIR; "
+             "print(lookup.SHIPPED_TABLES_DIR); print(*sorted(p.name for p in lookup.SHIPPED_TABLES_DIR.glob('*.yaml'))); "
+             "print(CONFIGS_DIR); print(*sorted(str(p.relative_to(CONFIGS_DIR)) for p in CONFIGS_DIR.rglob('*.yaml')))")
     printed = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {probe}"],
                              check=True, capture_output=True, text=True, cwd=tmp_path).stdout.splitlines()
     assert printed[0] == str(site / "dmattn_bench" / "tables")
     assert printed[1].split() == sorted(p.name for p in (root / "results" / "tables").glob("*.yaml"))
+    # the search spaces and workloads travel too: a wheel install can tune and bench
+    assert printed[2] == str(site / "dmattn_bench" / "configs")
+    assert printed[3].split() == sorted(str(p.relative_to(root / "configs")) for p in (root / "configs").rglob("*.yaml"))

@@ -255,3 +255,73 @@ def test_tuning_several_backends_keeps_the_faster_winner_per_key():
     # a tie stays with the backend named first
     tied = combine_backends({"triton": result("triton", 1.0, 1.0, 1.0), "cuda": result("cuda", 1.0, 1.0, 1.0)})
     assert {w.backend for w in tied.winners} == {"triton"}
+
+
+def _bad_inputs(tmp_path) -> dict[str, str]:
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    grid = {"tokens": 20, "heads": 2, "head_dim": [32], "seqlen": [20], "causal": [True], "gqa_ratio": [1],
+            "variants": [{"mask": "none", "bias": "none"}], "dtype": ["fp32"]}
+    (tmp_path / "malformed.yaml").write_text("default: {tokens: [1, 2\n")
+    return {
+        "malformed": str(tmp_path / "malformed.yaml"),
+        "list": _write(tmp_path / "list.yaml", [1, 2]),
+        "zero_seqlen": _write(tmp_path / "zero.yaml", {"default": dict(grid, seqlen=[0])}),
+        "head_dim_512": _write(tmp_path / "hd.yaml", {"default": dict(grid, head_dim=[512])}),
+        "bf16": _write(tmp_path / "bf16.yaml", {"default": dict(grid, dtype=["bf16"])}),
+        "peers": str(repo / "configs/workloads/peers-cpu.yaml"),
+        "table": str(repo / "results/tables/nvidia-h200-sm90.yaml"),
+        "no_folder": str(tmp_path / "nowhere" / "t.yaml"),
+    }
+
+
+BAD_INPUTS = [  # (arguments, exit code, what the one-line error says)
+    (["tune", "--workloads", "{malformed}"], 1, "not valid YAML at line"),
+    (["tune", "--space", "{list}"], 1, "expected a mapping"),
+    (["tune", "--workloads", "{peers}"], 1, "the bench's format"),
+    (["tune", "--workloads", "{zero_seqlen}"], 1, "seqlen: got 0, expected a positive integer"),
+    (["tune", "--workloads", "{head_dim_512}"], 1, "head_dim: got 512, expected a multiple of 8"),
+    (["tune", "--workloads", "{bf16}"], 2, "bf16 workloads need a CUDA GPU"),
+    (["tune", "--out", "{no_folder}"], 2, "its folder does not exist"),
+    (["tune", "--trial-timeout", "nan"], 2, "expected a positive number of seconds"),
+    (["tune", "--suite-timeout", "-5"], 2, "expected a positive number of seconds"),
+    (["show", "{table}", "--coverage", "{malformed}"], 2, "not valid YAML at line"),
+    (["show", "{table}", "--coverage", "{peers}"], 2, "the bench's format"),
+    (["bench", "--from-json", "{malformed}"], 2, "not a `bench --format json` report"),
+    (["bench", "--workloads", "{malformed}"], 2, "not valid YAML at line"),
+]
+
+
+@pytest.mark.parametrize("arguments,exit_code,says", BAD_INPUTS, ids=[" ".join(a[:3]) for a, _, _ in BAD_INPUTS])
+def test_bad_input_is_a_one_line_error(tmp_path, capsys, monkeypatch, arguments, exit_code, says):
+    """Malformed or nonsensical files and values end in one line that names what is wrong, with
+    the exit code of its kind (1 error, 2 usage), never a traceback."""
+    from dmattn_bench.cli import main
+
+    monkeypatch.delenv("DMATTN_BENCH_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    paths = _bad_inputs(tmp_path)
+    with pytest.raises(SystemExit) as ended:
+        main([argument.format(**paths) for argument in arguments])
+    stderr = capsys.readouterr().err
+    assert ended.value.code == exit_code, stderr
+    assert says in " ".join(stderr.split()) and "Traceback" not in stderr, stderr
+
+
+def test_verify_says_when_a_table_is_stale(tmp_path):
+    """A table tuned on other kernel sources is skipped at run time: verify still checks its
+    configs, and says so."""
+    from dmattn_bench.dispatch.table import new_table, dump_table, Entry
+    from dmattn_bench.hardware import CPU_FINGERPRINT
+
+    key = load_workloads(_tiny_inputs(tmp_path, CPU_FWD.to_dict())[0])[0].key("fwd")
+    table = new_table([Entry(key, "triton", CPU_FWD, {"median_ms": 1.0})], CPU_FINGERPRINT, interpreter=True)
+    path = tmp_path / "stale.yaml"
+    dump_table(table, path)
+    document = yaml.safe_load(path.read_text())
+    document["kernel_hashes"]["triton"] = "sha256:" + "0" * 32
+    path.write_text(yaml.safe_dump(document))
+    result = CliRunner().invoke(verify, ["--table", str(path), "--dtype", "fp32", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert "stale" in result.stderr and "the runtime skips" in result.stderr

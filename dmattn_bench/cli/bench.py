@@ -16,8 +16,9 @@ from dmattn_bench.bench import COLUMNS, Row, load_peer_workloads, markdown, plot
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_peaks, software_versions
 from dmattn_bench.peers import DEFAULT_PEERS, PEER_GROUPS, PEERS, parse_peers
+from dmattn_bench.space import CONFIGS_DIR
 
-DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "configs" / "workloads" / "peers.yaml"
+DEFAULT_WORKLOADS = CONFIGS_DIR / "workloads" / "peers.yaml"
 CPU_WORKLOADS = DEFAULT_WORKLOADS.with_name("peers-cpu.yaml")  # the same workloads at interpreter size
 
 
@@ -35,6 +36,8 @@ def _table(document: dict) -> Table:
 def _check_plot_available(plot_path: str | None) -> None:
     if plot_path is None:
         return
+    if not Path(plot_path).resolve().parent.is_dir():
+        raise click.BadParameter(f"{plot_path}: its folder does not exist", param_hint="--plot")
     try:
         import matplotlib  # noqa: F401
     except ModuleNotFoundError:
@@ -64,7 +67,13 @@ def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plo
     """Time our kernel and its peers (forward, forward+backward) on the peer workloads."""
     _check_plot_available(plot_path)
     if from_json is not None:
-        document = json.loads(Path(from_json).read_text())
+        try:
+            document = json.loads(Path(from_json).read_text())
+            if not isinstance(document, dict) or not {"device", "rows"} <= set(document):
+                raise ValueError("no `device` and `rows`")
+        except ValueError as exc:  # json.JSONDecodeError is one
+            raise click.BadParameter(f"{from_json}: not a `bench --format json` report ({exc})",
+                                     param_hint="--from-json") from None
     else:
         has_gpu = torch.cuda.is_available()
         device = "cuda" if has_gpu else "cpu"

@@ -11,7 +11,7 @@ from dmattn_bench import output
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import ARCH_LIMITS, parse_arch, search_section
 from dmattn_bench.prune import DTYPE_BYTES, STATUSES, Candidate, check_space, load_space, plan_space, space_path
-from dmattn_bench.space import DIRECTIONS
+from dmattn_bench.space import CONFIGS_DIR, DIRECTIONS
 
 TOP_REASONS = 3
 # What each deciding check means, for the summary's reasons column.
@@ -92,8 +92,8 @@ def _table(backend: str, rows: list[dict], dtype: str, head_dims: list[int]) -> 
               help="Comma-separated head dims to compile for.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default="bf16", show_default=True,
               help="Element type of q, k, v.")
-@click.option("--space-dir", type=click.Path(exists=True, file_okay=False), default="configs/space",
-              show_default=True, help="Folder of <backend>-<direction>.yaml search spaces.")
+@click.option("--space-dir", type=click.Path(exists=True, file_okay=False), default=str(CONFIGS_DIR / "space"),
+              show_default="the project's configs/space", help="Folder of <backend>-<direction>.yaml search spaces.")
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
               help="Parallel compile processes. Default: the number of CPUs.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,

@@ -6,9 +6,9 @@ import click
 from rich.table import Table as RichTable
 
 from dmattn_bench import output
+from dmattn_bench.dispatch.lookup import kernel_hash_status
 from dmattn_bench.dispatch.table import Table, TableError, load_table, table_to_dict
 from dmattn_bench.errors import DmattnError
-from dmattn_bench.registry import kernel_source_hash
 from dmattn_bench.space import CONFIG_CLASSES, config_label
 from dmattn_bench.workloads import load_workloads
 
@@ -17,16 +17,6 @@ KEY_COLUMNS = ("direction", "dtype", "head_dim", "causal", "mask", "bias", "gqa_
 KEY_HEADERS = ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "Lq", "Lk")
 # Evidence shown as columns, with their formats; the rest stays in `--format json`.
 EVIDENCE_COLUMNS = (("median_ms", "{:.4g}"), ("tflops", "{:.1f}"), ("speedup_vs_default", "{:.2f}x"))
-
-
-def _hash_status(table: Table) -> dict[str, str]:
-    status = {}
-    for name, recorded in table.kernel_hashes.items():
-        try:
-            status[name] = "current" if recorded == kernel_source_hash(name) else "stale"
-        except ValueError:  # the sources are not installed here: nothing can match them
-            status[name] = "stale"
-    return status
 
 
 def _evidence(value) -> str:
@@ -119,7 +109,7 @@ def show(table_path: str, coverage_path: str | None, grid: str, fmt: str) -> Non
         table = load_table(table_path)
     except TableError as exc:
         raise DmattnError(str(exc), fix="fix the field or re-create the table with `dmattn-bench tune`") from None
-    status = _hash_status(table)
+    status = kernel_hash_status(table)
     doc = {"path": table_path, "kernel_hash_status": status, **table_to_dict(table)}
     tables = [_summary(table_path, table, status), _entries(doc)]
     if coverage_path is not None:

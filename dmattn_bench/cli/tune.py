@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 import click
 import torch
-import yaml
 from rich.table import Table
 
 from dmattn_bench import output
@@ -15,13 +15,12 @@ from dmattn_bench.dispatch import Entry, dump_table, new_table
 from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.prune import load_ci_space, load_space
-from dmattn_bench.space import config_label
+from dmattn_bench.space import CONFIGS_DIR, config_label, load_yaml
 from dmattn_bench.journal import JournalError
 from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, candidate_list,
                                 combine_backends, tune)
 from dmattn_bench.workloads import load_workloads
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 CI_FILE = CONFIGS_DIR / "ci.yaml"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)?\s*$")
 _UNIT_SECONDS = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
@@ -59,7 +58,9 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[st
     section = search_section(local_limits()) if on_gpu else "sm90"
     spaces: dict[str, list] = {}
     for path in files:
-        document = yaml.safe_load(Path(path).read_text()) or {}
+        document = load_yaml(path) or {}
+        if not isinstance(document, dict):
+            raise ValueError(f"{path}: expected a mapping (a search space or a CI file)")
         if "space" in document:
             spaces.update({d: load_ci_space(path, backend, d) for d in ("fwd", "bwd")})
         else:
@@ -108,6 +109,12 @@ def geometric_mean_speedup(result: TuneResult) -> float | None:
     return product ** (1 / len(speedups))
 
 
+def _positive_seconds(ctx, param, value: float) -> float:
+    if not (value > 0 and math.isfinite(value)):
+        raise click.BadParameter(f"got {value}, expected a positive number of seconds")
+    return value
+
+
 def _announce_phase(name: str, count: int):
     output.info(f"{name}: {count} jobs in parallel worker processes")
     return lambda: None
@@ -133,9 +140,9 @@ def _announce_phase(name: str, count: int):
 @click.option("--budget", default=None,
               help="Stop starting new trials after this long (e.g. 20m); finished work is kept. Workloads are "
                    "measured largest first.")
-@click.option("--trial-timeout", type=float, default=DEFAULT_TRIAL_TIMEOUT_S, show_default=True,
+@click.option("--trial-timeout", type=float, default=DEFAULT_TRIAL_TIMEOUT_S, show_default=True, callback=_positive_seconds,
               help="Seconds one candidate may run before it is killed (status timeout).")
-@click.option("--suite-timeout", type=float, default=DEFAULT_SUITE_TIMEOUT_S, show_default=True,
+@click.option("--suite-timeout", type=float, default=DEFAULT_SUITE_TIMEOUT_S, show_default=True, callback=_positive_seconds,
               help="Seconds one adversarial-suite run may take before it is killed (the isolated runs "
                    "after a winner fails or crashes; the GPU's first, parallel pass has no limit).")
 @click.option("--gpus", default="1", show_default=True,
@@ -187,8 +194,13 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
         spaces = {name: _spaces(space_files, name, on_gpu) for name in backends}
     except ValueError as exc:
         raise DmattnError(str(exc).splitlines()[0], "fix the YAML file") from None
+    if not on_gpu and any(w.dtype == "bf16" for w in workloads):
+        raise click.BadParameter("its bf16 workloads need a CUDA GPU (the interpreter has no bf16); pass --dtype fp32 "
+                                 "or --dtype fp16", param_hint="--workloads")
     fingerprint = device_fingerprint(device)
     out = Path(out_path or f"{fingerprint.slug()}.yaml")
+    if not out.resolve().parent.is_dir():
+        raise click.BadParameter(f"{out}: its folder does not exist", param_hint="--out")
     trials_path = out.with_name(out.name + ".trials.jsonl")
     for name in backends:
         output.info(f"{name}: {len(workloads)} workloads x ({len(spaces[name]['fwd'])} fwd + "
@@ -221,3 +233,6 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     output.render(document, [_winners_table(result), _counts_table(result)], fmt)
     output.info(f"wrote {out} ({len(entries)} entries); geometric-mean speed-up over the defaults: "
                 + (f"{speedup:.3f}x" if speedup else "n/a"))
+    if not entries:
+        raise DmattnError(f"no candidate passed on any workload: {out} has no entries",
+                          f"read the trial statuses above (kept in {trials_path})")

@@ -9,7 +9,7 @@ from rich.table import Table
 from dmattn_bench import output
 from dmattn_bench.errors import NoGpuError, ValidationFailed
 from dmattn_bench.dispatch import TableError, load_table
-from dmattn_bench.dispatch.lookup import ENV_VAR
+from dmattn_bench.dispatch.lookup import ENV_VAR, kernel_hash_status
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.space import DTYPES, config_label
 from dmattn_bench.validator import CHECKED, SuiteResult, plan_default_configs, plan_table_entries, run_plan
@@ -62,6 +62,11 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
     except TableError as exc:
         raise DmattnError(str(exc), "fix the field or re-create the table with `dmattn-bench tune`") from None
     entries = [e for e in table.entries if backend is None or e.backend == backend]
+    stale = sorted(name for name, state in kernel_hash_status(table).items()
+                   if state == "stale" and any(e.backend == name for e in entries))
+    if stale:
+        output.warn(f"{table_path}: tuned on other {' and '.join(stale)} kernel sources (stale): the runtime skips "
+                    f"those entries; verifying their configs on the kernels installed here")
     plan = plan_table_entries(entries, dtype, device, suite)
     if not plan:
         which = f"{dtype} {backend}" if backend else dtype

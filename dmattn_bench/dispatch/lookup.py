@@ -48,6 +48,18 @@ SHIPPED_TABLES_DIR = _shipped_tables_dir()  # read at call time, so tests can po
 DEFAULT_BACKEND = "triton"
 
 
+def kernel_hash_status(table: Table) -> dict[str, str]:
+    """Per backend of the table: "current" if it was tuned on the kernel sources installed here,
+    else "stale" (the lookup skips its entries)."""
+    status = {}
+    for name, recorded in table.kernel_hashes.items():
+        try:
+            status[name] = "current" if recorded == kernel_source_hash(name) else "stale"
+        except ValueError:  # the sources are not installed here: nothing can match them
+            status[name] = "stale"
+    return status
+
+
 class DispatchWarning(UserWarning):
     """A dispatch table was skipped (unreadable, invalid, foreign or stale); a fallback was used."""
 
