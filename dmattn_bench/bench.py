@@ -331,14 +331,16 @@ def row_cells(row: Row) -> list[str]:
 def markdown(document: dict) -> str:
     """The report as a markdown document (header, one table, per-peer notes)."""
     lines = [f"# dmattn-bench bench on {document['device']}", "",
-             f"Command: `{document['command']}`", "",
-             f"Software: {', '.join(f'{k} {v}' for k, v in document['software'].items())}. "
-             f"Medians of {document['repeats']} repeats of GPU time, L2 flushed before each and the host's "
-             "launch work hidden behind a GPU spin; spread = (p80 - p20) / median; host ms = the host's own "
-             "time per call (median; '-' in reports from before it was measured). "
-             "TFLOP/s over the causal pairs (fwd 2 GEMMs, bwd 5). Floor = max(FLOPs / tensor peak, "
-             "needed bytes / HBM bandwidth) with "
-             f"{document['peaks'] or 'no known peaks for this device'}. ours/peer < 1: ours is faster.", ""]
+             f"Command: `{document['command']}`", ""]
+    if document.get("timings_meaningful") is False:
+        lines += ["**Timings are not meaningful**: the Triton interpreter ran our kernel on the CPU.", ""]
+    lines += [f"Software: {', '.join(f'{k} {v}' for k, v in document['software'].items())}. "
+              f"Medians of {document['repeats']} repeats of GPU time, L2 flushed before each and the host's "
+              "launch work hidden behind a GPU spin; spread = (p80 - p20) / median; host ms = the host's own "
+              "time per call (median; '-' in reports from before it was measured). "
+              "TFLOP/s over the causal pairs (fwd 2 GEMMs, bwd 5). Floor = max(FLOPs / tensor peak, "
+              "needed bytes / HBM bandwidth) with "
+              f"{document['peaks'] or 'no known peaks for this device'}. ours/peer < 1: ours is faster.", ""]
     lines.append("| " + " | ".join(c.replace("|", "\\|") for c in COLUMNS) + " |")  # max|diff| is one cell
     lines.append("|" + "---|" * len(COLUMNS))
     for data in document["rows"]:

@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
-
 from dmattn_bench.hardware import ArchLimits, parse_arch, search_section
 from dmattn_bench.space import (
     ARCH_FAMILIES,
@@ -37,6 +36,7 @@ from dmattn_bench.space import (
     expand_grid,
     load_yaml,
 )
+from dmattn_bench.workers import abandon_pool, ignore_interrupts
 
 Config = FwdConfig | BwdConfig
 
@@ -430,6 +430,7 @@ def _worker_init() -> None:
     """Runs first in each spawned worker: compile for real, not through the interpreter."""
     import warnings
 
+    ignore_interrupts()
     os.environ.pop("TRITON_INTERPRET", None)
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
 
@@ -572,16 +573,20 @@ def _compile_all(todo: list[tuple[int, tuple]], jobs: int | None, on_result) -> 
     crashed: list[tuple[int, tuple]] = []
     with _pool(workers) as pool:
         futures = {pool.submit(_worker_compile, *args): (index, args) for index, args in todo}
-        for future in as_completed(futures):
-            index, args = futures[future]
-            try:
-                candidate = _run_guarded(future, *args[:5])
-            except BrokenProcessPool:
-                crashed.append((index, args))
-                continue
-            done.append((index, candidate))
-            if on_result:
-                on_result(candidate)
+        try:
+            for future in as_completed(futures):
+                index, args = futures[future]
+                try:
+                    candidate = _run_guarded(future, *args[:5])
+                except BrokenProcessPool:
+                    crashed.append((index, args))
+                    continue
+                done.append((index, candidate))
+                if on_result:
+                    on_result(candidate)
+        except KeyboardInterrupt:
+            abandon_pool(pool)
+            raise
     for index, args in crashed:
         with _pool(1) as pool:
             try:

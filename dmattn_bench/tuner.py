@@ -279,6 +279,8 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             except Empty:
                 return
             for workload, direction, config, is_default in share:
+                if interrupted.is_set():
+                    return  # no fresh worker to race the parent's stop
                 if out_of_budget() or fatal:
                     reason = "time budget exhausted" if not fatal else "tune stopped: " + fatal[0].one_line()
                     finish(workload, direction, config, is_default, {"status": "skipped", "reason": reason})
@@ -305,7 +307,8 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         for thread in threads:
             thread.join()
     except BaseException:
-        interrupted.set()
+        with record_lock:  # no trial is being journaled as the flag goes up
+            interrupted.set()
         raise
     if fatal:
         raise fatal[0]

@@ -41,7 +41,7 @@ def _pin_gpu(gpu: int | None, visible: list[str] | None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible[gpu] if visible else str(gpu)
 
 
-def _ignore_interrupts() -> None:
+def ignore_interrupts() -> None:
     """Ctrl-C reaches every process of the terminal's group: a worker dying of it would pass for
     its job crashing. Only the parent handles it; it kills the workers as it stops."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -50,7 +50,7 @@ def _ignore_interrupts() -> None:
 def _init_worker(slots, gpus: int, visible: list[str] | None) -> None:
     """Runs first in each pool process: real kernels, and with several GPUs a GPU of its own
     (processes are dealt out round-robin in start order)."""
-    _ignore_interrupts()
+    ignore_interrupts()
     os.environ.pop("TRITON_INTERPRET", None)
     if gpus > 1:
         with slots.get_lock():
@@ -103,6 +103,14 @@ def _timed(fn: Callable[[T], R], item: T) -> tuple[R, tuple[int, float, float, f
     return result, (os.getpid(), started, time.time(), cpu)
 
 
+def abandon_pool(pool: ProcessPoolExecutor) -> None:
+    """After Ctrl-C: the pool's processes ignore it (`ignore_interrupts`), so kill them rather
+    than wait, on leaving the `with`, for every job already submitted."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public handle on them
+        process.kill()
+
+
 def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T, str], R],
                  on_done: Callable[[T, R], None] | None = None, gpus: int = 1,
                  stats: PoolStats | None = None, after: list[tuple[int, ...]] | None = None) -> list[R]:
@@ -150,18 +158,22 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T
 
                 for index in pending:
                     submit_if_ready(index)
-                while running:
-                    done, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for future in sorted(done, key=running.__getitem__):
-                        index = running.pop(future)
-                        results[index], timing = future.result()
-                        stats.record(timing, pool_start, seen)
-                        pending.remove(index)
-                        finished.add(index)
-                        if on_done:
-                            on_done(items[index], results[index])
-                        for later in dependents.get(index, ()):
-                            submit_if_ready(later)
+                try:
+                    while running:
+                        done, _ = wait(running, return_when=FIRST_COMPLETED)
+                        for future in sorted(done, key=running.__getitem__):
+                            index = running.pop(future)
+                            results[index], timing = future.result()
+                            stats.record(timing, pool_start, seen)
+                            pending.remove(index)
+                            finished.add(index)
+                            if on_done:
+                                on_done(items[index], results[index])
+                            for later in dependents.get(index, ()):
+                                submit_if_ready(later)
+                except KeyboardInterrupt:
+                    abandon_pool(pool)
+                    raise
         except BrokenProcessPool as exc:
             # the earliest submitted unfinished job is the likeliest culprit: record it, retry the rest
             culprit = next(index for index in submitted if index in pending)
@@ -186,7 +198,7 @@ class WorkerTimedOut(RuntimeError):
 
 def _serve(conn, interpret: bool, gpu: int | None, visible: list[str] | None) -> None:
     """Worker loop: run (fn, args) requests until the pipe closes."""
-    _ignore_interrupts()
+    ignore_interrupts()
     _pin_gpu(gpu, visible)
     if not interpret:
         os.environ.pop("TRITON_INTERPRET", None)

@@ -309,6 +309,24 @@ def test_a_loss_through_lse_gets_its_gradient(dtype, uses_out):
     assert got_grads[0][:, 3].abs().max() == 0  # the dead row
 
 
+def test_a_nan_lse_gradient_on_a_dead_row_changes_nothing():
+    """Merging partial attentions with logaddexp sends NaN to the lse of a row dead in every
+    part (logaddexp(-inf, -inf) has a NaN gradient). A dead row contributes nothing: that NaN
+    must not reach dK (0 * NaN in dS) or anything else."""
+    B, H, Lq, Lk, D = 1, 2, 20, 24, 16
+    q, k, v = qkv(B, H, H, Lq, Lk, D, F32)
+    mask = random_mask((B, H, Lq, Lk))
+    mask[..., 7, :] = False
+    out, lse = flash_dmattn_func(q, k, v, mask, return_lse=True, backend="triton",
+                                 fwd_config=FWD_SMALL, bwd_config=BWD_SMALL)
+    dlse = torch.randn(B, H, Lq)
+    dlse[..., 7] = float("nan")
+    torch.autograd.backward([out, lse], [torch.randn_like(out), dlse])
+    for name, t in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert torch.isfinite(t).all(), f"{name}: {(~torch.isfinite(t)).sum().item()} non-finite"
+    assert q.grad[:, 7].abs().max() == 0
+
+
 def test_reference_backend_lse_is_float32():
     q, k, v = (t.detach() for t in qkv(1, 2, 2, 8, 8, 16, F32))
     _, lse = flash_dmattn_func(q, k, v, backend="reference", return_lse=True)
@@ -318,14 +336,16 @@ def test_reference_backend_lse_is_float32():
 # ----------------------------------------------------------------------------- determinism
 
 
-@pytest.mark.parametrize("row_bias", [-1e8, -1e9, -1e12])
-def test_a_row_of_huge_fp32_bias_stays_finite_in_16_bits(row_bias):
-    """An HF-style additive padding mask (-1e9 on a whole query row) as an fp32 bias of an fp16
-    call: scores beyond fp32's resolution. The row's values cannot match the fp64 reference, but
-    nothing may turn NaN or inf (before the forward's row max was moved up an ulp, the -1e9 row
-    came out NaN and the backward spread it over dK); past about -2e9 the row is dead."""
+@pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("row_bias", [-1e8, -9e8, -1e9, -1e12])
+def test_a_row_of_huge_fp32_bias_stays_finite(dtype, row_bias):
+    """An HF-style additive padding mask (-1e9 on a whole query row) as an fp32 bias: scores
+    beyond fp32's resolution. The row's values cannot match the fp64 reference, but nothing may
+    turn NaN or inf (before the fp16 forward's row max was moved up an ulp, the -1e9 row came out
+    NaN and the backward spread it over dK). From about -5e8 a 16-bit call may return the row
+    dead; fp32, whose exp2 argument is exact, keeps it alive."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, L, 2, 32, dtype=F16, requires_grad=True) for L in (20, 24, 24))
+    q, k, v = (torch.randn(1, L, 2, 32, dtype=dtype, requires_grad=True) for L in (20, 24, 24))
     bias = torch.randn(1, 1, 20, 24, dtype=F32)
     bias[..., 5, :] = row_bias
     bias.requires_grad_()
@@ -335,9 +355,11 @@ def test_a_row_of_huge_fp32_bias_stays_finite_in_16_bits(row_bias):
     for name, tensor in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad), ("dbias", bias.grad)):
         assert torch.isfinite(tensor).all(), f"{name}: {(~torch.isfinite(tensor)).sum().item()} non-finite"
     assert not lse.isnan().any() and not (lse == float("inf")).any()
+    if dtype == F32:
+        assert torch.isfinite(lse[..., 5]).all(), "fp32 reported a live row dead"
     rows = [i for i in range(20) if i != 5]  # the other rows are ordinary attention
     expected = attention(q.detach().double(), k.detach().double(), v.detach().double(), attn_bias=bias.detach().double())
-    assert (out[:, rows].double() - expected[:, rows]).abs().max() < TOL[F16]
+    assert (out[:, rows].double() - expected[:, rows]).abs().max() < TOL[dtype]
 
 
 def test_repeat_runs_are_bitwise_identical():

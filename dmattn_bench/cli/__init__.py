@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import click
 
@@ -38,10 +39,20 @@ def _register() -> None:
         cli.add_command(command)
 
 
+def _one_line_warnings() -> None:
+    """Warnings (a stale or foreign table, ...) as `warning: <message>` lines on stderr, not
+    Python's `<file>:<line>: <Category>: <message>` and the source line."""
+    from dmattn_bench import output
+
+    warnings.showwarning = lambda message, *_, **__: output.warn(str(message))
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: one-line errors unless DMATTN_BENCH_DEBUG=1."""
+    """Console entry point: one-line errors and warnings unless DMATTN_BENCH_DEBUG=1."""
     _prepare_interpreter()
     _register()
+    if os.environ.get("DMATTN_BENCH_DEBUG") != "1":
+        _one_line_warnings()
     try:
         cli.main(args=argv, prog_name="dmattn-bench", standalone_mode=False)
     except click.exceptions.Exit as done:

@@ -95,6 +95,7 @@ def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plo
             "software": software_versions(),
             "peaks": None if peaks is None else str(peaks),
             "repeats": repeats,
+            "timings_meaningful": has_gpu,  # the interpreter's times rank nothing
             "workloads": [w.describe() for w in workloads],
             "rows": [row.to_dict() for row in rows],
         }

@@ -14,9 +14,9 @@ from dmattn_bench import output
 from dmattn_bench.dispatch import Entry, dump_table, new_table
 from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
+from dmattn_bench.journal import JournalError
 from dmattn_bench.prune import load_ci_space, load_space
 from dmattn_bench.space import CONFIGS_DIR, config_label, load_yaml
-from dmattn_bench.journal import JournalError
 from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, candidate_list,
                                 combine_backends, tune)
 from dmattn_bench.workloads import load_workloads
@@ -183,7 +183,8 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                     + (f" of one GPU each ({cluster_gpus} GPUs in the cluster)" if on_gpu else " (interpreter)"))
     device = "cuda" if on_gpu else "cpu"
     if not on_gpu:
-        output.info("no CUDA GPU: tuning through the Triton interpreter on configs/ci.yaml; "
+        given = "the given files" if workloads_files or space_files else "configs/ci.yaml"
+        output.info(f"no CUDA GPU: tuning through the Triton interpreter on {given}; "
                     "the pipeline runs end to end but timings are not meaningful")
         if any(d == "bf16" for d in dtypes):
             raise click.BadParameter("bf16 needs a CUDA GPU (the interpreter has no bf16)", param_hint="--dtype")

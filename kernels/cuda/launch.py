@@ -401,7 +401,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     shared = backward_shared_bytes(config, head_dim, arch)
     launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, config.num_warps), heads), config.num_warps, 0,
              params)
-    delta_with_lse_grad(delta, dlse)  # on the launches' stream (the current one), between them
+    delta_with_lse_grad(delta, dlse, lse)  # on the launches' stream (the current one), between them
     launcher(b"dmattn_bwd_dkdv_kernel", (heads, triton.cdiv(seqlen_k, config.block_n)), config.num_warps,
              shared["dkdv"], params)
     launcher(b"dmattn_bwd_dq_kernel", (heads, triton.cdiv(seqlen_q, config.block_m_dq)), config.num_warps,

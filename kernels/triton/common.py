@@ -19,7 +19,8 @@ FP32_EPS = tl.constexpr(1.1920928955078125e-07)  # 2^-23: x * (1 + FP32_EPS) is 
 
 @triton.jit
 def above_by_an_ulp(x):
-    """x moved up (towards +inf) by one to two ulps; +-inf and 0 unchanged, never NaN."""
+    """x moved up (towards +inf) by one to two ulps; +-inf and 0 unchanged, never NaN (a finite x
+    within 2 ulps of the largest float becomes +inf)."""
     return tl.maximum(x * (1.0 + FP32_EPS), x * (1.0 - FP32_EPS))
 
 

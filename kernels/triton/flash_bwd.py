@@ -2,7 +2,8 @@
 
 Given dO and the forward's out and lse (layouts as in `flash_fwd.py`), with scores s as in
 `common.py` and P_ij = exp(s_ij - lse_i) recomputed tile by tile:
-    delta_i = sum_d dO_id * out_id                           (`flash_bwd_preprocess_kernel`)
+    delta_i = sum_d dO_id * out_id  - dlse_i                 (`flash_bwd_preprocess_kernel`; dlse: a
+                                                              loss through lse, `delta_with_lse_grad`)
     dV_j   += sum_i P_ij dO_i
     dP_ij   = dO_i . v_j
     dS_ij   = P_ij (dP_ij - delta_i)                          = dBias_ij (before broadcast sums)

@@ -130,12 +130,16 @@ def _online_softmax_step(
     # -- online softmax, m in UNITS (LOG2E: log2 units, exp2 takes s * s_scale - m as it is; 1:
     # natural units, scaled by LOG2E); a row that has seen nothing visible keeps m = -inf and
     # shifts by 0. Only an excluded position or a -inf bias makes a score -inf: a wholly visible
-    # tile without bias needs no test (H200, W3 forward: 1.196 -> 1.188 x cuDNN). The shift is the
-    # row max an ulp up: the FMA takes the exact product s * s_scale, up to half an ulp above its
-    # rounded max, which at |s| ~ 1e9 (a -1e9 fp32 bias on a whole row) is 64 in log2 units: p was
-    # 2^64, inf once cast to 16 bits, and out NaN. An ulp up keeps every exp2 argument <= 0, p <= 1;
-    # one step per row, not per element --
-    m_new = tl.maximum(m_i, above_by_an_ulp(row_max))
+    # tile without bias needs no test (H200, W3 forward: 1.196 -> 1.188 x cuDNN). In log2 units the
+    # shift is the row max an ulp up: the FMA takes the exact product s * s_scale, up to half an ulp
+    # above its rounded max, which at |s| ~ 1e9 (a -1e9 fp32 bias on a whole row) is 64: p was
+    # 2^64, inf once cast to fp16, and out NaN. An ulp up keeps every exp2 argument <= 0, p <= 1,
+    # at one step per row, not per element; past |s| ~ 5e8 the ulp underflows every p and the row
+    # comes out dead (out 0), never NaN. fp32 (s_scale 1 with a bias) needs none of it --
+    if UNITS == 1.0:
+        m_new = tl.maximum(m_i, row_max)
+    else:
+        m_new = tl.maximum(m_i, above_by_an_ulp(row_max))
     if MASKED or HAS_BIAS:
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:

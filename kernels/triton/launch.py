@@ -345,11 +345,13 @@ def _finish_dbias(partial: torch.Tensor, dbias: torch.Tensor) -> None:
     dbias.copy_(partial.sum(dim=reduce_dims, keepdim=True) if reduce_dims else partial)
 
 
-def delta_with_lse_grad(delta: torch.Tensor, dlse: torch.Tensor | None) -> None:
+def delta_with_lse_grad(delta: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor) -> None:
     """delta - dlse in place: the backward kernels compute dS = P * (dP - delta), and a gradient
-    on lse adds P * dlse to it (a dead row has P = 0, so its dlse changes nothing)."""
+    on lse adds P * dlse to it. A dead row (lse = -inf) contributes nothing: its dlse is dropped,
+    since a merge of partial attentions often sends NaN there (logaddexp(-inf, -inf)) and
+    0 * NaN would reach every key of the head."""
     if dlse is not None:
-        delta.sub_(dlse)
+        delta.sub_(torch.where(lse == float("-inf"), 0.0, dlse))
 
 
 def attention_backward(
@@ -419,7 +421,7 @@ def attention_backward(
         out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), num_heads, seqlen_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK_M,
     )
-    delta_with_lse_grad(delta, dlse)
+    delta_with_lse_grad(delta, dlse, lse)
 
     # -- dK, dV (and dBias partials): one program per key block and query head (split mode) or
     # kv head (group mode) --
