@@ -273,6 +273,7 @@ def _bad_inputs(tmp_path) -> dict[str, str]:
         "peers": str(repo / "configs/workloads/peers-cpu.yaml"),
         "table": str(repo / "results/tables/nvidia-h200-sm90.yaml"),
         "no_folder": str(tmp_path / "nowhere" / "t.yaml"),
+        "report": str(repo / "results/bench/h100-session14.json"),
     }
 
 
@@ -290,6 +291,10 @@ BAD_INPUTS = [  # (arguments, exit code, what the one-line error says)
     (["show", "{table}", "--coverage", "{peers}"], 2, "the bench's format"),
     (["bench", "--from-json", "{malformed}"], 2, "not a `bench --format json` report"),
     (["bench", "--workloads", "{malformed}"], 2, "not valid YAML at line"),
+    (["bench", "--from-json", "{report}", "--only", "W1"], 2, "measures nothing: drop --only"),
+    (["show", "{no_folder}"], 2, "does not exist"),
+    (["show", "{table}", "--grid", "full"], 2, "pass --coverage too"),
+    (["verify", "--table", "{no_folder}"], 2, "does not exist"),
 ]
 
 

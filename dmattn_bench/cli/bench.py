@@ -33,6 +33,19 @@ def _table(document: dict) -> Table:
     return table
 
 
+MEASURING_OPTIONS = ("table_path", "workloads_path", "only", "peer_names", "dtype", "repeats")
+
+
+def _check_nothing_to_measure_given() -> None:
+    """--from-json renders a saved report: an option that shapes a measurement would be ignored."""
+    context = click.get_current_context()
+    given = [param.opts[0] for param in context.command.params if param.name in MEASURING_OPTIONS
+             and context.get_parameter_source(param.name) is not click.core.ParameterSource.DEFAULT]
+    if given:
+        raise click.BadParameter(f"renders a saved report and measures nothing: drop {', '.join(given)}",
+                                 param_hint="--from-json")
+
+
 def _check_plot_available(plot_path: str | None) -> None:
     if plot_path is None:
         return
@@ -45,7 +58,7 @@ def _check_plot_available(plot_path: str | None) -> None:
 
 
 @click.command("bench")
-@click.option("--table", "table_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--table", "table_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Dispatch table for our kernel. Default: the usual lookup (DMATTN_BENCH_TABLE, shipped table, defaults).")
 @click.option("--workloads", "workloads_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Peer workloads YAML. Default: configs/workloads/peers.yaml on a GPU, "
@@ -67,6 +80,7 @@ def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plo
     """Time our kernel and its peers (forward, forward+backward) on the peer workloads."""
     _check_plot_available(plot_path)
     if from_json is not None:
+        _check_nothing_to_measure_given()
         try:
             document = json.loads(Path(from_json).read_text())
             if not isinstance(document, dict) or not {"device", "rows"} <= set(document):

@@ -97,7 +97,7 @@ def _coverage_table(rows: list[dict], counts: dict[str, int], source: str) -> Ri
 
 
 @click.command()
-@click.argument("table_path", metavar="TABLE")
+@click.argument("table_path", metavar="TABLE", type=click.Path(exists=True, dir_okay=False))
 @click.option("--coverage", "coverage_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Also report how the table serves each key of this workloads YAML (e.g. configs/workloads/default.yaml).")
 @click.option("--grid", default="default", show_default=True, help="Grid of the --coverage file.")
@@ -105,6 +105,9 @@ def _coverage_table(rows: list[dict], counts: dict[str, int], source: str) -> Ri
               help="Result format on stdout.")
 def show(table_path: str, coverage_path: str | None, grid: str, fmt: str) -> None:
     """Summarise the dispatch table TABLE: device, software, kernel hashes and entries."""
+    grid_given = click.get_current_context().get_parameter_source("grid") is not click.core.ParameterSource.DEFAULT
+    if grid_given and coverage_path is None:
+        raise click.BadParameter("names a grid of the --coverage file: pass --coverage too", param_hint="--grid")
     try:
         table = load_table(table_path)
     except TableError as exc:

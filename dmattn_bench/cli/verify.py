@@ -60,7 +60,9 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
     try:
         table = load_table(table_path)
     except TableError as exc:
-        raise DmattnError(str(exc), "fix the field or re-create the table with `dmattn-bench tune`") from None
+        fix = ("fix the field or re-create the table with `dmattn-bench tune`" if os.path.exists(table_path)
+               else f"check the path (from --table or {ENV_VAR})")
+        raise DmattnError(str(exc), fix) from None
     entries = [e for e in table.entries if backend is None or e.backend == backend]
     stale = sorted(name for name, state in kernel_hash_status(table).items()
                    if state == "stale" and any(e.backend == name for e in entries))
@@ -77,7 +79,7 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
 
 
 @click.command()
-@click.option("--table", "table_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--table", "table_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Dispatch table whose entries to verify. Default: $DMATTN_BENCH_TABLE, else the default configs.")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,
               help="Kernel dtype. Default: bf16 on a GPU, fp32 in the CPU interpreter.")
