@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -228,6 +229,9 @@ class Worker:
         self._process = None
         self._conn = None
         self.restarts = 0
+        # stop() runs in the parent's main thread (end of a tune, Ctrl-C) while a measuring
+        # thread may be in call() finding the process gone and stopping it too
+        self._stopping = threading.Lock()
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -239,13 +243,15 @@ class Worker:
         self._conn = parent
 
     def stop(self) -> None:
-        """Kills the process (the next call starts a new one)."""
-        if self._process is not None:
-            if self._process.is_alive():
-                self._process.kill()
-            self._process.join(timeout=10)
-            self._conn.close()
-        self._process = self._conn = None
+        """Kills the process (the next call starts a new one); safe from several threads."""
+        with self._stopping:
+            process, conn = self._process, self._conn
+            self._process = self._conn = None
+        if process is not None:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+            conn.close()
 
     def call(self, fn: Callable, args: tuple, timeout: float):
         """`fn(*args)` in the worker. Raises WorkerCrashed, WorkerTimedOut or RuntimeError (job error)."""
@@ -265,8 +271,10 @@ class Worker:
         try:
             kind, payload = self._conn.recv()
         except (EOFError, ConnectionResetError, OSError):
-            self._process.join(timeout=10)
-            code = self._process.exitcode
+            process = self._process  # None if the parent stopped it meanwhile (Ctrl-C)
+            if process is not None:
+                process.join(timeout=10)
+            code = process.exitcode if process is not None else None
             self.stop()
             self.restarts += 1
             raise WorkerCrashed(f"worker process died (exit code {code})") from None
