@@ -14,7 +14,7 @@ import torch
 
 from dmattn_bench import ops, reference
 from dmattn_bench.registry import get_backend
-from dmattn_bench.space import BwdConfig, FwdConfig, as_4d
+from dmattn_bench.space import BwdConfig, FwdConfig, as_4d, is_valid_head_dim
 
 
 def _check_strides_and_head_dim(query, key, value) -> None:
@@ -26,7 +26,7 @@ def _check_strides_and_head_dim(query, key, value) -> None:
                 f"{name}: got strides {tuple(t.stride())} for shape {tuple(t.shape)}, expected the "
                 f"last (head) dim to have stride 1 (call .contiguous() on it)"
             )
-    if query.shape[-1] % 8 or not 8 <= query.shape[-1] <= 256:
+    if not is_valid_head_dim(query.shape[-1]):
         raise ValueError(
             f"query: got head dim {query.shape[-1]} (shape {tuple(query.shape)}), expected a "
             f"multiple of 8 in [8, 256]"

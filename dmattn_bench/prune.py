@@ -125,7 +125,7 @@ class Candidate:
 
 # -- search spaces ------------------------------------------------------------------------------
 
-def _read_yaml(path: str | Path) -> dict:
+def read_yaml_mapping(path: str | Path) -> dict:
     data = load_yaml(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
@@ -139,7 +139,7 @@ def load_space(path: str | Path, backend: str, direction: str, section: str) -> 
         ValueError: the file's backend/direction differ from the ones asked for, the section is
             missing, or an axis is malformed (always naming the file and the section).
     """
-    data = _read_yaml(path)
+    data = read_yaml_mapping(path)
     for key, want in (("backend", backend), ("direction", direction)):
         if data.get(key) != want:
             raise ValueError(f"{path}: {key} is {data.get(key)!r}, expected {want!r}")
@@ -160,7 +160,7 @@ def load_ci_space(path: str | Path, backend: str, direction: str) -> list[Config
     Raises:
         ValueError: a missing or malformed entry (naming the file and the key).
     """
-    data = _read_yaml(path)
+    data = read_yaml_mapping(path)
     axes = (data.get("space") or {}).get(backend, {}).get(direction)
     where = f"{path}: space.{backend}.{direction}"
     if not isinstance(axes, dict):
@@ -499,7 +499,7 @@ def _configs_for(spaces: Spaces, section: str) -> list[tuple[str, Config]]:
         return pairs
     pairs = []
     for path in spaces:
-        data = _read_yaml(path)
+        data = read_yaml_mapping(path)
         direction = data.get("direction")
         if direction not in DIRECTIONS:
             raise ValueError(f"{path}: direction is {direction!r}, expected one of {DIRECTIONS}")

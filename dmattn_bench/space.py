@@ -203,6 +203,11 @@ def operand_kind(dims: tuple[int, int, int, int] | None, num_heads: int, num_hea
     return "shared"
 
 
+def is_valid_head_dim(head_dim: int) -> bool:
+    """DESIGN §1: any D <= 256 that is a multiple of 8."""
+    return head_dim % 8 == 0 and 8 <= head_dim <= 256
+
+
 def seqlen_bucket(seqlen: int) -> int:
     """The power-of-two bucket of a sequence length (nearest in log distance, ties up)."""
     if seqlen <= 1:

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case
-from dmattn_bench.space import DTYPES, OPERAND_KINDS, TableKey, load_yaml, operand_kind, seqlen_bucket
+from dmattn_bench.space import (DTYPES, OPERAND_KINDS, TableKey, is_valid_head_dim, load_yaml, operand_kind,
+                                seqlen_bucket)
 
 _BIAS_KINDS = ("none", "full", "kv_head", "per_key")
 GRID_KEYS = {"tokens", "heads", "head_dim", "seqlen", "causal", "gqa_ratio", "variants", "dtype"}
@@ -103,7 +104,7 @@ def _checked_axes(grid: dict, where: str) -> list[list]:
     """The head_dim, seqlen, causal, gqa_ratio and variants axes, each value checked."""
     head_dims = [_positive_int(d, f"{where}.head_dim") for d in _axis(grid, "head_dim", where)]
     for head_dim in head_dims:
-        if head_dim % 8 or head_dim > 256:
+        if not is_valid_head_dim(head_dim):
             raise ValueError(f"{where}.head_dim: got {head_dim}, expected a multiple of 8 in [8, 256]")
     seqlens = [_positive_int(n, f"{where}.seqlen") for n in _axis(grid, "seqlen", where)]
     causals = _axis(grid, "causal", where)

@@ -15,8 +15,8 @@ from dmattn_bench.dispatch import Entry, dump_table, new_table
 from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.journal import JournalError
-from dmattn_bench.prune import load_ci_space, load_space
-from dmattn_bench.space import CONFIGS_DIR, config_label, load_yaml
+from dmattn_bench.prune import load_ci_space, load_space, read_yaml_mapping
+from dmattn_bench.space import CONFIGS_DIR, config_label
 from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, candidate_list,
                                 combine_backends, tune)
 from dmattn_bench.workloads import load_workloads
@@ -58,9 +58,7 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[st
     section = search_section(local_limits()) if on_gpu else "sm90"
     spaces: dict[str, list] = {}
     for path in files:
-        document = load_yaml(path) or {}
-        if not isinstance(document, dict):
-            raise ValueError(f"{path}: expected a mapping (a search space or a CI file)")
+        document = read_yaml_mapping(path)
         if "space" in document:
             spaces.update({d: load_ci_space(path, backend, d) for d in ("fwd", "bwd")})
         else:

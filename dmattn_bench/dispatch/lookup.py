@@ -48,18 +48,6 @@ SHIPPED_TABLES_DIR = _shipped_tables_dir()  # read at call time, so tests can po
 DEFAULT_BACKEND = "triton"
 
 
-def kernel_hash_status(table: Table) -> dict[str, str]:
-    """Per backend of the table: "current" if it was tuned on the kernel sources installed here,
-    else "stale" (the lookup skips its entries)."""
-    status = {}
-    for name, recorded in table.kernel_hashes.items():
-        try:
-            status[name] = "current" if recorded == kernel_source_hash(name) else "stale"
-        except ValueError:  # the sources are not installed here: nothing can match them
-            status[name] = "stale"
-    return status
-
-
 class DispatchWarning(UserWarning):
     """A dispatch table was skipped (unreadable, invalid, foreign or stale); a fallback was used."""
 
@@ -107,6 +95,13 @@ def _current_hash(backend: str) -> str | None:
         return kernel_source_hash(backend)
     except (ValueError, OSError):  # sources not found: nothing can match, so the entries are stale
         return None
+
+
+def kernel_hash_status(table: Table) -> dict[str, str]:
+    """Per backend of the table: "current" if it was tuned on the kernel sources installed here,
+    else "stale" (the lookup skips its entries)."""
+    return {name: "current" if recorded == _current_hash(name) else "stale"
+            for name, recorded in table.kernel_hashes.items()}
 
 
 class Dispatcher:
