@@ -1,27 +1,31 @@
-"""`flash_dmattn_func`: argument checks and normalisation to broadcast views; the kernels run
-behind the custom ops of `dmattn_bench.ops` (autograd, torch.compile and CUDA graphs live there).
+"""`flash_dmattn_func`: the public entry. Arguments are checked once per call signature, when its
+launch plan is built (`dmattn_bench.plan`); an eager call whose signature has a plan allocates
+its outputs and launches, through a thin `torch.autograd.Function` when a gradient is needed.
+Under `torch.compile` the call goes through the custom ops of `dmattn_bench.ops` (fake kernels,
+registered autograd), which run the same plans.
 
 The wrapper never copies, pads or materialises q, k, v, the mask or the bias: a mask/bias of
-fewer than 4 dims is left-padded by a view, size-1 dims are read with stride 0, a bool mask is
-reinterpreted as uint8 (same itemsize), and q/k/v only need a contiguous last dim.
+fewer than 4 dims is read as its left-padded 4-D view, size-1 dims are read with stride 0, a bool
+mask is read as bytes, and q/k/v only need a contiguous last dim.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from dmattn_bench import ops, reference
+from dmattn_bench import plan as plans
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, as_4d, is_valid_head_dim
 
 
 def _check_strides_and_head_dim(query, key, value) -> None:
-    """What the fused kernels need beyond the shared contract checks (dtypes and devices are
-    checked inside the op, where reading the environment costs no graph break)."""
+    """What the fused kernels need beyond the shared contract checks."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.stride(-1) != 1:
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
             raise ValueError(
                 f"{name}: got strides {tuple(t.stride())} for shape {tuple(t.shape)}, expected the "
                 f"last (head) dim to have stride 1 (call .contiguous() on it)"
@@ -31,6 +35,77 @@ def _check_strides_and_head_dim(query, key, value) -> None:
             f"query: got head dim {query.shape[-1]} (shape {tuple(query.shape)}), expected a "
             f"multiple of 8 in [8, 256]"
         )
+
+
+def _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,
+                fwd_config, bwd_config) -> float:
+    """Every check of a call that depends only on its signature; returns the softmax scale.
+
+    Raises:
+        TypeError / ValueError: naming the argument, what was received and what is expected.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask),
+                    ("attn_bias", attn_bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: got {type(is_causal).__name__} {is_causal!r}, expected True or False")
+    reference.check_inputs(query, key, value, attn_mask, attn_bias)
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: got {type(softcap).__name__} {softcap!r}, expected a float >= 0 (0 disables)")
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap: got {softcap}, expected a finite value >= 0 (0 disables soft-capping)")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(query.shape[-1])
+    # > 0: the forward takes each row's max on the unscaled q.k (max of scale * qk = scale * max qk)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale: got {type(softmax_scale).__name__} {softmax_scale!r}, expected a float > 0")
+    if not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale: got {softmax_scale}, expected a finite value > 0 (None: 1/sqrt(D))")
+    for name, config, cls in (("fwd_config", fwd_config, FwdConfig), ("bwd_config", bwd_config, BwdConfig)):
+        if config is not None and not isinstance(config, cls):
+            raise TypeError(f"{name}: got {type(config).__name__}, expected a dmattn_bench.{cls.__name__}")
+    if backend not in ("auto", "reference"):
+        get_backend(backend)  # names the known backends on a typo
+    if backend != "reference":
+        _check_strides_and_head_dim(query, key, value)
+    return float(softmax_scale)
+
+
+def _check_mask_values(attn_mask: torch.Tensor) -> None:
+    """An integer mask must hold 0 and 1 only. Reading it costs a reduction and a host sync per
+    call (a bool mask costs neither); skipped while a CUDA graph is captured, where no sync is
+    allowed."""
+    if attn_mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    outside = (attn_mask < 0) | (attn_mask > 1)
+    if bool(outside.any()):
+        value = attn_mask[outside].flatten()[0].item()
+        raise ValueError(f"attn_mask: got an integer mask holding {value}, expected 0/1 only (or a bool mask; "
+                         f"True = attend)")
+
+
+class _Attention(torch.autograd.Function):
+    """The eager call with a gradient: the plan's forward, and its backward from the context."""
+
+    @staticmethod
+    def forward(ctx, plan, query, key, value, attn_mask, attn_bias):
+        out, lse, activity = plan.forward(query, key, value, attn_mask, attn_bias)
+        ctx.save_for_backward(query, key, value, out, lse, attn_mask, attn_bias,
+                              activity if plan.fills_activity else None)
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)  # an lse the loss does not use sends None, not zeros
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        query, key, value, out, lse, attn_mask, attn_bias, activity = ctx.saved_tensors
+        if dout is None:  # the loss reads lse alone
+            dout = torch.zeros_like(out)
+        bias_requires_grad = attn_bias is not None and ctx.needs_input_grad[5]
+        dq, dk, dv, dbias = ctx.plan.backward(dout, query, key, value, out, lse, attn_mask, attn_bias, activity,
+                                              dlse, bias_requires_grad)
+        return None, dq, dk, dv, None, dbias
 
 
 def flash_dmattn_func(
@@ -72,39 +147,55 @@ def flash_dmattn_func(
         fwd_config, bwd_config: explicit kernel tiles, overriding the table for that direction.
 
     Returns:
-        out (B, Lq, H, D) in the query's dtype, or (out, lse) with `return_lse`.
+        out (B, Lq, H, D) in the query's dtype, or (out, lse) with `return_lse`. Zero-length
+        dims are defined: with no query row (B, Lq or H of 0) the outputs are empty; with no key
+        (Lk = 0) every row is dead (out 0, lse -inf); either way nothing is launched and every
+        gradient is zero.
 
     Raises:
         ValueError / TypeError: a bad shape, stride, device or dtype, naming the argument, the
-            shape received and the shape expected.
+            shape received and the shape expected; a non-bool `is_causal`; an integer mask
+            holding values other than 0 and 1 (checked on every call: prefer a bool mask).
     """
-    for name, t in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask),
-                    ("attn_bias", attn_bias)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
-    reference.check_inputs(query, key, value, attn_mask, attn_bias)
-    if softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"softcap: got {softcap}, expected a finite value >= 0 (0 disables soft-capping)")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(query.shape[-1])
-    # > 0: the forward takes each row's max on the unscaled q.k (max of scale * qk = scale * max qk)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale: got {type(softmax_scale).__name__} {softmax_scale!r}, expected a float > 0")
-    if not (softmax_scale > 0 and math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale: got {softmax_scale}, expected a finite value > 0 (None: 1/sqrt(D))")
+    if backend != "reference" and not torch.compiler.is_compiling():
+        try:
+            needs_grad = torch.is_grad_enabled() and (
+                query.requires_grad or key.requires_grad or value.requires_grad
+                or (attn_bias is not None and attn_bias.requires_grad))
+            bias_grad = needs_grad and attn_bias is not None and attn_bias.requires_grad
+            signature = plans.signature(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap,
+                                        backend, table, fwd_config, bwd_config, bias_grad)
+            plan = plans.cached(signature)
+        except (AttributeError, TypeError):  # not a tensor, an unhashable option: the checks say which
+            signature = plan = None
+        if plan is None:
+            scale = _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,
+                                fwd_config, bwd_config)
+            ops.check_device_and_dtypes(query, key, value, attn_bias)
+            plan = plans.AttentionPlan(query, key, value, attn_mask, attn_bias, is_causal=is_causal,
+                                       softmax_scale=scale, softcap=float(softcap), backend=backend, table=table,
+                                       fwd_config=fwd_config, bwd_config=bwd_config, bias_requires_grad=bias_grad)
+            if signature is not None:
+                plans.remember(signature, plan)
+        if attn_mask is not None and attn_mask.dtype is not torch.bool:
+            _check_mask_values(attn_mask)
+        if needs_grad:
+            out, lse = _Attention.apply(plan, query, key, value, attn_mask, attn_bias)
+        else:
+            out, lse, _ = plan.forward(query, key, value, attn_mask, attn_bias)
+        return (out, lse) if return_lse else out
 
+    softmax_scale = _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,
+                                fwd_config, bwd_config)
     if backend == "reference":
         out, lse = reference.attention(
             query, key, value, attn_mask, attn_bias, is_causal=is_causal,
             softmax_scale=softmax_scale, softcap=softcap, return_lse=True,
         )
         return (out, lse.float()) if return_lse else out
-    if backend != "auto":
-        get_backend(backend)  # names the known backends on a typo
-    _check_strides_and_head_dim(query, key, value)
     as_list = (lambda config: None if config is None else list(config.to_dict().values()))
     out, lse, _ = ops.attention_fwd(
-        query, key, value, as_4d(attn_mask), as_4d(attn_bias), bool(is_causal), float(softmax_scale),
+        query, key, value, as_4d(attn_mask), as_4d(attn_bias), is_causal, softmax_scale,
         float(softcap), backend, table, as_list(fwd_config), as_list(bwd_config),
     )
     return (out, lse) if return_lse else out

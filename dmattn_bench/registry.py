@@ -8,7 +8,6 @@ tuner treat them alike: inputs already checked and normalised by `dmattn_bench.a
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
 import importlib.util
 import os
@@ -19,7 +18,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from dmattn_bench import reference
+from dmattn_bench import reference, sourcehash
 from dmattn_bench.hardware import ARCH_LIMITS, local_limits
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 
@@ -45,6 +44,11 @@ class Backend:
 
     Within `compile_only()` the launchers compile what a launch needs and launch nothing (the
     tuner's compile workers).
+
+    `forward_plan` / `backward_plan`, where a backend has them, build a launch plan from a call's
+    arguments (the launchers' own, less the data-only ones): a callable that runs the call's
+    kernels on tensors of the same signature (`dmattn_bench.plan`). Without them the runtime calls
+    `forward` / `backward`.
     """
 
     name: str
@@ -53,6 +57,8 @@ class Backend:
     is_supported: Callable[[FwdConfig | BwdConfig, AttentionShape], str | None]
     kernels: Callable[[str, FwdConfig | BwdConfig, AttentionShape], tuple[tuple, ...]] = _no_kernels
     compile_only: Callable[[], ContextManager] = contextlib.nullcontext
+    forward_plan: Callable[..., Callable[..., None]] | None = None
+    backward_plan: Callable[..., Callable[..., None]] | None = None
 
 
 def _reference_forward(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap, config, out, lse):
@@ -123,6 +129,8 @@ def _kernel_backend(name: str) -> Backend:
         is_supported=package.is_supported,
         kernels=_KERNEL_KEYS[name],
         compile_only=package.compile_only,
+        forward_plan=getattr(package, "ForwardPlan", None),
+        backward_plan=getattr(package, "BackwardPlan", None),
     )
 
 
@@ -132,31 +140,31 @@ BACKEND_NAMES = ("triton", "cuda", "reference")
 _loaded: dict[str, Backend] = {"reference": _REFERENCE}
 
 
-# Where each kernel backend's sources live (a package of the project's own `dmattn_kernels`).
+# Where each kernel backend's sources live (a package of the project's own `dmattn_kernels`), and
+# how its hash reads them (`sourcehash`).
 KERNEL_PACKAGES = {"triton": "dmattn_kernels.triton", "cuda": "dmattn_kernels.cuda", "reference": "dmattn_bench.reference"}
-KERNEL_SOURCE_PATTERNS = ("*.py", "*.cu", "*.cuh")
+_SOURCE_HASHES = {"triton": sourcehash.triton_package_hash, "cuda": sourcehash.cuda_package_hash}
 
 
 @lru_cache(maxsize=None)
 def kernel_source_hash(name: str) -> str:
-    """sha256 of a backend's kernel sources: a table tuned on other sources is stale.
+    """The hash of what decides backend `name`'s results and speed: its kernels and the launch
+    parameters they receive, not docstrings, comments or the host code around them
+    (`sourcehash`). A table validated on another hash is stale for that backend.
 
     Read from the files (never by importing the kernels), so it is safe before the interpreter
-    switch and cheap at run time.
+    switch; cached for the process.
+
+    Raises:
+        ValueError: the backend's sources cannot be found.
     """
     spec = importlib.util.find_spec(KERNEL_PACKAGES[name])
     if spec is None or spec.origin is None:
         raise ValueError(f"backend: cannot locate the sources of {name!r}")
     origin = Path(spec.origin)
     if origin.name == "__init__.py":
-        files = sorted(path for pattern in KERNEL_SOURCE_PATTERNS for path in origin.parent.glob(pattern))
-    else:
-        files = [origin]
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return "sha256:" + digest.hexdigest()[:32]
+        return _SOURCE_HASHES[name](origin.parent)
+    return sourcehash.python_module_hash(origin)
 
 
 PLUGINS_ENV = "DMATTN_BENCH_PLUGINS"  # comma-separated modules imported when backends first load

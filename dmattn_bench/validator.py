@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from dmattn_bench import reference
+from dmattn_bench import plan, reference
 from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, build_inputs
 from dmattn_bench.registry import Backend, default_configs, default_entries, get_backend
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, as_4d, config_label
@@ -146,6 +146,9 @@ def run_kernel(backend: Backend, inputs: Inputs, case: Case, fwd_config: FwdConf
     if fwd_config is not None:
         out = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), nan, dtype=torch.float32, device=q.device)
+        # the tiles a call runs: an fp32 bias may halve a 16-bit bias's key tiles to fit
+        fwd_config = plan.fitting_config(backend, fwd_config, q, k, v, mask, bias, **options,
+                                         shared_memory_limit=plan.shared_memory_limit(q.device))
         backend.forward(q, k, v, mask, bias, config=fwd_config, out=out, lse=lse, **options)
         result.update(out=out, lse=lse)
     else:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dmattn_kernels.triton.launch as launch
-from dmattn_bench import BwdConfig, FwdConfig, flash_dmattn_func
+from dmattn_bench import BwdConfig, FwdConfig, flash_dmattn_func, plan
 from dmattn_bench.reference import attention
 from dmattn_bench.registry import interpreter_enabled
 
@@ -463,16 +463,15 @@ def test_a_training_step_reads_the_mask_for_its_schedule_once(monkeypatch):
     """The forward's tile-activity summary is kept for the backward of the same call, so forward
     + backward run the activity pass once; the gradients are those of a backward that reads
     the mask itself."""
-    calls = []
-    original = launch.tile_activity
-    monkeypatch.setattr(launch, "tile_activity", lambda *a, **k: calls.append(1) or original(*a, **k))
+    launched = []
+    monkeypatch.setattr(launch, "LAUNCH_OBSERVERS", [launched.append])
     generator = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(1, 40, 2, 16, generator=generator, requires_grad=True) for _ in range(3))
     mask = torch.rand(1, 2, 40, 40, generator=generator) < 0.4
     bias = torch.randn(1, 2, 40, 40, generator=generator, requires_grad=True)
     flash_dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True, fwd_config=FWD_SMALL,
                       bwd_config=BWD_WIDE).sum().backward()
-    assert calls == [1]
+    assert launched.count("tile_activity_kernel") == 1
     grads = [t.grad.clone() for t in (q, k, v, bias)]
     dq, dk, dv, dbias = (torch.empty_like(t) for t in (q, k, v, bias))
     out, lse = flash_dmattn_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True, fwd_config=FWD_SMALL,
@@ -484,18 +483,14 @@ def test_a_training_step_reads_the_mask_for_its_schedule_once(monkeypatch):
         assert torch.equal(got, expected)
 
 
-def test_a_forward_of_another_backend_still_leaves_the_schedule_for_the_backward():
-    """`ops._fill_activity` writes the summary when the forward's backend did not."""
-    from types import SimpleNamespace
-
-    from dmattn_bench import ops
-
+def test_a_forward_without_a_summary_leaves_the_backward_to_read_the_mask():
+    """Only the Triton forward writes the mask's tile activity; after another backend's forward
+    the plan hands the backward none (it reads the mask itself) instead of an unfilled buffer."""
     generator = torch.Generator().manual_seed(12)
     q, k = torch.randn(1, 33, 2, 16, generator=generator), torch.randn(1, 50, 2, 16, generator=generator)
     mask = torch.rand(1, 1, 33, 50, generator=generator) < 0.1
-    activity = torch.full(ops._activity_shape(mask, q, k), 5, dtype=torch.int8)
-    ops._fill_activity(SimpleNamespace(name="cuda"), mask, q, k, True, activity)
-    assert torch.equal(activity, launch.tile_activity(mask, 33, 50, True))
-    untouched = activity.clone().fill_(5)
-    ops._fill_activity(SimpleNamespace(name="triton"), mask, q, k, True, untouched)  # the forward wrote it
-    assert (untouched == 5).all()
+    options = dict(is_causal=True, softmax_scale=0.25, softcap=0.0, table=None, fwd_config=None, bwd_config=None,
+                   bias_requires_grad=False)
+    assert plan.AttentionPlan(q, k, k, mask, None, backend="triton", **options).fills_activity
+    assert not plan.AttentionPlan(q, k, k, mask, None, backend="reference", **options).fills_activity
+    assert not plan.AttentionPlan(q, k, k, None, None, backend="triton", **options).fills_activity

@@ -1,10 +1,11 @@
 """The launchers' reuse paths: the forward's tile activity in the backward, and the forward's
-fallback to smaller key tiles when an fp32 bias does not fit a config tuned on a 16-bit one."""
+smaller key tiles when an fp32 bias does not fit a config tuned on a 16-bit one."""
 
 import pytest
 import torch
-from triton.runtime.errors import OutOfResources
 
+from dmattn_bench import plan
+from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
 from dmattn_kernels.triton import launch
 
@@ -40,38 +41,20 @@ def test_backward_with_the_forwards_activity_is_bitwise_the_same():
         assert torch.equal(without, with_reuse)
 
 
-class _SharedMemoryLimit:
-    """Stands in for `flash_fwd_kernel`: raises OutOfResources as a GPU launch does when the
-    key tile is over `max_block_n`, else records the launch."""
-
-    def __init__(self, max_block_n: int):
-        self.max_block_n = max_block_n
-        self.launched: list[int] = []
-        self.attempts = 0
-
-    def __getitem__(self, grid):
-        def run(*args, BLOCK_N, **kwargs):
-            self.attempts += 1
-            if BLOCK_N > self.max_block_n:
-                raise OutOfResources(BLOCK_N * 1024, self.max_block_n * 1024, "shared memory")
-            self.launched.append(BLOCK_N)
-        return run
-
-
-@pytest.mark.parametrize("bias_dtype, expected", [(torch.float32, [32, 32]), (torch.float16, None)])
+@pytest.mark.parametrize("bias_dtype, expected", [(torch.float32, 32), (torch.float16, 128)])
 def test_fp32_bias_forward_halves_key_tiles_until_it_fits(monkeypatch, bias_dtype, expected):
+    """Where configs are chosen (`plan.fitting_config`): a 16-bit call with an fp32 bias whose
+    forward needs more shared memory than the GPU has runs with its key tiles halved until it
+    fits; a 16-bit bias runs the config as tuned."""
     q, k, v, mask, bias = _inputs(2, torch.float16)
-    fake = _SharedMemoryLimit(max_block_n=32)
-    monkeypatch.setattr(launch, "flash_fwd_kernel", fake)
-    monkeypatch.setattr(launch, "_FITTED_FWD", {})
-    call = lambda: launch.attention_forward(  # noqa: E731
-        q, k, v, mask, bias.to(bias_dtype), is_causal=True, softmax_scale=1.0, softcap=0.0,
-        config=FwdConfig(16, 128, 4, 2), out=torch.empty_like(q), lse=torch.empty(1, 4, 48))
-    if expected is None:  # a 16-bit bias runs the config as tuned, or fails as it would
-        with pytest.raises(OutOfResources):
-            call()
-        return
-    call()
-    call()
-    assert fake.launched == expected
-    assert fake.attempts == 4  # 128 and 64 fail once; the second call starts at the learned 32
+    needed = []
+
+    def shared_bytes(*_, config, **__):  # stands in for compiling: 1 KiB per key of the tile
+        needed.append(config.block_n)
+        return config.block_n * 1024
+
+    monkeypatch.setattr(launch, "forward_shared_bytes", shared_bytes)
+    chosen = plan.fitting_config(get_backend("triton"), FwdConfig(16, 128, 4, 2), q, k, v, mask, bias.to(bias_dtype),
+                                 is_causal=True, softmax_scale=1.0, softcap=0.0, shared_memory_limit=32 * 1024)
+    assert chosen == FwdConfig(16, expected, 4, 2)
+    assert needed == ([128, 64, 32] if bias_dtype == torch.float32 else [])

@@ -1,6 +1,8 @@
 """Triton flash dynamic-mask attention: forward, backward, explicit-config launchers."""
 
 from dmattn_kernels.triton.launch import (
+    BackwardPlan,
+    ForwardPlan,
     attention_backward,
     attention_forward,
     compile_only,
@@ -10,5 +12,5 @@ from dmattn_kernels.triton.launch import (
 )
 
 __all__ = [
-    "attention_forward", "attention_backward", "compile_only", "head_block", "is_compile_only", "is_supported",
+    "BackwardPlan", "ForwardPlan", "attention_forward", "attention_backward", "compile_only", "head_block", "is_compile_only", "is_supported",
 ]

@@ -62,7 +62,9 @@ def tile_activity_kernel(
     WORDS: tl.constexpr,
     WORD: tl.constexpr,
 ):
-    """WORDS: the mask rows are contiguous and WORD-byte aligned (`launch.mask_words_readable`), so
+    """Writes every cell of `active` (no zero-filled output needed).
+
+    WORDS: the mask rows are contiguous and WORD-byte aligned (`launch.mask_words_readable`), so
     an interior tile is read as int64 words of WORD (8) mask bytes: a word is nonzero iff one of
     its bytes is. Tiles that cross Lq, Lk or the causal diagonal test each byte (`visible_tile`)."""
     tl.static_assert(BLOCK_M % CELL == 0 and BLOCK_N % CELL == 0 and CELL % WORD == 0 and WORD == 8)
@@ -71,11 +73,18 @@ def tile_activity_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_bh = tl.program_id(2)
-    if IS_CAUSAL:
-        if pid_n * BLOCK_N > (pid_m + 1) * BLOCK_M - 1 + seqlen_k - seqlen_q:
-            return  # entirely past the causal diagonal: its cells stay 0 (zero-initialised output)
     b = (pid_bh // num_mask_heads).to(tl.int64)
     h = (pid_bh % num_mask_heads).to(tl.int64)
+    cell_rows = pid_m * (BLOCK_M // CELL) + tl.arange(0, BLOCK_M // CELL)
+    cell_cols = pid_n * (BLOCK_N // CELL) + tl.arange(0, BLOCK_N // CELL)
+    in_range = (cell_rows[:, None] * CELL < seqlen_q) & (cell_cols[None, :] * CELL < seqlen_k)
+    active_tile = active_ptr + b * stride_ab + h * stride_ah + cell_rows[:, None] * stride_am + cell_cols[None, :] * stride_an
+    if IS_CAUSAL:
+        if pid_n * BLOCK_N > (pid_m + 1) * BLOCK_M - 1 + seqlen_k - seqlen_q:
+            # entirely past the causal diagonal: no mask read, its cells written 0 here (the
+            # output needs no zero-filling launch of its own)
+            tl.store(active_tile, tl.zeros([BLOCK_M // CELL, BLOCK_N // CELL], dtype=tl.int8), mask=in_range)
+            return
     mask_base = mask_ptr + b * stride_mb + h * stride_mh
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     interior = ((pid_m + 1) * BLOCK_M <= seqlen_q) & ((pid_n + 1) * BLOCK_N <= seqlen_k)
@@ -91,11 +100,7 @@ def tile_activity_kernel(
     else:
         cells = _byte_cells(mask_base, offs_m, pid_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL,
                             BLOCK_M, BLOCK_N, CELL)
-    cell_rows = pid_m * (BLOCK_M // CELL) + tl.arange(0, BLOCK_M // CELL)
-    cell_cols = pid_n * (BLOCK_N // CELL) + tl.arange(0, BLOCK_N // CELL)
-    in_range = (cell_rows[:, None] * CELL < seqlen_q) & (cell_cols[None, :] * CELL < seqlen_k)
-    tl.store(active_ptr + b * stride_ab + h * stride_ah + cell_rows[:, None] * stride_am + cell_cols[None, :] * stride_an,
-             cells.to(tl.int8), mask=in_range)
+    tl.store(active_tile, cells.to(tl.int8), mask=in_range)
 
 
 @triton.jit

@@ -1,20 +1,30 @@
 """Launchers for the Triton kernels: explicit configs in, preallocated outputs filled.
 
-Callers (the autograd wrapper, the validator, the tuner) own allocation, so the validator can
-hand in NaN-poisoned buffers and check that every element was written. Inputs arrive already
-checked by `dmattn_bench.api`: q (B, Lq, H, D), k/v (B, Lk, Hkv, D) with a contiguous head dim,
-mask/bias as 4-D views (B|1, H|Hkv|1, Lq|1, Lk|1) or None. Nothing here copies or pads them.
+Callers (the runtime plan, the validator, the tuner) own the outputs, so the validator can hand
+in NaN-poisoned buffers and check that every element was written. Inputs arrive already checked
+by `dmattn_bench.api`: q (B, Lq, H, D), k/v (B, Lk, Hkv, D) with a contiguous head dim, mask/bias
+as 4-D views (B|1, H|Hkv|1, Lq|1, Lk|1) or None. Nothing here copies or pads them.
+
+A launch plan (`ForwardPlan`, `BackwardPlan`) holds what a call needs that does not depend on its
+data: grids, strides, head divisors, flags, scratch shapes and, after its first run, each
+kernel's compiled handle (`_Launch`). Running a plan costs its allocations and one launcher call
+per kernel. The runtime (`dmattn_bench.plan`) keeps the plans it builds; `attention_forward` and
+`attention_backward`, the backend interface of the validator and the tuner, cache theirs by the
+call's signature.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
+from collections import OrderedDict
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import triton
-from triton.runtime.errors import OutOfResources
+from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
@@ -24,11 +34,14 @@ from dmattn_kernels.triton.flash_bwd import (
     flash_bwd_dq_from_ds_kernel,
     flash_bwd_dq_kernel,
     flash_bwd_preprocess_kernel,
+    gqa_share_sum_kernel,
 )
 from dmattn_kernels.triton.flash_fwd import flash_fwd_kernel
 
 _MODE = threading.local()  # compile-only switch of the current thread (see `compile_only`)
-_FITTED_FWD: dict[tuple, FwdConfig] = {}  # forward tiles `fitting_forward_config` learned
+# Called with each kernel's name as it is launched (or compiled in `compile_only`): launch counts
+# for tests and instrumentation. Empty in normal use, where it costs one truth test per launch.
+LAUNCH_OBSERVERS: list[Callable[[str], None]] = []
 
 MAX_HEAD_DIM = 256  # the largest head dim whose fp32 accumulator tile fits the register file
 MIN_BLOCK = CELL  # tl.dot needs every tile dim >= 16; the activity cells are that size
@@ -37,6 +50,11 @@ WARP_CHOICES = (1, 2, 4, 8, 16)
 MAX_STAGES = 8
 PREPROCESS_BLOCK_M = 64  # delta = rowsum(dO * O) is memory-bound; any reasonable tile will do
 ACTIVITY_BLOCK_M, ACTIVITY_BLOCK_N = 64, 256  # tile of the (memory-bound) activity pass; multiples of CELL
+ACTIVITY_NUM_WARPS = 8
+LIST_NUM_WARPS = 4  # a block-list program handles one row of tiles: little work
+GQA_SUM_BLOCK_N = 64  # keys per program of the (memory-bound) GQA share sum
+GQA_SUM_NUM_WARPS = 4
+PLAN_CACHE_SIZE = 512  # signatures whose plans `attention_forward` / `attention_backward` keep
 # Compute-capability majors whose forward loads K and V by bulk tensor copy (TMA descriptors).
 # Measured only on sm90 (H200, flash_fwd._load_kv_tile); Blackwell has the copy engine too, but
 # no sm100/sm120 GPU was available to show that it pays there.
@@ -62,13 +80,6 @@ def compile_only():
 
 def is_compile_only() -> bool:
     return getattr(_MODE, "compile_only", False)
-
-
-def _launch(kernel, grid, *args, **kwargs) -> None:
-    if is_compile_only():
-        kernel.warmup(*args, grid=grid, **kwargs)
-    else:
-        kernel[grid](*args, **kwargs)
 
 
 def head_block(head_dim: int) -> int:
@@ -104,28 +115,109 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
     return None
 
 
-def _broadcast_operand(t: torch.Tensor | None, num_heads: int, group: int, fallback: torch.Tensor):
-    """Pointer, 4 strides and head divisor of a broadcast mask/bias view (stride 0 on size-1 dims).
+# -- one kernel launch -----------------------------------------------------------------------------
 
-    A head dim of H maps query head h to slice h; of Hkv (when H != Hkv) to slice h // group.
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class _Launch:
+    """One kernel of a plan: grid, scalar arguments and constexprs fixed; tensors given per run.
+
+    The first run goes through Triton's JIT, which compiles the kernel for these arguments (or
+    finds it in its caches) and returns the compiled kernel; later runs call that kernel's
+    launcher directly, as the JIT itself does after its binder, specialization key and cache
+    lookup, which are what they skip. The specialization cannot change between runs of a plan:
+    its signature holds every shape, stride, dtype and 16-byte alignment the JIT specializes on.
+    In the interpreter, within `compile_only()` and while a Triton launch hook is set (a
+    profiler), every run takes the JIT path.
+
+    Tensors come first in every kernel's parameters, so a run's arguments are the tensors, then
+    the fixed tail. A bool tensor is viewed as uint8 on the JIT path (same itemsize; the handle's
+    launcher reads only its data pointer).
     """
-    if t is None:
-        return fallback, (0, 0, 0, 0), 1
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)  # same itemsize: a reinterpretation, not a copy
-    strides = _zero_size1_strides(t)
-    head_div = group if (t.shape[1] != num_heads and t.shape[1] != 1) else 1
-    return t, strides, head_div
+
+    __slots__ = ("kernel", "name", "grid", "scalars", "constexprs", "options", "tail", "launcher", "function",
+                 "metadata")
+
+    def __init__(self, kernel, grid, scalars, constexprs: dict, **options):
+        self.kernel = kernel
+        self.name = kernel.__name__ if hasattr(kernel, "__name__") else type(kernel).__name__
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.scalars = tuple(scalars)
+        self.constexprs = constexprs
+        self.options = options
+        self.launcher = None  # the compiled kernel's launcher, after the first run
+
+    def __call__(self, *tensors) -> None:
+        if LAUNCH_OBSERVERS:
+            for observer in LAUNCH_OBSERVERS:
+                observer(self.name)
+        runtime = knobs.runtime
+        if self.launcher is not None and not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)):
+            stream = _current_stream(_current_device())
+            self.launcher(*self.grid, stream, self.function, self.metadata, None, None, None, *tensors, *self.tail)
+            return
+        self._jit(tensors)
+
+    def _jit(self, tensors) -> None:
+        args = [t.view(torch.uint8) if getattr(t, "dtype", None) is torch.bool else t for t in tensors]
+        if is_compile_only():
+            self.kernel.warmup(*args, *self.scalars, grid=self.grid, **self.constexprs, **self.options)
+            return
+        compiled = self.kernel[self.grid](*args, *self.scalars, **self.constexprs, **self.options)
+        if compiled is None or _interpreted() or not hasattr(compiled, "packed_metadata"):
+            return
+        positional = len(tensors) + len(self.scalars)
+        self.tail = self.scalars + tuple(self.constexprs[name] for name in self.kernel.arg_names[positional:])
+        self.function, self.metadata = compiled.function, compiled.packed_metadata
+        self.launcher = compiled.run
 
 
-def bias_per_key(strides: tuple[int, ...], bias: torch.Tensor | None) -> bool:
-    """Whether the kernels read the bias as one value per key (`common.load_bias`): its query
-    dim broadcasts (stride 0 in the (batch, head, query, key) `strides` of `_broadcast_operand`)."""
-    return bias is not None and strides[2] == 0
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: a `HookChain` (Triton 3.6+) with calls, or a callable."""
+    calls = getattr(hook, "calls", hook)
+    return bool(calls)
+
+
+# The current device and stream, as Triton's JIT reads them before a launch, without the lazy-init
+# check `torch.cuda.current_device` repeats (5 us per launch on an H100 host, cProfile of
+# `benchmarks/host_profile.py`): a plan's kernels run after its first JIT launch initialised CUDA.
+_current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else None
+_current_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+
+
+# -- operand layouts -------------------------------------------------------------------------------
 
 
 def _zero_size1_strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _broadcast_layout(t: torch.Tensor | None, num_heads: int, group: int) -> tuple[tuple[int, ...], int]:
+    """4 strides (0 on size-1 dims) and head divisor of a broadcast mask/bias view.
+
+    A head dim of H maps query head h to slice h; of Hkv (when H != Hkv) to slice h // group.
+    """
+    if t is None:
+        return (0, 0, 0, 0), 1
+    head_div = group if (t.shape[1] != num_heads and t.shape[1] != 1) else 1
+    return _zero_size1_strides(t), head_div
+
+
+def bias_per_key(strides: tuple[int, ...], bias: torch.Tensor | None) -> bool:
+    """Whether the kernels read the bias as one value per key (`common.load_bias`): its query
+    dim broadcasts (stride 0 in the (batch, head, query, key) `strides` of `_broadcast_layout`)."""
+    return bias is not None and strides[2] == 0
 
 
 def mask_words_readable(mask: torch.Tensor) -> bool:
@@ -139,55 +231,6 @@ def mask_words_readable(mask: torch.Tensor) -> bool:
 def activity_shape(mask_shape, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int, int]:
     """Shape of `tile_activity`'s summary for a 4-D mask of `mask_shape`."""
     return (mask_shape[0], mask_shape[1], triton.cdiv(seqlen_q, CELL), triton.cdiv(seqlen_k, CELL))
-
-
-def tile_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """(Bm, Hm, ceil(Lq/CELL), ceil(Lk/CELL)) int8: 1 where a CELL x CELL cell of the mask's own
-    batch and head slices holds a visible position (`activity.py`). One read of the mask.
-
-    `out`, when given, is a buffer of that shape to fill (every element is written)."""
-    mask_arg = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    batch_m, heads_m = mask.shape[0], mask.shape[1]
-    shape = activity_shape(mask.shape, seqlen_q, seqlen_k)
-    if out is None:
-        out = torch.zeros(shape, dtype=torch.int8, device=mask.device)
-    else:
-        out.zero_()  # tiles past the causal diagonal are skipped by the kernel
-    _launch(
-        tile_activity_kernel,
-        (triton.cdiv(seqlen_q, ACTIVITY_BLOCK_M), triton.cdiv(seqlen_k, ACTIVITY_BLOCK_N), batch_m * heads_m),
-        mask_arg, out, *_zero_size1_strides(mask_arg), *out.stride(), heads_m, seqlen_q, seqlen_k,
-        IS_CAUSAL=is_causal, BLOCK_M=ACTIVITY_BLOCK_M, BLOCK_N=ACTIVITY_BLOCK_N, CELL=CELL,
-        WORDS=mask_words_readable(mask_arg), WORD=WORD_BYTES, num_warps=8,
-    )
-    return out
-
-
-def block_lists(active: torch.Tensor, block_rows: int, block_cols: int, *, key_major: bool = False) -> torch.Tensor:
-    """Per tile row, the tiles a kernel must visit: (Bm, Hm, rows, 1 + cols) int32, each row
-    [count, index_0, ..., index_{count-1}, skipped indices...], active and skipped tiles each
-    in increasing order (`activity.block_list_kernel`).
-
-    `active` (from `tile_activity`) is pooled to (block_rows x block_cols) tiles of the
-    (query x key) plane. key_major: one row per key tile listing query tiles (the dK/dV kernel).
-    """
-    batch_m, heads_m, cell_rows, cell_cols = active.shape
-    rows, cols = block_rows // CELL, block_cols // CELL
-    stride_b, stride_h, stride_r, stride_c = active.stride()
-    if key_major:
-        own, listed, own_cells, list_cells, stride_own, stride_list = cols, rows, cell_cols, cell_rows, stride_c, stride_r
-    else:
-        own, listed, own_cells, list_cells, stride_own, stride_list = rows, cols, cell_rows, cell_cols, stride_r, stride_c
-    num_rows, num_tiles = triton.cdiv(own_cells, own), triton.cdiv(list_cells, listed)
-    lists = torch.empty((batch_m, heads_m, num_rows, 1 + num_tiles), dtype=torch.int32, device=active.device)
-    _launch(
-        block_list_kernel, (num_rows, batch_m * heads_m),
-        active, lists, stride_b, stride_h, stride_own, stride_list, *lists.stride()[:3],
-        heads_m, own_cells, list_cells, num_tiles,
-        OWN_CELLS=own, LIST_CELLS=listed, CHUNK=min(LIST_CHUNK, triton.next_power_of_2(num_tiles)), num_warps=4,
-    )
-    return lists
 
 
 def kv_by_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -204,19 +247,349 @@ def kv_by_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
                for t in (k, v))
 
 
-def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int, use_tma: bool):
-    """The forward's `k_desc, v_desc`: (B, Lk, Hkv, D) descriptors of (1, block_n, 1, block_d) tiles
-    (zero-filled past Lk and D) when `use_tma`, else k and v themselves (unused pointers)."""
-    if not use_tma:
-        return k, v
-    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, block_d]) for t in (k, v))
+def _descriptor_template(t: torch.Tensor, block_n: int, block_d: int) -> TensorDescriptor:
+    """A (B, Lk, Hkv, D) descriptor of (1, block_n, 1, block_d) tiles (zero-filled past Lk and D),
+    checked once; `_on` gives each run's copy its tensor. The template keeps no tensor."""
+    template = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, block_d])
+    template.base = None
+    return template
 
 
-def _block_list_args(blocks: torch.Tensor | None, fallback: torch.Tensor):
-    """Pointer and (batch, head, row) strides of a block list; stride 0 on broadcast dims."""
-    if blocks is None:
-        return fallback, (0, 0, 0)
-    return blocks, _zero_size1_strides(blocks)[:3]
+def _on(template: TensorDescriptor, t: torch.Tensor) -> TensorDescriptor:
+    descriptor = object.__new__(TensorDescriptor)  # the template's checked fields, without re-checking
+    descriptor.__dict__.update(template.__dict__)
+    descriptor.base = t
+    return descriptor
+
+
+# -- the mask's tile activity and block lists ------------------------------------------------------
+
+
+class _ActivityPass:
+    """`tile_activity_kernel` for one mask layout: (Bm, Hm, ceil(Lq/CELL), ceil(Lk/CELL)) int8."""
+
+    def __init__(self, mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool):
+        batch_m, heads_m = mask.shape[0], mask.shape[1]
+        self.shape = activity_shape(mask.shape, seqlen_q, seqlen_k)
+        self.launch = _Launch(
+            tile_activity_kernel,
+            (triton.cdiv(seqlen_q, ACTIVITY_BLOCK_M), triton.cdiv(seqlen_k, ACTIVITY_BLOCK_N), batch_m * heads_m),
+            (*_zero_size1_strides(mask), *_contiguous_strides(self.shape), heads_m, seqlen_q, seqlen_k),
+            dict(IS_CAUSAL=is_causal, BLOCK_M=ACTIVITY_BLOCK_M, BLOCK_N=ACTIVITY_BLOCK_N, CELL=CELL,
+                 WORDS=mask_words_readable(mask), WORD=WORD_BYTES),
+            num_warps=ACTIVITY_NUM_WARPS,
+        )
+
+    def __call__(self, mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: a contiguous buffer of `self.shape` to fill (every element is written)."""
+        if out is None:
+            out = torch.empty(self.shape, dtype=torch.int8, device=mask.device)
+        self.launch(mask, out)
+        return out
+
+
+class _BlockLists:
+    """`block_list_kernel` for one activity shape and tile shape: (Bm, Hm, rows, 1 + cols) int32,
+    each row [count, active indices..., skipped indices...] (`block_lists`)."""
+
+    def __init__(self, active_shape, block_rows: int, block_cols: int, key_major: bool):
+        batch_m, heads_m, cell_rows, cell_cols = active_shape
+        stride_b, stride_h, stride_r, stride_c = _contiguous_strides(active_shape)
+        rows, cols = block_rows // CELL, block_cols // CELL
+        if key_major:
+            own, listed, own_cells, list_cells, stride_own, stride_list = cols, rows, cell_cols, cell_rows, stride_c, stride_r
+        else:
+            own, listed, own_cells, list_cells, stride_own, stride_list = rows, cols, cell_rows, cell_cols, stride_r, stride_c
+        num_rows, num_tiles = triton.cdiv(own_cells, own), triton.cdiv(list_cells, listed)
+        self.shape = (batch_m, heads_m, num_rows, 1 + num_tiles)
+        lists_strides = _contiguous_strides(self.shape)
+        # what a kernel reading the lists receives: (batch, head, row) strides, 0 on broadcast dims
+        self.strides = tuple(0 if size == 1 else stride for size, stride in zip(self.shape, lists_strides))[:3]
+        self.launch = _Launch(
+            block_list_kernel, (num_rows, batch_m * heads_m),
+            (stride_b, stride_h, stride_own, stride_list, *lists_strides[:3], heads_m, own_cells, list_cells, num_tiles),
+            dict(OWN_CELLS=own, LIST_CELLS=listed, CHUNK=min(LIST_CHUNK, triton.next_power_of_2(num_tiles))),
+            num_warps=LIST_NUM_WARPS,
+        )
+
+    def __call__(self, active: torch.Tensor) -> torch.Tensor:
+        lists = torch.empty(self.shape, dtype=torch.int32, device=active.device)
+        self.launch(active, lists)
+        return lists
+
+
+def tile_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """(Bm, Hm, ceil(Lq/CELL), ceil(Lk/CELL)) int8: 1 where a CELL x CELL cell of the mask's own
+    batch and head slices holds a visible position (`activity.py`). One read of the mask.
+
+    `out`, when given, is a contiguous buffer of that shape to fill (every element is written)."""
+    return _ActivityPass(mask, seqlen_q, seqlen_k, is_causal)(mask, out)
+
+
+def block_lists(active: torch.Tensor, block_rows: int, block_cols: int, *, key_major: bool = False) -> torch.Tensor:
+    """Per tile row, the tiles a kernel must visit: (Bm, Hm, rows, 1 + cols) int32, each row
+    [count, index_0, ..., index_{count-1}, skipped indices...], active and skipped tiles each
+    in increasing order (`activity.block_list_kernel`).
+
+    `active` (from `tile_activity`, contiguous) is pooled to (block_rows x block_cols) tiles of the
+    (query x key) plane. key_major: one row per key tile listing query tiles (the dK/dV kernel).
+    """
+    return _BlockLists(tuple(active.shape), block_rows, block_cols, key_major)(active.contiguous())
+
+
+# -- forward ---------------------------------------------------------------------------------------
+
+
+class ForwardPlan:
+    """A forward call's launches for one signature; `plan(q, k, v, mask, bias, out, lse, activity)`
+    runs them on tensors of that signature.
+
+    With a mask: the activity pass (into `activity`, or a scratch buffer), the block lists of this
+    config's tiles, then the forward; without: the forward alone.
+    """
+
+    def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
+                 config: FwdConfig, out: torch.Tensor, lse: torch.Tensor):
+        batch, seqlen_q, num_heads, head_dim = q.shape
+        seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+        group = num_heads // num_heads_kv
+        block_d = head_block(head_dim)
+        mask_strides, mask_head_div = _broadcast_layout(mask, num_heads, group)
+        bias_strides, bias_head_div = _broadcast_layout(bias, num_heads, group)
+        self.config = config
+        self.activity = self.lists = None
+        blocks_strides = (0, 0, 0)
+        if mask is not None:
+            self.activity = _ActivityPass(mask, seqlen_q, seqlen_k, is_causal)
+            self.lists = _BlockLists(self.activity.shape, config.block_m, config.block_n, key_major=False)
+            blocks_strides = self.lists.strides
+        self.use_tma = kv_by_tma(k, v)
+        if self.use_tma:
+            self.k_desc, self.v_desc = (_descriptor_template(t, config.block_n, block_d) for t in (k, v))
+        self.forward = _Launch(
+            flash_fwd_kernel, (triton.cdiv(seqlen_q, config.block_m), batch * num_heads),
+            (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out.stride(), *lse.stride(),
+             *blocks_strides, num_heads, seqlen_q, seqlen_k, mask_head_div, bias_head_div,
+             softmax_scale, softcap if softcap > 0 else 1.0),
+            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 IS_CAUSAL=is_causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
+                 USE_TMA=self.use_tma, BIAS_PER_KEY=bias_per_key(bias_strides, bias)),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+
+    def __call__(self, q, k, v, mask, bias, out, lse, activity=None) -> None:
+        blocks = q  # an unused pointer without a mask, as are q for an absent mask or bias
+        if self.activity is not None:
+            blocks = self.lists(self.activity(mask, activity))
+        if self.use_tma:
+            k_desc, v_desc = _on(self.k_desc, k), _on(self.v_desc, v)
+        else:
+            k_desc, v_desc = k, v
+        self.forward(q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks, k_desc, v_desc)
+
+
+# -- backward --------------------------------------------------------------------------------------
+
+
+def _finish_dbias(partial: torch.Tensor, dbias: torch.Tensor) -> None:
+    """Sums the partials into the bias's broadcast shape in a fixed order (deterministic): the
+    query heads of each GQA group when the bias has one slice per kv head, then every dim the
+    bias broadcasts (size 1)."""
+    heads = dbias.shape[1]
+    if heads not in (1, partial.shape[1]):
+        partial = partial.unflatten(1, (heads, -1)).sum(2)
+    reduce_dims = tuple(dim for dim in range(4) if dbias.shape[dim] == 1 and partial.shape[dim] != 1)
+    dbias.copy_(partial.sum(dim=reduce_dims, keepdim=True) if reduce_dims else partial)
+
+
+def delta_with_lse_grad(delta: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor) -> None:
+    """delta - dlse in place, a dead row's dlse dropped (what `flash_bwd_preprocess_kernel` does
+    in the Triton backward; the CUDA backward computes delta without it)."""
+    if dlse is not None:
+        delta.sub_(torch.where(lse == float("-inf"), 0.0, dlse))
+
+
+class BackwardPlan:
+    """A backward call's launches for one signature; `plan(dout, q, k, v, out, lse, mask, bias, dq,
+    dk, dv, dbias, activity, dlse)` runs them.
+
+    delta (with dlse folded in), the block lists of both kernels' tiles (from the forward's
+    activity, or one more activity pass without it), dK/dV (and dBias partials), the GQA share
+    sum, dQ, and the host sum of dBias's broadcast dims where the kernel kept them apart.
+    """
+
+    def __init__(self, dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
+                 config: BwdConfig, dq, dk, dv, dbias, dlse):
+        batch, seqlen_q, num_heads, head_dim = q.shape
+        seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+        group = num_heads // num_heads_kv
+        block_d = head_block(head_dim)
+        device = q.device
+        mask_strides, mask_head_div = _broadcast_layout(mask, num_heads, group)
+        bias_strides, bias_head_div = _broadcast_layout(bias, num_heads, group)
+        flags = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=is_causal,
+                     HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
+                     BIAS_PER_KEY=bias_per_key(bias_strides, bias))
+        scalars = (mask_head_div, bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0)
+        self.device, self.lse_shape = device, tuple(lse.shape)
+
+        # -- dBias target. Split mode (one program per query head) writes (B, H, Lq or one row
+        # per query block, Lk). Group mode (one program per kv head, looping over its query
+        # heads) is chosen for a bias with query rows and fewer heads than the query,
+        # (B, Hkv|1, Lq, Lk) under GQA: it sums dS over the group in registers and writes
+        # (B, Hkv, Lq, Lk), 1/GROUP of split mode's fp32 partial (2 GiB at B2 H16 L4096) and none
+        # at all for a contiguous (B, Hkv, Lq, Lk) bias. Everywhere else split mode stays:
+        # per-kv-head programs leave most SMs idle (flash_bwd.py docstring). The target is dbias
+        # itself where the shapes agree (never zero-filled: the kernel writes every element,
+        # skipped tiles as zeros), else fp32 scratch summed by `_finish_dbias` --
+        rows, heads_per_program = True, 1
+        self.partial_shape = None  # None: the kernel writes dbias itself (or there is none)
+        partial_strides = (0, 0, 0, 0)
+        if dbias is not None:
+            rows = dbias.shape[2] != 1 or seqlen_q == 1
+            heads_per_program = group if rows and dbias.shape[1] < num_heads else 1
+            shape = (batch, num_heads // heads_per_program,
+                     seqlen_q if rows else triton.cdiv(seqlen_q, config.block_m), seqlen_k)
+            if tuple(dbias.shape) == shape and dbias.is_contiguous():
+                partial_strides = dbias.stride()
+            else:
+                self.partial_shape = shape
+                partial_strides = _contiguous_strides(shape)
+
+        # -- schedules --
+        self.activity = self.kv_lists = self.q_lists = None
+        self.group_union = False
+        kv_blocks_strides = q_blocks_strides = (0, 0, 0)
+        if mask is not None:
+            self.activity = _ActivityPass(mask, seqlen_q, seqlen_k, is_causal)
+            kv_active_shape = self.activity.shape
+            # group mode visits the union of its query heads' tiles (each tile still applies its
+            # own head's mask); a mask with Hkv or 1 heads already has one list per kv head
+            self.group_union = heads_per_program > 1 and mask.shape[1] == num_heads
+            if self.group_union:
+                kv_active_shape = (kv_active_shape[0], num_heads_kv, *kv_active_shape[2:])
+            self.kv_lists = _BlockLists(kv_active_shape, config.block_m, config.block_n, key_major=True)
+            self.q_lists = _BlockLists(self.activity.shape, config.block_m_dq, config.block_n_dq, key_major=False)
+            kv_blocks_strides, q_blocks_strides = self.kv_lists.strides, self.q_lists.strides
+        self.num_heads_kv, self.group = num_heads_kv, group
+
+        # -- delta = rowsum(dO * O) - dlse --
+        delta_strides = _contiguous_strides(lse.shape)
+        self.preprocess = _Launch(
+            flash_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * num_heads),
+            (*out.stride(), *dout.stride(), *delta_strides, *lse.stride(),
+             *(dlse.stride() if dlse is not None else (0, 0, 0)), num_heads, seqlen_q),
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None),
+            num_warps=4,
+        )
+
+        # -- dK, dV (and dBias partials): one program per key block and query head (split mode) or
+        # kv head (group mode); under GQA in split mode each query head's fp32 share, summed by
+        # `gqa_share_sum_kernel` in a fixed order (deterministic, no atomics) --
+        self.share_shape = None
+        dk_strides, dv_strides = dk.stride(), dv.stride()
+        if group > 1 and heads_per_program == 1:
+            self.share_shape = (batch, seqlen_k, num_heads, head_dim)
+            dk_strides = dv_strides = _contiguous_strides(self.share_shape)
+            self.share_sum = _Launch(
+                gqa_share_sum_kernel, (triton.cdiv(seqlen_k, GQA_SUM_BLOCK_N), batch * num_heads_kv),
+                (*dk_strides, *dk.stride(), *dv.stride(), num_heads_kv, seqlen_k),
+                dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=GQA_SUM_BLOCK_N),
+                num_warps=GQA_SUM_NUM_WARPS,
+            )
+        self.dkdv = _Launch(
+            flash_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, config.block_n), batch * num_heads // heads_per_program),
+            (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
+             *lse.stride(), *dk_strides, *dv_strides, *partial_strides, *kv_blocks_strides,
+             num_heads, seqlen_q, seqlen_k, *scalars),
+            dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows,
+                 HEADS_PER_PROGRAM=heads_per_program, **flags),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+
+        # -- dQ: one program per query block and query head; from the stored dS when the dK/dV
+        # kernel wrote it whole, as the gradient of a full per-head bias without softcap --
+        self.dq_from_ds = (dbias is not None and self.partial_shape is None and rows and heads_per_program == 1
+                           and softcap <= 0)
+        dq_grid = (triton.cdiv(seqlen_q, config.block_m_dq), batch * num_heads)
+        if self.dq_from_ds:
+            self.dq = _Launch(
+                flash_bwd_dq_from_ds_kernel, dq_grid,
+                (*dbias.stride(), *k.stride(), *dq.stride(), *q_blocks_strides,
+                 num_heads, seqlen_q, seqlen_k, mask_head_div, softmax_scale),
+                dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m_dq,
+                     BLOCK_N=config.block_n_dq, IS_CAUSAL=is_causal, HAS_MASK=mask is not None),
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )
+        else:
+            self.dq = _Launch(
+                flash_bwd_dq_kernel, dq_grid,
+                (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
+                 *lse.stride(), *dq.stride(), *q_blocks_strides, num_heads, seqlen_q, seqlen_k, *scalars),
+                dict(BLOCK_M=config.block_m_dq, BLOCK_N=config.block_n_dq, **flags),
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )
+
+    def __call__(self, dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity=None, dlse=None) -> None:
+        device = self.device
+        delta = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        self.preprocess(out, dout, delta, lse, lse if dlse is None else dlse)
+        kv_blocks = q_blocks = q  # unused pointers without a mask
+        if self.activity is not None:
+            # one read of the mask, the forward's, serves both kernels' schedules
+            active = activity if activity is not None else self.activity(mask)
+            kv_active = active
+            if self.group_union:
+                kv_active = active.unflatten(1, (self.num_heads_kv, self.group)).amax(2)
+            kv_blocks, q_blocks = self.kv_lists(kv_active), self.q_lists(active)
+        partial = q
+        if dbias is not None:
+            partial = dbias if self.partial_shape is None else torch.empty(
+                self.partial_shape, dtype=torch.float32, device=device)
+        dk_share, dv_share = dk, dv
+        if self.share_shape is not None:
+            dk_share = torch.empty(self.share_shape, dtype=torch.float32, device=device)
+            dv_share = torch.empty(self.share_shape, dtype=torch.float32, device=device)
+        mask_arg = q if mask is None else mask
+        bias_arg = q if bias is None else bias
+        self.dkdv(q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks)
+        if self.share_shape is not None:
+            self.share_sum(dk_share, dv_share, dk, dv)
+        if self.dq_from_ds:
+            self.dq(dbias, k, dq, q_blocks)
+        else:
+            self.dq(q, k, v, mask_arg, bias_arg, dout, lse, delta, dq, q_blocks)
+        if dbias is not None and self.partial_shape is not None:
+            _finish_dbias(partial, dbias)
+
+
+# -- the backend interface: plans cached by signature ----------------------------------------------
+
+
+def signature(*tensors) -> tuple:
+    """What a plan depends on of each tensor: shape, strides, dtype, device and whether its data
+    starts 16-byte aligned (Triton specializes pointers on it). None stays None."""
+    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                 for t in tensors)
+
+
+_plans: OrderedDict = OrderedDict()
+_plans_lock = threading.Lock()
+
+
+def _cached_plan(key: tuple, build: Callable):
+    with _plans_lock:
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+            return plan
+    plan = build()
+    with _plans_lock:
+        _plans[key] = plan
+        while len(_plans) > PLAN_CACHE_SIZE:
+            _plans.popitem(last=False)
+    return plan
 
 
 def attention_forward(
@@ -235,123 +608,13 @@ def attention_forward(
     activity: torch.Tensor | None = None,
 ) -> None:
     """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call, and, when a mask
-    and an `activity` buffer (`activity_shape`) are given, the mask's tile activity into it, for
-    the backward of the same call (`attention_backward`).
-
-    An fp32 bias under 16-bit inputs runs `config` with key tiles halved until it fits the GPU's
-    shared memory (`fitting_forward_config`)."""
-    fp32_bias = bias is not None and bias.dtype == torch.float32 and q.dtype != torch.float32
-    # what decides the kernel's shared memory beside the tiles (Triton specializes 16-divisible ints)
-    if fp32_bias:
-        fit_key = (config, q.dtype, q.device, q.shape[-1], mask is None, is_causal, softcap > 0,
-                   _zero_size1_strides(bias), q.shape[1] % 16, k.shape[1] % 16)
-        config = _FITTED_FWD.get(fit_key, config)
-    while True:
-        try:
-            _forward(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap,
-                     config=config, out=out, lse=lse, activity=activity)
-            return
-        except OutOfResources:
-            if not fp32_bias or config.block_n <= MIN_BLOCK:
-                raise
-            config = fitting_forward_config(config)
-            _FITTED_FWD[fit_key] = config
-
-
-def fitting_forward_config(config: FwdConfig) -> FwdConfig:
-    """The forward tiles tried when `config` does not fit with an fp32 bias: key tiles halved.
-
-    A table key has no bias dtype, so its config was tuned on a 16-bit bias, and an fp32 bias
-    tile takes twice the shared memory per stage (sm90, Triton 3.6, D128: fwd 128x128 w8 s2 needs
-    214016 B with a bf16 bias, 246784 B with an fp32 one, over the 232448 B limit). Halving the
-    key tile keeps the pipeline: one stage instead (the other way to fit) ran W1 in 1.509 ms
-    against 0.693 ms with the bf16 bias (H100, `results/bench/session12-h100-probe.txt`).
-    `prune` checks that the halved tiles fit.
-    """
-    return dataclasses.replace(config, block_n=config.block_n // 2)
-
-
-def _forward(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap, config, out, lse, activity) -> None:
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
-    group = num_heads // num_heads_kv
-    mask_arg, mask_strides, mask_head_div = _broadcast_operand(mask, num_heads, group, q)
-    bias_arg, bias_strides, bias_head_div = _broadcast_operand(bias, num_heads, group, q)
-    blocks = None
-    if mask is not None:
-        blocks = block_lists(tile_activity(mask, seqlen_q, seqlen_k, is_causal, out=activity), config.block_m,
-                             config.block_n)
-    blocks_arg, blocks_strides = _block_list_args(blocks, q)
-    use_tma = kv_by_tma(k, v)
-    k_desc, v_desc = kv_descriptors(k, v, config.block_n, head_block(head_dim), use_tma)
-    grid = (triton.cdiv(seqlen_q, config.block_m), batch * num_heads)
-    _launch(
-        flash_fwd_kernel, grid,
-        q, k, v, mask_arg, bias_arg, out, lse, blocks_arg, k_desc, v_desc,
-        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out.stride(), *lse.stride(),
-        *blocks_strides,
-        num_heads, seqlen_q, seqlen_k,
-        mask_head_div, bias_head_div,
-        softmax_scale, softcap if softcap > 0 else 1.0,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=head_block(head_dim),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        IS_CAUSAL=is_causal,
-        HAS_MASK=mask is not None,
-        HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=softcap > 0,
-        USE_TMA=use_tma,
-        BIAS_PER_KEY=bias_per_key(bias_strides, bias),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-
-
-def _dbias_partial(dbias: torch.Tensor, batch, num_heads, group, seqlen_q, seqlen_k, block_m):
-    """The buffer the dK/dV kernel writes dBias into, and the kernel mode that fills it.
-
-    Split mode (one program per query head) writes (B, H, Lq or one row per query block, Lk).
-    Group mode (one program per kv head, looping over its query heads) is chosen for a bias with
-    query rows and fewer heads than the query, (B, Hkv|1, Lq, Lk) under GQA: it sums dS over the
-    group in registers and writes (B, Hkv, Lq, Lk), 1/GROUP of split mode's fp32 partial (which
-    was 2 GiB at B2 H16 L4096) and none at all for a contiguous (B, Hkv, Lq, Lk) bias. Everywhere
-    else split mode stays: per-kv-head programs leave most SMs idle (flash_bwd.py docstring).
-
-    Returns:
-        (partial, rows, heads_per_program): the kernel target (`dbias` itself when the shapes
-        agree; never zero-filled: the kernel writes every element, skipped tiles as zeros),
-        whether it keeps query rows, and the kernel's HEADS_PER_PROGRAM (1: split mode, `group`:
-        group mode).
-    """
-    rows = dbias.shape[2] != 1 or seqlen_q == 1
-    heads_per_program = group if rows and dbias.shape[1] < num_heads else 1
-    partial_shape = (batch, num_heads // heads_per_program, seqlen_q if rows else triton.cdiv(seqlen_q, block_m),
-                     seqlen_k)
-    if tuple(dbias.shape) == partial_shape and dbias.is_contiguous():
-        return dbias, rows, heads_per_program
-    return torch.empty(partial_shape, dtype=torch.float32, device=dbias.device), rows, heads_per_program
-
-
-def _finish_dbias(partial: torch.Tensor, dbias: torch.Tensor) -> None:
-    """Sums the partials into the bias's broadcast shape in a fixed order (deterministic): the
-    query heads of each GQA group when the bias has one slice per kv head, then every dim the
-    bias broadcasts (size 1)."""
-    heads = dbias.shape[1]
-    if heads not in (1, partial.shape[1]):
-        partial = partial.unflatten(1, (heads, -1)).sum(2)
-    reduce_dims = tuple(dim for dim in range(4) if dbias.shape[dim] == 1 and partial.shape[dim] != 1)
-    dbias.copy_(partial.sum(dim=reduce_dims, keepdim=True) if reduce_dims else partial)
-
-
-def delta_with_lse_grad(delta: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor) -> None:
-    """delta - dlse in place: the backward kernels compute dS = P * (dP - delta), and a gradient
-    on lse adds P * dlse to it. A dead row (lse = -inf) contributes nothing: its dlse is dropped,
-    since a merge of partial attentions often sends NaN there (logaddexp(-inf, -inf)) and
-    0 * NaN would reach every key of the head."""
-    if dlse is not None:
-        delta.sub_(torch.where(lse == float("-inf"), 0.0, dlse))
+    and an `activity` buffer (`activity_shape`, contiguous) are given, the mask's tile activity
+    into it, for the backward of the same call (`attention_backward`). Runs `config` as given
+    (the runtime's plan fits an fp32 bias's tiles before: `dmattn_bench.plan`)."""
+    options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, config=config)
+    key = ("fwd", signature(q, k, v, mask, bias, out, lse), tuple(options.values()))
+    plan = _cached_plan(key, lambda: ForwardPlan(q, k, v, mask, bias, out=out, lse=lse, **options))
+    plan(q, k, v, mask, bias, out, lse, activity)
 
 
 def attention_backward(
@@ -378,97 +641,43 @@ def attention_backward(
     """Writes dq, dk, dv and, when given, dbias (the bias's own 4-D shape and dtype).
 
     `dlse`: the gradient reaching lse, (B, H, Lq) fp32. d lse_i / d s_ij = P_ij, so it adds
-    P * dlse to dS, which is dS with delta - dlse for delta (`delta_with_lse_grad`).
+    P * dlse to dS, which is dS with delta - dlse for delta.
 
     `activity`: the mask's tile activity as the forward of this call wrote it (`tile_activity`);
     without it the mask is read again (W1, the bench's full (B, H, L, L) mask, H100: 2.254 ->
-    2.129 ms for the backward with it, `results/bench/session12-h100-probe.txt`)."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
-    group = num_heads // num_heads_kv
-    block_d = head_block(head_dim)
-    mask_arg, mask_strides, mask_head_div = _broadcast_operand(mask, num_heads, group, q)
-    bias_arg, bias_strides, bias_head_div = _broadcast_operand(bias, num_heads, group, q)
-    flags = dict(
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=is_causal,
-        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
-        BIAS_PER_KEY=bias_per_key(bias_strides, bias),
-    )
-    scalars = (mask_head_div, bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0)
-    if dbias is not None:
-        partial, rows, heads_per_program = _dbias_partial(
-            dbias, batch, num_heads, group, seqlen_q, seqlen_k, config.block_m)
-    else:
-        partial, rows, heads_per_program = q, True, 1
-    kv_blocks = q_blocks = None
-    if mask is not None:
-        # one read of the mask, the forward's, serves both kernels' schedules
-        active = activity if activity is not None else tile_activity(mask, seqlen_q, seqlen_k, is_causal)
-        kv_active = active
-        if heads_per_program > 1 and mask.shape[1] == num_heads:
-            # group mode visits the union of its query heads' tiles (each tile still applies its
-            # own head's mask); a mask with Hkv or 1 heads already has one list per kv head
-            kv_active = active.unflatten(1, (num_heads_kv, group)).amax(2)
-        kv_blocks = block_lists(kv_active, config.block_m, config.block_n, key_major=True)
-        q_blocks = block_lists(active, config.block_m_dq, config.block_n_dq)
-    kv_blocks_arg, kv_blocks_strides = _block_list_args(kv_blocks, q)
-    q_blocks_arg, q_blocks_strides = _block_list_args(q_blocks, q)
+    2.129 ms for the backward with it)."""
+    options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, config=config)
+    key = ("bwd", signature(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, dlse), tuple(options.values()))
+    plan = _cached_plan(key, lambda: BackwardPlan(dout, q, k, v, out, lse, mask, bias, dq=dq, dk=dk, dv=dv,
+                                                  dbias=dbias, dlse=dlse, **options))
+    plan(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
 
-    # -- delta = rowsum(dO * O) --
-    delta = torch.empty_like(lse)
-    _launch(
-        flash_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * num_heads),
-        out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), num_heads, seqlen_q,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK_M,
-    )
-    delta_with_lse_grad(delta, dlse, lse)
 
-    # -- dK, dV (and dBias partials): one program per key block and query head (split mode) or
-    # kv head (group mode) --
-    split_gqa = group > 1 and heads_per_program == 1
-    if split_gqa:
-        # each query head's share, summed per group below (fixed order: deterministic, no atomics)
-        dk_share = torch.empty((batch, seqlen_k, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        dv_share = torch.empty_like(dk_share)
-    else:
-        dk_share, dv_share = dk, dv
-    partial_strides = partial.stride() if dbias is not None else (0, 0, 0, 0)
-    _launch(
-        flash_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, config.block_n), batch * num_heads // heads_per_program),
-        q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks_arg,
-        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
-        *lse.stride(), *dk_share.stride(), *dv_share.stride(), *partial_strides, *kv_blocks_strides,
-        num_heads, seqlen_q, seqlen_k, *scalars,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows, HEADS_PER_PROGRAM=heads_per_program,
-        num_warps=config.num_warps, num_stages=config.num_stages, **flags,
-    )
-    if split_gqa:
-        dk.copy_(dk_share.unflatten(2, (num_heads_kv, group)).sum(3))
-        dv.copy_(dv_share.unflatten(2, (num_heads_kv, group)).sum(3))
+def fitting_forward_config(config: FwdConfig) -> FwdConfig:
+    """The forward tiles tried when `config` does not fit with an fp32 bias: key tiles halved.
 
-    # -- dQ: one program per query block and query head; from the stored dS when the dK/dV
-    # kernel wrote it whole, as the gradient of a full per-head bias without softcap --
-    if partial is dbias and rows and heads_per_program == 1 and softcap <= 0:
-        _launch(
-            flash_bwd_dq_from_ds_kernel, (triton.cdiv(seqlen_q, config.block_m_dq), batch * num_heads),
-            dbias, k, dq, q_blocks_arg, *dbias.stride(), *k.stride(), *dq.stride(), *q_blocks_strides,
-            num_heads, seqlen_q, seqlen_k, mask_head_div, softmax_scale,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m_dq, BLOCK_N=config.block_n_dq,
-            IS_CAUSAL=is_causal, HAS_MASK=mask is not None,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
-    else:
-        _launch(
-            flash_bwd_dq_kernel, (triton.cdiv(seqlen_q, config.block_m_dq), batch * num_heads),
-            q, k, v, mask_arg, bias_arg, dout, lse, delta, dq, q_blocks_arg,
-            *q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
-            *lse.stride(), *dq.stride(), *q_blocks_strides,
-            num_heads, seqlen_q, seqlen_k, *scalars,
-            BLOCK_M=config.block_m_dq, BLOCK_N=config.block_n_dq,
-            num_warps=config.num_warps, num_stages=config.num_stages, **flags,
-        )
+    A table key has no bias dtype, so its config was tuned on a 16-bit bias, and an fp32 bias
+    tile takes twice the shared memory per stage (sm90, Triton 3.6, D128: fwd 128x128 w8 s2 needs
+    214016 B with a bf16 bias, 246784 B with an fp32 one, over the 232448 B limit). Halving the
+    key tile keeps the pipeline: one stage instead (the other way to fit) ran W1 in 1.509 ms
+    against 0.693 ms with the bf16 bias (H100). `prune` checks that the halved tiles fit.
+    """
+    return dataclasses.replace(config, block_n=config.block_n // 2)
 
-    # -- finish dBias: sum what the kernel kept apart --
-    if dbias is not None and partial is not dbias:
-        _finish_dbias(partial, dbias)
+
+def forward_shared_bytes(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
+                         config: FwdConfig) -> int:
+    """Shared memory the forward kernel of this call needs with `config`, from compiling it for
+    the current GPU (Triton's cache makes a repeat cheap); nothing is launched."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    plan = ForwardPlan(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap,
+                       config=config, out=out, lse=lse)
+    blocks = torch.empty(plan.lists.shape, dtype=torch.int32, device=q.device) if plan.lists is not None else q
+    k_desc, v_desc = (_on(plan.k_desc, k), _on(plan.v_desc, v)) if plan.use_tma else (k, v)
+    launch = plan.forward
+    args = [t.view(torch.uint8) if t.dtype is torch.bool else t
+            for t in (q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks)]
+    compiled = launch.kernel.warmup(*args, k_desc, v_desc, *launch.scalars, grid=launch.grid, **launch.constexprs,
+                                    **launch.options)
+    return compiled.metadata.shared

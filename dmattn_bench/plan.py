@@ -1,0 +1,244 @@
+"""A call's launch plan: what a `flash_dmattn_func` call needs that does not depend on its data,
+built by its first call and reused by every later call of the same signature and by their
+backward passes.
+
+A signature is the shapes, strides, dtypes, device and 16-byte alignment of q, k, v, the mask and
+the bias, the flags and scalars, the backend, table and configs asked for, whether the bias needs
+a gradient, and the dispatch state (the table the environment names, `use_table`). Building a
+plan chooses each direction's backend and config (table, else default; the backward's on its
+first use), fits an fp32 bias's forward tiles to the GPU, and prepares the launches
+(`dmattn_kernels.triton.launch.ForwardPlan` / `BackwardPlan`: grids, strides, flags, compiled
+handles). Running one allocates the outputs and launches.
+
+The one place a call's configs are chosen: the table lookup (`dispatch`), the defaults
+(`registry.default_configs`) and the fp32-bias fit (`fitting_config`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dmattn_bench import dispatch
+from dmattn_bench.registry import default_configs, get_backend
+from dmattn_bench.space import DTYPE_NAMES, BwdConfig, FwdConfig, TableKey, as_4d, operand_kind, seqlen_bucket
+
+MIN_KEY_TILE = 16  # tl.dot's smallest tile dim: the fp32-bias fit stops halving there
+
+
+def table_keys(q_shape, seqlen_k: int, num_heads_kv: int, dtype: torch.dtype, mask_dims, bias_dims,
+               is_causal: bool, bias_requires_grad: bool) -> tuple[TableKey, TableKey]:
+    """The (fwd, bwd) dispatch keys of a call, derived as the tuner derives them for workloads."""
+    batch, seqlen_q, num_heads, head_dim = q_shape
+    mask_kind = operand_kind(mask_dims, num_heads, num_heads_kv, seqlen_q)
+    bias_kind = operand_kind(bias_dims, num_heads, num_heads_kv, seqlen_q)
+    common = dict(dtype=DTYPE_NAMES[dtype], head_dim=head_dim, causal=is_causal, mask=mask_kind,
+                  gqa_ratio=num_heads // num_heads_kv, seqlen_q_bucket=seqlen_bucket(seqlen_q),
+                  seqlen_k_bucket=seqlen_bucket(seqlen_k))
+    bwd_bias = bias_kind + "+grad" if bias_requires_grad and bias_kind != "none" else bias_kind
+    return TableKey(direction="fwd", bias=bias_kind, **common), TableKey(direction="bwd", bias=bwd_bias, **common)
+
+
+def fitting_config(backend, config: FwdConfig, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float,
+                   softcap: float, shared_memory_limit: int | None) -> FwdConfig:
+    """`config`, or its key tiles halved until the forward fits the GPU's shared memory.
+
+    Only an fp32 bias under 16-bit inputs changes anything: a table key has no bias dtype, so a
+    config tuned on a 16-bit bias can need more shared memory than the GPU has with an fp32 one
+    (`launch.fitting_forward_config`). Compiles the candidate (no launch), once per plan.
+    """
+    if (backend.name != "triton" or bias is None or bias.dtype != torch.float32 or q.dtype == torch.float32
+            or shared_memory_limit is None or backend.forward_plan is None):
+        return config
+    from dmattn_kernels.triton import launch
+
+    while config.block_n > MIN_KEY_TILE and launch.forward_shared_bytes(
+            q, k, v, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap,
+            config=config) > shared_memory_limit:
+        config = launch.fitting_forward_config(config)
+    return config
+
+
+def _choose(key: TableKey, device: torch.device, head_dim: int, backend: str, table: str | None,
+            explicit: FwdConfig | BwdConfig | None, env: str | None):
+    """(Backend, config) for one direction's key: an explicit config, else the table, else the default."""
+    if explicit is not None:
+        return get_backend("triton" if backend == "auto" else backend), explicit
+    if backend != "auto":
+        fwd, bwd = default_configs(head_dim, device, backend)
+        return get_backend(backend), fwd if key.direction == "fwd" else bwd
+    choice = dispatch.choose(key, device, table=table, env=env)
+    return get_backend(choice.backend), choice.config
+
+
+def select(direction: str, query, key, mask4, bias4, is_causal: bool, backend: str, table: str | None,
+           explicit: FwdConfig | BwdConfig | None, bias_requires_grad: bool):
+    """(Backend, config) a call of these arguments runs `direction` with, before the fp32-bias fit."""
+    keys = table_keys(tuple(query.shape), key.shape[1], key.shape[2], query.dtype,
+                      None if mask4 is None else tuple(mask4.shape), None if bias4 is None else tuple(bias4.shape),
+                      is_causal, bias_requires_grad)
+    return _choose(keys[0 if direction == "fwd" else 1], query.device, query.shape[-1], backend, table, explicit,
+                   os.environ.get(dispatch.ENV_VAR))
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """Shared memory per block of a GPU; None where none applies (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    from dmattn_bench.hardware import local_limits
+
+    limits = local_limits(device)
+    return None if limits is None else limits.shared_memory_per_block
+
+
+class AttentionPlan:
+    """One call signature's choices and launches (module docstring)."""
+
+    def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
+                 table: str | None, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None,
+                 bias_requires_grad: bool):
+        batch, seqlen_q, num_heads, _ = q.shape
+        self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap)
+        self.device, self.dtype = q.device, q.dtype
+        self.out_shape, self.lse_shape = tuple(q.shape), (batch, num_heads, seqlen_q)
+        self.k_shape = tuple(k.shape)
+        # the bias as the caller passed it and as its 4-D broadcast view: dBias is built 4-D and
+        # handed back in the caller's shape (a view: the 4-D form only prepends size-1 dims)
+        self.bias_shape = None if bias is None else tuple(bias.shape)
+        self.bias4_shape = None if bias is None else tuple(as_4d(bias).shape)
+        self.bias_dtype = None if bias is None else bias.dtype
+        self.activity_shape = (0,)
+        mask, bias = as_4d(mask), as_4d(bias)
+        if mask is not None:
+            from dmattn_kernels.triton.launch import activity_shape  # imported on first use (registry)
+
+            self.activity_shape = activity_shape(mask.shape, seqlen_q, k.shape[1])
+        # nothing to compute: no query rows (empty outputs), or no keys (every row dead)
+        self.no_rows = batch * seqlen_q * num_heads == 0
+        self.no_keys = k.shape[1] == 0
+        self._requested = (backend, table, bwd_config)
+        self._keys = None if self.no_rows or self.no_keys else table_keys(
+            tuple(q.shape), k.shape[1], k.shape[2], q.dtype, None if mask is None else tuple(mask.shape),
+            None if bias is None else tuple(bias.shape), is_causal, bias_requires_grad)
+        self._env = os.environ.get(dispatch.ENV_VAR)
+        self.fwd_backend = self.fwd_config = None
+        if not (self.no_rows or self.no_keys):
+            self.fwd_backend, config = self._choose("fwd", fwd_config)
+            self.fwd_config = fitting_config(self.fwd_backend, config, q, k, v, mask, bias, **self.options,
+                                             shared_memory_limit=shared_memory_limit(q.device))
+        # whether the forward leaves the mask's tile activity for the backward (Triton's does)
+        self.fills_activity = self.fwd_backend is not None and mask is not None and (
+            self.fwd_backend.forward_plan is not None)
+        self._fwd_launch = None
+        self._bwd_choice = None
+        self._bwd_launches: dict[tuple, object] = {}
+
+    def _choose(self, direction: str, explicit):
+        backend, table, _ = self._requested
+        key = self._keys[0 if direction == "fwd" else 1]
+        return _choose(key, self.device, self.out_shape[-1], backend, table, explicit, self._env)
+
+    def bwd_choice(self):
+        """The backward's (backend, config), chosen on first use: a call that never runs a backward
+        never looks it up."""
+        if self._bwd_choice is None:
+            self._bwd_choice = self._choose("bwd", self._requested[2])
+        return self._bwd_choice
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(self, q, k, v, mask, bias) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """out, lse and the mask's tile activity (`activity_shape`, filled if `fills_activity`; None
+        without a mask).
+        The mask and bias as the caller passed them (broadcastable, any dims up to 4)."""
+        device = self.device
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        activity = None if self.activity_shape == (0,) else torch.empty(self.activity_shape, dtype=torch.int8,
+                                                                          device=device)
+        if self.no_rows or self.no_keys:
+            out.zero_()  # no keys: every row is dead (out 0, lse -inf)
+            lse.fill_(float("-inf"))
+            return out, lse, activity
+        backend = self.fwd_backend
+        if backend.forward_plan is None:
+            backend.forward(q, k, v, as_4d(mask), as_4d(bias), config=self.fwd_config, out=out, lse=lse,
+                            **self.options)
+            return out, lse, activity
+        launch = self._fwd_launch
+        if launch is None:  # built from the first call's tensors: the kernels read only their pointers later
+            launch = self._fwd_launch = backend.forward_plan(q, k, v, as_4d(mask), as_4d(bias), config=self.fwd_config,
+                                                             out=out, lse=lse, **self.options)
+        launch(q, k, v, mask, bias, out, lse, activity)
+        return out, lse, activity
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def backward(self, dout, q, k, v, out, lse, mask, bias, activity, dlse, bias_requires_grad: bool):
+        """dq, dk, dv and dbias (None unless `bias_requires_grad`). `activity`: the forward's
+        summary when it filled one (`fills_activity`), else None."""
+        device = self.device
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()  # a copy of the incoming gradient, never of an input
+        dq = torch.empty(self.out_shape, dtype=self.dtype, device=device)
+        dk = torch.empty(self.k_shape, dtype=self.dtype, device=device)
+        dv = torch.empty(self.k_shape, dtype=self.dtype, device=device)
+        dbias = torch.empty(self.bias4_shape, dtype=self.bias_dtype, device=device) if bias_requires_grad else None
+        grad_bias = None if dbias is None else dbias.view(self.bias_shape)
+        if self.no_rows or self.no_keys:
+            for grad in (dq, dk, dv, dbias):
+                if grad is not None:
+                    grad.zero_()  # no visible key anywhere: nothing flows back
+            return dq, dk, dv, grad_bias
+        backend, config = self.bwd_choice()
+        if backend.backward_plan is None:
+            extra = {} if dlse is None else {"dlse": dlse}
+            if activity is not None and backend.name == "triton":
+                extra["activity"] = activity
+            backend.backward(dout, q, k, v, out, lse, as_4d(mask), as_4d(bias), config=config, dq=dq, dk=dk, dv=dv,
+                             dbias=dbias, **self.options, **extra)
+            return dq, dk, dv, grad_bias
+        # the incoming gradients' layouts vary between callers (an expanded dout, an lse gradient)
+        layout = (dout.stride(), dout.data_ptr() % 16 == 0, None if dlse is None else dlse.stride(), bias_requires_grad)
+        launch = self._bwd_launches.get(layout)
+        if launch is None:
+            launch = self._bwd_launches[layout] = backend.backward_plan(
+                dout, q, k, v, out, lse, as_4d(mask), as_4d(bias), config=config, dq=dq, dk=dk, dv=dv, dbias=dbias,
+                dlse=dlse, **self.options)
+        launch(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
+        return dq, dk, dv, grad_bias
+
+
+# -- the plan cache ---------------------------------------------------------------------------------
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
+
+
+def signature(q, k, v, mask, bias, *options) -> tuple:
+    """The plan key of a call (module docstring). Raises AttributeError on a non-tensor, which the
+    caller answers by validating the call."""
+    return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v),
+            None if mask is None else _tensor_signature(mask), None if bias is None else _tensor_signature(bias),
+            os.environ.get(dispatch.ENV_VAR), dispatch.DISPATCHER.generation, *options)
+
+
+PLAN_CACHE_SIZE = 1024  # signatures kept; a training or serving loop repeats a handful
+_plans: dict[tuple, AttentionPlan] = {}
+
+
+def cached(key: tuple) -> AttentionPlan | None:
+    return _plans.get(key)
+
+
+def remember(key: tuple, plan: AttentionPlan) -> None:
+    if len(_plans) >= PLAN_CACHE_SIZE:
+        _plans.pop(next(iter(_plans)))  # the oldest signature
+    _plans[key] = plan
+
+
+def clear() -> None:
+    """Forgets every plan (tests; a process that edits its kernels' configs at run time)."""
+    _plans.clear()

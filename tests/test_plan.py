@@ -1,0 +1,203 @@
+"""Launch plans: what a call costs once its plan exists (launches, allocations, other ops), that a
+plan is built once per signature and reused by the backward, and the public entry's rules for
+inputs it used to accept silently."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+import dmattn_kernels.triton.launch as launch
+from dmattn_bench import dispatch, flash_dmattn_func, plan
+from dmattn_bench.registry import interpreter_enabled
+
+pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="the CPU tier runs the kernels in the interpreter")
+
+_ALLOCATIONS = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.new_empty.default",
+                "aten.zeros.default", "aten.zeros_like.default", "aten.empty_like.default", "aten.full.default"}
+_VIEWS = {"aten.view.default", "aten.view.dtype", "aten.unsqueeze.default", "aten.detach.default",
+          "aten.expand.default", "aten.unflatten.int", "aten._unsafe_view.default", "aten.as_strided.default",
+          "aten.t.default", "aten.transpose.int", "aten.alias.default"}
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops a call issues, views left out (they launch and allocate nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocations, self.other = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name in _ALLOCATIONS:
+            self.allocations.append(name)
+        elif name not in _VIEWS:
+            self.other.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Runs a callable and returns (Triton kernels launched, allocations, other aten ops). The
+    interpreter's own tensor traffic inside a kernel launch is not the call's, so it is hidden."""
+    launched = []
+    monkeypatch.setattr(launch, "LAUNCH_OBSERVERS", [launched.append])
+    jit = launch._Launch._jit
+
+    def quiet_jit(self, tensors):
+        with _disable_current_modes():
+            jit(self, tensors)
+
+    monkeypatch.setattr(launch._Launch, "_jit", quiet_jit)
+
+    def run(fn):
+        launched.clear()
+        with _Ops() as ops:
+            fn()
+        return list(launched), len(ops.allocations), ops.other
+
+    return run
+
+
+def _inputs(seed, heads=4, heads_kv=2, seqlen=40, mask=None, bias=None, grad=False):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, seqlen, heads, 32, generator=generator)
+    k, v = (torch.randn(2, seqlen, heads_kv, 32, generator=generator) for _ in range(2))
+    masks = {None: None, "kv_head": torch.rand(2, heads_kv, seqlen, seqlen, generator=generator) < 0.5,
+             "per_key": torch.rand(2, 1, 1, seqlen, generator=generator) < 0.8}
+    biases = {None: None, "per_key": torch.randn(heads_kv, 1, seqlen, generator=generator),
+              "full": torch.randn(2, heads, seqlen, seqlen, generator=generator)}
+    tensors = [q, k, v, masks[mask], biases[bias]]
+    if grad:
+        for t in (q, k, v, tensors[4]):
+            if t is not None:
+                t.requires_grad_()
+    return tensors
+
+
+FWD, LISTS, ACTIVITY = "flash_fwd_kernel", "block_list_kernel", "tile_activity_kernel"
+DELTA, DKDV, DQ, GQA_SUM = "flash_bwd_preprocess_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "gqa_share_sum_kernel"
+
+# (name, inputs, forward launches, forward allocations, backward launches, backward allocations,
+# backward's other ops): what a call costs once its plan exists. A change that adds a launch, an
+# allocation or a host-side op to a call fails here.
+CASES = [
+    ("dense", dict(heads=4, heads_kv=4), [FWD], 2, [DELTA, DKDV, DQ], 4, []),
+    ("mask", dict(heads=4, heads_kv=4, mask="per_key"), [ACTIVITY, LISTS, FWD], 4,
+     [DELTA, LISTS, LISTS, DKDV, DQ], 6, []),
+    ("mask+bias", dict(heads=4, heads_kv=4, mask="per_key", bias="per_key"), [ACTIVITY, LISTS, FWD], 4,
+     [DELTA, LISTS, LISTS, DKDV, DQ], 6, []),
+    ("gqa+mask+bias", dict(mask="kv_head", bias="per_key"), [ACTIVITY, LISTS, FWD], 4,
+     [DELTA, LISTS, LISTS, DKDV, GQA_SUM, DQ], 8, []),
+    # a learnable per-key bias: its fp32 partials (one row per query block and query head) are
+    # summed into (Hkv, 1, Lk) on the host, in a fixed order
+    ("gqa+mask+bias-grad", dict(mask="kv_head", bias="per_key"), [ACTIVITY, LISTS, FWD], 4,
+     [DELTA, LISTS, LISTS, DKDV, GQA_SUM, DQ], 10, ["aten.sum.dim_IntList", "aten.sum.dim_IntList", "aten.copy_.default"]),
+]
+
+
+@pytest.mark.parametrize("name, shape, fwd_launches, fwd_allocations, bwd_launches, bwd_allocations, bwd_other",
+                         CASES, ids=[case[0] for case in CASES])
+def test_launches_and_allocations_per_call(counted, name, shape, fwd_launches, fwd_allocations, bwd_launches,
+                                           bwd_allocations, bwd_other):
+    q, k, v, mask, bias = _inputs(1, **shape, grad=True)
+    if bias is not None and not name.endswith("-grad"):
+        bias.requires_grad_(False)
+    leaves = [t for t in (q, k, v, bias) if t is not None and t.requires_grad]
+    flash_dmattn_func(q, k, v, mask, bias, is_causal=True)  # builds the plan and compiles
+
+    with torch.no_grad():
+        launches, allocations, other = counted(lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=True))
+    assert (launches, allocations, other) == (fwd_launches, fwd_allocations, [])
+
+    grad_out = torch.randn(q.shape)
+    out = flash_dmattn_func(q, k, v, mask, bias, is_causal=True)
+    torch.autograd.grad(out, leaves, grad_out)  # the backward's first run builds its launches
+    out = flash_dmattn_func(q, k, v, mask, bias, is_causal=True)
+    launches, allocations, other = counted(lambda: torch.autograd.grad(out, leaves, grad_out))
+    assert (launches, allocations, other) == (bwd_launches, bwd_allocations, bwd_other)
+
+
+def test_a_plan_is_built_once_per_signature_and_the_backward_chooses_nothing(monkeypatch):
+    built, chosen = [], []
+    original_init, original_choose = plan.AttentionPlan.__init__, dispatch.choose
+    monkeypatch.setattr(plan.AttentionPlan, "__init__", lambda self, *a, **k: built.append(1) or original_init(self, *a, **k))
+    monkeypatch.setattr(plan.dispatch, "choose", lambda *a, **k: chosen.append(a[0].direction) or original_choose(*a, **k))
+    plan.clear()
+    q, k, v, mask, bias = _inputs(2, mask="kv_head", bias="per_key", grad=True)
+    for _ in range(3):
+        flash_dmattn_func(q, k, v, mask, bias, is_causal=True).sum().backward()
+    assert built == [1] and chosen == ["fwd", "bwd"]
+    flash_dmattn_func(q, k, v, mask, bias, is_causal=False).sum().backward()  # another signature
+    assert built == [1, 1] and chosen == ["fwd", "bwd", "fwd", "bwd"]
+    with torch.no_grad():
+        flash_dmattn_func(q[:, :17], k, v, mask[..., :17, :], bias, is_causal=True)  # inference: no backward chosen
+    assert chosen[-1] == "fwd" and len(chosen) == 5
+
+
+def test_use_table_makes_calls_choose_again(monkeypatch, tmp_path):
+    chosen = []
+    original = dispatch.choose
+    monkeypatch.setattr(plan.dispatch, "choose", lambda *a, **k: chosen.append(1) or original(*a, **k))
+    q, k, v, _, _ = _inputs(3)
+    with torch.no_grad():
+        flash_dmattn_func(q, k, v)
+        flash_dmattn_func(q, k, v)
+        assert len(chosen) == 1
+        dispatch.use_table(None)
+        flash_dmattn_func(q, k, v)
+    assert len(chosen) == 2
+
+
+def test_plans_match_the_compiled_op_path_bitwise():
+    """Eager calls run the plan directly; the custom op (the path torch.compile traces) runs the
+    same plan: identical results."""
+    from dmattn_bench import ops
+    from dmattn_bench.space import as_4d
+
+    q, k, v, mask, bias = _inputs(4, mask="kv_head", bias="full")
+    eager, eager_lse = flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
+    op_out, op_lse, _ = ops.attention_fwd(q, k, v, as_4d(mask), as_4d(bias), True, 32 ** -0.5, 0.0, "auto", None,
+                                          None, None)
+    assert torch.equal(eager, op_out) and torch.equal(eager_lse, op_lse)
+
+
+# -- what the public entry rejects, and the zero-length results it defines ---------------------------
+
+
+@pytest.mark.parametrize("is_causal", ["no", 1, None])
+def test_a_non_bool_is_causal_is_rejected(is_causal):
+    q, k, v, _, _ = _inputs(5)
+    with pytest.raises(TypeError, match="is_causal: got .* expected True or False"):
+        flash_dmattn_func(q, k, v, is_causal=is_causal)
+
+
+def test_an_integer_mask_must_hold_zeros_and_ones():
+    q, k, v, mask, _ = _inputs(6, mask="kv_head")
+    as_int = mask.to(torch.int32)
+    reference = flash_dmattn_func(q, k, v, mask)
+    assert torch.equal(flash_dmattn_func(q, k, v, as_int), reference)
+    as_int[1, 0, 3, 5] = 2
+    with pytest.raises(ValueError, match="attn_mask: got an integer mask holding 2, expected 0/1"):
+        flash_dmattn_func(q, k, v, as_int)  # the same signature: the check runs on every call
+
+
+@pytest.mark.parametrize("dims", [dict(batch=0), dict(seqlen_q=0), dict(seqlen_k=0), dict(heads=0)])
+def test_zero_length_dims_give_the_defined_result(dims, counted):
+    """No query row: empty outputs. No key: every row dead (out 0, lse -inf). Nothing launches,
+    and every gradient is zero."""
+    batch, seqlen_q, seqlen_k = dims.get("batch", 2), dims.get("seqlen_q", 5), dims.get("seqlen_k", 7)
+    heads = dims.get("heads", 4)
+    q = torch.randn(batch, seqlen_q, heads, 32, requires_grad=True)
+    k, v = (torch.randn(batch, seqlen_k, 2 if heads else 1, 32, requires_grad=True) for _ in range(2))
+    mask = torch.ones(batch, 1, seqlen_q, seqlen_k, dtype=torch.bool)
+    bias = torch.randn(1, 1, 1, seqlen_k, requires_grad=True)
+    outputs = []
+    launches, _, _ = counted(lambda: outputs.extend(
+        flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)))
+    out, lse = outputs
+    assert launches == []
+    assert out.shape == q.shape and lse.shape == (batch, heads, seqlen_q)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    (out.sum() + 0 * lse.clamp(min=0).sum()).backward()
+    for t in (q, k, v, bias):
+        assert t.grad.shape == t.shape and (t.grad == 0).all()
