@@ -14,6 +14,8 @@ from dmattn_bench.dispatch.table import (
     MAX_TABLE_BYTES,
     Entry,
     TableError,
+    Timing,
+    Validation,
     dump_table,
     load_table,
     new_table,
@@ -70,7 +72,11 @@ def test_round_trip(tmp_path):
     loaded = load_table(path)
     assert table_to_dict(loaded) == table_to_dict(table)
     assert {e.key: e for e in loaded.entries} == {e.key: e for e in table.entries}
-    assert loaded.kernel_hashes.keys() == {"triton", "reference"}
+    assert {backend: set(per_dtype) for backend, per_dtype in loaded.validated.items()} == {
+        "triton": {"fp32"}, "reference": {"fp32"}}
+    assert loaded.validated["triton"]["fp32"].kernel_hash == kernel_source_hash("triton")
+    assert all(e.timed.kernel_hash == kernel_source_hash(e.backend) and e.timed.date == loaded.created
+               for e in loaded.entries)
     text = path.read_text()
     assert text.startswith("# dmattn-bench dispatch table")
     dump_table(loaded, path)  # sorted, stable output: a second dump is byte-identical
@@ -99,8 +105,15 @@ def good_doc():
     (lambda d: d["device"].__setitem__("sm_count", 1.5), "device.sm_count", "1.5"),
     (lambda d: d.__setitem__("interpreter", "no"), "interpreter", "true or false"),
     (lambda d: d.__setitem__("extra", 1), "(top level)", "unknown"),
-    (lambda d: d.__setitem__("schema_version", 2), "schema_version",
-     "unknown schema version 2 (this dmattn-bench reads 1)"),
+    (lambda d: d.__setitem__("schema_version", 3), "schema_version",
+     "unknown schema version 3 (this dmattn-bench reads 1 and 2)"),
+    (lambda d: d["entries"][0].pop("timed"), "entries[0]", "missing key(s) ['timed']"),
+    (lambda d: d["entries"][0]["timed"].__setitem__("kernel_hash", ""), "entries[0].timed.kernel_hash", "non-empty"),
+    (lambda d: d["validated"]["triton"]["fp32"].__setitem__("suite", "medium"), "validated.triton.fp32.suite",
+     "medium"),
+    (lambda d: d["validated"]["triton"].__setitem__("fp8", {}), "validated.triton", "fp8"),
+    (lambda d: d["validated"].__setitem__("cutlass", {}), "validated", "cutlass"),
+    (lambda d: d.__setitem__("kernel_hashes", {}), "(top level)", "unknown"),
 ])
 def test_bad_field_is_named(tmp_path, edit, field, problem):
     doc = good_doc()
@@ -205,10 +218,13 @@ def test_foreign_table(tmp_path):
     assert_default_with_one_warning(write(tmp_path / "t.yaml", [entry(key())], device=H200), "H200")
 
 
+OLD_HASH = "sha256:" + "0" * 32
+
+
 def test_stale_kernel_hash(tmp_path):
     table = new_table([entry(key())], CPU_FINGERPRINT, interpreter=True)
     doc = table_to_dict(table)
-    doc["kernel_hashes"]["triton"] = "sha256:" + "0" * 32
+    doc["validated"]["triton"]["fp32"]["kernel_hash"] = OLD_HASH
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(doc))
     assert_default_with_one_warning(str(path), "triton entries ignored")
@@ -217,12 +233,65 @@ def test_stale_kernel_hash(tmp_path):
 def test_stale_backend_spares_the_others(tmp_path):
     doc = table_to_dict(new_table([entry(key()), entry(key(head_dim=32), backend="reference")],
                                   CPU_FINGERPRINT, interpreter=True))
-    doc["kernel_hashes"]["triton"] = "sha256:" + "0" * 32
+    doc["validated"]["triton"]["fp32"]["kernel_hash"] = OLD_HASH
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(doc))
     with pytest.warns(DispatchWarning, match="triton entries ignored"):
         assert choose(key(), "cpu", table=str(path)).source == "default"
     assert choose(key(head_dim=32), "cpu", table=str(path)).backend == "reference"
+
+
+def test_one_stale_dtype_makes_the_backend_stale(tmp_path):
+    """A backend's entries are used once every dtype of them was validated on these kernels: a
+    table re-validated in fp32 only still serves nothing of that backend."""
+    doc = table_to_dict(new_table([entry(key()), entry(key(dtype="fp16"))], CPU_FINGERPRINT, interpreter=True))
+    doc["validated"]["triton"]["fp16"]["kernel_hash"] = OLD_HASH
+    table = table_from_dict(doc, "t.yaml")
+    assert lookup.validation_status(table) == {"triton": {"fp16": "stale", "fp32": "current"}}
+    assert lookup.kernel_hash_status(table) == {"triton": "stale"}
+    path = _copy(tmp_path / "t.yaml", doc)
+    with pytest.warns(DispatchWarning, match="its fp16 entries were not validated"):
+        assert choose(key(), "cpu", table=path).source == "default"
+    del doc["validated"]["triton"]["fp16"]
+    assert lookup.validation_status(table_from_dict(doc, "t.yaml")) == {
+        "triton": {"fp16": "unvalidated", "fp32": "current"}}
+
+
+def test_timings_keep_their_own_hash(tmp_path):
+    """Entries measured on older kernels serve calls once the table was validated on these."""
+    doc = table_to_dict(new_table([entry(key())], CPU_FINGERPRINT, interpreter=True))
+    doc["entries"][0]["timed"] = {"kernel_hash": OLD_HASH, "date": "2020-01-01T00:00:00+00:00"}
+    path = _copy(tmp_path / "t.yaml", doc)
+    assert choose(key(), "cpu", table=path).config == TUNED_FWD
+    assert load_table(path).entries[0].timed.kernel_hash == OLD_HASH
+
+
+def test_schema_1_is_read_as_one_hash_for_everything(tmp_path):
+    """Schema 1 had one `kernel_hashes` map: every validation and timing is read as that hash,
+    dated `created`, validated on the tuner's (quick) suite; it is written back as schema 2."""
+    entries = [entry(key()), entry(key(dtype="fp16")), entry(key(head_dim=32), backend="reference")]
+    doc = table_to_dict(new_table(entries, CPU_FINGERPRINT, interpreter=True))
+    del doc["validated"]
+    for item in doc["entries"]:
+        del item["timed"]
+    doc.update(schema_version=1, kernel_hashes={"triton": OLD_HASH, "reference": kernel_source_hash("reference")})
+    table = table_from_dict(doc, "v1.yaml")
+    assert table.validated["triton"] == {dtype: Validation(OLD_HASH, doc["created"], "quick")
+                                         for dtype in ("fp16", "fp32")}
+    assert {e.timed for e in table.entries if e.backend == "triton"} == {Timing(OLD_HASH, doc["created"])}
+    assert lookup.kernel_hash_status(table) == {"reference": "current", "triton": "stale"}
+    dump_table(table, tmp_path / "v2.yaml")
+    assert yaml.safe_load((tmp_path / "v2.yaml").read_text())["schema_version"] == 2
+    assert table_to_dict(load_table(tmp_path / "v2.yaml")) == table_to_dict(table)
+
+
+def test_shipped_tables_load():
+    from pathlib import Path
+
+    shipped = sorted((Path(__file__).resolve().parents[1] / "results" / "tables").glob("*.yaml"))
+    assert shipped
+    for path in shipped:
+        assert load_table(path).entries
 
 
 @pytest.mark.parametrize("content", ["schema_version: 1\nentries: [", None])
@@ -291,8 +360,7 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     # the shipped table's entries, as if tuned on these kernel sources: the shipped file itself
     # goes stale with every kernel change until it is re-tuned on its GPU
-    shipped = yaml.safe_load((repo / "results/tables/nvidia-h200-sm90.yaml").read_text())
-    shipped["kernel_hashes"] = {"triton": kernel_source_hash("triton")}
+    shipped = _validated_on(yaml.safe_load((repo / "results/tables/nvidia-h200-sm90.yaml").read_text()), None)
     workloads = str(repo / "configs/workloads/default.yaml")
     result = CliRunner().invoke(show, [_copy(tmp_path / "all.yaml", shipped), "--coverage", workloads, "--format", "json"])
     assert result.exit_code == 0, result.output
@@ -320,10 +388,20 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     # the full grid has bf16 and fp16: every shipped entry is one of its keys
     assert counts["exact"] == len(shipped["entries"]) and counts["nearest bucket"] > 0 and counts["default"] > counts["exact"]
     # a table whose kernel sources changed serves nothing: the lookup skips it
-    stale = dict(shipped, kernel_hashes={"triton": "sha256:" + "0" * 32})
+    stale = _validated_on(shipped, OLD_HASH)
     result = CliRunner().invoke(show, [_copy(tmp_path / "stale.yaml", stale), "--coverage", workloads, "--format", "json"])
     assert json.loads(result.output)["coverage"]["counts"] == {
         "exact": 0, "nearest bucket": 0, "default": 0, "default (stale table)": 16}
+
+
+def _validated_on(document: dict, kernel_hash: str | None) -> dict:
+    """`document` (a table of any readable schema) as a current table whose every validation was
+    on `kernel_hash` (None: on the kernel sources installed here)."""
+    doc = table_to_dict(table_from_dict(document, "table"))
+    for backend, per_dtype in doc["validated"].items():
+        for record in per_dtype.values():
+            record["kernel_hash"] = kernel_hash or kernel_source_hash(backend)
+    return doc
 
 
 def _copy(path, document) -> str:

@@ -12,7 +12,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from dmattn_bench import dispatch, flash_dmattn_func, ops
+from dmattn_bench import dispatch, flash_dmattn_func, plan
 from dmattn_bench.adversarial import build_inputs
 from dmattn_bench.cli.show import show
 from dmattn_bench.cli.tune import parse_duration, tune_command
@@ -62,8 +62,11 @@ def test_workload_keys_match_the_runtime_keys():
     for workload in load_workloads("configs/ci.yaml"):
         inputs = build_inputs(workload.case(), torch.float32, "cpu")
         bias = inputs.bias.requires_grad_(workload.bias_grad) if inputs.bias is not None else None
-        fwd_key, bwd_key = ops.table_keys(inputs.q, inputs.k, as_4d(inputs.mask), as_4d(bias),
-                                          workload.causal, bias is not None and bias.requires_grad)
+        mask4, bias4 = as_4d(inputs.mask), as_4d(bias)
+        fwd_key, bwd_key = plan.table_keys(tuple(inputs.q.shape), inputs.k.shape[1], inputs.k.shape[2],
+                                           inputs.q.dtype, None if mask4 is None else tuple(mask4.shape),
+                                           None if bias4 is None else tuple(bias4.shape), workload.causal,
+                                           bias is not None and bias.requires_grad)
         assert fwd_key == workload.key("fwd")
         assert bwd_key == workload.key("bwd")
 
@@ -103,8 +106,8 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     # the runtime picks the tuned fwd config for this shape, and stays correct
     fwd_entry = next(e for e in table.entries if e.key.direction == "fwd")
     inputs = build_inputs(load_workloads(workloads)[0].case(), torch.float32, "cpu")
-    _, fwd_config = ops.select("fwd", inputs.q, inputs.k, as_4d(inputs.mask), as_4d(inputs.bias),
-                               True, "auto", str(out), None, False)
+    _, fwd_config = plan.select("fwd", inputs.q, inputs.k, as_4d(inputs.mask), as_4d(inputs.bias),
+                                True, "auto", str(out), None, False)
     assert fwd_config == fwd_entry.config
 
 
@@ -144,8 +147,8 @@ def test_broken_table_warns_once_and_falls_back(tmp_path):
 def test_explicit_config_overrides_the_table(tmp_path):
     q = torch.randn(1, 20, 2, 32)
     chosen = FwdConfig(32, 16, 1, 1)
-    _, fwd_config = ops.select("fwd", q, q, None, None, False, "auto", None, list(chosen.to_dict().values()), False)
-    _, bwd_config = ops.select("bwd", q, q, None, None, False, "auto", None, None, False)
+    _, fwd_config = plan.select("fwd", q, q, None, None, False, "auto", None, chosen, False)
+    _, bwd_config = plan.select("bwd", q, q, None, None, False, "auto", None, None, False)
     assert fwd_config == chosen and bwd_config == CPU_BWD
     assert seqlen_bucket(20) == 16
 
@@ -325,7 +328,8 @@ def test_verify_says_when_a_table_is_stale(tmp_path):
     path = tmp_path / "stale.yaml"
     dump_table(table, path)
     document = yaml.safe_load(path.read_text())
-    document["kernel_hashes"]["triton"] = "sha256:" + "0" * 32
+    for record in document["validated"]["triton"].values():
+        record["kernel_hash"] = "sha256:" + "0" * 32
     path.write_text(yaml.safe_dump(document))
     result = CliRunner().invoke(verify, ["--table", str(path), "--dtype", "fp32", "--format", "json"])
     assert result.exit_code == 0, result.output

@@ -6,8 +6,8 @@ import click
 from rich.table import Table as RichTable
 
 from dmattn_bench import output
-from dmattn_bench.dispatch.lookup import kernel_hash_status
-from dmattn_bench.dispatch.table import Table, TableError, load_table, table_to_dict
+from dmattn_bench.dispatch.lookup import kernel_hash_status, validation_status
+from dmattn_bench.dispatch.table import SCHEMA_VERSION, Table, TableError, load_table, table_to_dict
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.space import CONFIG_CLASSES, config_label
 from dmattn_bench.workloads import load_workloads
@@ -23,17 +23,22 @@ def _evidence(value) -> str:
     return "-" if value is None else str(value)
 
 
-def _summary(path: str, table: Table, status: dict[str, str]) -> RichTable:
+def _summary(path: str, table: Table, status: dict[str, dict[str, str]]) -> RichTable:
     summary = RichTable(title=f"dispatch table {path}", show_header=False)
     summary.add_column("key")
     summary.add_column("value")
-    summary.add_row("schema_version", str(table.schema_version))
+    converted = f" (read as {SCHEMA_VERSION})" if table.schema_version != SCHEMA_VERSION else ""
+    summary.add_row("schema_version", f"{table.schema_version}{converted}")
     summary.add_row("created", table.created)
     summary.add_row("device", ", ".join(f"{k}={v}" for k, v in table.device.to_dict().items()))
     summary.add_row("interpreter", "yes (timings not meaningful)" if table.interpreter else "no")
     summary.add_row("software", ", ".join(f"{k}={v}" for k, v in sorted(table.software.items())))
-    for name, recorded in sorted(table.kernel_hashes.items()):
-        summary.add_row(f"kernel hash {name}", f"{recorded} ({status[name]})")
+    for backend, per_dtype in status.items():
+        records = table.validated.get(backend, {})
+        for dtype, state in per_dtype.items():
+            record = records.get(dtype)
+            seen = "never" if record is None else f"{record.kernel_hash}, {record.date}, {record.suite} suite"
+            summary.add_row(f"validated {backend} {dtype}", f"{seen} ({state})")
     summary.add_row("entries", str(len(table.entries)))
     return summary
 
@@ -62,9 +67,9 @@ def coverage(table: Table, workloads_path: str, grid: str, stale: set[str] = fro
     """How the run-time lookup would serve each (workload, direction) of a grid from `table`:
     "exact" (an entry with the same key), "nearest bucket" (same categorical key, other
     sequence-length buckets), "default" (no entry of that kind: the heuristic config), or
-    "default (stale table)" (an entry exists but its backend's kernels changed since tuning, so
-    the lookup skips it). Whether the table belongs to this GPU is not considered: coverage is
-    about the grid the table was tuned for."""
+    "default (stale table)" (an entry exists but the table is stale for its backend: not
+    validated on the installed kernels, so the lookup skips it). Whether the table belongs to
+    this GPU is not considered: coverage is about the grid the table was tuned for."""
     usable = [entry for entry in table.entries if entry.backend not in stale]
     keys, categories = {e.key for e in usable}, {e.key.categorical() for e in usable}
     stale_categories = {e.key.categorical() for e in table.entries if e.backend in stale}
@@ -104,7 +109,7 @@ def _coverage_table(rows: list[dict], counts: dict[str, int], source: str) -> Ri
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
 def show(table_path: str, coverage_path: str | None, grid: str, fmt: str) -> None:
-    """Summarise the dispatch table TABLE: device, software, kernel hashes and entries."""
+    """Summarise the dispatch table TABLE: device, software, validations and entries."""
     grid_given = click.get_current_context().get_parameter_source("grid") is not click.core.ParameterSource.DEFAULT
     if grid_given and coverage_path is None:
         raise click.BadParameter("names a grid of the --coverage file: pass --coverage too", param_hint="--grid")
@@ -113,8 +118,9 @@ def show(table_path: str, coverage_path: str | None, grid: str, fmt: str) -> Non
     except TableError as exc:
         raise DmattnError(str(exc), fix="fix the field or re-create the table with `dmattn-bench tune`") from None
     status = kernel_hash_status(table)
-    doc = {"path": table_path, "kernel_hash_status": status, **table_to_dict(table)}
-    tables = [_summary(table_path, table, status), _entries(doc)]
+    per_dtype = validation_status(table)
+    doc = {"path": table_path, "kernel_hash_status": status, "validation_status": per_dtype, **table_to_dict(table)}
+    tables = [_summary(table_path, table, per_dtype), _entries(doc)]
     if coverage_path is not None:
         try:
             rows = coverage(table, coverage_path, grid, {name for name, state in status.items() if state == "stale"})

@@ -7,10 +7,14 @@ import torch
 from rich.table import Table
 
 from dmattn_bench import output
+from dmattn_bench.cli.checks import reject_bf16_without_gpu
 from dmattn_bench.errors import NoGpuError, ValidationFailed
 from dmattn_bench.dispatch import TableError, load_table
-from dmattn_bench.dispatch.lookup import ENV_VAR, kernel_hash_status
+from dmattn_bench.dispatch.lookup import ENV_VAR, kernel_hash_status, validation_status
+from dmattn_bench.dispatch.table import restamp as restamp_table
 from dmattn_bench.errors import DmattnError
+from dmattn_bench.hardware import device_fingerprint
+from dmattn_bench.registry import kernel_source_hash
 from dmattn_bench.space import DTYPES, config_label
 from dmattn_bench.validator import CHECKED, SuiteResult, plan_default_configs, plan_table_entries, run_plan
 
@@ -49,14 +53,19 @@ def _failure_table(results: list[tuple[str, SuiteResult]]) -> Table | None:
 
 def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: str | None):
     """The table's entries of `dtype` and `backend` (or that backend's defaults when no table is
-    given or set)."""
+    given or set).
+
+    Returns:
+        (source, plan, table, verified): the table (None for the defaults) and its entries the
+        plan verifies.
+    """
     import os
 
     table_path = table_path or os.environ.get(ENV_VAR)
     if table_path is None:
         backend = backend or "triton"
         output.info(f"no table given (--table or DMATTN_BENCH_TABLE): verifying the {backend} default configs")
-        return "defaults", plan_default_configs(device, suite, backend)
+        return "defaults", plan_default_configs(device, suite, backend), None, []
     try:
         table = load_table(table_path)
     except TableError as exc:
@@ -67,15 +76,44 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
     stale = sorted(name for name, state in kernel_hash_status(table).items()
                    if state == "stale" and any(e.backend == name for e in entries))
     if stale:
-        output.warn(f"{table_path}: tuned on other {' and '.join(stale)} kernel sources (stale): the runtime skips "
-                    f"those entries; verifying their configs on the kernels installed here")
+        output.warn(f"{table_path}: not validated on the {' and '.join(stale)} kernel sources installed here "
+                    f"(stale): the runtime skips those entries; verifying their configs on these kernels "
+                    f"(`--suite full --restamp` records a pass)")
     plan = plan_table_entries(entries, dtype, device, suite)
     if not plan:
         which = f"{dtype} {backend}" if backend else dtype
         raise DmattnError(f"{table_path}: no {which} entries to verify",
                           f"pass a --dtype and --backend the table has "
                           f"({sorted({(e.key.dtype, e.backend) for e in table.entries})})")
-    return str(table_path), plan
+    return str(table_path), plan, table, [e for e in entries if e.key.dtype == dtype]
+
+
+def _check_restamp(table_path: str | None, suite: str) -> None:
+    if table_path is None:
+        raise click.BadParameter("rewrites the table file it verifies: pass --table", param_hint="--restamp")
+    if suite != "full":
+        raise click.BadParameter("records a validation only on the full suite: pass --suite full",
+                                 param_hint="--restamp")
+
+
+def _restamp(table_path: str, verified, dtype: str, suite: str, hashes: dict[str, str]) -> dict:
+    """Records the pass in the table file; returns what was recorded and what the table is now."""
+    try:
+        written = restamp_table(table_path, verified, dtype, suite, hashes)
+    except TableError as exc:
+        raise DmattnError(str(exc), "nothing was recorded") from None
+    except OSError as exc:
+        raise DmattnError(f"{table_path}: cannot rewrite: {exc.strerror or exc}", "nothing was recorded") from None
+    per_dtype, status = validation_status(written), kernel_hash_status(written)
+    for backend in sorted(hashes):
+        missing = [d for d, state in per_dtype[backend].items() if state != "current"]
+        now = ("are current" if not missing else
+               f"stay stale until its {'/'.join(missing)} entries pass too "
+               f"(`dmattn-bench verify --table {table_path} --suite full --dtype {missing[0]} --restamp`)")
+        output.info(f"restamped {table_path}: {backend} {dtype} validated on {hashes[backend]} "
+                    f"({suite} suite); its {backend} entries {now}")
+    return {"validated": {b: {dtype: {"kernel_hash": hashes[b], "suite": suite}} for b in sorted(hashes)},
+            "kernel_hash_status": status}
 
 
 @click.command()
@@ -88,18 +126,23 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
                    "Default: every entry of the table, else the triton defaults.")
 @click.option("--suite", type=click.Choice(["quick", "full"]), default=None,
               help="Adversarial suite. Default: full on a GPU, quick (interpreter sized) on the CPU.")
+@click.option("--restamp", is_flag=True, default=False,
+              help="When every verified entry passes, record in the --table file that its entries of this dtype "
+                   "(and --backend) were validated on the installed kernel sources. Needs --suite full and this "
+                   "table's device.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
-def verify(table_path: str | None, dtype: str | None, backend: str | None, suite: str | None, fmt: str) -> None:
+def verify(table_path: str | None, dtype: str | None, backend: str | None, suite: str | None, restamp: bool,
+           fmt: str) -> None:
     """Validate every entry of a table (or the default configs) with the adversarial suite.
 
-    Exits 3 when any case fails.
+    With --restamp, a table whose verified entries all pass is marked as validated on the kernel
+    sources installed here for this dtype; the runtime uses a backend's entries once every dtype
+    of them is. Exits 3 when any case fails (and restamps nothing).
     """
     has_gpu = torch.cuda.is_available()
     dtype = dtype or ("bf16" if has_gpu else "fp32")
-    if not has_gpu and dtype == "bf16":
-        raise NoGpuError("bf16 needs a CUDA GPU: the Triton interpreter has no bf16 arithmetic",
-                         "use --dtype fp32 or --dtype fp16 on this machine")
+    reject_bf16_without_gpu([dtype], has_gpu)
     if has_gpu and dtype == "fp32":
         raise click.BadParameter("fp32 runs only in the CPU interpreter; use bf16 or fp16 on a GPU",
                                  param_hint="--dtype")
@@ -108,10 +151,21 @@ def verify(table_path: str | None, dtype: str | None, backend: str | None, suite
                          "verify the triton backend here, or run on a GPU machine")
     device = "cuda" if has_gpu else "cpu"
     suite = suite or ("full" if has_gpu else "quick")
+    if restamp:
+        _check_restamp(table_path, suite)
     if not has_gpu:
         output.info("no CUDA GPU: running the Triton kernels through the interpreter "
                     f"(TRITON_INTERPRET=1) on the {suite} suite")
-    source, plan = _plan(table_path, dtype, device, suite, backend)
+    source, plan, table, verified = _plan(table_path, dtype, device, suite, backend)
+    if restamp:
+        local = device_fingerprint(device)
+        if table.device != local:
+            raise click.BadParameter(
+                f"{table_path} is a table of {table.device.name} (sm{table.device.compute_capability}, "
+                f"{table.device.sm_count} SMs), this is {local.name}: restamp it on its own device",
+                param_hint="--restamp")
+    # taken before the kernels run: the sources that were verified, even if a file changes meanwhile
+    hashes = {b: kernel_source_hash(b) for b in {e.backend for e in verified}} if restamp else {}
     with output.progress(f"verify {dtype}", total=sum(len(item.cases) for item in plan)) as advance:
         results = run_plan(DTYPES[dtype], device, plan, on_case=lambda r: advance(f"{r.case}: {r.status}"))
     device_name = torch.cuda.get_device_name() if has_gpu else "cpu (interpreter)"
@@ -121,8 +175,12 @@ def verify(table_path: str | None, dtype: str | None, backend: str | None, suite
         tables.append(failures)
     document = {"dtype": dtype, "device": device_name, "suite": suite, "source": source,
                 "entries": [dict(configs=label, **r.to_dict()) for label, r in results]}
-    output.render(document, tables, fmt)
     # strict: a default config that cannot run a case would fail that shape at run time
     failed = [label for label, r in results if r.status != "ok"]
+    if restamp and not failed:
+        document["restamp"] = _restamp(table_path, verified, dtype, suite, hashes)
+    elif restamp:
+        output.warn(f"{table_path}: not restamped: some entries failed")
+    output.render(document, tables, fmt)
     if failed:
         raise ValidationFailed(f"validation failed for {', '.join(failed)}")

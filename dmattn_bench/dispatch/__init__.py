@@ -20,15 +20,18 @@ from dmattn_bench.dispatch.table import (
     Entry,
     Table,
     TableError,
+    Timing,
+    Validation,
     dump_table,
     load_table,
     new_table,
+    restamp,
     table_from_dict,
     table_to_dict,
 )
 
 __all__ = [
     "DISPATCHER", "ENV_VAR", "MAX_TABLE_BYTES", "SCHEMA_VERSION", "Choice", "DispatchWarning", "Dispatcher",
-    "Entry", "Table", "TableError", "choose", "clear_cache", "dump_table", "load_table", "nearest",
-    "new_table", "table_from_dict", "table_to_dict", "use_table",
+    "Entry", "Table", "TableError", "Timing", "Validation", "choose", "clear_cache", "dump_table", "load_table",
+    "nearest", "new_table", "restamp", "table_from_dict", "table_to_dict", "use_table",
 ]

@@ -3,8 +3,10 @@
 A table is chosen by, in order: a `table=` argument to `choose` or `use_table(path)`; the
 `DMATTN_BENCH_TABLE` environment variable; the table shipped in `results/tables/` for this device;
 else the heuristic default of `registry.default_configs`. A table that cannot be used (unreadable,
-invalid, tuned on another device, or whose kernels changed since) never breaks a call: it is skipped
-with one `DispatchWarning` per (file, reason) per process, and the next source is tried.
+invalid, tuned on another device) never breaks a call: it is skipped with one `DispatchWarning`
+per (file, reason) per process, and the next source is tried. So are a backend's entries when the
+table is stale for it: some dtype of them was not validated on the kernel sources installed here
+(`validation_status`).
 
 Within the chosen table: exact match on the categorical key, then the nearest sequence-length
 buckets (log2 distance); a key the table does not cover gets the default config, silently.
@@ -73,7 +75,7 @@ class _Usable:
 
     table: Table
     by_category: dict[tuple, tuple[Entry, ...]]
-    stale: tuple[str, ...]  # backends whose kernel sources changed since tuning
+    stale: dict[str, tuple[str, ...]]  # backend -> its dtypes not validated on the installed kernels
 
 
 def _log_distance(key: TableKey, entry: Entry) -> float:
@@ -93,15 +95,31 @@ def nearest(key: TableKey, entries: tuple[Entry, ...]) -> Entry:
 def _current_hash(backend: str) -> str | None:
     try:
         return kernel_source_hash(backend)
-    except (ValueError, OSError):  # sources not found: nothing can match, so the entries are stale
+    except (ValueError, OSError, SyntaxError):  # sources not found or unreadable: the entries are stale
         return None
 
 
+def validation_status(table: Table) -> dict[str, dict[str, str]]:
+    """Per backend and dtype of the table's entries: "current" if they were last validated on the
+    kernel sources installed here, "stale" if on others, "unvalidated" if no validation is recorded."""
+    dtypes: dict[str, set[str]] = {}
+    for entry in table.entries:
+        dtypes.setdefault(entry.backend, set()).add(entry.key.dtype)
+    status: dict[str, dict[str, str]] = {}
+    for backend, names in sorted(dtypes.items()):
+        current, records = _current_hash(backend), table.validated.get(backend, {})
+        status[backend] = {
+            dtype: "unvalidated" if dtype not in records
+            else "current" if current is not None and records[dtype].kernel_hash == current else "stale"
+            for dtype in sorted(names)}
+    return status
+
+
 def kernel_hash_status(table: Table) -> dict[str, str]:
-    """Per backend of the table: "current" if it was tuned on the kernel sources installed here,
-    else "stale" (the lookup skips its entries)."""
-    return {name: "current" if recorded == _current_hash(name) else "stale"
-            for name, recorded in table.kernel_hashes.items()}
+    """Per backend of the table: "current" if every dtype of its entries was validated on the
+    kernel sources installed here (`validation_status`), else "stale" (the lookup skips its entries)."""
+    return {backend: "current" if all(state == "current" for state in per_dtype.values()) else "stale"
+            for backend, per_dtype in validation_status(table).items()}
 
 
 class Dispatcher:
@@ -114,6 +132,7 @@ class Dispatcher:
         self._fingerprints: dict[Any, DeviceFingerprint] = {}
         self._warned: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # slow path only: loads, warnings
+        self.generation = 0  # bumped whenever a choice made before may change (`dmattn_bench.plan` keys on it)
 
     # -- public -----------------------------------------------------------------------------
 
@@ -124,12 +143,14 @@ class Dispatcher:
         """
         self._explicit = os.fspath(path) if path is not None else None
         self._choices.clear()
+        self.generation += 1
 
     def clear_cache(self) -> None:
         """Forgets memoised choices, parsed tables and fingerprints (not the warnings already given)."""
         self._choices.clear()
         self._tables.clear()
         self._fingerprints.clear()
+        self.generation += 1
 
     def choose(self, key: TableKey, device: torch.device | str | None = None, *,
                table: str | os.PathLike | None = None, env: str | None | object = _READ_ENV) -> Choice:
@@ -219,9 +240,11 @@ class Dispatcher:
                        f"(sm{device.compute_capability}, {device.sm_count} SMs), this is {local.name} "
                        f"(sm{local.compute_capability}, {local.sm_count} SMs); re-tune with `dmattn-bench tune`")
             return None
-        for backend in loaded.stale:
-            self._warn(path, f"stale:{backend}", f"dispatch table {path}: {backend} entries ignored, the "
-                       f"{backend} kernel sources changed since tuning; re-tune with `dmattn-bench tune`")
+        for backend, dtypes in loaded.stale.items():
+            self._warn(path, f"stale:{backend}", f"dispatch table {path}: {backend} entries ignored, its "
+                       f"{'/'.join(dtypes)} entries were not validated on the {backend} kernel sources installed "
+                       f"here; on its GPU, run `dmattn-bench verify --table {path} --suite full --restamp` for "
+                       f"each dtype of the table, or re-tune with `dmattn-bench tune`")
         if not loaded.by_category:
             return None  # nothing fresh left: as if there were no table here
         return loaded
@@ -244,8 +267,9 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - a table must never break an attention call
             result = f"{path}: {type(exc).__name__}: {exc}"
         else:
-            hashes = {backend: _current_hash(backend) for backend in {e.backend for e in table.entries}}
-            stale = tuple(sorted(b for b, current in hashes.items() if table.kernel_hashes.get(b) != current))
+            stale = {backend: tuple(d for d, state in per_dtype.items() if state != "current")
+                     for backend, per_dtype in validation_status(table).items()}
+            stale = {backend: dtypes for backend, dtypes in stale.items() if dtypes}
             groups: dict[tuple, list[Entry]] = {}
             for entry in table.entries:
                 if entry.backend not in stale:

@@ -2,17 +2,29 @@
 
 Layout (DESIGN §3)::
 
-    schema_version: 1
+    schema_version: 2
     created: '2025-01-01T00:00:00+00:00'
     device: {name, compute_capability, sm_count, shared_memory_per_block}
     software: {torch, triton, cuda, driver, dmattn_bench}
-    kernel_hashes: {triton: 'sha256:...'}
+    validated:                  # per backend and dtype: the last validation its entries passed
+      triton:
+        bf16: {kernel_hash: 'sha256:...', date: '2025-01-02T00:00:00+00:00', suite: full}
     interpreter: false
     entries:
     - key: {direction, dtype, head_dim, causal, mask, bias, gqa_ratio, seqlen_q_bucket, seqlen_k_bucket}
       backend: triton
       config: {block_m, block_n, num_warps, num_stages}
+      timed: {kernel_hash: 'sha256:...', date: '2025-01-01T00:00:00+00:00'}  # when its evidence was measured
       evidence: {median_ms, tflops, speedup_vs_default, ...}
+
+`kernel_hash` is `registry.kernel_source_hash` of the entry's backend. A table is current for a
+backend when every dtype of that backend's entries was validated on the installed kernels' hash:
+the tuner validates what it writes (its adversarial suite, usually `quick`), and
+`dmattn-bench verify --suite full --restamp` re-validates a table on new kernel sources
+(`restamp`) without touching its timings, which keep the hash and date they were measured on.
+
+Schema 1 had one `kernel_hashes: {backend: hash}` map, stamped at tuning; it is read as that
+hash for every validation and timing, dated `created`, suite `quick` (the tuner's default).
 
 A table is data from disk, possibly hand-edited or from another version: it is read with
 `yaml.safe_load` only, size-capped before parsing, and every field is checked so that a bad file
@@ -25,7 +37,8 @@ import datetime as _dt
 import fcntl
 import os
 import tempfile
-from dataclasses import dataclass, fields
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,21 +49,43 @@ from dmattn_bench.registry import BACKEND_NAMES, kernel_source_hash
 from dmattn_bench import space
 from dmattn_bench.space import CONFIG_CLASSES, DIRECTIONS, OPERAND_KINDS, BwdConfig, FwdConfig, TableKey
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # 1: one `kernel_hashes` map, converted on load (module docstring)
+SUITES = ("quick", "full")  # the adversarial suites a validation can name (`adversarial.SUITES`)
 # Real tables hold hundreds of entries (~100 KiB); the cap keeps a wrong or hostile file from
 # costing the YAML parser (pure Python per node) minutes and gigabytes.
 MAX_TABLE_BYTES = 16 * 1024 * 1024
 DTYPES = tuple(space.DTYPES)  # the spellings of `dmattn-bench verify --dtype`
 GRAD_SUFFIX = "+grad"  # a bwd bias with grad: dBias changes the kernel, so it is its own key
 
-TOP_KEYS = ("schema_version", "created", "device", "software", "kernel_hashes", "interpreter", "entries")
+TOP_KEYS = ("schema_version", "created", "device", "software", "validated", "interpreter", "entries")
+TOP_KEYS_V1 = ("schema_version", "created", "device", "software", "kernel_hashes", "interpreter", "entries")
 DEVICE_KEYS = tuple(f.name for f in fields(DeviceFingerprint))
 KEY_KEYS = tuple(f.name for f in fields(TableKey))
-ENTRY_KEYS = ("key", "backend", "config", "evidence")
+ENTRY_KEYS = ("key", "backend", "config", "timed", "evidence")
+ENTRY_KEYS_V1 = ("key", "backend", "config", "evidence")
 
 
 class TableError(ValueError):
     """A table that cannot be used; the message is one line: `FILE: FIELD: what is wrong`."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The kernel sources (`registry.kernel_source_hash`) and the date an entry's evidence was measured on."""
+
+    kernel_hash: str
+    date: str
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A validation a backend's entries of one dtype passed: on which kernel sources, when, and
+    with which adversarial suite (`quick` or `full`)."""
+
+    kernel_hash: str
+    date: str
+    suite: str
 
 
 @dataclass(frozen=True)
@@ -62,23 +97,30 @@ class Entry:
         backend: a name of `registry.BACKEND_NAMES`.
         config: FwdConfig or BwdConfig, as `key.direction` says.
         evidence: measurements behind the choice (median_ms, tflops, speedup_vs_default, ...).
+        timed: the kernel sources and date of those measurements (None until `new_table` stamps it).
     """
 
     key: TableKey
     backend: str
     config: FwdConfig | BwdConfig
     evidence: dict
+    timed: Timing | None = None
 
 
 @dataclass(frozen=True)
 class Table:
-    """A parsed dispatch table (see the module docstring for the file layout)."""
+    """A parsed dispatch table (see the module docstring for the file layout).
+
+    `schema_version` is the file's; an older one was converted on load and is written back as
+    `SCHEMA_VERSION`. `validated[backend][dtype]` is the last validation that backend's entries
+    of that dtype passed.
+    """
 
     schema_version: int
     created: str
     device: DeviceFingerprint
     software: dict
-    kernel_hashes: dict[str, str]
+    validated: dict[str, dict[str, Validation]]
     interpreter: bool
     entries: tuple[Entry, ...]
 
@@ -200,18 +242,50 @@ def _key(doc: Any, where: str) -> TableKey:
     )
 
 
-def _entry(doc: Any, where: str) -> Entry:
-    doc = _mapping(doc, where, ENTRY_KEYS)
+def _date(value: Any, where: str) -> str:
+    if isinstance(value, (_dt.date, _dt.datetime)):  # an unquoted timestamp parses as a datetime
+        value = value.isoformat()
+    return _str(value, where)
+
+
+def _timing(doc: Any, where: str) -> Timing:
+    doc = _mapping(doc, where, tuple(f.name for f in fields(Timing)))
+    return Timing(kernel_hash=_str(doc["kernel_hash"], f"{where}.kernel_hash"),
+                  date=_date(doc["date"], f"{where}.date"))
+
+
+def _validated(doc: Any) -> dict[str, dict[str, Validation]]:
+    validated = {}
+    for backend, per_dtype in _mapping(doc, "validated", None).items():
+        _str(backend, "validated", BACKEND_NAMES)
+        validated[backend] = {}
+        for dtype, record in _mapping(per_dtype, f"validated.{backend}", None).items():
+            where = f"validated.{backend}.{dtype}"
+            _str(dtype, f"validated.{backend}", DTYPES)
+            record = _mapping(record, where, tuple(f.name for f in fields(Validation)))
+            validated[backend][dtype] = Validation(
+                kernel_hash=_str(record["kernel_hash"], f"{where}.kernel_hash"),
+                date=_date(record["date"], f"{where}.date"),
+                suite=_str(record["suite"], f"{where}.suite", SUITES),
+            )
+    return validated
+
+
+def _entry(doc: Any, where: str, v1_stamp: dict[str, Timing] | None) -> Entry:
+    """An entry; a schema-1 entry has no `timed` and gets its backend's `v1_stamp`."""
+    doc = _mapping(doc, where, ENTRY_KEYS if v1_stamp is None else ENTRY_KEYS_V1)
     key = _key(doc["key"], f"{where}.key")
     cls = CONFIG_CLASSES[key.direction]
     # Every tunable is written out: a table must not depend on this version's dataclass defaults.
     config = _mapping(doc["config"], f"{where}.config", tuple(f.name for f in fields(cls)))
     values = {name: _int(value, f"{where}.config.{name}") for name, value in config.items()}
+    backend = _str(doc["backend"], f"{where}.backend", BACKEND_NAMES)
     return Entry(
         key=key,
-        backend=_str(doc["backend"], f"{where}.backend", BACKEND_NAMES),
+        backend=backend,
         config=cls(**values),
         evidence=_plain(_mapping(doc["evidence"], f"{where}.evidence", None), f"{where}.evidence"),
+        timed=_timing(doc["timed"], f"{where}.timed") if v1_stamp is None else v1_stamp[backend],
     )
 
 
@@ -219,15 +293,12 @@ def _table(doc: Any) -> Table:
     if not isinstance(doc, dict):
         raise _Bad("(top level)", f"expected a mapping, got {type(doc).__name__} {_show(doc)}")
     # The version is checked before anything else: a newer layout says so instead of failing on a field.
-    if "schema_version" in doc:
-        version = doc["schema_version"]
-        if version != SCHEMA_VERSION or isinstance(version, bool):
-            raise _Bad("schema_version",
-                       f"unknown schema version {_show(version)} (this dmattn-bench reads {SCHEMA_VERSION})")
-    doc = _mapping(doc, "(top level)", TOP_KEYS)
-    created = doc["created"]
-    if isinstance(created, (_dt.date, _dt.datetime)):  # an unquoted timestamp parses as a datetime
-        created = created.isoformat()
+    version = doc.get("schema_version", SCHEMA_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_SCHEMAS:
+        raise _Bad("schema_version", f"unknown schema version {_show(version)} "
+                                     f"(this dmattn-bench reads {' and '.join(map(str, READABLE_SCHEMAS))})")
+    doc = _mapping(doc, "(top level)", TOP_KEYS if version == SCHEMA_VERSION else TOP_KEYS_V1)
+    created = _date(doc["created"], "created")
     software = {}
     for name, value in _mapping(doc["software"], "software", None).items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -235,24 +306,35 @@ def _table(doc: Any) -> Table:
         if not isinstance(name, str) or not (value is None or isinstance(value, str)):
             raise _Bad(f"software.{name}", f"expected a version string or null, got {_show(value)}")
         software[name] = None if value is None else str(value)  # torch's TorchVersion is a str subclass
-    hashes = _mapping(doc["kernel_hashes"], "kernel_hashes", None)
-    for name, value in hashes.items():
-        _str(name, "kernel_hashes", BACKEND_NAMES)
-        _str(value, f"kernel_hashes.{name}")
+    if version == 1:
+        hashes = _mapping(doc["kernel_hashes"], "kernel_hashes", None)
+        for name, value in hashes.items():
+            _str(name, "kernel_hashes", BACKEND_NAMES)
+            _str(value, f"kernel_hashes.{name}")
+        # a backend schema 1 recorded no hash for matches no kernel sources: its entries are stale
+        v1_stamp = {name: Timing(hashes.get(name, "unknown"), created) for name in BACKEND_NAMES}
+    else:
+        validated, v1_stamp = _validated(doc["validated"]), None
     if not isinstance(doc["entries"], list):
         raise _Bad("entries", f"expected a list, got {type(doc['entries']).__name__} {_show(doc['entries'])}")
-    entries = tuple(_entry(item, f"entries[{i}]") for i, item in enumerate(doc["entries"]))
+    entries = tuple(_entry(item, f"entries[{i}]", v1_stamp) for i, item in enumerate(doc["entries"]))
     seen: dict[TableKey, int] = {}
     for i, entry in enumerate(entries):
         if entry.key in seen:
             raise _Bad(f"entries[{i}].key", f"duplicate of entries[{seen[entry.key]}].key (one choice per key)")
         seen[entry.key] = i
+    if version == 1:
+        validated = {}
+        for entry in entries:
+            if entry.backend in hashes:
+                validated.setdefault(entry.backend, {})[entry.key.dtype] = Validation(
+                    hashes[entry.backend], created, "quick")
     return Table(
-        schema_version=SCHEMA_VERSION,
-        created=_str(created, "created"),
+        schema_version=version,
+        created=created,
         device=_device(doc["device"]),
         software=software,
-        kernel_hashes=dict(hashes),
+        validated=validated,
         interpreter=_bool(doc["interpreter"], "interpreter"),
         entries=entries,
     )
@@ -282,20 +364,57 @@ def _sort_key(entry: Entry) -> tuple:
 
 
 def table_to_dict(table: Table) -> dict:
-    """The YAML document of a table (plain types, fixed key order, entries sorted by key)."""
+    """The YAML document of a table in this version's schema (plain types, fixed key order,
+    entries sorted by key)."""
     return {
-        "schema_version": table.schema_version,
+        "schema_version": SCHEMA_VERSION,
         "created": table.created,
         "device": table.device.to_dict(),
         "software": dict(sorted(table.software.items())),
-        "kernel_hashes": dict(sorted(table.kernel_hashes.items())),
+        "validated": {backend: {dtype: asdict(record) for dtype, record in sorted(per_dtype.items())}
+                      for backend, per_dtype in sorted(table.validated.items())},
         "interpreter": table.interpreter,
         "entries": [
             {"key": entry.key.to_dict(), "backend": entry.backend, "config": entry.config.to_dict(),
+             "timed": None if entry.timed is None else asdict(entry.timed),
              "evidence": dict(sorted(entry.evidence.items()))}
             for entry in sorted(table.entries, key=_sort_key)
         ],
     }
+
+
+@contextmanager
+def _directory_lock(path: Path):
+    """Writers of tables in one directory take turns (the rename alone is already atomic for
+    readers; the lock keeps two writers from racing, and a read-modify-write from losing another
+    writer's change) and leave no lock file behind."""
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(directory, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(directory)  # releases the lock
+
+
+def _write(table: Table, path: Path) -> None:
+    """Writes `table` to `path` through a temporary file and a rename; the caller holds the lock."""
+    # Validate first: never write a file this version could not read back. Dumping the validated
+    # copy also turns str/float subclasses (TorchVersion, numpy.float64) into plain YAML types.
+    doc = table_to_dict(table_from_dict(table_to_dict(table), str(path)))
+    header = (f"# dmattn-bench dispatch table (schema {SCHEMA_VERSION}) for {table.device.name} "
+              f"sm{table.device.compute_capability.replace('.', '')}; see `dmattn-bench show {path.name}`\n")
+    text = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a table is meant to be shared and committed
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def dump_table(table: Table, path: str | os.PathLike) -> None:
@@ -306,30 +425,8 @@ def dump_table(table: Table, path: str | os.PathLike) -> None:
         OSError: the directory is not writable.
     """
     path = Path(path)
-    # Validate first: never write a file this version could not read back. Dumping the validated
-    # copy also turns str/float subclasses (TorchVersion, numpy.float64) into plain YAML types.
-    doc = table_to_dict(table_from_dict(table_to_dict(table), str(path)))
-    header = (f"# dmattn-bench dispatch table (schema {SCHEMA_VERSION}) for {table.device.name} "
-              f"sm{table.device.compute_capability.replace('.', '')}; see `dmattn-bench show {path.name}`\n")
-    text = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)
-    # Writers take turns on a lock of the table's directory (the rename alone is already atomic
-    # for readers; the lock keeps two writers from racing their renames) and leave no lock file.
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(directory, fcntl.LOCK_EX)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600; a table is meant to be shared and committed
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    finally:
-        os.close(directory)  # releases the lock
+    with _directory_lock(path):
+        _write(table, path)
 
 
 def load_table(path: str | os.PathLike) -> Table:
@@ -366,16 +463,65 @@ def load_table(path: str | os.PathLike) -> Table:
     return table_from_dict(doc, source)
 
 
-def new_table(entries, device: DeviceFingerprint, interpreter: bool) -> Table:
-    """A table for `entries` stamped with now (UTC), this software and the current kernel hashes."""
-    entries = tuple(entries)
-    backends = sorted({entry.backend for entry in entries} | {"triton"})
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def new_table(entries, device: DeviceFingerprint, interpreter: bool, suite: str = "quick") -> Table:
+    """A table for `entries` stamped with now (UTC), this software and the current kernel hashes.
+
+    The tuner validated every entry before choosing it, so each backend and dtype of the entries
+    is recorded as validated now on the current kernels with `suite` (the tuner's adversarial
+    suite); an entry not yet `timed` is stamped as measured now on them.
+    """
+    created, entries = _now(), tuple(entries)
+    hashes = {backend: kernel_source_hash(backend) for backend in sorted({e.backend for e in entries})}
+    entries = tuple(entry if entry.timed is not None else replace(entry, timed=Timing(hashes[entry.backend], created))
+                    for entry in entries)
+    validated: dict[str, dict[str, Validation]] = {}
+    for entry in entries:
+        validated.setdefault(entry.backend, {})[entry.key.dtype] = Validation(hashes[entry.backend], created, suite)
     return Table(
         schema_version=SCHEMA_VERSION,
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        created=created,
         device=device,
         software={name: None if value is None else str(value) for name, value in software_versions().items()},
-        kernel_hashes={name: kernel_source_hash(name) for name in backends},
+        validated=validated,
         interpreter=bool(interpreter),
         entries=entries,
     )
+
+
+def _choices(entries, backend: str, dtype: str) -> set[tuple]:
+    return {(e.key, e.config) for e in entries if e.backend == backend and e.key.dtype == dtype}
+
+
+def restamp(path: str | os.PathLike, verified, dtype: str, suite: str, kernel_hashes: dict[str, str]) -> Table:
+    """Records in the table at `path` that its `dtype` entries of each backend in `verified` passed
+    `suite` on the kernel sources of `kernel_hashes` (taken before they ran), dated now.
+
+    Read, changed and written under the directory's lock, atomically; entries and their timings
+    are left as they are. Nothing is written unless the file still holds, for each such backend,
+    exactly the `dtype` entries (keys and configs) that were verified.
+
+    Returns:
+        the table as written.
+
+    Raises:
+        TableError: the file no longer reads as a table, or its verified entries changed meanwhile.
+        OSError: the directory is not writable.
+    """
+    path = Path(path)
+    verified = tuple(verified)
+    with _directory_lock(path):
+        table = load_table(path)
+        validated = {backend: dict(per_dtype) for backend, per_dtype in table.validated.items()}
+        date = _now()
+        for backend in sorted({e.backend for e in verified}):
+            if _choices(table.entries, backend, dtype) != _choices(verified, backend, dtype):
+                raise TableError(f"{path}: its {backend} {dtype} entries changed while they were verified; "
+                                 f"verify the table again")
+            validated.setdefault(backend, {})[dtype] = Validation(kernel_hashes[backend], date, suite)
+        table = replace(table, validated=validated)
+        _write(table, path)
+    return table
