@@ -6,7 +6,8 @@ backward differentiates. A peer that cannot run raises; the bench records the er
 
 Peers computing the same function as ours (FlexAttention, SDPA with a float mask, flash-dmattn)
 get the same mask and bias; the dense-causal speed references (SDPA flash, SDPA cuDNN) get only
-q, k, v and the causal rule.
+q, k, v and the causal rule. A peer that cannot run on this device says why before any of its
+work is done (`unavailable_reason`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from dmattn_bench import ops
+from dmattn_bench import plan
 from dmattn_bench.api import flash_dmattn_func
 from dmattn_bench.space import as_4d, config_label
 
@@ -73,8 +74,8 @@ def _ours(inputs: BenchInputs, table: str | None, backend: str = "auto") -> Prep
     q, k, v = (_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
     bias = _bias_leaf(inputs)
     learnable = bias is not None and bias.requires_grad
-    chosen = {direction: ops.select(direction, q, k, as_4d(inputs.mask), as_4d(bias), inputs.is_causal, backend,
-                                    table, None, learnable)
+    chosen = {direction: plan.select(direction, q, k, as_4d(inputs.mask), as_4d(bias), inputs.is_causal, backend,
+                                     table, None, learnable)
               for direction in ("fwd", "bwd")}
 
     def forward():
@@ -220,6 +221,27 @@ PEERS: dict[str, Callable[[BenchInputs, str | None], Prepared]] = {
     "sdpa-cudnn-dense": lambda inputs, table: _sdpa(inputs, "cudnn", dense=True),
     "flash-dmattn": lambda inputs, table: _flash_dmattn(inputs),
 }
+
+
+# Peers whose kernels run only on a CUDA GPU, and why. Elsewhere their rows say so rather than
+# what torch raises there (FlexAttention "does not support backward on CPU" even for a forward
+# row, SDPA "turning off both the math kernel and the fused kernels"). SDPA's flash kernel has a
+# CPU implementation and runs.
+CUDA_ONLY = {
+    "ours-cuda": "the cuda backend's kernels run only there",
+    "flex": "FlexAttention has no CPU backward",
+    "flex-small-bwd": "FlexAttention has no CPU backward",
+    "sdpa-efficient": "SDPA's memory-efficient kernel is CUDA-only",
+    "sdpa-cudnn-dense": "cuDNN attention is CUDA-only",
+    "flash-dmattn": "its kernels are CUDA-only",
+}
+
+
+def unavailable_reason(peer: str, device: torch.device | str) -> str | None:
+    """Why `peer` cannot run on `device`, in one line; None when it can."""
+    if peer in CUDA_ONLY and torch.device(device).type != "cuda":
+        return f"needs a CUDA GPU ({CUDA_ONLY[peer]})"
+    return None
 
 
 # What `bench` runs without --peers (issue #5's list); sdpa-math is opt-in.

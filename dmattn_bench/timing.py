@@ -10,6 +10,10 @@ against 0.31 ms on the GPU, and a host hiccup showed as GPU time (W3 rows of `dm
 maxima 0.538 -> 0.319 ms; H200, `results/bench/session13-h200-timing-probe.txt`). The host's own
 time per call is reported beside (`Timing.host_ms`). On the CPU (the Triton interpreter) the
 same loop runs with a host clock and the result is marked as not meaningful.
+
+What an eager caller sees is neither: `eager_wall_ms` times back-to-back calls with no spin and no
+flush, synchronised once at the end, so a call whose host work outlasts its GPU work costs its
+host time, as it does in a training loop that is not captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -128,3 +132,30 @@ def time_kernel(fn: Callable[[], None], device: torch.device | str, warmup: int 
         meaningful = False
     return Timing(statistics.median(samples), _quantile(samples, 0.2), _quantile(samples, 0.8), repeats, meaningful,
                   host_ms)
+
+
+def eager_wall_ms(fn: Callable[[], None], device: torch.device | str, calls: int = 20, loops: int = 5,
+                  warmup: int = 1) -> float:
+    """Wall time per call of an eager loop: `calls` back-to-back calls of `fn`, no spin, no flush,
+    one synchronisation at the end; the median over `loops` such loops (milliseconds).
+
+    On the CPU (the Triton interpreter) it is a host clock like `time_kernel`'s, and as little
+    meaningful.
+    """
+    device = torch.device(device)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    per_call = []
+    for _ in range(loops):
+        synchronize()  # the loop starts on an idle GPU: no earlier work is charged to it
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize()
+        per_call.append((time.perf_counter() - begin) * 1e3 / calls)
+    return statistics.median(per_call)

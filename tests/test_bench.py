@@ -1,20 +1,24 @@
 """`dmattn-bench bench` on the CPU (interpreter): workload files, the dynamic-mask rule, the floor
-arithmetic, failed peers kept as rows, and the report formats."""
+arithmetic, failed peers kept as rows, the ratios, the report formats and the exit codes."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
 import yaml
 from click.testing import CliRunner
 
+from dmattn_bench import peers
 from dmattn_bench.bench import (
+    COLUMNS,
     Row,
     build_bench_inputs,
     bytes_needed,
+    fill_ratios,
     floor_ms,
     load_peer_workloads,
     markdown,
@@ -23,7 +27,7 @@ from dmattn_bench.bench import (
 )
 from dmattn_bench.cli.bench import DEFAULT_WORKLOADS, bench
 from dmattn_bench.hardware import DevicePeaks
-from dmattn_bench.peers import parse_peers
+from dmattn_bench.peers import parse_peers, unavailable_reason
 
 TINY = {
     "name": "T1 full bias", "batch": 1, "heads": 2, "heads_kv": 2, "seqlen": 40, "head_dim": 32,
@@ -113,7 +117,8 @@ def test_a_peer_computing_the_same_function_agrees_with_ours(tmp_path):
     workloads = load_peer_workloads(_write(tmp_path, TINY, TINY_GQA))
     rows = run_bench(workloads, ["dmattn", "sdpa-math"], "cpu", repeats=3)
     peer = [r for r in rows if r.peer == "sdpa-math"]
-    assert all(r.status == "ok" and r.ours_over_peer > 0 for r in peer), [r.error for r in peer]
+    assert all(r.status == "ok" and r.ours_over_peer_gpu > 0 and r.ours_over_peer_wall > 0 for r in peer), \
+        [r.error for r in peer]
     forward = [r for r in peer if r.direction == "fwd"]
     assert len(forward) == 2 and all(r.max_abs_diff_vs_ours < 1e-5 for r in forward)
     # each direction's backend is named: a table tuned over both may pick two
@@ -126,9 +131,12 @@ def test_bench_keeps_failed_peers_as_rows_and_fills_ratios(tmp_path):
     rows = run_bench(workloads, ["dmattn", "sdpa-cudnn-dense"], "cpu", repeats=3)
     assert len(rows) == 2 * 2 * 2
     ours = [r for r in rows if r.peer == "dmattn"]
-    assert all(r.status == "ok" and r.median_ms > 0 and r.ours_over_peer == 1.0 for r in ours)
+    assert all(r.status == "ok" and r.median_ms > 0 and r.wall_ms > 0 for r in ours)
+    assert all(r.ours_over_peer_gpu == 1.0 and r.ours_over_peer_wall == 1.0 for r in ours)
     failed = [r for r in rows if r.peer == "sdpa-cudnn-dense"]
-    assert all(r.status == "error" and r.error and r.median_ms is None for r in failed)
+    # said before torch is asked (it would say "turning off both the math kernel and the fused kernels")
+    assert all(r.status == "error" and r.error == "needs a CUDA GPU (cuDNN attention is CUDA-only)"
+               and r.median_ms is None for r in failed)
     assert all(r.floor_ms is None for r in rows)  # no datasheet peaks for a CPU
 
 
@@ -139,6 +147,9 @@ def test_bench_command_json_then_markdown_and_plot(tmp_path):
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     assert {r["peer"] for r in document["rows"]} == {"dmattn", "sdpa-efficient"}
+    assert document["eager_loop"] == {"calls": 2, "loops": 1}
+    ours = [r for r in document["rows"] if r["peer"] == "dmattn"]
+    assert all(r["wall_ms"] > 0 and r["ours_over_peer_gpu"] == r["ours_over_peer_wall"] == 1.0 for r in ours)
     assert document["workloads"] == ["T1 full bias: fp32 B1 H2 L40x40 D32 causal mask=full bias=full+grad keep top_fraction=0.5"]
     report = tmp_path / "report.json"
     report.write_text(result.stdout)
@@ -168,15 +179,130 @@ def test_bench_command_rejects_an_unknown_peer(tmp_path):
 
 
 def test_row_serialisation_round_trips():
-    row = Row("W", "flex", "fwd", "ok", median_ms=1.234567891, ours_over_peer=0.5)
-    assert Row(**row.to_dict()).median_ms == pytest.approx(1.23457)
+    row = Row("W", "flex", "fwd", "ok", median_ms=1.234567891, wall_ms=2.5, ours_over_peer_gpu=0.5,
+              ours_over_peer_wall=0.25)
+    assert Row.from_dict(row.to_dict()) == Row("W", "flex", "fwd", "ok", median_ms=1.23457, wall_ms=2.5,
+                                               ours_over_peer_gpu=0.5, ours_over_peer_wall=0.25)
+    with pytest.raises(ValueError, match="unknown keys"):
+        Row.from_dict(dict(row.to_dict(), gpu_seconds=1.0))
+    with pytest.raises(ValueError, match="lacks"):
+        Row.from_dict({"workload": "W", "peer": "flex"})
 
 
-def test_reports_from_before_the_host_time_render_it_as_unknown():
+def _document(rows: list[Row], **extra) -> dict:
+    return dict({"device": "NVIDIA H100", "command": "dmattn-bench bench", "software": {"torch": "2.11"},
+                 "repeats": 20, "eager_loop": {"calls": 20, "loops": 5}, "peaks": None, "workloads": ["W"],
+                 "rows": [row.to_dict() for row in rows]}, **extra)
+
+
+def _cells(line: str) -> list[str]:
+    """A markdown table line's cells; an escaped `\\|` is inside a cell."""
+    return re.split(r"(?<!\\)\|", line.strip())[1:-1]
+
+
+def test_ratios_are_ours_over_the_peer_on_gpu_time_and_on_wall_time():
+    rows = [Row("W", "dmattn", "fwd", "ok", median_ms=0.5, wall_ms=0.8),
+            Row("W", "sdpa", "fwd", "ok", median_ms=1.0, wall_ms=0.4),
+            Row("W", "flex", "fwd", "ok", median_ms=0.25),  # no wall time (e.g. an old report's row)
+            Row("W", "cudnn", "fwd", "error", error="needs a CUDA GPU"),
+            Row("W", "sdpa", "fwd+bwd", "ok", median_ms=2.0, wall_ms=2.0)]  # ours failed: no ratio
+    fill_ratios(rows)
+    ours, sdpa, flex, cudnn, no_ours = rows
+    assert (ours.ours_over_peer_gpu, ours.ours_over_peer_wall) == (1.0, 1.0)
+    assert (sdpa.ours_over_peer_gpu, sdpa.ours_over_peer_wall) == (0.5, 2.0)
+    assert (flex.ours_over_peer_gpu, flex.ours_over_peer_wall) == (2.0, None)
+    assert (cudnn.ours_over_peer_gpu, cudnn.ours_over_peer_wall) == (None, None)
+    assert (no_ours.ours_over_peer_gpu, no_ours.ours_over_peer_wall) == (None, None)
+    gpu, wall = COLUMNS.index("ours/peer gpu"), COLUMNS.index("ours/peer wall")
+    assert (row_cells(sdpa)[gpu], row_cells(sdpa)[wall]) == ("0.50", "2.00")
+
+
+def test_markdown_rows_have_as_many_cells_as_the_header():
+    rows = [Row("W", "dmattn", "fwd", "ok", median_ms=0.5, spread=0.01, host_ms=0.3, wall_ms=0.8, tflops=100.0,
+                floor_ms=0.25, floor_fraction=0.5, ours_over_peer_gpu=1.0, ours_over_peer_wall=1.0),
+            Row("W", "flex", "fwd", "error", error="a | b"),  # a pipe in an error must not split its cell
+            Row("W", "flex", "fwd+bwd", "ok", median_ms=0.5, max_abs_diff_vs_ours=1e-3, setup_ms=20.0)]
+    lines = markdown(_document(rows)).splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("| workload")))
+    table = lines[header:header + 2 + len(rows)]
+    assert [cell.strip().replace("\\|", "|") for cell in _cells(table[0])] == list(COLUMNS)
+    assert {"gpu ms", "host ms", "wall ms", "ours/peer gpu", "ours/peer wall"} <= set(COLUMNS)
+    assert all(len(_cells(line)) == len(COLUMNS) for line in table), table
+    assert "| W | fwd | dmattn | ok | 0.500 | 1.0% | 0.300 | 0.800 |" in table[2]
+    assert "20 back-to-back calls" in "\n".join(lines[:header])
+
+
+def test_reports_from_before_the_host_and_wall_times_render_them_as_unknown(tmp_path):
+    """An old report's one `ours_over_peer` was the GPU-time ratio; host and wall times are '-'."""
     document = {"device": "NVIDIA H100", "command": "dmattn-bench bench", "software": {"torch": "2.11"},
                 "repeats": 20, "peaks": None, "workloads": ["W"], "rows": [
                     {"workload": "W", "peer": "dmattn", "direction": "fwd", "status": "ok", "median_ms": 0.5,
                      "spread": 0.01, "ours_over_peer": 1.0, "note": ""}]}
-    assert "| W | fwd | dmattn | ok | 0.500 | 1.0% | - |" in markdown(document)
+    text = markdown(document)
+    assert "| W | fwd | dmattn | ok | 0.500 | 1.0% | - | - |" in text
+    assert "| 1.00 | - |" in text and "not measured in this report" in text
     row = Row("W", "flex", "fwd", "ok", median_ms=0.5, host_ms=0.0512)
     assert "0.051" in row_cells(row)
+    report = tmp_path / "old.json"
+    report.write_text(json.dumps(document))
+    rendered = CliRunner().invoke(bench, ["--from-json", str(report), "--format", "markdown"])
+    assert rendered.exit_code == 0 and rendered.stdout == text, rendered.output
+
+
+def test_a_report_with_a_row_no_version_wrote_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    from dmattn_bench.cli import main
+
+    monkeypatch.delenv("DMATTN_BENCH_DEBUG", raising=False)
+    report = tmp_path / "future.json"
+    report.write_text(json.dumps(_document([Row("W", "dmattn", "fwd", "ok")])).replace('"note"', '"notes"'))
+    with pytest.raises(SystemExit) as ended:
+        main(["bench", "--from-json", str(report)])
+    stderr = capsys.readouterr().err
+    assert ended.value.code == 2 and "unknown keys ['notes']" in " ".join(stderr.split()), stderr
+
+
+def test_a_peer_that_needs_a_gpu_says_so():
+    for peer in ("flex", "flex-small-bwd", "sdpa-efficient", "sdpa-cudnn-dense", "flash-dmattn", "ours-cuda"):
+        assert unavailable_reason(peer, "cpu").startswith("needs a CUDA GPU ("), peer
+        assert unavailable_reason(peer, "cuda") is None
+    # these run on the CPU: ours in the interpreter, SDPA's math and flash kernels natively
+    assert all(unavailable_reason(peer, "cpu") is None for peer in ("dmattn", "ours-triton", "sdpa-math",
+                                                                    "sdpa-flash-dense"))
+
+
+def test_bench_exits_1_when_our_kernel_fails_and_still_prints_the_report(tmp_path, capsys, monkeypatch):
+    from dmattn_bench.cli import main
+
+    def broken(inputs, table):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.delenv("DMATTN_BENCH_DEBUG", raising=False)
+    monkeypatch.setitem(peers.PEERS, "dmattn", broken)
+    with pytest.raises(SystemExit) as ended:
+        main(["bench", "--workloads", _write(tmp_path, TINY), "--peers", "sdpa-math", "--repeats", "3",
+              "--format", "json"])
+    captured = capsys.readouterr()
+    assert ended.value.code == 1, captured.err
+    rows = json.loads(captured.out)["rows"]
+    assert {(r["peer"], r["status"]) for r in rows} == {("dmattn", "error"), ("sdpa-math", "ok")}
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "T1 full bias fwd, T1 full bias fwd+bwd" in errors[0], captured.err
+    assert "Traceback" not in captured.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="bf16 runs on a GPU")
+@pytest.mark.parametrize("command", [["tune", "--dtype", "bf16"], ["verify", "--dtype", "bf16"],
+                                     ["bench", "--dtype", "bf16"]], ids=lambda command: command[0])
+def test_bf16_without_a_gpu_is_the_same_usage_error_in_every_command(tmp_path, capsys, monkeypatch, command):
+    from dmattn_bench.cli import main
+
+    monkeypatch.delenv("DMATTN_BENCH_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as ended:
+        main(command)
+    captured = capsys.readouterr()
+    assert ended.value.code == 2, captured.err
+    assert captured.out == ""
+    errors = [line for line in captured.err.splitlines() if line.startswith("Error:")]
+    assert errors == ["Error: Invalid value for --dtype: bf16 needs a CUDA GPU; the Triton interpreter on this "
+                      "machine runs fp32 and fp16"], captured.err

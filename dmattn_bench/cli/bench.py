@@ -12,7 +12,9 @@ import torch
 from rich.table import Table
 
 from dmattn_bench import output
-from dmattn_bench.bench import COLUMNS, Row, load_peer_workloads, markdown, plot, row_cells, run_bench
+from dmattn_bench.bench import (COLUMNS, Row, eager_loop, failed_rows_of_ours, load_peer_workloads, markdown, plot,
+                                row_cells, run_bench)
+from dmattn_bench.cli.checks import reject_bf16_without_gpu
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_peaks, software_versions
 from dmattn_bench.peers import DEFAULT_PEERS, PEER_GROUPS, PEERS, parse_peers
@@ -28,8 +30,9 @@ def _table(document: dict) -> Table:
         table.add_column(column, justify="left" if column in ("workload", "direction", "peer", "status") else "right")
     for data in document["rows"]:
         style = "bold" if data["peer"] == "dmattn" else None
-        table.add_row(*row_cells(Row(**data)), style=style)
-    table.caption = "ours/peer < 1: ours is faster; of floor: max(compute, memory) floor / median"
+        table.add_row(*row_cells(Row.from_dict(data)), style=style)
+    table.caption = ("gpu ms: GPU time, host hidden; host ms: enqueue one call; wall ms: per call of an eager loop; "
+                     "ours/peer < 1: ours is faster; of floor: max(compute, memory) floor / gpu ms")
     return table
 
 
@@ -79,18 +82,23 @@ def _check_plot_available(plot_path: str | None) -> None:
 def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plot_path, from_json) -> None:
     """Time our kernel and its peers (forward, forward+backward) on the peer workloads."""
     _check_plot_available(plot_path)
+    failed: list[Row] = []  # of our own rows; a rendered report measured nothing, so none
     if from_json is not None:
         _check_nothing_to_measure_given()
         try:
             document = json.loads(Path(from_json).read_text())
-            if not isinstance(document, dict) or not {"device", "rows"} <= set(document):
-                raise ValueError("no `device` and `rows`")
+            if not (isinstance(document, dict) and {"device", "rows"} <= set(document)
+                    and isinstance(document["rows"], list)):
+                raise ValueError("no `device` and `rows` list")
+            for data in document["rows"]:
+                Row.from_dict(data)
         except ValueError as exc:  # json.JSONDecodeError is one
             raise click.BadParameter(f"{from_json}: not a `bench --format json` report ({exc})",
                                      param_hint="--from-json") from None
     else:
         has_gpu = torch.cuda.is_available()
         device = "cuda" if has_gpu else "cpu"
+        reject_bf16_without_gpu([dtype] if dtype else [], has_gpu)
         if not has_gpu:
             output.info("no CUDA GPU: our kernel runs in the Triton interpreter (TRITON_INTERPRET=1) on "
                         + ("interpreter-sized W1-W3 (configs/workloads/peers-cpu.yaml)" if workloads_path is None
@@ -101,7 +109,10 @@ def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plo
             workloads = load_peer_workloads(workloads_path, dtype, list(only))
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
+        reject_bf16_without_gpu({w.workload.dtype for w in workloads}, has_gpu, param_hint="--workloads")
         rows = run_bench(workloads, peers, device, table=table_path, repeats=repeats)
+        failed = failed_rows_of_ours(rows)
+        calls, loops = eager_loop(device)
         peaks = device_peaks(device)
         document = {
             "command": "dmattn-bench " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "dmattn-bench bench",
@@ -109,6 +120,7 @@ def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plo
             "software": software_versions(),
             "peaks": None if peaks is None else str(peaks),
             "repeats": repeats,
+            "eager_loop": {"calls": calls, "loops": loops},
             "timings_meaningful": has_gpu,  # the interpreter's times rank nothing
             "workloads": [w.describe() for w in workloads],
             "rows": [row.to_dict() for row in rows],
@@ -120,3 +132,8 @@ def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plo
     if plot_path is not None:
         plot(document, plot_path)
         output.info(f"plot written to {plot_path}")
+    if failed:
+        # the report is printed, failed rows and all: exit 1 says the run failed at its one job
+        raise DmattnError(f"our kernel (peer dmattn) failed on {len(failed)} row(s): "
+                          + ", ".join(f"{r.workload} {r.direction}" for r in failed),
+                          "each row's error is in the report's status")

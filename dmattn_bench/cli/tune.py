@@ -11,6 +11,7 @@ import torch
 from rich.table import Table
 
 from dmattn_bench import output
+from dmattn_bench.cli.checks import reject_bf16_without_gpu
 from dmattn_bench.dispatch import Entry, dump_table, new_table
 from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
@@ -158,6 +159,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     """Tune the kernels on this machine's GPU and write a dispatch table."""
     budget_s = parse_duration(budget)
     on_gpu = torch.cuda.is_available()
+    reject_bf16_without_gpu(dtypes, on_gpu)
     backends = ("triton", "cuda") if backend == "all" else (backend,)
     if "cuda" in backends and not on_gpu:
         if backend == "cuda":
@@ -184,8 +186,6 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
         given = "the given files" if workloads_files or space_files else "configs/ci.yaml"
         output.info(f"no CUDA GPU: tuning through the Triton interpreter on {given}; "
                     "the pipeline runs end to end but timings are not meaningful")
-        if any(d == "bf16" for d in dtypes):
-            raise click.BadParameter("bf16 needs a CUDA GPU (the interpreter has no bf16)", param_hint="--dtype")
     workloads_files = workloads_files or (str(CONFIGS_DIR / "workloads" / "default.yaml" if on_gpu else CI_FILE),)
     try:
         # the union, in file order; a shape listed twice is tuned once
@@ -193,9 +193,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
         spaces = {name: _spaces(space_files, name, on_gpu) for name in backends}
     except ValueError as exc:
         raise DmattnError(str(exc).splitlines()[0], "fix the YAML file") from None
-    if not on_gpu and any(w.dtype == "bf16" for w in workloads):
-        raise click.BadParameter("its bf16 workloads need a CUDA GPU (the interpreter has no bf16); pass --dtype fp32 "
-                                 "or --dtype fp16", param_hint="--workloads")
+    reject_bf16_without_gpu({w.dtype for w in workloads}, on_gpu, param_hint="--workloads")
     fingerprint = device_fingerprint(device)
     out = Path(out_path or f"{fingerprint.slug()}.yaml")
     if not out.resolve().parent.is_dir():
