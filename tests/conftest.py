@@ -26,3 +26,31 @@ def pytest_collection_modifyitems(config, items):
 def seed():
     """Seeds torch's global generator before every test."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory):
+    """The project built as a wheel and installed into a folder of its own: (site folder, the
+    checkout it was built from). The wheel is built from a copy of what the build reads, so no
+    build output of the checkout (or of an older build) goes in."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("setuptools")
+    root = Path(__file__).parents[1]
+    tmp_path = tmp_path_factory.mktemp("wheel")
+    source = tmp_path / "source"  # what the build reads: pyproject.toml, the readme, the package dirs
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(root / name, source / name)
+    for package_dir in ("dmattn_bench", "kernels", "results/tables", "configs"):
+        shutil.copytree(root / package_dir, source / package_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
+                    "-w", str(tmp_path / "wheel")], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    return site, root

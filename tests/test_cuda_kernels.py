@@ -6,6 +6,7 @@ in results/cuda/ and the GPU tier.)"""
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import shutil
 import subprocess
@@ -191,3 +192,22 @@ def test_wgmma_tiles_are_unpadded_and_aligned_in_shared_memory():
         "dkdv": (2 * 128 + 2 * 2 * 64) * 128 * 2 + 1024 + 2 * 2 * 64 * 4, "dq": (2 * 128 + 2 * 2 * 64) * 128 * 2 + 1024}
     assert launch.shared_bytes(bwd, 128) >= launch.shared_bytes(bwd, 128, "sm90")
 
+
+
+@needs_nvcc
+def test_a_wheel_install_builds_a_cuda_kernel(installed_wheel, tmp_path):
+    """Installed from a wheel, the cuda backend finds every source its kernels include (the .cuh
+    headers are package data) and nvcc builds one of them."""
+    import sys
+
+    site, _ = installed_wheel
+    probe = ("import torch; from dmattn_bench.space import FwdConfig; from dmattn_kernels.cuda import build, launch; "
+             "flags = launch.variant(FwdConfig(64, 64, 4, 2), 72, torch.float16, None, arch='sm80', is_causal=True, "
+             "has_mask=True, softcap=0.0); print(build.KERNEL_DIR); print(build.build('fwd', 'sm80', flags).stat().st_size)")
+    done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {probe}"],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "DMATTN_BENCH_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
+    kernel_dir, cubin_bytes = done.stdout.splitlines()
+    assert kernel_dir == str(site / "dmattn_kernels" / "cuda")
+    assert int(cubin_bytes) > 0

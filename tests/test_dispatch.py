@@ -425,29 +425,13 @@ def test_show_truncated_table_is_one_line_exit_1(tmp_path, capsys):
     assert len(lines) == 1 and path in lines[0] and lines[0].startswith("error:")
 
 
-def test_a_wheel_install_carries_the_shipped_tables(tmp_path):
+def test_a_wheel_install_carries_the_shipped_tables(installed_wheel, tmp_path):
     """Installed from a wheel (no source checkout), the runtime still finds every shipped table:
-    they are package data, and `SHIPPED_TABLES_DIR` points at them. The wheel is built from a
-    copy of what the build reads, so no build output of the checkout (or of an older build) goes in."""
-    import shutil
+    they are package data, and `SHIPPED_TABLES_DIR` points at them."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    pytest.importorskip("setuptools")
-    root = Path(__file__).parents[1]
-    source = tmp_path / "source"  # what the build reads: pyproject.toml, the readme, the package dirs
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(root / name, source / name)
-    for package_dir in ("dmattn_bench", "kernels", "results/tables", "configs"):
-        shutil.copytree(root / package_dir, source / package_dir, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
-                    "-w", str(tmp_path / "wheel")], check=True, capture_output=True)
-    (wheel,) = (tmp_path / "wheel").glob("*.whl")
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True)
+    site, root = installed_wheel
     probe = ("from dmattn_bench.dispatch import lookup; from dmattn_bench.space import CONFIGS_DIR; "
              "print(lookup.SHIPPED_TABLES_DIR); print(*sorted(p.name for p in lookup.SHIPPED_TABLES_DIR.glob('*.yaml'))); "
              "print(CONFIGS_DIR); print(*sorted(str(p.relative_to(CONFIGS_DIR)) for p in CONFIGS_DIR.rglob('*.yaml')))")
