@@ -216,7 +216,7 @@ GPU_DEFAULTS = (
 )
 # The CUDA kernels' defaults per class off SM90 (mma.sync), fastest first (measured on the H200
 # through mma.sync, the nearest GPU we have: B2 H16 L4096 causal at D = 64, 128 and 256,
-# results/cuda/h200-defaults-sweep.txt): the first whose shared memory fits the GPU at the
+# `python3 benchmarks/cuda/defaults_sweep.py`): the first whose shared memory fits the GPU at the
 # class's largest head dim is used, so an SM86 or SM120 part (99 KiB per block) gets smaller
 # tiles or rings than an A100 (163 KiB).
 CUDA_DEFAULTS = (
@@ -228,7 +228,7 @@ CUDA_DEFAULTS = (
      (BwdConfig(32, 64, 64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1))),
 )
 # On SM90, where configs of 16 rows per warp in whole warpgroups run wgmma (launch.uses_wgmma):
-# H200, same shapes, results/cuda/h200-wgmma-defaults-sweep.txt (2026-11-22). Forward, TFLOP/s:
+# H200, same shapes and command (2026-11-22). Forward, TFLOP/s:
 # D64 64x128 w4 337, D128 128x128 w8 363, D256 128x64 w8 423; backward: D64 128x64 dq64x64 w4
 # 271, D128 64x64 dq64x64 w4 317. The D256 backward stays on mma.sync (WGMMA_BWD_MAX_HEAD_DIM).
 CUDA_SM90_DEFAULTS = (

@@ -7,7 +7,7 @@ spin, host work of the call beyond the flush's 40 us (Python wrapper, dispatch, 
 the GPU idle inside the measured interval: our W3 forward takes 0.25 ms of host time per call
 against 0.31 ms on the GPU, and a host hiccup showed as GPU time (W3 rows of `dmattn-bench bench`
 10-40% spread while the peers' were under 1%; with the spin, the same medians within 2% and
-maxima 0.538 -> 0.319 ms; H200, `results/bench/session13-h200-timing-probe.txt`). The host's own
+maxima 0.538 -> 0.319 ms; H200, commit a6a0921). The host's own
 time per call is reported beside (`Timing.host_ms`). On the CPU (the Triton interpreter) the
 same loop runs with a host clock and the result is marked as not meaningful.
 

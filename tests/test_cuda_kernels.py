@@ -1,7 +1,7 @@
 """The CUDA kernels without a GPU: every candidate of the CUDA search spaces (forward and
 backward) builds with nvcc for sm80, sm90 and sm120, the launcher's parameter blocks match the
 compiled kernels', and the launcher's structural rules, defaults and -D lists. (They run on GPUs
-in results/cuda/ and the GPU tier.)"""
+in the GPU tier and `benchmarks/cuda/`.)"""
 
 from __future__ import annotations
 

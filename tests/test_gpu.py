@@ -135,7 +135,7 @@ def test_wrapper_doge_gqa_shape(dtype, backend):
 def test_long_rows_with_a_large_row_max(backend):
     """512 key tiles of 64 under a bias near -1e4: an online-softmax rescale that is not exactly
     1 while the row max holds compounds over the tiles (a CUDA forward once drifted 4.8% in out
-    here: results/cuda/long_row_check.py)."""
+    here: benchmarks/cuda/long_row_check.py)."""
     case = Case("long_rows_large_max", heads=2, heads_kv=2, seqlen_q=128, seqlen_k=32768, head_dim=128,
                 bias="full", bias_grad=False)
     inputs = build_inputs(case, torch.bfloat16, "cuda", seed=5)

@@ -22,7 +22,7 @@
 //
 // Why up to two m16 tiles per warp: each K or V fragment read from shared memory (ldmatrix)
 // then feeds four mma instead of two. With one tile per warp the H200 forward was bound by
-// shared memory reads (205 TFLOP/s on W3, results/cuda/README.md). Q is re-read from shared
+// shared memory reads (205 TFLOP/s on W3, 2026-11-22). Q is re-read from shared
 // memory per key tile instead of held in registers: that leaves room for the 32-row
 // accumulators.
 //

@@ -37,8 +37,8 @@ SWIZZLE_SLACK = 1024  # bytes a wgmma kernel may skip to align its tiles (sm90.c
 # Above it a dK/dV thread holds 2 x head_dim / 2 fp32 accumulators (192 or more registers) plus
 # its S^T and dP^T fragments, and spills heavily (at 128 only the largest 4-warp tiles spill a
 # little, 128x64 w4: the tuner measures those): H200, B2 H16 L4096
-# D256 causal bf16, 32x64 dq64x32 w4 s1: 9.79 ms through wgmma (results/cuda/
-# h200-wgmma-defaults-sweep.txt, 2026-11-22) vs 5.90 ms through mma.sync (h200-defaults-sweep.txt).
+# D256 causal bf16, 32x64 dq64x32 w4 s1: 9.79 ms through wgmma vs 5.90 ms through mma.sync
+# (`python3 benchmarks/cuda/defaults_sweep.py`, 2026-11-22).
 WGMMA_BWD_MAX_HEAD_DIM = 128
 SHARED_PAD = 8  # elements per shared row beyond the padded head dim (common.cuh: ROW)
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8

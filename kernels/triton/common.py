@@ -43,9 +43,8 @@ def load_keep(mask_base, rows, cols, stride_mm, stride_mn, seqlen_q, seqlen_k, w
     copies), so loaded in place every tile waited a full memory latency before its first dot.
 
     The load is predicated on the bounds alone, not on the causal rule: a per-element predicate
-    keeps Triton from vectorising it (one byte per load instruction; H100, 2026-11-21: the W1
-    forward went from 2.12 ms to the figure in results/bench/ with this and the same change in
-    `scores_tile`).
+    keeps Triton from vectorising it (one byte per load instruction; H100, 2026-11-21, commit dbbaa01:
+    the W1 forward took 2.12 ms before this and the same change in `scores_tile`).
     """
     if HAS_MASK:
         # `wanted` enters through the bound: the interpreter rejects a mask that ANDs in a scalar
@@ -76,7 +75,7 @@ def visible_tile(
     EDGE=False is for an interior tile: the caller knows every key of it inside Lk and seen by
     every query of it under the causal rule, so only the mask and the query bound decide. The
     full rule costs integer instructions on every element of every tile (sm90 SASS counts in
-    `results/bench/README.md`, session 11).
+    commit fe4de37).
     """
     if EDGE:
         visible = (rows < seqlen_q) & (cols < seqlen_k)
@@ -118,7 +117,7 @@ def load_bias(bias_base, rows, cols, stride_bm, stride_bn, seqlen_q, seqlen_k, w
     read, (1, N) or (N, 1) as `cols` is, and it broadcasts over the queries where it is added.
     A full tile of a stride-0 bias costs the same loads, shared-memory staging and conversions as
     a real one (H100, W2's (B, Hkv, 1, L) bias, tile -> vector: forward 128x128 w8 s2 0.682 ->
-    0.522 ms, backward 64x64 dq64x32 w4 s2 2.485 -> 1.863 ms, `results/bench/session14-h100-probe.txt`).
+    0.522 ms, backward 64x64 dq64x32 w4 s2 2.485 -> 1.863 ms, commit 6bba9a8).
     """
     if BIAS_PER_KEY:
         if EDGE:

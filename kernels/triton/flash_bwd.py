@@ -196,7 +196,7 @@ def _dkdv_query_tile(
     loaded once; a full one is the key-major tile, loaded one step ahead like the mask (the
     pipeliner prefetched it only from the end of the previous step, after the last product; H100,
     W1 backward 32x128 dq64x64 w8 s2: 1.893 -> 1.751 ms, though 64x128 went 1.959 -> 2.179,
-    `results/bench/session14-h100-probe.txt`)."""
+    commit 6bba9a8)."""
     start_m = (m_first + listed_block(blocks, i, num_blocks, HAS_MASK)) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     next_m = (m_first + listed_block(blocks, i + 1, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -363,7 +363,7 @@ def flash_bwd_dkdv_kernel(
     # so their loop tests only that and the mask. The list has the diagonal tiles first; they run
     # last, in a loop of their own. In the other order the interior loop spilled (sm90, 64x128 w8
     # s2: 95 local loads and stores per tile against 8) and W1's backward took 2.41 ms against
-    # 2.13 before the split; interior first, 2.10 (H100, `results/bench/session13-h100-probe.txt`).
+    # 2.13 before the split; interior first, 2.10 (H100, commit eda6b11).
     if IS_CAUSAL:
         first_interior = tl.cdiv(tl.maximum(pid_n * BLOCK_N + BLOCK_N - 1 - (seqlen_k - seqlen_q), 0), BLOCK_M)
     else:
@@ -533,7 +533,7 @@ def flash_bwd_dq_kernel(
     # first row, as in `flash_fwd.py`) take a loop of their own that tests nothing: W3, H100,
     # backward 64x64 dq64x32 w4 s2, 1.206 -> 1.159 ms. With a mask the same split measured
     # slower (W2 2.497 -> 2.548 ms), so every tile takes the edge loop
-    # (`results/bench/session13-h100-probe.txt`).
+    # (H100, commit eda6b11).
     SPLIT: tl.constexpr = not HAS_MASK
     num_interior = 0
     if SPLIT:

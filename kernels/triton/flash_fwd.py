@@ -48,7 +48,7 @@ def _load_kv_tile(desc, base, b, h_kv, start_n, offs_d, stride_n, stride_d, seql
 
     USE_TMA: a bulk tensor copy through `desc`, a (B, Lk, Hkv, HEAD_DIM) descriptor that
     zero-fills past its bounds, so no lane computes an address or a predicate (H200, W3 forward
-    64x64 w4 s3: 0.316 -> 0.310 ms, `results/bench/README.md`). Otherwise pointer loads from
+    64x64 w4 s3: 0.316 -> 0.310 ms, commit e3911c9). Otherwise pointer loads from
     `base`; interior tiles (CHECK_KEYS off: the caller knows them inside Lk) of a power-of-two
     head dim load with no predicate at all.
     """
@@ -116,14 +116,14 @@ def _online_softmax_step(
         )
         # natural units: UNITS rides on the exp2 FMA below, not on a multiply per element of s
         # and of the bias (H200, W1 forward 128x128 w8 s2, with the interior loop: -62 of 1211
-        # instructions per step in the sm90 SASS, 0.787 -> 0.709 ms, `results/bench/README.md`)
+        # instructions per step in the sm90 SASS, 0.787 -> 0.709 ms, commit fe4de37)
         s_scale = UNITS
         row_max = tl.max(s, 1) * s_scale
     else:
         # s = qk * scale' with scale' = scale * UNITS > 0, so max_j s = scale' * max_j qk exactly
         # (rounding is monotone) and exp2 below takes qk * scale' - m as one FMA per element, an
         # explicit one (Triton 3.10 turns implicit FP fusion off by default)
-        # (H200, W3 forward 64x64 w4 s3: 0.322 -> 0.316 ms, `results/bench/README.md`)
+        # (H200, W3 forward 64x64 w4 s3: 0.322 -> 0.316 ms, commit e3911c9)
         s = tl.where(visible, qk, float("-inf")) if MASKED else qk
         s_scale = softmax_scale * UNITS
         row_max = tl.max(s, 1) * s_scale

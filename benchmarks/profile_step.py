@@ -2,7 +2,7 @@
 bench table, CUDA time per kernel, summed over PROFILED_STEPS steps after a warm-up.
 
 Run from the repository root on a GPU:
-`python results/bench/session12_profile.py results/bench/h100-session12-table.yaml`.
+`python benchmarks/profile_step.py results/bench/h100-peers-table.yaml`.
 """
 
 import sys

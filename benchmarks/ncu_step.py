@@ -4,7 +4,7 @@ cudaProfilerStart/Stop, for Nsight Compute to read the hardware counters of ever
 Run from the repository root on a GPU (ncu must leave the clocks alone):
 `ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \
  --section Occupancy --section LaunchStats --csv --page details \
- python results/bench/session14_ncu.py results/bench/h100-session13-table.yaml`.
+ python benchmarks/ncu_step.py results/bench/h100-peers-table.yaml`.
 """
 
 import sys

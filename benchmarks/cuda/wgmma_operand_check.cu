@@ -4,7 +4,7 @@
 // its two byte offsets exchanged (it must fail: the order in mn_major is the one that works).
 //
 //   for d in 64 128 256; do nvcc -gencode arch=compute_90a,code=sm_90a -std=c++17 -O2 -I kernels/cuda \
-//     -DELEMENT=1 -DHEAD_DIM=$d -o /tmp/wgmma_check_$d results/cuda/wgmma_operand_check.cu && /tmp/wgmma_check_$d; done
+//     -DELEMENT=1 -DHEAD_DIM=$d -o /tmp/wgmma_check_$d benchmarks/cuda/wgmma_operand_check.cu && /tmp/wgmma_check_$d; done
 //
 // H200, 2026-11-22: max err 0 for all three forms at head dims 64, 128 and 256 (lbo_swap 0);
 // lbo_swap 1 gave pv errors of 16.8 (D128) and 26 (D256) and an illegal address at D64.

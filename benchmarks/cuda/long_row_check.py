@@ -4,7 +4,7 @@ float64 softmax, one query block over 32768 keys (512 tiles of 64), non-causal, 
 A rescale factor that is not exactly 1 when the row max is unchanged compounds over the tiles
 and weights early keys apart from late ones; this check makes that visible.
 
-Usage: python3 results/cuda/long_row_check.py   (on a CUDA GPU)
+Usage: python3 benchmarks/cuda/long_row_check.py   (on a CUDA GPU)
 """
 import torch
 

@@ -2,7 +2,7 @@
 backend, for several config pairs in bf16 and fp16; then W3 dense causal (B2 H16 L4096 D128
 bf16) forward and backward timing of CUDA configs against the Triton kernels and SDPA.
 
-Usage: python3 results/cuda/bwd_check.py [suite|time|all]   (prints a short report)
+Usage: python3 benchmarks/cuda/bwd_check.py [suite|time|all]   (prints a short report)
 """
 import sys
 import time

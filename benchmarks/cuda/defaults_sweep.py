@@ -2,7 +2,7 @@
 measurements behind registry.CUDA_SM90_DEFAULTS (h200-wgmma-defaults-sweep.txt; the earlier
 mma.sync-only run behind CUDA_DEFAULTS is h200-defaults-sweep.txt).
 
-Usage: python3 results/cuda/defaults_sweep.py   (on a CUDA GPU; prints one line per config)
+Usage: python3 benchmarks/cuda/defaults_sweep.py   (on a CUDA GPU; prints one line per config)
 """
 import torch
 from dmattn_bench.registry import get_backend

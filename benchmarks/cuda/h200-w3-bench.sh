@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench W3 with both of our backends (their defaults), the dispatch choice and the SDPA references.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 R=$OUT/r; mkdir -p $R
 export PATH=$PATH:/usr/local/cuda/bin
 python3 -m pip install -q --no-deps --no-build-isolation -e . > $R/install.log 2>&1
