@@ -206,7 +206,8 @@ def get_backend(name: str) -> Backend:
     return _loaded[name]
 
 
-# Heuristic defaults per head-dim class: (largest head dim of the class, fwd, bwd). GPU tiles
+# Heuristic defaults per head-dim class: (largest head dim of the class, fwd, bwd), where
+# configs/defaults.yaml learned none from the trials (`default_entries_for`). GPU tiles
 # follow FlashAttention-2's Triton defaults: 128x64 forward tiles up to D=64, 64x64 beyond; the
 # backward holds K, V and two (BLOCK_N, D) fp32 accumulators, so its tiles shrink as D grows.
 GPU_DEFAULTS = (
@@ -257,19 +258,18 @@ def _fitting(candidates, head_dim: int, limits):
                 candidates[-1])
 
 
-def default_entries(device: torch.device | str, backend: str = "triton") -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
-    """The default configs of `backend` as (smallest head dim, largest head dim, fwd, bwd) classes."""
-    return _default_entries(torch.device(device), backend)
-
-
-@lru_cache(maxsize=None)  # per (device, backend): a forced backend looks its defaults up on every call
-def _default_entries(device: torch.device, backend: str) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
+def default_entries(device: torch.device | str, backend: str = "triton", dtype: str | None = None
+                    ) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
+    """The default configs of `backend` for `dtype` ("bf16", ...; None: the heuristics alone) as
+    (smallest head dim, largest head dim, fwd, bwd) classes."""
+    device = torch.device(device)
     if backend == "cuda":
-        limits = _device_limits(device)
-        defaults = CUDA_SM90_DEFAULTS if limits.arch == "sm90" else CUDA_DEFAULTS
-        classes = tuple((high, _fitting(fwd, high, limits), _fitting(bwd, high, limits)) for high, fwd, bwd in defaults)
-    else:
-        classes = GPU_DEFAULTS if device.type == "cuda" else (INTERPRETER_DEFAULT,)
+        return _cuda_entries(device)
+    gpu = device.type == "cuda"
+    return default_entries_for(_device_limits(device).arch if gpu else None, backend, dtype, gpu)
+
+
+def _classes(classes) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
     entries, low = [], 8
     for high, fwd, bwd in classes:
         entries.append((low, high, fwd, bwd))
@@ -277,9 +277,33 @@ def _default_entries(device: torch.device, backend: str) -> tuple[tuple[int, int
     return tuple(entries)
 
 
-def default_configs(head_dim: int, device: torch.device | str, backend: str = "triton") -> tuple[FwdConfig, BwdConfig]:
-    """The heuristic configs of `backend` used for `head_dim` when no tuned table has an entry."""
-    for low, high, fwd, bwd in default_entries(device, backend):
+@lru_cache(maxsize=None)  # a forced backend looks its defaults up on every plan it builds
+def _cuda_entries(device: torch.device) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
+    limits = _device_limits(device)
+    defaults = CUDA_SM90_DEFAULTS if limits.arch == "sm90" else CUDA_DEFAULTS
+    return _classes((high, _fitting(fwd, high, limits), _fitting(bwd, high, limits)) for high, fwd, bwd in defaults)
+
+
+@lru_cache(maxsize=None)
+def default_entries_for(arch: str | None, backend: str, dtype: str | None, gpu: bool = True
+                        ) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
+    """The Triton `default_entries` on a GPU of arch family `arch` ("sm90"), or in the interpreter
+    (`gpu` False). An arch and dtype that `configs/defaults.yaml` covers take its learned configs
+    (`dmattn_bench.defaults`), class by class and direction by direction; the rest, the
+    heuristics above."""
+    if not gpu:
+        return _classes((INTERPRETER_DEFAULT,))
+    from dmattn_bench.defaults import learned_defaults
+
+    learned = learned_defaults()
+    return _classes((high, learned.get((backend, arch, "fwd", dtype, high), fwd),
+                     learned.get((backend, arch, "bwd", dtype, high), bwd)) for high, fwd, bwd in GPU_DEFAULTS)
+
+
+def default_configs(head_dim: int, device: torch.device | str, backend: str = "triton", dtype: str | None = None
+                    ) -> tuple[FwdConfig, BwdConfig]:
+    """The configs of `backend` used for `head_dim` (and `dtype`) when no tuned table has an entry."""
+    for low, high, fwd, bwd in default_entries(device, backend, dtype):
         if low <= head_dim <= high:
             return fwd, bwd
     raise ValueError(f"head_dim: got {head_dim}, expected a multiple of 8 in [8, 256]")

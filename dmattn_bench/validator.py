@@ -328,10 +328,11 @@ class PlannedSuite:
     cases: list[Case]
 
 
-def plan_default_configs(device: torch.device | str, suite: str, backend: str = "triton") -> list[PlannedSuite]:
-    """The heuristic default configs of `backend`, each with the suite cases of its head-dim class."""
+def plan_default_configs(device: torch.device | str, suite: str, backend: str = "triton",
+                         dtype: str | None = None) -> list[PlannedSuite]:
+    """The default configs of `backend` for `dtype`, each with the suite cases of its head-dim class."""
     plan = []
-    for low, high, fwd, bwd in default_entries(device, backend):
+    for low, high, fwd, bwd in default_entries(device, backend, dtype):
         cases = [c for c in adversarial_cases(suite, config_tiles(fwd, bwd)) if low <= c.head_dim <= high]
         if cases:
             plan.append(PlannedSuite(f"D {low}-{high}", backend, fwd, bwd, cases))
@@ -364,7 +365,7 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
     grouped: dict[tuple, list] = {}
     for entry in entries:
         if entry.key.dtype == dtype_name:
-            default_fwd, default_bwd = default_configs(entry.key.head_dim, device, entry.backend)
+            default_fwd, default_bwd = default_configs(entry.key.head_dim, device, entry.backend, dtype_name)
             pair = (entry.config, default_bwd) if entry.key.direction == "fwd" else (default_fwd, entry.config)
             grouped.setdefault((entry.backend, *pair), []).append(entry)
     plan = []

@@ -65,7 +65,7 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
     if table_path is None:
         backend = backend or "triton"
         output.info(f"no table given (--table or DMATTN_BENCH_TABLE): verifying the {backend} default configs")
-        return "defaults", plan_default_configs(device, suite, backend), None, []
+        return "defaults", plan_default_configs(device, suite, backend, dtype), None, []
     try:
         table = load_table(table_path)
     except TableError as exc:

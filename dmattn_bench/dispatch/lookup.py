@@ -2,7 +2,8 @@
 
 A table is chosen by, in order: a `table=` argument to `choose` or `use_table(path)`; the
 `DMATTN_BENCH_TABLE` environment variable; the table shipped in `results/tables/` for this device;
-else the heuristic default of `registry.default_configs`. A table that cannot be used (unreadable,
+else the default of `registry.default_configs` (learned from the trials for the GPU's arch and
+the key's dtype where `configs/defaults.yaml` has one, else heuristic). A table that cannot be used (unreadable,
 invalid, tuned on another device) never breaks a call: it is skipped with one `DispatchWarning`
 per (file, reason) per process, and the next source is tried. So are a backend's entries when the
 table is stale for it: some dtype of them was not validated on the kernel sources installed here
@@ -10,6 +11,10 @@ table is stale for it: some dtype of them was not validated on the kernel source
 
 Within the chosen table: exact match on the categorical key, then the nearest sequence-length
 buckets (log2 distance); a key the table does not cover gets the default config, silently.
+(Offering it the nearest entry of another key instead was measured and not shipped: on the
+committed sm90 journals, held out one workload at a time, the nearest other key's winner had
+geometric-mean regret 1.061 and worst 1.623 against the learned default's 1.058 and 1.287,
+`python benchmarks/selection_regret.py`.)
 
 Choices are memoised per (table selection, device, key) until `clear_cache()` or `use_table()`,
 so a repeated call costs a dict lookup (a few µs). Edit a table in a running process? Call
@@ -180,7 +185,7 @@ class Dispatcher:
         return choice
 
     def active_table(self, device: torch.device | str | None = None) -> str | None:
-        """The table a call would consult first on `device` (None: heuristic defaults only)."""
+        """The table a call would consult first on `device` (None: the defaults only)."""
         local = self._fingerprint(device)
         for path, must_exist in self._sources(local, self._explicit, os.environ.get(ENV_VAR) or None):
             if (must_exist or os.path.exists(path)) and self._usable(path, local) is not None:
@@ -225,7 +230,7 @@ class Dispatcher:
     def _default(key: TableKey, device) -> Choice:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        fwd, bwd = default_configs(key.head_dim, device)
+        fwd, bwd = default_configs(key.head_dim, device, dtype=key.dtype)
         return Choice(DEFAULT_BACKEND, fwd if key.direction == "fwd" else bwd, "default")
 
     def _usable(self, path: str, local: DeviceFingerprint) -> _Usable | None:

@@ -1,0 +1,78 @@
+"""Writes `configs/defaults.yaml`: the default tile configs learned from trial journals
+(`dmattn_bench.defaults` says how), with their evidence. From a clean checkout:
+
+    python benchmarks/learn_defaults.py
+
+reads the committed sm90 journals (H100 and H200 tunes of the default and peer workloads) and
+qualifies the configs of the validated H100 table; `tests/test_defaults.py` checks the file is
+what this writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from dmattn_bench import defaults
+from dmattn_bench.dispatch import load_table
+from dmattn_bench.registry import GPU_DEFAULTS
+
+ROOT = Path(__file__).resolve().parents[1]
+JOURNALS = [ROOT / "results/tune/h100-default-workloads.trials.jsonl",
+            ROOT / "results/tune/h200-default-workloads.trials.jsonl",
+            ROOT / "results/bench/h100-peers-table.yaml.trials.jsonl",
+            ROOT / "results/bench/h200-peers-table.yaml.trials.jsonl"]
+VALIDATED = [ROOT / "results/tables/nvidia-h100-80gb-hbm3-sm90.yaml"]
+HEADER = """\
+# Default tile configs per backend, arch family, direction, dtype and head-dim class (the head
+# dims above the previous class's max_head_dim up to this one), learned from trial journals: the
+# config with the lowest geometric-mean regret (its time over the best config's, per shape) on
+# every shape of the group, among the configs that passed the full adversarial suite on the
+# current kernels (the validated tables' entries). A group not listed keeps the heuristic
+# default of dmattn_bench/registry.py. Written by `python benchmarks/learn_defaults.py` (do not
+# edit by hand: tests/test_defaults.py checks this file is what it writes).
+#
+# Evidence per group: shapes (one per journal and workload), geomean_regret and worst_regret of
+# the chosen config, and the heuristic default's on the same shapes (heuristic_*), in-sample.
+"""
+
+
+def build(journals: list[Path], validated: list[Path], arch: str) -> dict:
+    """The document `configs/defaults.yaml` holds (module docstring)."""
+    times = defaults.read_journal_times(journals)
+    qualified = {(entry.key.direction, tuple(sorted(entry.config.to_dict().items())))
+                 for path in validated for entry in load_table(path).entries if entry.backend == "triton"}
+    heuristics = {high: (fwd, bwd) for high, fwd, bwd in GPU_DEFAULTS}
+    groups = []
+    for (direction, dtype, high), learned in defaults.learn(times, qualified).items():
+        heuristic = heuristics[high][0 if direction == "fwd" else 1]
+        items = tuple(sorted(heuristic.to_dict().items()))
+        shapes = times[(direction, dtype, high)]
+        evidence = {}
+        if all(items in by_config for by_config in shapes.values()):
+            regrets = defaults.regrets(shapes, items)
+            evidence = dict(heuristic_geomean_regret=round(defaults._geomean(regrets), 3),
+                            heuristic_worst_regret=round(max(regrets), 3))
+        groups.append(dict(direction=direction, dtype=dtype, max_head_dim=high, **learned.to_dict(), **evidence))
+    return dict(journals=[str(path.relative_to(ROOT)) for path in journals],
+                validated_tables=[str(path.relative_to(ROOT)) for path in validated],
+                defaults={"triton": {arch: groups}})
+
+
+def render(document: dict) -> str:
+    return HEADER + yaml.safe_dump(document, sort_keys=False, width=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm90", help="arch family the journals were measured on (default: sm90)")
+    parser.add_argument("--out", type=Path, default=defaults.DEFAULTS_FILE)
+    args = parser.parse_args()
+    args.out.write_text(render(build(JOURNALS, VALIDATED, args.arch)))
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Selection regret on held-out shapes, offline, from the committed sm90 trial journals.
+
+Each journal key (one GPU's tune of one workload and direction, every candidate timed) is held
+out in turn, with that workload's keys on the other GPUs; a choice for it is made without them,
+and its regret is the chosen config's time on
+that key over the fastest candidate's (1.0: the best). Choices compared:
+- heuristic: `registry.GPU_DEFAULTS` for the key's head-dim class;
+- learned: `dmattn_bench.defaults.learn` on the other workloads' keys of the group (direction,
+  dtype, head-dim class), among the configs of the validated tables (what `configs/defaults.yaml`
+  is, re-learned without the held-out workload);
+- nearest entry: the winner of the most similar other key of the same GPU's journal (what a
+  table holding every other key would offer), by the distance `similarity_distance`.
+
+    python benchmarks/selection_regret.py > results/regret/sm90-journals.md
+
+The timings are the journals' (their kernels and GPUs); a config a key did not time counts as
+missing, not as a regret.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import learn_defaults  # noqa: E402
+
+from dmattn_bench import defaults  # noqa: E402
+from dmattn_bench.registry import GPU_DEFAULTS  # noqa: E402
+
+# Weights of `similarity_distance` per key field: per octave of head dim, GQA ratio and length
+# bucket, per differing kind or flag. Head dim decides the tiles' register and shared-memory use.
+WEIGHTS = dict(head_dim=2.0, gqa_ratio=0.5, mask=1.0, bias=1.0, causal=0.5, seqlen=0.25)
+
+
+def similarity_distance(a: dict, b: dict) -> float | None:
+    """Distance between two table keys (dicts); None across directions or dtypes."""
+    if a["direction"] != b["direction"] or a["dtype"] != b["dtype"]:
+        return None
+    octaves = lambda field: abs(math.log2(a[field] / b[field]))  # noqa: E731
+    return (WEIGHTS["head_dim"] * octaves("head_dim") + WEIGHTS["gqa_ratio"] * octaves("gqa_ratio")
+            + WEIGHTS["mask"] * (a["mask"] != b["mask"]) + WEIGHTS["bias"] * (a["bias"] != b["bias"])
+            + WEIGHTS["causal"] * (a["causal"] != b["causal"])
+            + WEIGHTS["seqlen"] * (octaves("seqlen_q_bucket") + octaves("seqlen_k_bucket")))
+
+
+def _items(config) -> tuple:
+    return tuple(sorted(config.to_dict().items()))
+
+
+def read_keys(journals: list[Path]) -> dict[tuple, tuple[dict, dict[tuple, float]]]:
+    """{(journal, workload, direction): (table key, {config items: median ms})}."""
+    keys: dict[tuple, tuple[dict, dict]] = {}
+    for journal in journals:
+        for line in journal.read_text().splitlines():
+            trial = json.loads(line)
+            if (trial.get("kind") != "trial" or trial.get("status") != "ok" or trial.get("backend") != "triton"
+                    or not isinstance(trial.get("median_ms"), (int, float))):
+                continue
+            entry = keys.setdefault((journal.name, trial["workload"], trial["key"]["direction"]), (trial["key"], {}))
+            entry[1][tuple(sorted(trial["config"].items()))] = trial["median_ms"]
+    return keys
+
+
+def held_out_regrets(keys, qualified) -> list[dict]:
+    rows = []
+    for held, (key, times) in keys.items():
+        best = min(times.values())
+        high = defaults.head_dim_class(key["head_dim"])
+        group = (key["direction"], key["dtype"], high)
+        # the workload is held out on every GPU: the other GPU's run of it would leak its answer
+        others = {(name, workload): t for (name, workload, direction), (k, t) in keys.items()
+                  if workload != held[1] and (k["direction"], k["dtype"],
+                                              defaults.head_dim_class(k["head_dim"])) == group}
+        learned = defaults.learn({group: others}, qualified).get(group) if others else None
+        heuristic = next(fwd if key["direction"] == "fwd" else bwd for h, fwd, bwd in GPU_DEFAULTS if h == high)
+        near = [(similarity_distance(key, k), min(t, key=t.get)) for other, (k, t) in keys.items()
+                if other != held and other[0] == held[0] and similarity_distance(key, k) is not None]
+        distance, nearest = min(near) if near else (None, None)
+        regret = lambda items: times[items] / best if items in times else None  # noqa: E731
+        rows.append(dict(key=held, heuristic=regret(_items(heuristic)),
+                         learned=regret(_items(learned.config)) if learned else None,
+                         nearest=regret(nearest) if nearest else None, distance=distance))
+    return rows
+
+
+def _summary(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    geomean = math.exp(sum(math.log(v) for v in known) / len(known))
+    return f"{geomean:.3f} | {max(known):.3f} | {len(values) - len(known)}"
+
+
+def main() -> None:
+    journals, tables = learn_defaults.JOURNALS, learn_defaults.VALIDATED
+    from dmattn_bench.dispatch import load_table
+
+    qualified = {(e.key.direction, _items(e.config)) for path in tables for e in load_table(path).entries}
+    rows = held_out_regrets(read_keys(journals), qualified)
+    root = learn_defaults.ROOT
+    print("# Selection regret on held-out shapes (sm90, offline from the committed journals)\n")
+    print(f"Command: `python benchmarks/selection_regret.py`. Journals: "
+          f"{', '.join(f'`{p.relative_to(root)}`' for p in journals)} (H100 and H200, the kernels of their "
+          f"tunes); qualified configs: the entries of {', '.join(f'`{p.relative_to(root)}`' for p in tables)}. "
+          f"{len(rows)} keys, each held out in turn (`benchmarks/selection_regret.py` says how each choice is "
+          f"made). Regret: the chosen config's time over the fastest candidate's on the held-out key.\n")
+    print("| choice | geomean regret | worst regret | keys that did not time the choice |")
+    print("|---|---|---|---|")
+    for name, label in (("heuristic", "heuristic default (registry.GPU_DEFAULTS)"),
+                        ("learned", "learned default, re-learned without the workload (configs/defaults.yaml)"),
+                        ("nearest", "nearest other key's winner, same GPU (similarity_distance)")):
+        print(f"| {label} | {_summary([r[name] for r in rows])} |")
+    print("\n| held-out key | heuristic | learned | nearest (distance) |")
+    print("|---|---|---|---|")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for row in sorted(rows, key=lambda r: r["key"]):
+        journal, workload, direction = row["key"]
+        print(f"| {journal.split('.')[0]} {workload} {direction} | {fmt(row['heuristic'])} | {fmt(row['learned'])} "
+              f"| {fmt(row['nearest'])} ({fmt(row['distance'])}) |")
+
+
+if __name__ == "__main__":
+    main()

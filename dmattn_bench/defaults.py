@@ -1,0 +1,103 @@
+"""Default tile configs learned from the committed trial journals: the config with the lowest
+selection regret across the tuned shapes, per arch family, direction, dtype and head-dim class.
+
+A shape's regret for a config is its median time over the fastest config's on that shape (1.0:
+the config was the best). Within a group (arch family, direction, dtype, head-dim class) only
+configs timed on every shape of the group compete, and only configs that passed the full
+adversarial suite on the current kernels qualify (the entries of a validated shipped table);
+the winner has the lowest geometric-mean regret, ties going to the lower worst regret.
+
+`configs/defaults.yaml` holds the result with its evidence (shapes, geometric-mean and worst
+regret, the heuristic default's figures on the same shapes, the journals); it is written by
+`python benchmarks/learn_defaults.py` and read by `registry.default_configs`. A group the
+journals do not cover keeps the heuristic default of `registry`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from dmattn_bench.space import CONFIGS_DIR, BwdConfig, FwdConfig, load_yaml
+
+DEFAULTS_FILE = CONFIGS_DIR / "defaults.yaml"
+HEAD_DIM_CLASSES = (64, 128, 256)  # a class holds the head dims above the previous bound up to its own
+_CONFIG_CLASSES = {"fwd": FwdConfig, "bwd": BwdConfig}
+
+
+def head_dim_class(head_dim: int) -> int:
+    """The largest head dim of the class `head_dim` falls in."""
+    return next(high for high in HEAD_DIM_CLASSES if head_dim <= high)
+
+
+@dataclass(frozen=True)
+class Learned:
+    """One group's default and its evidence."""
+
+    config: FwdConfig | BwdConfig
+    shapes: int
+    geomean_regret: float
+    worst_regret: float
+
+    def to_dict(self) -> dict:
+        return dict(config=self.config.to_dict(), shapes=self.shapes, geomean_regret=self.geomean_regret,
+                    worst_regret=self.worst_regret)
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def regrets(times: dict[tuple, dict[tuple, float]], config: tuple) -> list[float]:
+    """Per shape of `times` ({shape: {config items: median ms}}), `config`'s time over the best."""
+    return [by_config[config] / min(by_config.values()) for by_config in times.values()]
+
+
+def read_journal_times(journals: list[Path], backend: str = "triton") -> dict[tuple, dict[tuple, dict[tuple, float]]]:
+    """{(direction, dtype, head-dim class): {shape: {config items: median ms}}} of every timed `ok`
+    trial of `backend`; a shape is (journal, workload) so two GPUs' runs of a workload stay apart."""
+    groups: dict[tuple, dict[tuple, dict[tuple, float]]] = {}
+    for journal in journals:
+        for line in Path(journal).read_text().splitlines():
+            trial = json.loads(line)
+            if (trial.get("kind") != "trial" or trial.get("status") != "ok" or trial.get("backend") != backend
+                    or not isinstance(trial.get("median_ms"), (int, float))):
+                continue
+            key = trial["key"]
+            group = (key["direction"], key["dtype"], head_dim_class(key["head_dim"]))
+            shape = (Path(journal).name, trial["workload"])
+            groups.setdefault(group, {}).setdefault(shape, {})[tuple(sorted(trial["config"].items()))] = \
+                trial["median_ms"]
+    return groups
+
+
+def learn(times: dict[tuple, dict[tuple, dict[tuple, float]]], qualified: set[tuple]) -> dict[tuple, Learned]:
+    """The lowest-regret qualified config of each group (module docstring); `qualified` holds
+    (direction, config items) pairs."""
+    learned = {}
+    for (direction, dtype, high), shapes in sorted(times.items()):
+        common = set.intersection(*(set(by_config) for by_config in shapes.values()))
+        ranked = sorted((_geomean(regrets(shapes, c)), max(regrets(shapes, c)), c)
+                        for c in common if (direction, c) in qualified)
+        if ranked:
+            geomean, worst, items = ranked[0]
+            learned[(direction, dtype, high)] = Learned(_CONFIG_CLASSES[direction](**dict(items)), len(shapes),
+                                                        round(geomean, 3), round(worst, 3))
+    return learned
+
+
+@lru_cache(maxsize=1)
+def learned_defaults() -> dict[tuple, FwdConfig | BwdConfig]:
+    """{(backend, arch family, direction, dtype, head-dim class): config} from `DEFAULTS_FILE`."""
+    document = load_yaml(DEFAULTS_FILE)
+    chosen = {}
+    for backend, archs in document["defaults"].items():
+        for arch, groups in archs.items():
+            for group in groups:
+                direction = group["direction"]
+                chosen[(backend, arch, direction, group["dtype"], group["max_head_dim"])] = \
+                    _CONFIG_CLASSES[direction](**group["config"])
+    return chosen

@@ -1,0 +1,70 @@
+"""Defaults learned from the trial journals: the rule, the committed data, and where they apply."""
+
+import importlib.util
+from pathlib import Path
+
+from dmattn_bench import defaults
+from dmattn_bench.dispatch import load_table
+from dmattn_bench.registry import GPU_DEFAULTS, INTERPRETER_DEFAULT, default_entries_for
+from dmattn_bench.space import BwdConfig, FwdConfig
+
+ROOT = Path(__file__).parents[1]
+
+
+def _learner():
+    spec = importlib.util.spec_from_file_location("learn_defaults", ROOT / "benchmarks" / "learn_defaults.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _items(config):
+    return tuple(sorted(config.to_dict().items()))
+
+
+def test_the_lowest_geomean_regret_among_qualified_configs_on_every_shape_wins():
+    fast, steady, unqualified, partial = (FwdConfig(64, 64, 4, s) for s in (1, 2, 3, 4))
+    times = {("fwd", "bf16", 128): {
+        ("j", "a"): {_items(fast): 1.0, _items(steady): 1.1, _items(unqualified): 0.5, _items(partial): 0.9},
+        ("j", "b"): {_items(fast): 2.0, _items(steady): 1.2, _items(unqualified): 1.0},
+    }}
+    qualified = {("fwd", _items(c)) for c in (fast, steady, partial)}
+    (learned,) = defaults.learn(times, qualified).values()
+    # fast: regrets 2.0 and 2.0 (geomean 2.0); steady: 2.2 and 1.2 (geomean 1.62); `unqualified` is
+    # faster but never passed the suite; `partial` was not timed on every shape
+    assert learned.config == steady
+    assert (learned.shapes, learned.geomean_regret, learned.worst_regret) == (2, 1.625, 2.2)
+
+
+def test_the_committed_defaults_are_what_the_learner_writes():
+    """`configs/defaults.yaml` is reproduced from the committed journals and tables: data and
+    evidence cannot drift apart."""
+    learner = _learner()
+    written = learner.render(learner.build(learner.JOURNALS, learner.VALIDATED, "sm90"))
+    assert defaults.DEFAULTS_FILE.read_text() == written
+
+
+def test_every_learned_default_passed_the_suite_on_the_current_kernels():
+    """A learned config is an entry of a validated shipped table (tests/test_shipped_tables.py
+    checks those are validated on the current kernel sources), in its own direction."""
+    learner = _learner()
+    validated = {(entry.key.direction, _items(entry.config))
+                 for path in learner.VALIDATED for entry in load_table(path).entries}
+    learned = defaults.learned_defaults()
+    assert learned
+    for (backend, arch, direction, dtype, high), config in learned.items():
+        assert (direction, _items(config)) in validated, (backend, arch, direction, dtype, high)
+
+
+def test_learned_defaults_apply_to_their_arch_and_dtype_only():
+    learned = defaults.learned_defaults()
+    heuristic = {high: (fwd, bwd) for high, fwd, bwd in GPU_DEFAULTS}
+    for low, high, fwd, bwd in default_entries_for("sm90", "triton", "bf16"):
+        assert fwd == learned.get(("triton", "sm90", "fwd", "bf16", high), heuristic[high][0])
+        assert bwd == learned.get(("triton", "sm90", "bwd", "bf16", high), heuristic[high][1])
+    assert default_entries_for("sm90", "triton", "bf16")[1][2:] != heuristic[128]  # D128 learned
+    assert default_entries_for("sm90", "triton", "bf16")[2][2:] == heuristic[256]  # no D256 trials
+    for arch, dtype in (("sm80", "bf16"), ("sm120", "fp16"), ("sm90", None)):
+        assert [entry[2:] for entry in default_entries_for(arch, "triton", dtype)] == list(heuristic.values())
+    assert default_entries_for(None, "triton", "fp32", gpu=False) == ((8, 256, *INTERPRETER_DEFAULT[1:]),)
+    assert all(isinstance(c, (FwdConfig, BwdConfig)) for c in learned.values())
