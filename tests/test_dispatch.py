@@ -360,7 +360,7 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     # the shipped table's entries, as if tuned on these kernel sources: the shipped file itself
     # goes stale with every kernel change until it is re-tuned on its GPU
-    shipped = _validated_on(yaml.safe_load((repo / "results/tables/nvidia-h200-sm90.yaml").read_text()), None)
+    shipped = _validated_on(yaml.safe_load((repo / "results/tables/nvidia-h100-80gb-hbm3-sm90.yaml").read_text()), None)
     workloads = str(repo / "configs/workloads/default.yaml")
     result = CliRunner().invoke(show, [_copy(tmp_path / "all.yaml", shipped), "--coverage", workloads, "--format", "json"])
     assert result.exit_code == 0, result.output

@@ -40,10 +40,17 @@ def test_descriptor_loads_equal_pointer_loads(monkeypatch, case, dtype):
     bias = torch.randn(2, heads, seqlen_q, seqlen_k, generator=generator).to(dtype) if with_bias else None
     config = FwdConfig(32, 32, 4, 2)
 
+    built = []
+    plan = launch.ForwardPlan
+    monkeypatch.setattr(launch, "ForwardPlan", lambda *a, **k: built.append(plan(*a, **k)) or built[-1])
     monkeypatch.setattr(launch, "kv_by_tma", lambda k, v: False)
+    launch.clear_plans()  # a plan keeps its load path: each variant needs its own
     out_ptr, lse_ptr = _forward(q, k, v, mask, bias, causal, config)
     monkeypatch.setattr(launch, "kv_by_tma", lambda k, v: True)
+    launch.clear_plans()
     out_tma, lse_tma = _forward(q, k, v, mask, bias, causal, config)
+    launch.clear_plans()
+    assert [p.use_tma for p in built] == [False, True]
 
     assert torch.isfinite(out_tma).all()
     assert not torch.isnan(lse_tma).any()
@@ -56,12 +63,15 @@ def test_descriptor_loads_equal_pointer_loads(monkeypatch, case, dtype):
 def test_cpu_tensors_take_pointer_loads():
     k = torch.zeros(1, 16, 1, 16, dtype=torch.float16)
     assert launch.kv_by_tma(k, k) is False
-    assert launch.kv_descriptors(k, k, 16, 16, False) == (k, k)
 
 
 def test_descriptors_cover_the_whole_key_tensor():
+    """A plan checks the descriptor once and keeps no tensor; each run's copy carries its own."""
     k = torch.zeros(2, 40, 3, 24, dtype=torch.float16)
-    k_desc, v_desc = launch.kv_descriptors(k, k, 32, 32, True)
+    template = launch._descriptor_template(k, 32, 32)
+    assert template.base is None
+    k_desc = launch._on(template, k)
+    assert k_desc.base is k
     assert list(k_desc.shape) == [2, 40, 3, 24]
     assert list(k_desc.strides) == list(k.stride())
     assert list(k_desc.block_shape) == [1, 32, 1, 32]

@@ -578,6 +578,13 @@ _plans: OrderedDict = OrderedDict()
 _plans_lock = threading.Lock()
 
 
+def clear_plans() -> None:
+    """Forgets the plans `attention_forward` / `attention_backward` keep (tests that change how a
+    plan is built, e.g. the K/V load path)."""
+    with _plans_lock:
+        _plans.clear()
+
+
 def _cached_plan(key: tuple, build: Callable):
     with _plans_lock:
         plan = _plans.get(key)
