@@ -1,7 +1,14 @@
 """The tune journal: every finished trial and suite verdict, one flushed JSON line each.
 
 It is what makes a tune safe to interrupt: `tune --resume` replays it instead of measuring again,
-and the winners are always computed from its records.
+and the winners are always computed from its records. When a run has written its table, a last
+`finished` record names that table and counts the trials its time budget left unmeasured, so the
+rule for a journal that already exists is:
+
+- a run that completed (a `finished` record with nothing left unmeasured, and nothing after it):
+  a fresh run (no resume) replaces the journal, as it replaces that table; `resume` replays it;
+- any other journal holding trials (a run interrupted, or stopped by its budget before the end):
+  only `resume` may use it, so running the same command again never throws measured trials away.
 """
 
 from __future__ import annotations
@@ -9,14 +16,17 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from dmattn_bench.space import config_label
 from dmattn_bench.workloads import Workload
 
+FINISHED = "finished"  # record kind: the run completed and wrote `table`
+
 
 class JournalError(ValueError):
-    """The journal cannot be used (locked by another tuner, or exists without resume)."""
+    """The journal cannot be used (locked by another tuner, or an interrupted run's without resume)."""
 
 
 def trial_id(workload: Workload, direction: str, backend_name: str, config) -> str:
@@ -27,21 +37,85 @@ def suite_id(backend_name: str, direction: str, config, dtype: str, suite: str) 
     return f"{backend_name}|{direction} {config_label(config)}|{dtype}|{suite}"
 
 
+@dataclass
+class _Contents:
+    """What a journal's text holds."""
+
+    trials: dict[str, dict]
+    suites: dict[str, tuple[str, str]]
+    finished: dict | None  # the last record, when it is a `finished` one
+    dropped_lines: int
+
+
+def _parse(text: str) -> _Contents:
+    contents = _Contents({}, {}, None, 0)
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            contents.dropped_lines += 1
+            contents.finished = None  # a torn line after the marker: a later run was cut short
+            continue
+        kind = record.get("kind")
+        if kind == "trial":
+            contents.trials[record["id"]] = record
+        elif kind == "suite":
+            contents.suites[record["id"]] = (record["status"], record["note"])
+        contents.finished = record if kind == FINISHED else None
+    return contents
+
+
+def _refusal(path: Path, contents: _Contents) -> str | None:
+    """Why a run without resume may not replace this journal (None: it may)."""
+    if not contents.trials:
+        return None  # nothing measured to lose
+    if contents.finished is None:
+        return (f"{path} holds {len(contents.trials)} trials of an interrupted run; pass --resume to continue it "
+                f"or delete it to start over")
+    left = contents.finished.get("unmeasured", 0)
+    if left:
+        return (f"{path} holds {len(contents.trials)} trials of a run its --budget stopped with {left} trials "
+                f"unmeasured; pass --resume to continue it or delete it to start over")
+    return None
+
+
+@dataclass(frozen=True)
+class JournalState:
+    """A journal as found on disk, read without taking its lock (to tell the user what a run will do).
+
+    Attributes:
+        trial_ids: the trials it holds.
+        completed: its run wrote its table with nothing left unmeasured.
+        refusal: why a run without resume may not replace it (its run was interrupted or stopped
+            by its budget), or None when a fresh run starts over.
+    """
+
+    trial_ids: frozenset[str]
+    completed: bool
+    refusal: str | None
+
+
+def read_state(path: str | Path) -> JournalState | None:
+    """The journal at `path`, or None when there is none (missing or empty: nothing to resume)."""
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    contents = _parse(path.read_text(encoding="utf-8"))
+    completed = contents.finished is not None and not contents.finished.get("unmeasured", 0)
+    return JournalState(frozenset(contents.trials), completed, _refusal(path, contents))
+
+
 class Journal:
     """Append-only record of finished trials and suite verdicts: one flushed JSON line each.
 
     Held under an exclusive lock for the whole run, so two tuners never interleave in one file.
-    A line cut short by a kill is ignored on resume (that trial simply runs again).
+    A line cut short by a kill is ignored on resume (that trial simply runs again). Opened
+    without `resume`, a completed run's journal is emptied (the run starts over) and any other
+    one holding trials refused (module docstring).
     """
 
     def __init__(self, path: Path, resume: bool):
         self.path = Path(path)
-        self.trials: dict[str, dict] = {}
-        self.suites: dict[str, tuple[str, str]] = {}
-        self.dropped_lines = 0
-        if self.path.exists() and self.path.stat().st_size > 0 and not resume:
-            raise JournalError(f"{self.path} holds trials of an earlier run; pass --resume to continue it "
-                               f"or delete it to start over")
         self._file = open(self.path, "a+", encoding="utf-8")
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -50,18 +124,19 @@ class Journal:
             raise JournalError(f"{self.path} is locked by another running tune") from None
         self._file.seek(0)
         text = self._file.read()
+        contents = _parse(text)
+        if text and not resume:
+            refusal = _refusal(self.path, contents)
+            if refusal is not None:
+                self._file.close()
+                raise JournalError(refusal)
+            self._file.truncate(0)  # "a+" writes at the end, which is now the start
+            text, contents = "", _parse("")
         if text and not text.endswith("\n"):
             self._file.write("\n")  # a kill mid-line: the next record starts on a line of its own
-        for line in text.splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                self.dropped_lines += 1
-                continue
-            if record.get("kind") == "trial":
-                self.trials[record["id"]] = record
-            elif record.get("kind") == "suite":
-                self.suites[record["id"]] = (record["status"], record["note"])
+        self.trials = contents.trials
+        self.suites = contents.suites
+        self.dropped_lines = contents.dropped_lines
 
     def append(self, record: dict) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
@@ -69,8 +144,23 @@ class Journal:
         os.fsync(self._file.fileno())
         if record["kind"] == "trial":
             self.trials[record["id"]] = record
-        else:
+        elif record["kind"] == "suite":
             self.suites[record["id"]] = (record["status"], record["note"])
 
     def close(self) -> None:
         self._file.close()
+
+
+def mark_finished(path: str | Path, table: str | Path, entries: int, unmeasured: int) -> None:
+    """Records that the run journaled at `path` wrote `table` (with `entries` entries), leaving
+    `unmeasured` planned trials unmeasured for lack of time (`--budget`; 0: the run completed).
+
+    Raises:
+        JournalError: another tune holds the journal.
+    """
+    journal = Journal(Path(path), resume=True)
+    try:
+        journal.append({"kind": FINISHED, "table": str(Path(table).resolve()), "entries": entries,
+                        "unmeasured": unmeasured})
+    finally:
+        journal.close()

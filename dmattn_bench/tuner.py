@@ -16,7 +16,8 @@ For each workload and direction:
 Every finished trial and suite verdict is appended to a journal (one flushed JSON line each);
 `resume=True` skips what the journal already holds, and the winners are always computed from
 the journal's records, so a resumed run writes the table an uninterrupted run would have
-written from the same measurements.
+written from the same measurements. Without `resume`, the journal of a completed run is
+replaced and one holding trials of any other run refused (`journal`'s rule).
 """
 
 from __future__ import annotations
@@ -108,6 +109,18 @@ def candidate_list(direction: str, space: list, workload: Workload, device, back
     return list(dict.fromkeys([default, *space]))
 
 
+def plan_trials(workloads: list[Workload], spaces: dict[str, list], device, backend_name: str = "triton") -> list:
+    """Every trial a tune of `backend_name` runs, in order: (workload, direction, config, is_default)."""
+    return [(w, d, c, index == 0) for w in workloads for d in ("fwd", "bwd")
+            for index, c in enumerate(candidate_list(d, spaces[d], w, device, backend_name))]
+
+
+def planned_trial_ids(workloads: list[Workload], spaces: dict[str, list], device,
+                      backend_name: str = "triton") -> list[str]:
+    """The journal ids of `plan_trials` (what a resumed run finds done or still to run)."""
+    return [trial_id(w, d, backend_name, c) for w, d, c, _ in plan_trials(workloads, spaces, device, backend_name)]
+
+
 RESTART_AFTER = ("launch_error", "crash", "timeout")  # statuses that may leave a poisoned CUDA context
 
 
@@ -136,10 +149,12 @@ def tune(
         backend_name: the kernel family.
         budget_s: stop starting new trials after this many seconds (finished work is kept).
         suite: adversarial suite for the winners ("quick" or "full").
-        on_trial: called with every finished trial (progress), resumed ones included.
+        on_trial: called with every trial this run finishes (progress); not with those replayed
+            from the journal on resume (count them with `planned_trial_ids`).
         on_phase: progress factory for parallel phases: (description, total) -> per-job callback.
         journal_path: where trials are journaled (None: a temporary journal is not kept).
-        resume: continue the journal at `journal_path` instead of refusing to overwrite it.
+        resume: continue the journal at `journal_path`. Without it, the journal of a completed
+            run is replaced and one of a run interrupted or stopped by its budget refused.
         trial_timeout_s: a candidate running longer is killed: status "timeout".
         suite_timeout_s: the same for one adversarial suite run.
         gpus: measuring workers, one per GPU (cuda:0..gpus-1); they take whole workloads from
@@ -153,7 +168,8 @@ def tune(
         Winners (one per key), every trial, and the wall time.
 
     Raises:
-        journal.JournalError: the journal is locked, or exists and `resume` is False.
+        journal.JournalError: the journal is locked, or holds a run that did not complete and
+            `resume` is False.
     """
     device = torch.device(device)
     backend = get_backend(backend_name)
@@ -183,8 +199,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     def out_of_budget() -> bool:
         return budget_s is not None and time.monotonic() - start > budget_s
 
-    plan = [(w, d, c, index == 0) for w in workloads for d in ("fwd", "bwd")
-            for index, c in enumerate(candidate_list(d, spaces[d], w, device, backend_name))]
+    plan = plan_trials(workloads, spaces, device, backend_name)
     trials: dict[str, Trial] = {}
     record_lock = threading.Lock()  # measuring threads share the journal, the trials and progress
     # Set when the run is interrupted (Ctrl-C): the workers are then killed under the measuring
@@ -192,7 +207,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     # journaled "crash" would be kept by --resume
     interrupted = threading.Event()
 
-    def finish(workload, direction, config, is_default, fields, journaled=True) -> None:
+    def finish(workload, direction, config, is_default, fields, replayed=False) -> None:
         key = workload.key(direction)
         trial = Trial(workload.label, key.to_dict(), direction, backend_name, config.to_dict(),
                       is_default=is_default, **fields)
@@ -201,9 +216,9 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             if interrupted.is_set():
                 return
             trials[identifier] = trial
-            if journaled and trial.status != "skipped":
+            if not replayed and trial.status != "skipped":
                 journal.append({"kind": "trial", "id": identifier, **trial.to_dict()})
-            if on_trial:
+            if on_trial and not replayed:  # the caller counts replayed trials once, up front
                 on_trial(trial)
 
     # -- resumed trials, and what needs no GPU time --
@@ -213,7 +228,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         record = journal.trials.get(trial_id(workload, direction, backend_name, config))
         if record is not None:
             fields = {k: record[k] for k in ("status", "reason", "median_ms", "spread", "tflops", "validation", "stage")}
-            finish(workload, direction, config, is_default, fields, journaled=False)
+            finish(workload, direction, config, is_default, fields, replayed=True)
             continue
         reason = backend.is_supported(config, shape_of_workload(workload))
         if reason is None and device.type == "cuda":

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import yaml
 
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.registry import default_configs
-from dmattn_bench.journal import Journal, JournalError
+from dmattn_bench.journal import Journal, JournalError, mark_finished, read_state
 from dmattn_bench.workers import MAX_WORKERS_PER_GPU, PoolStats, Worker, parallel_map, worker_count
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,9 +87,9 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     done_before = {r["id"] for r in _records(journal) if r["kind"] == "trial"}
     assert 3 <= len(done_before) < 9 and not out.exists()
 
-    refused = _tune(args)  # without --resume the journal is never overwritten
+    refused = _tune(args)  # without --resume the journal of an interrupted run is never overwritten
     _, stderr = refused.communicate(timeout=120)
-    assert refused.returncode == 1 and "--resume" in stderr
+    assert refused.returncode == 1 and "interrupted run; pass --resume" in stderr
 
     resumed = _tune([*args, "--resume"])
     _, stderr = resumed.communicate(timeout=600)
@@ -97,12 +98,14 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     assert len(ids) == len(set(ids)) == 9  # 3 workloads x (2 fwd + 1 bwd): none lost, none repeated
     assert done_before <= set(ids)
 
-    # the table equals what the same measurements give when nothing is left to measure
+    # the table equals what the same measurements give when nothing is left to measure (but for
+    # the date each entry is stamped with as the table is written)
     table = load_table(out)
     again = _tune([*args, "--resume", "--out", str(out)])
     _, stderr = again.communicate(timeout=300)
     assert again.returncode == 0, stderr[-2000:]
-    assert load_table(out).entries == table.entries
+    assert "skipping 9 journaled trials, 0 of 9 to run" in stderr
+    assert [replace(e, timed=None) for e in load_table(out).entries] == [replace(e, timed=None) for e in table.entries]
     assert [r["id"] for r in _records(journal) if r["kind"] == "trial"] == ids  # nothing re-measured
 
 
@@ -141,6 +144,49 @@ def test_journal_is_exclusive_and_ignores_a_torn_last_line(tmp_path):
     assert json.loads(lines[-1])["id"] == "s"  # the new record is on a line of its own
     with pytest.raises(JournalError, match="--resume"):
         Journal(path, resume=False)
+
+
+def test_a_fresh_run_replaces_only_the_journal_of_a_completed_run(tmp_path):
+    """Without resume, the journal of a run that completed is emptied (the run starts over); one of
+    a run interrupted (no final record, or a record or torn line after it) or stopped by its budget
+    is refused, so nothing measured is lost; resume keeps any of them."""
+    path = tmp_path / "j.jsonl"
+    trial = json.dumps({"kind": "trial", "id": "a", "status": "ok"}) + "\n"
+    assert read_state(path) is None
+    path.write_text(trial)
+    assert (read_state(path).trial_ids, read_state(path).completed) == ({"a"}, False)
+    with pytest.raises(JournalError, match="1 trials of an interrupted run; pass --resume"):
+        Journal(path, resume=False)
+
+    mark_finished(path, tmp_path / "T.yaml", entries=1, unmeasured=0)
+    finished = path.read_text().splitlines()[-1] + "\n"
+    assert json.loads(finished) == {"kind": "finished", "table": str(tmp_path / "T.yaml"), "entries": 1,
+                                    "unmeasured": 0}
+    assert read_state(path).completed and read_state(path).refusal is None
+    journal = Journal(path, resume=False)
+    try:
+        assert journal.trials == {} and path.read_text() == ""
+        journal.append({"kind": "trial", "id": "b", "status": "ok"})
+    finally:
+        journal.close()
+    assert [r["id"] for r in _records(path)] == ["b"]
+
+    for after in (trial, '{"kind": "tri'):  # a later run began and was cut short
+        path.write_text(trial + finished + after)
+        assert not read_state(path).completed
+        with pytest.raises(JournalError, match="interrupted run"):
+            Journal(path, resume=False)
+    budget = json.dumps(dict(json.loads(finished), unmeasured=2)) + "\n"
+    path.write_text(trial + budget)
+    assert not read_state(path).completed
+    with pytest.raises(JournalError, match="--budget stopped with 2 trials unmeasured; pass --resume"):
+        Journal(path, resume=False)
+    journal = Journal(path, resume=True)
+    try:
+        assert set(journal.trials) == {"a"}
+    finally:
+        journal.close()
+    assert path.read_text() == trial + budget
 
 
 def _dump_many(path: str, block_m: int) -> None:

@@ -94,7 +94,8 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "T.yaml.trials.jsonl").read_text().splitlines()]
     trials = [r for r in records if r["kind"] == "trial"]
     assert len(trials) == 3 and all(r["status"] == "ok" for r in trials)
-    assert {r["kind"] for r in records} == {"trial", "suite"}  # winners' adversarial verdicts are journaled too
+    assert {r["kind"] for r in records} == {"trial", "suite", "finished"}  # winners' adversarial verdicts too
+    assert records[-1] == {"kind": "finished", "table": str(out.resolve()), "entries": 2, "unmeasured": 0}
 
     shown = runner.invoke(show, [str(out)])
     assert shown.exit_code == 0 and "entries" in shown.stdout
@@ -109,6 +110,136 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     _, fwd_config = plan.select("fwd", inputs.q, inputs.k, as_4d(inputs.mask), as_4d(inputs.bias),
                                 True, "auto", str(out), None, False)
     assert fwd_config == fwd_entry.config
+
+
+def _records(journal) -> list[dict]:
+    return [json.loads(line) for line in journal.read_text().splitlines()]
+
+
+def test_the_same_tune_again_starts_over_after_a_completed_run_and_resumes_only_when_asked(tmp_path):
+    """The README's command run twice: the second run replaces the completed run's journal and
+    table instead of refusing. A journal of an interrupted run is refused without --resume, and
+    --resume says how many trials it skips and measures (and counts) only the rest. Each tune
+    ends by saying how to use the table and verify it."""
+    from dmattn_bench.errors import DmattnError
+
+    workloads, space = _tiny_inputs(tmp_path, dict(CPU_FWD.to_dict(), block_m=32))
+    out = tmp_path / "T.yaml"
+    journal = tmp_path / "T.yaml.trials.jsonl"
+    args = ["--workloads", workloads, "--space", space, "--out", str(out), "--format", "json"]
+    runner = CliRunner()
+
+    first = runner.invoke(tune_command, args)
+    assert first.exit_code == 0, first.output
+    results_end = first.stderr.index("wrote ")
+    assert first.stderr.index(f"export DMATTN_BENCH_TABLE={out.resolve()}") > results_end
+    assert f'dmattn_bench.use_table("{out.resolve()}")' in first.stderr
+    assert f"dmattn-bench verify --table {out.resolve()} --dtype fp32" in first.stderr
+    assert first.stderr.count("tune [") == 3
+
+    again = runner.invoke(tune_command, args)
+    assert again.exit_code == 0, again.output
+    assert "completed run: starting over" in again.stderr
+    kinds = [r["kind"] for r in _records(journal)]
+    # measured again into an emptied journal: not refused, not appended to, not replayed
+    assert kinds.count("trial") == 3 and kinds.count("finished") == 1 and kinds[-1] == "finished"
+    assert json.loads(again.stdout)["replayed_trials"] == 0 and again.stderr.count("tune [") == 3
+    assert len(load_table(out).entries) == 2
+
+    # an interrupted run: two trials journaled, no final record
+    trials = [line for line in journal.read_text().splitlines() if json.loads(line)["kind"] == "trial"]
+    journal.write_text("\n".join(trials[:2]) + "\n")
+    refused = runner.invoke(tune_command, args)
+    assert isinstance(refused.exception, DmattnError), refused.output
+    assert "2 trials of an interrupted run; pass --resume" in str(refused.exception)
+    assert journal.read_text() == "\n".join(trials[:2]) + "\n"  # untouched
+
+    resumed = runner.invoke(tune_command, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resuming {journal}: skipping 2 journaled trials, 1 of 3 to run" in resumed.stderr
+    assert resumed.stderr.count("tune [") == 1 and "tune [1/1]" in resumed.stderr  # only what it measures
+    assert json.loads(resumed.stdout)["replayed_trials"] == 2
+    assert [r["kind"] for r in _records(journal)].count("trial") == 3
+
+
+def test_resume_without_a_journal_is_a_usage_error(tmp_path):
+    workloads, space = _tiny_inputs(tmp_path, CPU_FWD.to_dict())
+    out = tmp_path / "T.yaml"
+    args = ["--workloads", workloads, "--space", space, "--out", str(out), "--resume"]
+    missing = CliRunner().invoke(tune_command, args)
+    assert missing.exit_code == 2 and f"nothing to resume: the journal {out}.trials.jsonl does not exist" in \
+        " ".join(missing.output.split())
+    (tmp_path / "T.yaml.trials.jsonl").touch()
+    empty = CliRunner().invoke(tune_command, args)
+    assert empty.exit_code == 2 and "trials.jsonl is empty" in " ".join(empty.output.split())
+    assert not out.exists()
+
+
+def test_a_budget_stopped_tune_records_what_it_left_unmeasured(tmp_path):
+    """The final record of a run its --budget cut short counts the trials it skipped, which is
+    what keeps a fresh run from replacing it (tests/test_reliability.py checks the journal side)."""
+    workloads, space = _tiny_inputs(tmp_path, CPU_FWD.to_dict())
+    out = tmp_path / "T.yaml"
+    result = CliRunner().invoke(tune_command, ["--workloads", workloads, "--space", space, "--out", str(out),
+                                               "--budget", "0"])
+    assert "no candidate passed" in str(result.exception), result.output
+    final = _records(tmp_path / "T.yaml.trials.jsonl")[-1]
+    assert final == {"kind": "finished", "table": str(out.resolve()), "entries": 0, "unmeasured": 2}
+
+
+def test_info_shows_the_table_a_call_would_use_or_why_none(tmp_path, monkeypatch):
+    """`info`'s active table is the one the runtime's lookup consults on this machine, with where
+    it comes from; with none, the reasons (no variable, no shipped table, a skipped table) and,
+    after a tune in this folder, how to select its table."""
+    from pathlib import Path
+
+    from dmattn_bench.cli.info import info
+    from dmattn_bench.dispatch import lookup
+    from dmattn_bench.dispatch.table import Entry, dump_table, new_table
+    from dmattn_bench.hardware import CPU_FINGERPRINT
+
+    shipped_dir = tmp_path / "shipped"
+    shipped_dir.mkdir()
+    monkeypatch.setattr(lookup, "SHIPPED_TABLES_DIR", shipped_dir)
+    monkeypatch.delenv("DMATTN_BENCH_TABLE", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+    def shown() -> tuple[str | None, str, str]:
+        result = CliRunner().invoke(info, ["--format", "json"])
+        assert result.exit_code == 0, result.output
+        document = json.loads(result.stdout)
+        return document["active_table"], document["active_table_note"], result.stderr
+
+    active, note, _ = shown()
+    assert active is None
+    assert "DMATTN_BENCH_TABLE is unset" in note and "no table ships for cpu-interpreter" in note
+
+    key = load_workloads(_tiny_inputs(tmp_path, CPU_FWD.to_dict())[0])[0].key("fwd")
+    tuned = tmp_path / "cpu-interpreter.yaml"  # where `tune` writes on this machine by default
+    dump_table(new_table([Entry(key, "triton", CPU_FWD, {"median_ms": 1.0})], CPU_FINGERPRINT, interpreter=True),
+               tuned)
+    active, note, _ = shown()
+    assert active is None and f"export DMATTN_BENCH_TABLE={tuned.resolve()}" in note
+
+    monkeypatch.setenv("DMATTN_BENCH_TABLE", str(tuned))
+    active, note, _ = shown()
+    assert (active, note) == (str(tuned), "from DMATTN_BENCH_TABLE")
+    assert dispatch.choose(key, "cpu").source == f"table:{tuned}"  # what a call uses
+
+    foreign = Path(__file__).resolve().parents[1] / "results/tables/nvidia-h100-80gb-hbm3-sm90.yaml"
+    monkeypatch.setenv("DMATTN_BENCH_TABLE", str(foreign))
+    active, note, stderr = shown()
+    assert active is None and f"{foreign} ignored: tuned on NVIDIA H100" in note
+    assert "tuned on NVIDIA H100" in stderr and "DMATTN_BENCH_TABLE is unset" not in note
+
+    shipped = shipped_dir / "cpu-interpreter.yaml"  # the runtime falls back to it past the foreign one
+    shipped.write_bytes(tuned.read_bytes())
+    active, note, _ = shown()
+    assert (active, note) == (str(shipped), "shipped for cpu-interpreter")
+    dispatch.clear_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DispatchWarning)  # the foreign table's, checked above
+        assert dispatch.choose(key, "cpu").source == f"table:{shipped}"
 
 
 def test_several_workloads_files_make_one_table(tmp_path):
@@ -274,9 +405,9 @@ def _bad_inputs(tmp_path) -> dict[str, str]:
         "head_dim_512": _write(tmp_path / "hd.yaml", {"default": dict(grid, head_dim=[512])}),
         "bf16": _write(tmp_path / "bf16.yaml", {"default": dict(grid, dtype=["bf16"])}),
         "peers": str(repo / "configs/workloads/peers-cpu.yaml"),
-        "table": str(repo / "results/tables/nvidia-h200-sm90.yaml"),
+        "table": str(repo / "results/tables/nvidia-h100-80gb-hbm3-sm90.yaml"),
         "no_folder": str(tmp_path / "nowhere" / "t.yaml"),
-        "report": str(repo / "results/bench/h100-session14.json"),
+        "report": str(repo / "results/bench/h100.json"),
     }
 
 
@@ -285,6 +416,7 @@ BAD_INPUTS = [  # (arguments, exit code, what the one-line error says)
     (["tune", "--space", "{list}"], 1, "expected a mapping"),
     (["tune", "--workloads", "{peers}"], 1, "the bench's format"),
     (["tune", "--workloads", "{zero_seqlen}"], 1, "seqlen: got 0, expected a positive integer"),
+    (["tune", "--resume"], 2, "nothing to resume: the journal cpu-interpreter.yaml.trials.jsonl does not exist"),
     (["tune", "--workloads", "{head_dim_512}"], 1, "head_dim: got 512, expected a multiple of 8"),
     (["tune", "--workloads", "{bf16}"], 2, "bf16 workloads need a CUDA GPU"),
     (["tune", "--out", "{no_folder}"], 2, "its folder does not exist"),

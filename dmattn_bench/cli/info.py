@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import warnings
+from pathlib import Path
 
 import click
 import torch
@@ -32,14 +34,46 @@ def _environment() -> dict:
         }
     else:
         doc["gpu"] = None
-    from dmattn_bench.dispatch import DISPATCHER
-
-    doc["active_table"] = DISPATCHER.active_table("cuda" if doc["gpu"] else "cpu")
+    doc["active_table"], doc["active_table_note"] = _table_in_use("cuda" if doc["gpu"] else "cpu")
     doc["default_configs"] = [
         {"head_dims": f"{low}-{high}", "fwd": fwd.to_dict(), "bwd": bwd.to_dict()}
         for low, high, fwd, bwd in default_entries("cuda" if doc["gpu"] else "cpu")
     ]
     return doc
+
+
+def _table_in_use(device: str) -> tuple[str | None, str]:
+    """The table a call on `device` would consult first, by the runtime's own lookup
+    (`Dispatcher.active_table`), and a note: where that table comes from, or why there is none.
+
+    A new Dispatcher stands for a fresh process (no `use_table`, no warning given yet), so the
+    reasons a table is skipped are always there to report, however this process has used dispatch.
+    """
+    from dmattn_bench.dispatch import ENV_VAR, Dispatcher, DispatchWarning, lookup
+    from dmattn_bench.hardware import device_fingerprint
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DispatchWarning)
+        path = Dispatcher().active_table(device)
+    skipped = [str(w.message) for w in caught if issubclass(w.category, DispatchWarning)]
+    for message in skipped:  # a foreign, invalid or (partly) stale table: as any call would warn
+        output.warn(message)
+    env = os.environ.get(ENV_VAR) or None
+    fingerprint = device_fingerprint(device)
+    shipped = Path(lookup.SHIPPED_TABLES_DIR) / f"{fingerprint.slug()}.yaml"
+    if path is not None:
+        return path, f"from {ENV_VAR}" if path == env else f"shipped for {fingerprint.name}"
+    # in the lookup's order: the variable's table, then the shipped one
+    reasons = ([f"{ENV_VAR} is unset"] if env is None else []) + skipped
+    if not shipped.exists():
+        reasons.append(f"no table ships for {fingerprint.name} ({shipped} does not exist)")
+    for candidate in (env, str(shipped) if shipped.exists() else None):
+        if candidate is not None and not any(candidate in message for message in skipped):
+            reasons.append(f"{candidate} has no entries a call could use")
+    tuned_here = Path(f"{fingerprint.slug()}.yaml")  # where `dmattn-bench tune` writes by default
+    if tuned_here.is_file():
+        reasons.append(f"the table tuned here is used once you export {ENV_VAR}={tuned_here.resolve()}")
+    return None, "none, the default configs apply: " + "; ".join(reasons)
 
 
 def _backend_status() -> dict[str, str]:
@@ -59,7 +93,11 @@ def _backend_status() -> dict[str, str]:
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
 def info(measure_dispatch: bool, fmt: str) -> None:
-    """Show the GPU, the software, the backends available, the active table and the defaults."""
+    """Show the GPU, the software, the backends available, the active table and the defaults.
+
+    The active table is the one an attention call on this machine would consult first (from
+    DMATTN_BENCH_TABLE, else shipped for this device); when there is none, it says why.
+    """
     doc = _environment()
     if measure_dispatch:
         from dmattn_bench.ops import dispatch_overhead_us
@@ -68,8 +106,10 @@ def info(measure_dispatch: bool, fmt: str) -> None:
     table = Table(title="dmattn-bench info", show_header=False)
     table.add_column("key")
     table.add_column("value")
-    for key in ("dmattn_bench", "python", "torch", "triton", "cuda_runtime", "interpreter", "backends", "active_table"):
+    for key in ("dmattn_bench", "python", "torch", "triton", "cuda_runtime", "interpreter", "backends"):
         table.add_row(key, str(doc[key]))
+    table.add_row("active_table", doc["active_table_note"] if doc["active_table"] is None
+                  else f"{doc['active_table']} ({doc['active_table_note']})")
     gpu = doc["gpu"]
     table.add_row("gpu", "none (kernels run in the Triton interpreter)" if gpu is None else
                   ", ".join(f"{k}={v}" for k, v in gpu.items()))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import shlex
 from pathlib import Path
 
 import click
@@ -12,14 +14,14 @@ from rich.table import Table
 
 from dmattn_bench import output
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
-from dmattn_bench.dispatch import Entry, dump_table, new_table
+from dmattn_bench.dispatch import ENV_VAR, Entry, dump_table, new_table
 from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
-from dmattn_bench.journal import JournalError
+from dmattn_bench.journal import JournalError, JournalState, mark_finished, read_state
 from dmattn_bench.prune import load_ci_space, load_space, read_yaml_mapping
 from dmattn_bench.space import CONFIGS_DIR, config_label
-from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, candidate_list,
-                                combine_backends, tune)
+from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, combine_backends,
+                                planned_trial_ids, tune)
 from dmattn_bench.workloads import load_workloads
 
 CI_FILE = CONFIGS_DIR / "ci.yaml"
@@ -119,6 +121,43 @@ def _announce_phase(name: str, count: int):
     return lambda: None
 
 
+def _check_journal(trials_path: Path, resume: bool) -> JournalState | None:
+    """The journal this run starts from; --resume with none is a usage error (exit 2)."""
+    state = read_state(trials_path)
+    if resume and state is None:
+        found = "is empty" if trials_path.exists() else "does not exist"
+        raise click.BadParameter(f"nothing to resume: the journal {trials_path} {found}; run without --resume "
+                                 "to start a tune", param_hint="--resume")
+    return state
+
+
+def _announce_journal(state: JournalState | None, resume: bool, trials_path: Path, out: Path,
+                      planned: list[str]) -> int:
+    """Says (stderr) what this run does with an existing journal; returns how many of the planned
+    trials it replays from it instead of measuring."""
+    if state is None:
+        return 0
+    if not resume:
+        if state.refusal is None and state.trial_ids:
+            output.info(f"{trials_path} is the journal of a completed run: starting over, replacing it and {out} "
+                        "(--resume would reuse its trials instead)")
+        return 0  # otherwise nothing to replace, or the tuner refuses it, naming --resume
+    done = len(state.trial_ids.intersection(planned))
+    other = len(state.trial_ids.difference(planned))
+    output.info(f"resuming {trials_path}{' (a completed run)' if state.completed else ''}: skipping {done} journaled "
+                f"trials, {len(planned) - done} of {len(planned)} to run"
+                + (f" ({other} journaled trials of other workloads or configs are not used)" if other else ""))
+    return done
+
+
+def _how_to_use(out: Path, dtypes: list[str]) -> None:
+    """The last lines of a tune (stderr): how to make calls use the table, and to verify it first."""
+    path = str(out.resolve())
+    output.info(f"use it: export {ENV_VAR}={shlex.quote(path)}   (in code: dmattn_bench.use_table({json.dumps(path)}))")
+    output.info("before shipping it: " + "; ".join(f"dmattn-bench verify --table {shlex.quote(path)} --dtype {dtype}"
+                                                    for dtype in dtypes))
+
+
 @click.command("tune")
 @click.option("--space", "space_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Search-space YAML (repeat for fwd and bwd). Default: configs/space/<backend>-{fwd,bwd}.yaml "
@@ -135,7 +174,9 @@ def _announce_phase(name: str, count: int):
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="Table to write. Default: ./<device>.yaml (e.g. nvidia-h200-sm90.yaml).")
 @click.option("--resume", is_flag=True, default=False,
-              help="Continue the trial journal (<out>.trials.jsonl) of an interrupted run, skipping finished trials.")
+              help="Continue the trial journal (<out>.trials.jsonl), skipping the trials it holds. Without it, "
+                   "a completed run's journal is replaced (the run starts over), and that of a run interrupted "
+                   "or stopped by --budget is refused.")
 @click.option("--budget", default=None,
               help="Stop starting new trials after this long (e.g. 20m); finished work is kept. Workloads are "
                    "measured largest first.")
@@ -156,7 +197,13 @@ def _announce_phase(name: str, count: int):
               help="Result format on stdout.")
 def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, resume, budget, trial_timeout,
                  suite_timeout, gpus, ray_address, suite, fmt) -> None:
-    """Tune the kernels on this machine's GPU and write a dispatch table."""
+    """Tune the kernels on this machine's GPU and write a dispatch table.
+
+    Every trial is journaled in <out>.trials.jsonl. Running the same command again after a run
+    that completed starts over (journal and table are replaced); after a run that was interrupted
+    or stopped by its --budget, it stops and asks for --resume (continue, measuring only what the
+    journal lacks) or for the journal to be deleted.
+    """
     budget_s = parse_duration(budget)
     on_gpu = torch.cuda.is_available()
     reject_bf16_without_gpu(dtypes, on_gpu)
@@ -199,15 +246,17 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     if not out.resolve().parent.is_dir():
         raise click.BadParameter(f"{out}: its folder does not exist", param_hint="--out")
     trials_path = out.with_name(out.name + ".trials.jsonl")
+    journal = _check_journal(trials_path, resume)
     for name in backends:
         output.info(f"{name}: {len(workloads)} workloads x ({len(spaces[name]['fwd'])} fwd + "
                     f"{len(spaces[name]['bwd'])} bwd) candidates")
     output.info(f"table -> {out}, trials -> {trials_path}")
-    total = sum(len(candidate_list(d, spaces[name][d], w, device, name))
-                for name in backends for w in workloads for d in ("fwd", "bwd"))
+    planned = [identifier for name in backends
+               for identifier in planned_trial_ids(workloads, spaces[name], device, name)]
+    replayed = _announce_journal(journal, resume, trials_path, out, planned)
     results = {}
     try:
-        with output.progress("tune", total=total) as advance:
+        with output.progress("tune", total=len(planned) - replayed) as advance:
             for index, name in enumerate(backends):
                 # one journal: trial ids name their backend, so a later backend continues it
                 results[name] = tune(workloads, spaces[name], device, name, budget_s=budget_s, suite=suite,
@@ -220,10 +269,17 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     result = results[backends[0]] if len(backends) == 1 else combine_backends(results)
     entries = [Entry(w.key, w.backend, w.config, w.evidence) for w in result.winners]
     dump_table(new_table(entries, fingerprint, interpreter=not on_gpu), out)
+    try:
+        # after the table is written: a run stopped before this point stays resumable, and one
+        # its budget cut short stays so too (the record counts what it left unmeasured)
+        mark_finished(trials_path, out, len(entries), unmeasured=result.counts().get("skipped", 0))
+    except JournalError as exc:
+        raise DmattnError(str(exc)) from None
     speedup = geometric_mean_speedup(result)
     document = {"table": str(out), "trials_file": str(trials_path), "wall_s": round(result.wall_s, 1),
                 "phases_s": result.phases, "phase_pools": result.pools, "gpus": gpu_count,
-                "counts": result.counts(), "funnel": result.funnel(), "entries": len(entries), "geomean_speedup_vs_default": speedup,
+                "replayed_trials": replayed, "counts": result.counts(), "funnel": result.funnel(),
+                "entries": len(entries), "geomean_speedup_vs_default": speedup,
                 "timings_meaningful": result.meaningful_timings,
                 "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence)
                             for w in result.winners]}
@@ -233,3 +289,4 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     if not entries:
         raise DmattnError(f"no candidate passed on any workload: {out} has no entries",
                           f"read the trial statuses above (kept in {trials_path})")
+    _how_to_use(out, sorted({entry.key.dtype for entry in entries}))
