@@ -38,7 +38,7 @@ from dmattn_bench.hardware import local_limits
 from dmattn_bench.journal import Journal, suite_id, trial_id
 from dmattn_bench.prune import precheck
 from dmattn_bench.registry import default_configs, get_backend
-from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
+from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, config_label
 from dmattn_bench.trials import (STAGES, Trial, measure_job, ready_job, shape_of_workload, suite_case_job,
                                  suite_cases, suite_job, suite_verdict, warm_job)
 from dmattn_bench.validator import CaseResult, shape_of_case
@@ -105,8 +105,27 @@ def combine_backends(results: dict[str, TuneResult]) -> TuneResult:
 
 
 def candidate_list(direction: str, space: list, workload: Workload, device, backend_name: str = "triton") -> list:
-    default = default_configs(workload.head_dim, device, backend_name)[0 if direction == "fwd" else 1]
+    """The default config a call of this workload gets without a table (first: `is_default`), then
+    the space."""
+    default = default_configs(workload.head_dim, device, backend_name, workload.dtype)[0 if direction == "fwd" else 1]
     return list(dict.fromkeys([default, *space]))
+
+
+def current_choice_regret(key: TableKey, ranked: list, best: list, backend_name: str, device) -> dict:
+    """What a call of `key` runs today (`dispatch.choose`: a table entry, else the default), and its
+    regret against this tune's winner (`best`, its trial per workload): the geometric mean over
+    the key's workloads of its time over the winner's. `regret` is None when this tune did not
+    time that choice (another backend, a config outside the space, or one that failed)."""
+    from dmattn_bench import dispatch  # imported here: dispatch imports the registry, as this module does
+
+    choice = dispatch.choose(key, device)
+    current = {"source": choice.source.split(":", 1)[0], "backend": choice.backend,
+               "config": config_label(choice.config), "regret": None}
+    runs = next((runs for config, runs in ranked if config == choice.config), None)
+    if runs is not None and choice.backend == backend_name:
+        current["regret"] = round(math.prod(t.median_ms / b.median_ms for t, b in zip(runs, best)) ** (1 / len(runs)),
+                                  4)
+    return current
 
 
 def plan_trials(workloads: list[Workload], spaces: dict[str, list], device, backend_name: str = "triton") -> list:
@@ -466,7 +485,8 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
             evidence = {"median_ms": lead.median_ms, "spread": lead.spread, "tflops": lead.tflops,
                         "speedup_vs_default": round(math.prod(speedups) ** (1 / len(speedups)), 4) if speedups else None,
                         "validation": {n: max(t.validation.get(n, 0.0) for t in runs) for n in lead.validation},
-                        "adversarial": note, "workload": lead.workload, "workloads": len(runs)}
+                        "adversarial": note, "workload": lead.workload, "workloads": len(runs),
+                        "current_choice": current_choice_regret(key, ranked, runs, backend_name, device)}
             winners.append(Winner(key, backend_name, config, evidence))
             break
     return winners

@@ -19,7 +19,7 @@ from dmattn_bench.cli.tune import parse_duration, tune_command
 from dmattn_bench.cli.verify import verify
 from dmattn_bench.dispatch import DispatchWarning, load_table
 from dmattn_bench.registry import default_configs
-from dmattn_bench.space import FwdConfig, as_4d, seqlen_bucket
+from dmattn_bench.space import FwdConfig, as_4d, config_label, seqlen_bucket
 from dmattn_bench.workloads import load_workloads
 
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
@@ -96,6 +96,16 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     assert len(trials) == 3 and all(r["status"] == "ok" for r in trials)
     assert {r["kind"] for r in records} == {"trial", "suite", "finished"}  # winners' adversarial verdicts too
     assert records[-1] == {"kind": "finished", "table": str(out.resolve()), "entries": 2, "unmeasured": 0}
+    # what calls ran before this tune (no table on this machine: the defaults), against the winners
+    fwd_time = {config_label(FwdConfig(**r["config"])): r["median_ms"] for r in trials if r["direction"] == "fwd"}
+    fwd_winner = next(w for w in document["winners"] if w["key"]["direction"] == "fwd")
+    fwd_current = fwd_winner["evidence"]["current_choice"]
+    assert fwd_current["source"] == "default" and fwd_current["config"] == config_label(CPU_FWD)
+    assert fwd_current["regret"] == round(fwd_time[config_label(CPU_FWD)] /
+                                          fwd_time[config_label(FwdConfig(**fwd_winner["config"]))], 4)
+    bwd_current = next(w for w in document["winners"] if w["key"]["direction"] == "bwd")["evidence"]["current_choice"]
+    assert bwd_current["regret"] == 1.0  # the only bwd candidate is the default
+    assert document["current_choice_regret"]["keys"] == 2 and document["current_choice_regret"]["not_timed"] == 0
 
     shown = runner.invoke(show, [str(out)])
     assert shown.exit_code == 0 and "entries" in shown.stdout

@@ -76,16 +76,36 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[st
 def _winners_table(result: TuneResult) -> Table:
     title = "tuned entries" + ("" if result.meaningful_timings else " (interpreter: timings not meaningful)")
     table = Table(title=title)
-    for column in ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "Lq~", "Lk~", "backend", "config", "ms",
-                   "TFLOP/s", "vs default"):
-        table.add_column(column, justify="right" if column in ("ms", "TFLOP/s", "vs default") else "left")
+    numbers = ("ms", "TFLOP/s", "vs default", "regret of today's choice")
+    for column in ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "Lq~", "Lk~", "backend", "config", *numbers):
+        table.add_column(column, justify="right" if column in numbers else "left")
     for winner in result.winners:
         k, e = winner.key, winner.evidence
         table.add_row(k.direction, k.dtype, str(k.head_dim), str(k.causal), k.mask, k.bias, str(k.gqa_ratio),
                       str(k.seqlen_q_bucket), str(k.seqlen_k_bucket), winner.backend,
                       config_label(winner.config),
-                      f"{e['median_ms']:.4f}", f"{e['tflops']:.1f}", f"{e['speedup_vs_default'] or 0:.2f}x")
+                      f"{e['median_ms']:.4f}", f"{e['tflops']:.1f}", f"{e['speedup_vs_default'] or 0:.2f}x",
+                      _current_label(e.get("current_choice")))
+    table.caption = ("regret of today's choice: what a call of the key ran before this tune (a table entry or the "
+                     "default), its time over the winner's")
     return table
+
+
+def _current_label(current: dict | None) -> str:
+    if not current:
+        return "-"
+    regret = "not timed" if current["regret"] is None else f"{current['regret']:.2f}x"
+    return f"{regret} ({current['source']} {current['config']})"
+
+
+def current_choice_regret(result: TuneResult) -> dict:
+    """Geometric-mean and worst regret of the choices calls made before this tune, over the keys
+    whose choice the tune timed (`tuner.current_choice_regret`), and how many it did not."""
+    regrets = [w.evidence["current_choice"]["regret"] for w in result.winners if w.evidence.get("current_choice")]
+    timed = [r for r in regrets if r is not None]
+    return {"keys": len(timed), "not_timed": len(regrets) - len(timed),
+            "geomean": round(math.prod(timed) ** (1 / len(timed)), 4) if timed else None,
+            "worst": max(timed) if timed else None}
 
 
 def _counts_table(result: TuneResult) -> Table:
@@ -276,16 +296,22 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     except JournalError as exc:
         raise DmattnError(str(exc)) from None
     speedup = geometric_mean_speedup(result)
+    regret = current_choice_regret(result)
     document = {"table": str(out), "trials_file": str(trials_path), "wall_s": round(result.wall_s, 1),
                 "phases_s": result.phases, "phase_pools": result.pools, "gpus": gpu_count,
                 "replayed_trials": replayed, "counts": result.counts(), "funnel": result.funnel(),
                 "entries": len(entries), "geomean_speedup_vs_default": speedup,
+                "current_choice_regret": regret,
                 "timings_meaningful": result.meaningful_timings,
                 "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence)
                             for w in result.winners]}
     output.render(document, [_winners_table(result), _counts_table(result)], fmt)
     output.info(f"wrote {out} ({len(entries)} entries); geometric-mean speed-up over the defaults: "
                 + (f"{speedup:.3f}x" if speedup else "n/a"))
+    if regret["geomean"] is not None:
+        output.info(f"before this tune, calls of these keys ran {regret['geomean']:.3f}x the tuned time in geometric "
+                    f"mean ({regret['worst']:.3f}x at worst, {regret['keys']} keys"
+                    + (f"; {regret['not_timed']} keys' choices were not timed" if regret["not_timed"] else "") + ")")
     if not entries:
         raise DmattnError(f"no candidate passed on any workload: {out} has no entries",
                           f"read the trial statuses above (kept in {trials_path})")
