@@ -15,6 +15,7 @@ import math
 import numbers
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from dmattn_bench import ops, reference
 from dmattn_bench import plan as plans
@@ -83,6 +84,12 @@ def _check_mask_values(attn_mask: torch.Tensor) -> None:
         value = attn_mask[outside].flatten()[0].item()
         raise ValueError(f"attn_mask: got an integer mask holding {value}, expected 0/1 only (or a bool mask; "
                          f"True = attend)")
+
+
+def _traced(query) -> bool:
+    """Meta and fake tensors (shape propagation, tracing) take the custom op, whose fake kernel
+    answers them; the eager path would try to launch on them."""
+    return isinstance(query, torch.Tensor) and (query.is_meta or is_fake(query))
 
 
 class _Attention(torch.autograd.Function):
@@ -157,14 +164,16 @@ def flash_dmattn_func(
             shape received and the shape expected; a non-bool `is_causal`; an integer mask
             holding values other than 0 and 1 (checked on every call: prefer a bool mask).
     """
-    if backend != "reference" and not torch.compiler.is_compiling():
+    if backend != "reference" and not torch.compiler.is_compiling() and not _traced(query):
         try:
             needs_grad = torch.is_grad_enabled() and (
                 query.requires_grad or key.requires_grad or value.requires_grad
                 or (attn_bias is not None and attn_bias.requires_grad))
             bias_grad = needs_grad and attn_bias is not None and attn_bias.requires_grad
-            signature = plans.signature(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap,
-                                        backend, table, fwd_config, bwd_config, bias_grad)
+            # the scalars' types too: 1 == True and 0.0 == False would share a plan, skipping the checks
+            signature = plans.signature(query, key, value, attn_mask, attn_bias, type(is_causal), is_causal,
+                                        type(softmax_scale), softmax_scale, type(softcap), softcap, backend, table,
+                                        fwd_config, bwd_config, bias_grad)
             plan = plans.cached(signature)
         except (AttributeError, TypeError):  # not a tensor, an unhashable option: the checks say which
             signature = plan = None

@@ -87,7 +87,13 @@ def attention_fwd(
     plan = plan_for(query, key, value, mask, bias, is_causal, softmax_scale, softcap, backend, table,
                     _as_config(fwd_config, FwdConfig), _as_config(bwd_config, BwdConfig), False)
     out, lse, activity = plan.forward(query, key, value, mask, bias)
-    return out, lse, query.new_empty(0, dtype=torch.int8) if activity is None else activity
+    if activity is None:
+        return out, lse, query.new_empty(0, dtype=torch.int8)
+    if not plan.fills_activity:
+        # the backward op may build its plan on another choice (the table changed in between) and
+        # trust this buffer: every tile marked active costs it speed, never correctness
+        activity.fill_(1)
+    return out, lse, activity
 
 
 @attention_fwd.register_fake

@@ -17,10 +17,12 @@ The one place a call's configs are chosen: the table lookup (`dispatch`), the de
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 
 import torch
 
-from dmattn_bench import dispatch
+from dmattn_bench import dispatch, registry
 from dmattn_bench.registry import default_configs, get_backend
 from dmattn_bench.space import DTYPE_NAMES, BwdConfig, FwdConfig, TableKey, as_4d, operand_kind, seqlen_bucket
 
@@ -200,7 +202,8 @@ class AttentionPlan:
                              dbias=dbias, **self.options, **extra)
             return dq, dk, dv, grad_bias
         # the incoming gradients' layouts vary between callers (an expanded dout, an lse gradient)
-        layout = (dout.stride(), dout.data_ptr() % 16 == 0, None if dlse is None else dlse.stride(), bias_requires_grad)
+        layout = (dout.stride(), dout.data_ptr() & 15, None if dlse is None else (dlse.stride(), dlse.data_ptr() & 15),
+                  bias_requires_grad)
         launch = self._bwd_launches.get(layout)
         if launch is None:
             launch = self._bwd_launches[layout] = backend.backward_plan(
@@ -222,11 +225,12 @@ def signature(q, k, v, mask, bias, *options) -> tuple:
     caller answers by validating the call."""
     return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v),
             None if mask is None else _tensor_signature(mask), None if bias is None else _tensor_signature(bias),
-            os.environ.get(dispatch.ENV_VAR), dispatch.DISPATCHER.generation, *options)
+            os.environ.get(dispatch.ENV_VAR), dispatch.DISPATCHER.generation, registry.overrides, *options)
 
 
 PLAN_CACHE_SIZE = 1024  # signatures kept; a training or serving loop repeats a handful
-_plans: dict[tuple, AttentionPlan] = {}
+_plans: OrderedDict[tuple, AttentionPlan] = OrderedDict()
+_plans_lock = threading.Lock()  # for eviction; a lookup is one dict read
 
 
 def cached(key: tuple) -> AttentionPlan | None:
@@ -234,11 +238,13 @@ def cached(key: tuple) -> AttentionPlan | None:
 
 
 def remember(key: tuple, plan: AttentionPlan) -> None:
-    if len(_plans) >= PLAN_CACHE_SIZE:
-        _plans.pop(next(iter(_plans)))  # the oldest signature
-    _plans[key] = plan
+    with _plans_lock:
+        _plans[key] = plan
+        while len(_plans) > PLAN_CACHE_SIZE:
+            _plans.popitem(last=False)  # the oldest signature
 
 
 def clear() -> None:
     """Forgets every plan (tests; a process that edits its kernels' configs at run time)."""
-    _plans.clear()
+    with _plans_lock:
+        _plans.clear()

@@ -167,6 +167,7 @@ def kernel_source_hash(name: str) -> str:
     return sourcehash.python_module_hash(origin)
 
 
+overrides = 0  # how many times a backend was replaced: a call's plan keeps the backend it chose
 PLUGINS_ENV = "DMATTN_BENCH_PLUGINS"  # comma-separated modules imported when backends first load
 _plugins_loaded = False
 
@@ -174,9 +175,11 @@ _plugins_loaded = False
 def override_backend(backend: Backend) -> None:
     """Replaces the implementation behind a backend name (for plugins: instrumented kernels,
     fault injection in tests, experiments). The name must be a known one."""
+    global overrides
     if backend.name not in BACKEND_NAMES:
         raise ValueError(f"backend: got {backend.name!r}, expected one of {BACKEND_NAMES}")
     _loaded[backend.name] = backend
+    overrides += 1
 
 
 def _load_plugins() -> None:

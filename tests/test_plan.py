@@ -201,3 +201,79 @@ def test_zero_length_dims_give_the_defined_result(dims, counted):
     (out.sum() + 0 * lse.clamp(min=0).sum()).backward()
     for t in (q, k, v, bias):
         assert t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+# -- what a plan's signature must tell apart ---------------------------------------------------------
+
+
+def test_a_cached_plan_does_not_let_a_non_bool_option_through():
+    """1 == True and 0.0 == False: a signature that held only the values would reuse a plan
+    built for the bool and skip the check."""
+    q, k, v, _, _ = _inputs(7)
+    with torch.no_grad():
+        flash_dmattn_func(q, k, v, is_causal=True, softcap=0.0, softmax_scale=1.0)
+    for bad in (dict(is_causal=1), dict(is_causal=True, softcap=False), dict(is_causal=True, softmax_scale=True)):
+        with pytest.raises(TypeError, match=next(iter(bad.keys() - {"is_causal"}), "is_causal")):
+            flash_dmattn_func(q, k, v, **bad)
+
+
+def test_the_launchers_plans_tell_mask_alignments_apart():
+    """The activity pass reads an 8-byte-aligned mask as int64 words: a mask 4 bytes past a 16-byte
+    boundary must not reuse the plan of one 8 bytes past it."""
+    launch.clear_plans()
+    built = []
+    original = launch.ForwardPlan
+    q, k, v, _, _ = _inputs(8, heads=2, heads_kv=2, seqlen=32)
+    storage = torch.ones(16 + 2 * 2 * 32 * 32, dtype=torch.bool)
+    options = dict(is_causal=False, softmax_scale=0.25, softcap=0.0, config=launch.FwdConfig(16, 16, 1, 1))
+    try:
+        launch.ForwardPlan = lambda *a, **kw: built.append(original(*a, **kw)) or built[-1]
+        for offset in (8, 4):
+            mask = storage[offset:offset + 2 * 2 * 32 * 32].view(2, 2, 32, 32)
+            out, lse = torch.empty_like(q), torch.empty(2, 2, 32)
+            launch.attention_forward(q, k, v, mask, None, out=out, lse=lse, **options)
+    finally:
+        launch.ForwardPlan = original
+        launch.clear_plans()
+    assert [p.activity.launch.constexprs["WORDS"] for p in built] == [True, False]
+
+
+def test_meta_tensors_get_shapes_without_a_launch():
+    q = torch.empty(2, 24, 4, 32, device="meta")
+    k = torch.empty(2, 40, 2, 32, device="meta")
+    out, lse = flash_dmattn_func(q, k, k, is_causal=True, return_lse=True)
+    assert out.is_meta and out.shape == q.shape and lse.shape == (2, 4, 24)
+
+
+def test_plans_are_remembered_safely_from_several_threads(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(plan, "PLAN_CACHE_SIZE", 2)
+    errors = []
+
+    def remember(index):
+        try:
+            for step in range(200):
+                plan.remember((index, step), object())
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=remember, args=(index,)) for index in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    plan.clear()
+    assert errors == []
+
+
+def test_the_op_path_marks_every_tile_active_where_its_forward_left_no_summary():
+    """A backward may trust the forward op's activity buffer; after a forward without one (another
+    backend), the buffer says every tile is active: slower, never wrong."""
+    from dmattn_bench import ops
+    from dmattn_bench.space import as_4d
+
+    q, k, v, mask, _ = _inputs(9, mask="kv_head")
+    _, _, activity = ops.attention_fwd(q, k, v, as_4d(mask), None, False, 32 ** -0.5, 0.0, "reference", None, None,
+                                       None)
+    assert activity.numel() > 0 and (activity == 1).all()

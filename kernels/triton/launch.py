@@ -155,7 +155,8 @@ class _Launch:
             for observer in LAUNCH_OBSERVERS:
                 observer(self.name)
         runtime = knobs.runtime
-        if self.launcher is not None and not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)):
+        if self.launcher is not None and not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
+                                              or is_compile_only()):
             stream = _current_stream(_current_device())
             self.launcher(*self.grid, stream, self.function, self.metadata, None, None, None, *tensors, *self.tail)
             return
@@ -568,9 +569,10 @@ class BackwardPlan:
 
 
 def signature(*tensors) -> tuple:
-    """What a plan depends on of each tensor: shape, strides, dtype, device and whether its data
-    starts 16-byte aligned (Triton specializes pointers on it). None stays None."""
-    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+    """What a plan depends on of each tensor: shape, strides, dtype, device and where its data
+    starts within 16 bytes (Triton specializes pointers on 16-byte alignment, the activity pass
+    reads a mask as int64 words only when 8-byte aligned). None stays None."""
+    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() & 15)
                  for t in tensors)
 
 
