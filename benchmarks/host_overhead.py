@@ -164,7 +164,7 @@ def main() -> None:
                     result = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
                 rows.append(dict(scenario=name, direction=direction, impl=impl, **result))
                 torch.cuda.empty_cache()
-    print(f"| scenario | direction | impl | host ms | gpu ms | eager wall ms | wall / gpu |")
+    print("| scenario | direction | impl | host ms | gpu ms | eager wall ms | wall / gpu |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:

@@ -19,7 +19,6 @@ missing, not as a regret.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -54,14 +53,9 @@ def _items(config) -> tuple:
 def read_keys(journals: list[Path]) -> dict[tuple, tuple[dict, dict[tuple, float]]]:
     """{(journal, workload, direction): (table key, {config items: median ms})}."""
     keys: dict[tuple, tuple[dict, dict]] = {}
-    for journal in journals:
-        for line in journal.read_text().splitlines():
-            trial = json.loads(line)
-            if (trial.get("kind") != "trial" or trial.get("status") != "ok" or trial.get("backend") != "triton"
-                    or not isinstance(trial.get("median_ms"), (int, float))):
-                continue
-            entry = keys.setdefault((journal.name, trial["workload"], trial["key"]["direction"]), (trial["key"], {}))
-            entry[1][tuple(sorted(trial["config"].items()))] = trial["median_ms"]
+    for name, trial, config in defaults.timed_trials(journals):
+        keys.setdefault((name, trial["workload"], trial["key"]["direction"]), (trial["key"], {}))[1][config] = \
+            trial["median_ms"]
     return keys
 
 

@@ -56,21 +56,24 @@ def regrets(times: dict[tuple, dict[tuple, float]], config: tuple) -> list[float
     return [by_config[config] / min(by_config.values()) for by_config in times.values()]
 
 
-def read_journal_times(journals: list[Path], backend: str = "triton") -> dict[tuple, dict[tuple, dict[tuple, float]]]:
-    """{(direction, dtype, head-dim class): {shape: {config items: median ms}}} of every timed `ok`
-    trial of `backend`; a shape is (journal, workload) so two GPUs' runs of a workload stay apart."""
-    groups: dict[tuple, dict[tuple, dict[tuple, float]]] = {}
+def timed_trials(journals: list[Path], backend: str = "triton"):
+    """(journal name, trial record, config items) of every timed `ok` trial of `backend`."""
     for journal in journals:
         for line in Path(journal).read_text().splitlines():
             trial = json.loads(line)
-            if (trial.get("kind") != "trial" or trial.get("status") != "ok" or trial.get("backend") != backend
-                    or not isinstance(trial.get("median_ms"), (int, float))):
-                continue
-            key = trial["key"]
-            group = (key["direction"], key["dtype"], head_dim_class(key["head_dim"]))
-            shape = (Path(journal).name, trial["workload"])
-            groups.setdefault(group, {}).setdefault(shape, {})[tuple(sorted(trial["config"].items()))] = \
-                trial["median_ms"]
+            if (trial.get("kind") == "trial" and trial.get("status") == "ok" and trial.get("backend") == backend
+                    and isinstance(trial.get("median_ms"), (int, float))):
+                yield Path(journal).name, trial, tuple(sorted(trial["config"].items()))
+
+
+def read_journal_times(journals: list[Path], backend: str = "triton") -> dict[tuple, dict[tuple, dict[tuple, float]]]:
+    """{(direction, dtype, head-dim class): {shape: {config items: median ms}}} of `timed_trials`;
+    a shape is (journal, workload) so two GPUs' runs of a workload stay apart."""
+    groups: dict[tuple, dict[tuple, dict[tuple, float]]] = {}
+    for name, trial, config in timed_trials(journals, backend):
+        key = trial["key"]
+        group = (key["direction"], key["dtype"], head_dim_class(key["head_dim"]))
+        groups.setdefault(group, {}).setdefault((name, trial["workload"]), {})[config] = trial["median_ms"]
     return groups
 
 

@@ -108,10 +108,10 @@ class AttentionPlan:
         # the bias as the caller passed it and as its 4-D broadcast view: dBias is built 4-D and
         # handed back in the caller's shape (a view: the 4-D form only prepends size-1 dims)
         self.bias_shape = None if bias is None else tuple(bias.shape)
-        self.bias4_shape = None if bias is None else tuple(as_4d(bias).shape)
-        self.bias_dtype = None if bias is None else bias.dtype
-        self.activity_shape = (0,)
         mask, bias = as_4d(mask), as_4d(bias)
+        self.bias4_shape = None if bias is None else tuple(bias.shape)
+        self.bias_dtype = None if bias is None else bias.dtype
+        self.activity_shape = None  # without a mask there is no tile summary
         if mask is not None:
             from dmattn_kernels.triton.launch import activity_shape  # imported on first use (registry)
 
@@ -157,8 +157,8 @@ class AttentionPlan:
         device = self.device
         out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-        activity = None if self.activity_shape == (0,) else torch.empty(self.activity_shape, dtype=torch.int8,
-                                                                          device=device)
+        activity = None if self.activity_shape is None else torch.empty(self.activity_shape, dtype=torch.int8,
+                                                                           device=device)
         if self.no_rows or self.no_keys:
             out.zero_()  # no keys: every row is dead (out 0, lse -inf)
             lse.fill_(float("-inf"))

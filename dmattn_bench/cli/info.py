@@ -114,7 +114,7 @@ def info(measure_dispatch: bool, fmt: str) -> None:
     table.add_row("gpu", "none (kernels run in the Triton interpreter)" if gpu is None else
                   ", ".join(f"{k}={v}" for k, v in gpu.items()))
     if "dispatch_overhead_us" in doc:
-        table.add_row("dispatch overhead", f"{doc['dispatch_overhead_us']} µs per call (backend='auto' vs direct launch)")
+        table.add_row("dispatch overhead", f"{doc['dispatch_overhead_us']} µs per call to find its launch plan")
     for entry in doc["default_configs"]:
         table.add_row(f"default D {entry['head_dims']}", f"fwd {entry['fwd']}  bwd {entry['bwd']}")
     output.render(doc, [table], fmt)

@@ -162,12 +162,20 @@ class _Launch:
             return
         self._jit(tensors)
 
+    @staticmethod
+    def _jit_args(tensors) -> list:
+        return [t.view(torch.uint8) if getattr(t, "dtype", None) is torch.bool else t for t in tensors]
+
+    def compile(self, *tensors):
+        """The compiled kernel for these tensors (Triton's `warmup`: nothing is launched)."""
+        return self.kernel.warmup(*self._jit_args(tensors), *self.scalars, grid=self.grid, **self.constexprs,
+                                  **self.options)
+
     def _jit(self, tensors) -> None:
-        args = [t.view(torch.uint8) if getattr(t, "dtype", None) is torch.bool else t for t in tensors]
         if is_compile_only():
-            self.kernel.warmup(*args, *self.scalars, grid=self.grid, **self.constexprs, **self.options)
+            self.compile(*tensors)
             return
-        compiled = self.kernel[self.grid](*args, *self.scalars, **self.constexprs, **self.options)
+        compiled = self.kernel[self.grid](*self._jit_args(tensors), *self.scalars, **self.constexprs, **self.options)
         if compiled is None or _interpreted() or not hasattr(compiled, "packed_metadata"):
             return
         positional = len(tensors) + len(self.scalars)
@@ -380,14 +388,14 @@ class ForwardPlan:
         )
 
     def __call__(self, q, k, v, mask, bias, out, lse, activity=None) -> None:
-        blocks = q  # an unused pointer without a mask, as are q for an absent mask or bias
-        if self.activity is not None:
-            blocks = self.lists(self.activity(mask, activity))
-        if self.use_tma:
-            k_desc, v_desc = _on(self.k_desc, k), _on(self.v_desc, v)
-        else:
-            k_desc, v_desc = k, v
-        self.forward(q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks, k_desc, v_desc)
+        blocks = q if self.activity is None else self.lists(self.activity(mask, activity))
+        self.forward(*self._forward_tensors(q, k, v, mask, bias, out, lse, blocks))
+
+    def _forward_tensors(self, q, k, v, mask, bias, out, lse, blocks) -> tuple:
+        """The forward kernel's tensor arguments; q stands in for an absent mask, bias or block list
+        (an unused pointer)."""
+        k_desc, v_desc = (_on(self.k_desc, k), _on(self.v_desc, v)) if self.use_tma else (k, v)
+        return q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks, k_desc, v_desc
 
 
 # -- backward --------------------------------------------------------------------------------------
@@ -683,10 +691,4 @@ def forward_shared_bytes(q, k, v, mask, bias, *, is_causal: bool, softmax_scale:
     plan = ForwardPlan(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap,
                        config=config, out=out, lse=lse)
     blocks = torch.empty(plan.lists.shape, dtype=torch.int32, device=q.device) if plan.lists is not None else q
-    k_desc, v_desc = (_on(plan.k_desc, k), _on(plan.v_desc, v)) if plan.use_tma else (k, v)
-    launch = plan.forward
-    args = [t.view(torch.uint8) if t.dtype is torch.bool else t
-            for t in (q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks)]
-    compiled = launch.kernel.warmup(*args, k_desc, v_desc, *launch.scalars, grid=launch.grid, **launch.constexprs,
-                                    **launch.options)
-    return compiled.metadata.shared
+    return plan.forward.compile(*plan._forward_tensors(q, k, v, mask, bias, out, lse, blocks)).metadata.shared
