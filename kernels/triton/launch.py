@@ -151,16 +151,19 @@ class _Launch:
         self.launcher = None  # the compiled kernel's launcher, after the first run
 
     def __call__(self, *tensors) -> None:
+        self.run(launch_stream(), *tensors)
+
+    def run(self, stream: int | None, *args) -> None:
+        """Launches on `stream` (`launch_stream()`, read once by a plan for all its kernels): the
+        compiled launcher when there is one and a stream, else the JIT. A pointer may be passed
+        as its address (an int) once the kernel is compiled, as Triton's launchers accept."""
         if LAUNCH_OBSERVERS:
             for observer in LAUNCH_OBSERVERS:
                 observer(self.name)
-        runtime = knobs.runtime
-        if self.launcher is not None and not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
-                                              or is_compile_only()):
-            stream = _current_stream(_current_device())
-            self.launcher(*self.grid, stream, self.function, self.metadata, None, None, None, *tensors, *self.tail)
+        if stream is not None and self.launcher is not None:
+            self.launcher(*self.grid, stream, self.function, self.metadata, None, None, None, *args, *self.tail)
             return
-        self._jit(tensors)
+        self._jit(args)
 
     @staticmethod
     def _jit_args(tensors) -> list:
@@ -195,6 +198,56 @@ def _hooked(hook) -> bool:
 # `benchmarks/host_profile.py`): a plan's kernels run after its first JIT launch initialised CUDA.
 _current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else None
 _current_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+
+
+def launch_stream() -> int | None:
+    """The current CUDA stream, for launches through compiled launchers; None where every launch
+    takes the JIT: without CUDA, within `compile_only()`, and while a Triton launch hook is set
+    (a profiler), which only the JIT calls. (The interpreter compiles nothing, so its launches
+    never have a launcher.)"""
+    runtime = knobs.runtime
+    if (_current_stream is None or is_compile_only() or _hooked(runtime.launch_enter_hook)
+            or _hooked(runtime.launch_exit_hook)):
+        return None
+    return _current_stream(_current_device())
+
+
+class _Workspace:
+    """A run's scratch buffers, dead once its kernels are done, in one allocation: each at a byte
+    offset that keeps the 16-byte alignment Triton specializes pointers on.
+
+    A plan hands its kernels each buffer's address once they are compiled (`pointers`), and a
+    tensor view of it on the JIT path and to host ops (`tensor`). Like a buffer of its own, the
+    allocation returns to PyTorch's caching allocator when the run's last reference goes, and
+    the stream order keeps a later run from reusing it before these kernels finish.
+    """
+
+    alignment = 256  # bytes; what the caching allocator aligns its own blocks to (or more)
+
+    def __init__(self, parts: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self.layout: dict[str, tuple[int, tuple[int, ...], torch.dtype, int]] = {}
+        offset = 0
+        for name, (shape, dtype) in parts.items():
+            nbytes = dtype.itemsize
+            for size in shape:
+                nbytes *= size
+            self.layout[name] = (offset, shape, dtype, nbytes)
+            offset += -(-nbytes // self.alignment) * self.alignment
+        self.nbytes = offset
+
+    def allocate(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def tensor(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        offset, shape, dtype, nbytes = self.layout[name]
+        return buffer[offset:offset + nbytes].view(dtype).view(shape)
+
+    def pointers(self, buffer: torch.Tensor) -> dict[str, int]:
+        base = buffer.data_ptr()
+        return {name: base + offset for name, (offset, _, _, _) in self.layout.items()}
+
+    def tensors(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: self.tensor(buffer, name) for name in self.layout}
 
 
 # -- operand layouts -------------------------------------------------------------------------------
@@ -388,8 +441,15 @@ class ForwardPlan:
         )
 
     def __call__(self, q, k, v, mask, bias, out, lse, activity=None) -> None:
-        blocks = q if self.activity is None else self.lists(self.activity(mask, activity))
-        self.forward(*self._forward_tensors(q, k, v, mask, bias, out, lse, blocks))
+        stream = launch_stream()
+        blocks = q  # an unused pointer without a mask
+        if self.activity is not None:
+            if activity is None:
+                activity = torch.empty(self.activity.shape, dtype=torch.int8, device=q.device)
+            self.activity.launch.run(stream, mask, activity)
+            blocks = torch.empty(self.lists.shape, dtype=torch.int32, device=q.device)
+            self.lists.launch.run(stream, activity, blocks)
+        self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, blocks))
 
     def _forward_tensors(self, q, k, v, mask, bias, out, lse, blocks) -> tuple:
         """The forward kernel's tensor arguments; q stands in for an absent mask, bias or block list
@@ -401,15 +461,28 @@ class ForwardPlan:
 # -- backward --------------------------------------------------------------------------------------
 
 
+class _PartialSum:
+    """dBias from the kernel's fp32 partials (`partial_shape`): one sum over the query heads of
+    each GQA group and every dim the bias broadcasts, in a fixed order (deterministic), then the
+    cast into dbias. The partials are read as (B, bias heads, heads per bias head, rows, keys)."""
+
+    def __init__(self, partial_shape: tuple[int, ...], dbias_shape: tuple[int, ...]):
+        batch, heads, rows, keys = partial_shape
+        group = heads // dbias_shape[1]
+        self.view = (batch, dbias_shape[1], group, rows, keys)
+        target = (dbias_shape[0], dbias_shape[1], 1, dbias_shape[2], dbias_shape[3])
+        self.dims = tuple(dim for dim, (size, kept) in enumerate(zip(self.view, target)) if size != kept)
+
+    def __call__(self, partial: torch.Tensor, dbias: torch.Tensor) -> None:
+        summed = partial.view(self.view)
+        if self.dims:
+            summed = summed.sum(dim=self.dims, keepdim=True)
+        dbias.copy_(summed.view(dbias.shape))
+
+
 def _finish_dbias(partial: torch.Tensor, dbias: torch.Tensor) -> None:
-    """Sums the partials into the bias's broadcast shape in a fixed order (deterministic): the
-    query heads of each GQA group when the bias has one slice per kv head, then every dim the
-    bias broadcasts (size 1)."""
-    heads = dbias.shape[1]
-    if heads not in (1, partial.shape[1]):
-        partial = partial.unflatten(1, (heads, -1)).sum(2)
-    reduce_dims = tuple(dim for dim in range(4) if dbias.shape[dim] == 1 and partial.shape[dim] != 1)
-    dbias.copy_(partial.sum(dim=reduce_dims, keepdim=True) if reduce_dims else partial)
+    """`_PartialSum` for one call: the CUDA backward's dBias partials (a Triton plan keeps its own)."""
+    _PartialSum(tuple(partial.shape), tuple(dbias.shape))(partial, dbias)
 
 
 def delta_with_lse_grad(delta: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor) -> None:
@@ -451,7 +524,7 @@ class BackwardPlan:
         # at all for a contiguous (B, Hkv, Lq, Lk) bias. Everywhere else split mode stays:
         # per-kv-head programs leave most SMs idle (flash_bwd.py docstring). The target is dbias
         # itself where the shapes agree (never zero-filled: the kernel writes every element,
-        # skipped tiles as zeros), else fp32 scratch summed by `_finish_dbias` --
+        # skipped tiles as zeros), else fp32 scratch summed by `_PartialSum` --
         rows, heads_per_program = True, 1
         self.partial_shape = None  # None: the kernel writes dbias itself (or there is none)
         partial_strides = (0, 0, 0, 0)
@@ -465,6 +538,7 @@ class BackwardPlan:
             else:
                 self.partial_shape = shape
                 partial_strides = _contiguous_strides(shape)
+        self.partial_sum = None if self.partial_shape is None else _PartialSum(self.partial_shape, tuple(dbias.shape))
 
         # -- schedules --
         self.activity = self.kv_lists = self.q_lists = None
@@ -540,10 +614,30 @@ class BackwardPlan:
                 num_warps=config.num_warps, num_stages=config.num_stages,
             )
 
+        # -- scratch: everything a run writes that dies with it, in one allocation --
+        parts = {"delta": (self.lse_shape, torch.float32)}
+        if mask is not None:
+            parts.update(kv_blocks=(self.kv_lists.shape, torch.int32), q_blocks=(self.q_lists.shape, torch.int32))
+        if self.partial_shape is not None:
+            parts["partial"] = (self.partial_shape, torch.float32)
+        if self.share_shape is not None:
+            parts.update(dk_share=(self.share_shape, torch.float32), dv_share=(self.share_shape, torch.float32))
+        self.workspace = _Workspace(parts)
+        self.launches = [self.preprocess, self.dkdv, self.dq]
+        if self.share_shape is not None:
+            self.launches.append(self.share_sum)
+        if mask is not None:
+            self.launches += [self.kv_lists.launch, self.q_lists.launch]
+        self.compiled = False  # every launch has its compiled launcher (after the first run)
+
     def __call__(self, dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity=None, dlse=None) -> None:
-        device = self.device
-        delta = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-        self.preprocess(out, dout, delta, lse, lse if dlse is None else dlse)
+        stream = launch_stream()
+        buffer = self.workspace.allocate(self.device)
+        # addresses once every kernel is compiled; tensors for the JIT (the first run, a profiler)
+        by_address = stream is not None and self.compiled
+        scratch = self.workspace.pointers(buffer) if by_address else self.workspace.tensors(buffer)
+        delta = scratch["delta"]
+        self.preprocess.run(stream, out, dout, delta, lse, lse if dlse is None else dlse)
         kv_blocks = q_blocks = q  # unused pointers without a mask
         if self.activity is not None:
             # one read of the mask, the forward's, serves both kernels' schedules
@@ -551,26 +645,24 @@ class BackwardPlan:
             kv_active = active
             if self.group_union:
                 kv_active = active.unflatten(1, (self.num_heads_kv, self.group)).amax(2)
-            kv_blocks, q_blocks = self.kv_lists(kv_active), self.q_lists(active)
-        partial = q
-        if dbias is not None:
-            partial = dbias if self.partial_shape is None else torch.empty(
-                self.partial_shape, dtype=torch.float32, device=device)
-        dk_share, dv_share = dk, dv
-        if self.share_shape is not None:
-            dk_share = torch.empty(self.share_shape, dtype=torch.float32, device=device)
-            dv_share = torch.empty(self.share_shape, dtype=torch.float32, device=device)
+            kv_blocks, q_blocks = scratch["kv_blocks"], scratch["q_blocks"]
+            self.kv_lists.launch.run(stream, kv_active, kv_blocks)
+            self.q_lists.launch.run(stream, active, q_blocks)
+        partial = q if dbias is None else scratch.get("partial", dbias)
+        dk_share, dv_share = scratch.get("dk_share", dk), scratch.get("dv_share", dv)
         mask_arg = q if mask is None else mask
         bias_arg = q if bias is None else bias
-        self.dkdv(q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks)
+        self.dkdv.run(stream, q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks)
         if self.share_shape is not None:
-            self.share_sum(dk_share, dv_share, dk, dv)
+            self.share_sum.run(stream, dk_share, dv_share, dk, dv)
         if self.dq_from_ds:
-            self.dq(dbias, k, dq, q_blocks)
+            self.dq.run(stream, dbias, k, dq, q_blocks)
         else:
-            self.dq(q, k, v, mask_arg, bias_arg, dout, lse, delta, dq, q_blocks)
-        if dbias is not None and self.partial_shape is not None:
-            _finish_dbias(partial, dbias)
+            self.dq.run(stream, q, k, v, mask_arg, bias_arg, dout, lse, delta, dq, q_blocks)
+        if self.partial_sum is not None:
+            self.partial_sum(self.workspace.tensor(buffer, "partial"), dbias)
+        if not self.compiled:
+            self.compiled = all(launch.launcher is not None for launch in self.launches)
 
 
 # -- the backend interface: plans cached by signature ----------------------------------------------
