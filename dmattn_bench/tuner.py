@@ -270,7 +270,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         for thread in starting:
             thread.start()
         jobs = [(w, d, c, backend_name) for w, d, c, _ in todo]
-        after = _leaders([[(w.label, *kernel) for kernel in backend.kernels(d, c, shape_of_workload(w))] for w, d, c, _ in jobs])
+        after = _leaders(compile_keys(jobs, backend))
         done = on_phase("compile", len(jobs)) if on_phase else None
         try:
             outcomes = parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason),
@@ -359,6 +359,28 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     return TuneResult(winners, ordered, time.monotonic() - start, device.type == "cuda",
                       {name: round(seconds, 1) for name, seconds in phases.items()},
                       {name: pool.to_dict() for name, pool in pools.items() if pool.jobs})
+
+
+def specialization_class(workload: Workload) -> tuple:
+    """What of a workload, besides the config, decides which kernels its candidates compile: the
+    dtype, features, head dim and GQA group (constexprs), and for each int the kernels receive
+    (lengths, head counts and the strides made of them) whether it is 1 or a multiple of 16 (what
+    Triton specializes an int on) or of 8 (the activity pass reads a mask as words when its rows
+    are 8-byte aligned). Workloads that differ only in batch, or in lengths of one class, share
+    their compiled kernels."""
+    def classes(*values: int) -> tuple:
+        return tuple((value == 1, value % 16 == 0, value % 8 == 0) for value in values)
+
+    w = workload
+    return (w.dtype, w.head_dim, w.causal, w.mask, w.bias, w.bias_grad, w.heads // w.heads_kv, w.batch == 1,
+            classes(w.seqlen_q, w.seqlen_k, w.heads, w.heads_kv, w.heads * w.head_dim, w.heads_kv * w.head_dim))
+
+
+def compile_keys(jobs: list[tuple], backend) -> list[list[tuple]]:
+    """Per compile job (workload, direction, config, backend name), the kernels it compiles, keyed
+    so that jobs of workloads of one `specialization_class` meet on the kernels they share."""
+    return [[(specialization_class(w), *kernel) for kernel in backend.kernels(d, c, shape_of_workload(w))]
+            for w, d, c, _ in jobs]
 
 
 def _leaders(kernels_per_job: list[list[tuple]]) -> list[tuple[int, ...]]:

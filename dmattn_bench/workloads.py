@@ -1,7 +1,9 @@
 """Workloads: the shapes the tuner tunes for, read from `configs/workloads/*.yaml` or `configs/ci.yaml`.
 
 A grid is the Cartesian product of its axes (head_dim, seqlen, causal, gqa_ratio, variants,
-dtype); the batch is chosen so every shape carries about `tokens` query tokens.
+dtype), or a list of such products whose union it is (a sampled grid: each product covers some
+axes densely, together they span the others); the batch is chosen so every shape carries about
+`tokens` query tokens.
 """
 
 from __future__ import annotations
@@ -161,4 +163,9 @@ def load_workloads(path: str | Path, grid: str = "default", dtypes: list[str] | 
                          f"the bench's format: `dmattn-bench bench --workloads`)")
     if grid not in grids:
         raise ValueError(f"{path}: no grid {grid!r}; it has {sorted(grids)}")
-    return _expand(grids[grid], f"{path}:{grid}", dtypes)
+    products = grids[grid] if isinstance(grids[grid], list) else [grids[grid]]
+    if not products:
+        raise ValueError(f"{path}:{grid}: an empty list of grids")
+    workloads = [w for index, product in enumerate(products)
+                 for w in _expand(product, f"{path}:{grid}" + (f"[{index}]" if len(products) > 1 else ""), dtypes)]
+    return list(dict.fromkeys(workloads))  # a shape two products share is tuned once

@@ -77,6 +77,21 @@ def test_bad_workloads_file_names_the_key(tmp_path):
         load_workloads(path)
 
 
+def test_a_sampled_grid_is_the_union_of_its_products(tmp_path):
+    """A grid given as a list of products runs each product's shapes once (a shape two products
+    share is not tuned twice); a bad product is named by its index."""
+    product = {"tokens": 64, "heads": 2, "head_dim": [32], "seqlen": [16, 32], "causal": [True], "gqa_ratio": [1],
+               "variants": [{"mask": "none", "bias": "none"}], "dtype": ["fp32"]}
+    other = dict(product, seqlen=[32], head_dim=[32, 64])
+    path = _write(tmp_path / "w.yaml", {"sampled": [product, other], "broken": [product, dict(product, tokens=0)]})
+    labels = [w.label for w in load_workloads(path, "sampled")]
+    assert labels == ["fp32 B4 H2 L16x16 D32 causal mask=none bias=none", "fp32 B2 H2 L32x32 D32 causal mask=none bias=none",
+                      "fp32 B2 H2 L32x32 D64 causal mask=none bias=none"]
+    with pytest.raises(ValueError, match=r"broken\[1\]\.tokens"):
+        load_workloads(path, "broken")
+    assert len(load_workloads("configs/workloads/default.yaml", "wide")) == 18
+
+
 def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     alternative = dict(CPU_FWD.to_dict(), block_m=32)
     workloads, space = _tiny_inputs(tmp_path, alternative)
@@ -346,6 +361,29 @@ def test_jobs_sharing_a_kernel_wait_for_the_first_that_compiles_it():
     from dmattn_bench.tuner import _leaders
 
     assert _leaders([["a", "x"], ["b", "x"], ["a", "y"], ["c"], ["b", "y"]]) == [(), (0,), (0,), (), (1, 2)]
+
+
+def test_workloads_of_one_specialization_class_share_their_compiles():
+    """Workloads that differ only in batch, or in lengths that Triton specializes alike (both
+    multiples of 16), compile each kernel once; a length that is not a multiple of 16, another
+    head dim or another mask kind compiles its own."""
+    from dataclasses import replace
+
+    from dmattn_bench.registry import get_backend
+    from dmattn_bench.space import BwdConfig
+    from dmattn_bench.tuner import _leaders, compile_keys
+    from dmattn_bench.workloads import Workload
+
+    base = Workload(batch=8, heads=16, heads_kv=4, seqlen_q=2048, seqlen_k=2048, head_dim=128, causal=True,
+                    mask="kv_head", bias="per_key", bias_grad=True, dtype="bf16")
+    workloads = [base, replace(base, batch=2, seqlen_q=8192, seqlen_k=8192),
+                 replace(base, seqlen_q=1000, seqlen_k=1000), replace(base, head_dim=64),
+                 replace(base, mask="full")]
+    config = BwdConfig(64, 64, 64, 64, 4, 2)
+    keys = compile_keys([(w, "bwd", config, "triton") for w in workloads], get_backend("triton"))
+    assert keys[0] == keys[1]
+    assert all(not set(keys[0]) & set(other) for other in keys[2:])
+    assert _leaders(keys) == [(), (0,), (), (), ()]
 
 
 def test_the_sm90_backward_candidates_share_their_kernels():
