@@ -364,16 +364,22 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
 def specialization_class(workload: Workload) -> tuple:
     """What of a workload, besides the config, decides which kernels its candidates compile: the
     dtype, features, head dim and GQA group (constexprs), and for each int the kernels receive
-    (lengths, head counts and the strides made of them) whether it is 1 or a multiple of 16 (what
+    (lengths, head counts and the strides made of them) whether it is 1, a multiple of 16 (what
     Triton specializes an int on) or of 8 (the activity pass reads a mask as words when its rows
-    are 8-byte aligned). Workloads that differ only in batch, or in lengths of one class, share
-    their compiled kernels."""
+    are 8-byte aligned), and whether it needs 64 bits. Workloads that differ only in batch, or in
+    lengths of one class, share their compiled kernels. A class too coarse for some kernel costs
+    a wait and a compile of its own, never a wrong kernel."""
     def classes(*values: int) -> tuple:
-        return tuple((value == 1, value % 16 == 0, value % 8 == 0) for value in values)
+        return tuple((value == 1, value % 16 == 0, value % 8 == 0, value >= 2**31) for value in values)
 
     w = workload
+    heads_of = {"full": w.heads, "kv_head": w.heads_kv}
+    mask_rows = heads_of.get(w.mask, 1) * w.seqlen_q * w.seqlen_k  # a (B, H|Hkv, Lq, Lk) operand's batch stride
+    bias_rows = heads_of.get(w.bias, 1) * w.seqlen_q * w.seqlen_k
     return (w.dtype, w.head_dim, w.causal, w.mask, w.bias, w.bias_grad, w.heads // w.heads_kv, w.batch == 1,
-            classes(w.seqlen_q, w.seqlen_k, w.heads, w.heads_kv, w.heads * w.head_dim, w.heads_kv * w.head_dim))
+            classes(w.seqlen_q, w.seqlen_k, w.heads, w.heads_kv, w.heads * w.head_dim, w.heads_kv * w.head_dim,
+                    w.seqlen_q * w.heads * w.head_dim, w.seqlen_k * w.heads_kv * w.head_dim,
+                    w.seqlen_q * w.seqlen_k, mask_rows, bias_rows))
 
 
 def compile_keys(jobs: list[tuple], backend) -> list[list[tuple]]:

@@ -155,15 +155,23 @@ def test_long_rows_with_a_large_row_max(backend):
     assert out_error < 1e-2 and lse_error < 1e-2, (out_error.item(), lse_error.item())
 
 
-@pytest.mark.parametrize("mask_shape, bias", [(None, None), ("kv_head", "per_key"), ("full", "full")],
-                         ids=["dense", "gqa-kvmask-perkeybias", "fullmask-fullbias"])
-def test_later_calls_through_the_compiled_launchers_repeat_the_first_bitwise(mask_shape, bias):
+@pytest.mark.parametrize("mask_shape, bias, heads_kv", [(None, None, 8), ("kv_head", "per_key", 2), ("full", "full", 8),
+                                                     ("full", "kv_head", 2)],
+                         ids=["dense", "gqa-kvmask-perkeybias", "fullmask-fullbias", "gqa-fullmask-kvbias-groupmode"])
+def test_later_calls_through_the_compiled_launchers_repeat_the_first_bitwise(monkeypatch, mask_shape, bias, heads_kv):
     """A plan's first run goes through Triton's JIT with tensors; later runs call the compiled
     launchers and hand the kernels their scratch buffers (delta, block lists, GQA shares, dBias
-    partials) by address. Every output of three later calls equals the first call's bitwise."""
-    case = Case("repeat", batch=2, heads=8, heads_kv=2 if mask_shape == "kv_head" else 8, seqlen_q=300,
-                seqlen_k=300, head_dim=64, causal=True, mask="random" if mask_shape else "none",
-                mask_shape=mask_shape or "kv_head", bias=bias or "none")
+    partials) by address. Every output of three later calls equals the first call's bitwise, and
+    the later backward runs did take the by-address path."""
+    from dmattn_bench import plan
+    from dmattn_kernels.triton import launch
+
+    plan.clear()  # the first call below builds the plan and runs it through the JIT
+    by_address = []
+    pointers = launch._Workspace.pointers
+    monkeypatch.setattr(launch._Workspace, "pointers", lambda self, buffer: by_address.append(1) or pointers(self, buffer))
+    case = Case("repeat", batch=2, heads=8, heads_kv=heads_kv, seqlen_q=300, seqlen_k=300, head_dim=64, causal=True,
+                mask="random" if mask_shape else "none", mask_shape=mask_shape or "kv_head", bias=bias or "none")
     inputs = build_inputs(case, torch.bfloat16, "cuda", seed=5)
     leaves = [t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
     bias_leaf = None if inputs.bias is None else inputs.bias.detach().requires_grad_()
@@ -172,6 +180,7 @@ def test_later_calls_through_the_compiled_launchers_repeat_the_first_bitwise(mas
         out, lse = flash_dmattn_func(*leaves, inputs.mask, bias_leaf, is_causal=True, return_lse=True)
         grads = torch.autograd.grad(out, leaves + ([bias_leaf] if bias_leaf is not None else []), inputs.dout)
         runs.append((out, lse, *grads))
+    assert len(by_address) == 3
     assert not any(t.isnan().any() for t in runs[0])  # a row the mask empties has lse -inf
     for later in runs[1:]:
         assert all(torch.equal(first, again) for first, again in zip(runs[0], later))
