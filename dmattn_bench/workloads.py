@@ -2,7 +2,7 @@
 
 A grid is the Cartesian product of its axes (head_dim, seqlen, causal, gqa_ratio, variants,
 dtype), or a list of such products whose union it is (a sampled grid: each product covers some
-axes densely, together they span the others); the batch is chosen so every shape carries about
+axes densely, together they span the others; an item may be another grid, by a YAML alias); the batch is chosen so every shape carries about
 `tokens` query tokens.
 """
 
@@ -147,6 +147,14 @@ def _expand(grid: dict, where: str, dtypes: list[str] | None) -> list[Workload]:
     return workloads
 
 
+def _products(grid) -> list:
+    """A grid's products: itself, or its list's items, a nested list (another grid's, by a YAML
+    alias) flattened into it."""
+    if not isinstance(grid, list):
+        return [grid]
+    return [product for item in grid for product in _products(item)]
+
+
 def load_workloads(path: str | Path, grid: str = "default", dtypes: list[str] | None = None) -> list[Workload]:
     """The workloads of `grid` in a workloads YAML (or the `workloads:` section of configs/ci.yaml).
 
@@ -163,7 +171,7 @@ def load_workloads(path: str | Path, grid: str = "default", dtypes: list[str] | 
                          f"the bench's format: `dmattn-bench bench --workloads`)")
     if grid not in grids:
         raise ValueError(f"{path}: no grid {grid!r}; it has {sorted(grids)}")
-    products = grids[grid] if isinstance(grids[grid], list) else [grids[grid]]
+    products = _products(grids[grid])
     if not products:
         raise ValueError(f"{path}:{grid}: an empty list of grids")
     workloads = [w for index, product in enumerate(products)

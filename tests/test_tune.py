@@ -83,16 +83,20 @@ def test_a_sampled_grid_is_the_union_of_its_products(tmp_path):
     product = {"tokens": 64, "heads": 2, "head_dim": [32], "seqlen": [16, 32], "causal": [True], "gqa_ratio": [1],
                "variants": [{"mask": "none", "bias": "none"}], "dtype": ["fp32"]}
     other = dict(product, seqlen=[32], head_dim=[32, 64])
-    path = _write(tmp_path / "w.yaml", {"sampled": [product, other], "broken": [product, dict(product, tokens=0)]})
+    path = _write(tmp_path / "w.yaml", {"sampled": [product, other], "nested": [[product], [[other]]],
+                                        "broken": [product, dict(product, tokens=0)]})
     labels = [w.label for w in load_workloads(path, "sampled")]
     assert labels == ["fp32 B4 H2 L16x16 D32 causal mask=none bias=none", "fp32 B2 H2 L32x32 D32 causal mask=none bias=none",
                       "fp32 B2 H2 L32x32 D64 causal mask=none bias=none"]
+    assert [w.label for w in load_workloads(path, "nested")] == labels
     with pytest.raises(ValueError, match=r"broken\[1\]\.tokens"):
         load_workloads(path, "broken")
     wide = load_workloads(CONFIGS_DIR / "workloads" / "default.yaml", "wide")
     assert {w.head_dim for w in wide} == {64, 96, 128, 192, 256} and {w.seqlen_q for w in wide} >= {1024, 16384}
     assert {w.heads // w.heads_kv for w in wide} == {1, 2, 4, 8} and {w.causal for w in wide} == {False, True}
     assert {w.mask for w in wide} == {"none", "full", "kv_head", "per_key"}
+    default = load_workloads(CONFIGS_DIR / "workloads" / "default.yaml")
+    assert load_workloads(CONFIGS_DIR / "workloads" / "default.yaml", "shipped") == default + wide
 
 
 def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
