@@ -70,7 +70,7 @@ def plan_for(query, key, value, mask, bias, is_causal: bool, softmax_scale: floa
 def _activity_shape(mask, query, key) -> tuple[int, ...]:
     if mask is None:
         return (0,)
-    from dmattn_kernels.triton.launch import activity_shape  # imported on first use (registry)
+    from dmattn_kernels.triton.layouts import activity_shape  # imported on first use (registry)
 
     return activity_shape(mask.shape, query.shape[1], key.shape[1])
 
@@ -82,7 +82,7 @@ def attention_fwd(
     table: str | None, fwd_config: list[int] | None, bwd_config: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, Lq, H, D), lse (B, H, Lq) fp32 and, with a mask, its tile-activity summary (int8,
-    `launch.activity_shape`; empty without a mask), which the backward reuses instead of reading
+    `layouts.activity_shape`; empty without a mask), which the backward reuses instead of reading
     the mask again where the forward filled it (`AttentionPlan.fills_activity`)."""
     plan = plan_for(query, key, value, mask, bias, is_causal, softmax_scale, softcap, backend, table,
                     _as_config(fwd_config, FwdConfig), _as_config(bwd_config, BwdConfig), False)

@@ -113,7 +113,7 @@ class AttentionPlan:
         self.bias_dtype = None if bias is None else bias.dtype
         self.activity_shape = None  # without a mask there is no tile summary
         if mask is not None:
-            from dmattn_kernels.triton.launch import activity_shape  # imported on first use (registry)
+            from dmattn_kernels.triton.layouts import activity_shape  # imported on first use (registry)
 
             self.activity_shape = activity_shape(mask.shape, seqlen_q, k.shape[1])
         # nothing to compute: no query rows (empty outputs), or no keys (every row dead)

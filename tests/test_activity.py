@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dmattn_kernels.triton import launch
+from dmattn_kernels.triton import launch, layouts
 from dmattn_kernels.triton.activity import CELL
 
 
@@ -62,7 +62,7 @@ def test_tile_activity_matches_a_direct_pooling(causal, seqlen_q, seqlen_k):
     sparse masks (a few visible positions per cell) catch a word or cell boundary off by one."""
     generator = torch.Generator().manual_seed(seqlen_q + 7 * seqlen_k + causal)
     mask = torch.rand(2, 3, seqlen_q, seqlen_k, generator=generator) < 0.01
-    assert launch.mask_words_readable(mask.view(torch.uint8)) == (seqlen_k % 8 == 0)
+    assert layouts.mask_words_readable(mask.view(torch.uint8)) == (seqlen_k % 8 == 0)
     got = launch.tile_activity(mask, seqlen_q, seqlen_k, causal)
     assert torch.equal(got, expected_activity(mask, seqlen_q, seqlen_k, causal))
 
@@ -77,6 +77,6 @@ def test_tile_activity_reads_views(view):
         mask = (torch.rand(2, 1, 1, 512, generator=generator) < 0.02).expand(2, 1, 320, 512)
     else:
         mask = (torch.rand(1, 1, 256, 513, generator=generator) < 0.02)[..., 1:]
-        assert not launch.mask_words_readable(mask.view(torch.uint8))
+        assert not layouts.mask_words_readable(mask.view(torch.uint8))
     got = launch.tile_activity(mask, mask.shape[2], mask.shape[3], True)
     assert torch.equal(got, expected_activity(mask, mask.shape[2], mask.shape[3], True))

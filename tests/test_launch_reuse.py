@@ -7,7 +7,7 @@ import torch
 from dmattn_bench import plan
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
-from dmattn_kernels.triton import launch
+from dmattn_kernels.triton import launch, layouts
 
 
 def _inputs(seed: int, dtype=torch.float32):
@@ -25,7 +25,7 @@ def test_backward_with_the_forwards_activity_is_bitwise_the_same():
     q, k, v, mask, bias = _inputs(0)
     options = dict(is_causal=True, softmax_scale=32 ** -0.5, softcap=0.0)
     out, lse = torch.empty_like(q), torch.empty(1, 4, 48)
-    activity = torch.full(launch.activity_shape(mask.shape, 48, 48), 7, dtype=torch.int8)  # poisoned first
+    activity = torch.full(layouts.activity_shape(mask.shape, 48, 48), 7, dtype=torch.int8)  # poisoned first
     launch.attention_forward(q, k, v, mask, bias, config=FwdConfig(16, 16, 4, 1), out=out, lse=lse,
                              activity=activity, **options)
     assert torch.equal(activity, launch.tile_activity(mask, 48, 48, True))

@@ -18,10 +18,12 @@ import triton
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 from dmattn_kernels.cuda.build import build, defines
 # One compile-only switch for every bundled kernel (the tuner's compile workers: within
-# `compile_only()` the launchers build what a launch needs and launch nothing), and the one
-# fixed-order reduction of dBias partials into the bias's broadcast shape.
+# `compile_only()` the launchers build what a launch needs and launch nothing), the one
+# fixed-order reduction of dBias partials into the bias's broadcast shape, and the one operand
+# normaliser (broadcast strides).
 from dmattn_kernels.triton.launch import (  # noqa: F401 (compile_only, is_compile_only re-exported)
     _finish_dbias, compile_only, delta_with_lse_grad, is_compile_only)
+from dmattn_kernels.triton.layouts import zero_size1_strides
 
 MAX_HEAD_DIM = 256
 WARP_CHOICES = (2, 4, 8)
@@ -232,12 +234,6 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
     return None
 
 
-def _zero_broadcast_strides(t: torch.Tensor | None) -> tuple[int, ...]:
-    if t is None:
-        return (0, 0, 0, 0)
-    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
-
-
 def _check_aligned(name: str, t: torch.Tensor) -> None:
     # cp.async moves 16-byte chunks: each row of the head dim must start on a 16-byte boundary
     if t.data_ptr() % 16 or any(stride % 8 for stride in t.stride()[:3]):
@@ -305,7 +301,7 @@ def _inputs(q, k, v, mask, bias, softmax_scale: float, softcap: float) -> _Input
     return _Inputs(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr() if mask is not None else 0,
         bias.data_ptr() if bias is not None else 0, q.stride()[:3], k.stride()[:3], v.stride()[:3],
-        _zero_broadcast_strides(mask), _zero_broadcast_strides(bias), num_heads, q.shape[1], k.shape[1], group,
+        zero_size1_strides(mask), zero_size1_strides(bias), num_heads, q.shape[1], k.shape[1], group,
         head_divisor(mask), head_divisor(bias), softmax_scale, softcap if softcap > 0 else 1.0,
     )
 
@@ -395,7 +391,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
         delta.data_ptr(), dq.data_ptr(), dk_share.data_ptr(), dv_share.data_ptr(),
         target.data_ptr() if target is not None else 0, out.stride()[:3], dout.stride()[:3], dq.stride()[:3],
         dk_share.stride()[:3], dv_share.stride()[:3], lse.stride(), delta.stride(),
-        _zero_broadcast_strides(target),
+        zero_size1_strides(target),
     )
     heads = batch * num_heads
     shared = backward_shared_bytes(config, head_dim, arch)

@@ -64,7 +64,7 @@ def tile_activity_kernel(
 ):
     """Writes every cell of `active` (no zero-filled output needed).
 
-    WORDS: the mask rows are contiguous and WORD-byte aligned (`launch.mask_words_readable`), so
+    WORDS: the mask rows are contiguous and WORD-byte aligned (`layouts.mask_words_readable`), so
     an interior tile is read as int64 words of WORD (8) mask bytes: a word is nonzero iff one of
     its bytes is. Tiles that cross Lq, Lk or the causal diagonal test each byte (`visible_tile`)."""
     tl.static_assert(BLOCK_M % CELL == 0 and BLOCK_N % CELL == 0 and CELL % WORD == 0 and WORD == 8)

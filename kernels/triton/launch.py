@@ -37,6 +37,8 @@ from dmattn_kernels.triton.flash_bwd import (
     gqa_share_sum_kernel,
 )
 from dmattn_kernels.triton.flash_fwd import flash_fwd_kernel
+from dmattn_kernels.triton.layouts import (activity_shape, bias_per_key, broadcast_layout, contiguous_strides,
+                                           mask_words_readable, zero_size1_strides)
 
 _MODE = threading.local()  # compile-only switch of the current thread (see `compile_only`)
 # Called with each kernel's name as it is launched (or compiled in `compile_only`): launch counts
@@ -250,49 +252,7 @@ class _Workspace:
         return {name: self.tensor(buffer, name) for name in self.layout}
 
 
-# -- operand layouts -------------------------------------------------------------------------------
-
-
-def _zero_size1_strides(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _broadcast_layout(t: torch.Tensor | None, num_heads: int, group: int) -> tuple[tuple[int, ...], int]:
-    """4 strides (0 on size-1 dims) and head divisor of a broadcast mask/bias view.
-
-    A head dim of H maps query head h to slice h; of Hkv (when H != Hkv) to slice h // group.
-    """
-    if t is None:
-        return (0, 0, 0, 0), 1
-    head_div = group if (t.shape[1] != num_heads and t.shape[1] != 1) else 1
-    return _zero_size1_strides(t), head_div
-
-
-def bias_per_key(strides: tuple[int, ...], bias: torch.Tensor | None) -> bool:
-    """Whether the kernels read the bias as one value per key (`common.load_bias`): its query
-    dim broadcasts (stride 0 in the (batch, head, query, key) `strides` of `_broadcast_layout`)."""
-    return bias is not None and strides[2] == 0
-
-
-def mask_words_readable(mask: torch.Tensor) -> bool:
-    """Whether `tile_activity_kernel` may read the mask's interior tiles as int64 words: its key
-    dim is contiguous and every row starts 8-byte aligned (broadcast dims have stride 0)."""
-    strides = _zero_size1_strides(mask)
-    return (strides[3] == 1 and mask.element_size() == 1 and mask.data_ptr() % WORD_BYTES == 0
-            and all(stride % WORD_BYTES == 0 for stride in strides[:3]))
-
-
-def activity_shape(mask_shape, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int, int]:
-    """Shape of `tile_activity`'s summary for a 4-D mask of `mask_shape`."""
-    return (mask_shape[0], mask_shape[1], triton.cdiv(seqlen_q, CELL), triton.cdiv(seqlen_k, CELL))
+# -- operand layouts (the rest: `layouts`) ----------------------------------------------------------
 
 
 def kv_by_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -336,7 +296,7 @@ class _ActivityPass:
         self.launch = _Launch(
             tile_activity_kernel,
             (triton.cdiv(seqlen_q, ACTIVITY_BLOCK_M), triton.cdiv(seqlen_k, ACTIVITY_BLOCK_N), batch_m * heads_m),
-            (*_zero_size1_strides(mask), *_contiguous_strides(self.shape), heads_m, seqlen_q, seqlen_k),
+            (*zero_size1_strides(mask), *contiguous_strides(self.shape), heads_m, seqlen_q, seqlen_k),
             dict(IS_CAUSAL=is_causal, BLOCK_M=ACTIVITY_BLOCK_M, BLOCK_N=ACTIVITY_BLOCK_N, CELL=CELL,
                  WORDS=mask_words_readable(mask), WORD=WORD_BYTES),
             num_warps=ACTIVITY_NUM_WARPS,
@@ -356,7 +316,7 @@ class _BlockLists:
 
     def __init__(self, active_shape, block_rows: int, block_cols: int, key_major: bool):
         batch_m, heads_m, cell_rows, cell_cols = active_shape
-        stride_b, stride_h, stride_r, stride_c = _contiguous_strides(active_shape)
+        stride_b, stride_h, stride_r, stride_c = contiguous_strides(active_shape)
         rows, cols = block_rows // CELL, block_cols // CELL
         if key_major:
             own, listed, own_cells, list_cells, stride_own, stride_list = cols, rows, cell_cols, cell_rows, stride_c, stride_r
@@ -364,7 +324,7 @@ class _BlockLists:
             own, listed, own_cells, list_cells, stride_own, stride_list = rows, cols, cell_rows, cell_cols, stride_r, stride_c
         num_rows, num_tiles = triton.cdiv(own_cells, own), triton.cdiv(list_cells, listed)
         self.shape = (batch_m, heads_m, num_rows, 1 + num_tiles)
-        lists_strides = _contiguous_strides(self.shape)
+        lists_strides = contiguous_strides(self.shape)
         # what a kernel reading the lists receives: (batch, head, row) strides, 0 on broadcast dims
         self.strides = tuple(0 if size == 1 else stride for size, stride in zip(self.shape, lists_strides))[:3]
         self.launch = _Launch(
@@ -417,8 +377,8 @@ class ForwardPlan:
         seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
         group = num_heads // num_heads_kv
         block_d = head_block(head_dim)
-        mask_strides, mask_head_div = _broadcast_layout(mask, num_heads, group)
-        bias_strides, bias_head_div = _broadcast_layout(bias, num_heads, group)
+        mask_strides, mask_head_div = broadcast_layout(mask, num_heads, group)
+        bias_strides, bias_head_div = broadcast_layout(bias, num_heads, group)
         self.config = config
         self.activity = self.lists = None
         blocks_strides = (0, 0, 0)
@@ -508,8 +468,8 @@ class BackwardPlan:
         group = num_heads // num_heads_kv
         block_d = head_block(head_dim)
         device = q.device
-        mask_strides, mask_head_div = _broadcast_layout(mask, num_heads, group)
-        bias_strides, bias_head_div = _broadcast_layout(bias, num_heads, group)
+        mask_strides, mask_head_div = broadcast_layout(mask, num_heads, group)
+        bias_strides, bias_head_div = broadcast_layout(bias, num_heads, group)
         flags = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=is_causal,
                      HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
                      BIAS_PER_KEY=bias_per_key(bias_strides, bias))
@@ -537,7 +497,7 @@ class BackwardPlan:
                 partial_strides = dbias.stride()
             else:
                 self.partial_shape = shape
-                partial_strides = _contiguous_strides(shape)
+                partial_strides = contiguous_strides(shape)
         self.partial_sum = None if self.partial_shape is None else _PartialSum(self.partial_shape, tuple(dbias.shape))
 
         # -- schedules --
@@ -558,7 +518,7 @@ class BackwardPlan:
         self.num_heads_kv, self.group = num_heads_kv, group
 
         # -- delta = rowsum(dO * O) - dlse --
-        delta_strides = _contiguous_strides(lse.shape)
+        delta_strides = contiguous_strides(lse.shape)
         self.preprocess = _Launch(
             flash_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * num_heads),
             (*out.stride(), *dout.stride(), *delta_strides, *lse.stride(),
@@ -574,7 +534,7 @@ class BackwardPlan:
         dk_strides, dv_strides = dk.stride(), dv.stride()
         if group > 1 and heads_per_program == 1:
             self.share_shape = (batch, seqlen_k, num_heads, head_dim)
-            dk_strides = dv_strides = _contiguous_strides(self.share_shape)
+            dk_strides = dv_strides = contiguous_strides(self.share_shape)
             self.share_sum = _Launch(
                 gqa_share_sum_kernel, (triton.cdiv(seqlen_k, GQA_SUM_BLOCK_N), batch * num_heads_kv),
                 (*dk_strides, *dk.stride(), *dv.stride(), num_heads_kv, seqlen_k),
