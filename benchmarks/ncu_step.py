@@ -11,34 +11,18 @@ import sys
 
 import torch
 
-from dmattn_bench import flash_dmattn_func
-from dmattn_bench.bench import build_bench_inputs, load_peer_workloads
+from profile_step import training_steps
 
 WARMUP_STEPS = 2
 
 
 def main(table: str) -> None:
-    device = torch.device("cuda")
-    for pw in load_peer_workloads("configs/workloads/peers.yaml", names=["W1", "W2"]):
-        inputs = build_bench_inputs(pw, device)
-        q, k, v = (t.requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
-        grad_out = torch.randn_like(q)
-
-        def step():
-            out = flash_dmattn_func(q, k, v, attn_mask=inputs.mask, attn_bias=inputs.bias, is_causal=True,
-                                    table=table)
-            out.backward(grad_out)
-
-        for _ in range(WARMUP_STEPS):
-            step()
-        torch.cuda.synchronize()
-        print(f"# {pw.name}: profiled step", file=sys.stderr)
+    for name, step in training_steps(table, WARMUP_STEPS):
+        print(f"# {name}: profiled step", file=sys.stderr)
         torch.cuda.profiler.start()
         step()
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
-        del inputs, q, k, v
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -13,30 +13,43 @@ from torch.profiler import ProfilerActivity, profile
 from dmattn_bench import flash_dmattn_func
 from dmattn_bench.bench import build_bench_inputs, load_peer_workloads
 
+WARMUP_STEPS = 3
 PROFILED_STEPS = 5
 
 
-def main(table: str) -> None:
+def _step(pw, table: str, device):
+    """One forward+backward of workload `pw` through `flash_dmattn_func` with `table`."""
+    inputs = build_bench_inputs(pw, device)
+    q, k, v = (t.requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    grad_out = torch.randn_like(q)
+
+    def step():
+        out = flash_dmattn_func(q, k, v, attn_mask=inputs.mask, attn_bias=inputs.bias, is_causal=True, table=table)
+        out.backward(grad_out)
+
+    return step
+
+
+def training_steps(table: str, warmup: int):
+    """(workload name, step) for W1 and W2 of the peer workloads, each step run `warmup` times
+    and synchronised before it is handed out."""
     device = torch.device("cuda")
-    print(f"# {torch.cuda.get_device_name(device)}, table {table}")
     for pw in load_peer_workloads("configs/workloads/peers.yaml", names=["W1", "W2"]):
-        inputs = build_bench_inputs(pw, device)
-        q, k, v = (t.requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
-        grad_out = torch.randn_like(q)
-
-        def step():
-            out = flash_dmattn_func(q, k, v, attn_mask=inputs.mask, attn_bias=inputs.bias, is_causal=True,
-                                    table=table)
-            out.backward(grad_out)
-
-        for _ in range(3):
+        step = _step(pw, table, device)
+        for _ in range(warmup):
             step()
         torch.cuda.synchronize()
+        yield pw.name, step
+
+
+def main(table: str) -> None:
+    print(f"# {torch.cuda.get_device_name()}, table {table}")
+    for name, step in training_steps(table, WARMUP_STEPS):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(PROFILED_STEPS):
                 step()
             torch.cuda.synchronize()
-        print(f"\n## {pw.name}: CUDA time per step (ms), {PROFILED_STEPS} steps")
+        print(f"\n## {name}: CUDA time per step (ms), {PROFILED_STEPS} steps")
         events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in events)
         for e in events:
@@ -44,8 +57,6 @@ def main(table: str) -> None:
                 continue
             print(f"{e.device_time_total / PROFILED_STEPS / 1e3:8.4f}  x{e.count // PROFILED_STEPS:<3d} {e.key[:110]}")
         print(f"{total / PROFILED_STEPS / 1e3:8.4f}  total")
-        del inputs, q, k, v
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

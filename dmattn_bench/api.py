@@ -174,7 +174,7 @@ def flash_dmattn_func(
             signature = plans.signature(query, key, value, attn_mask, attn_bias, type(is_causal), is_causal,
                                         type(softmax_scale), softmax_scale, type(softcap), softcap, backend, table,
                                         fwd_config, bwd_config, bias_grad)
-            plan = plans.cached(signature)
+            plan = plans.PLANS.get(signature)
         except (AttributeError, TypeError):  # not a tensor, an unhashable option: the checks say which
             signature = plan = None
         if plan is None:
@@ -185,7 +185,7 @@ def flash_dmattn_func(
                                        softmax_scale=scale, softcap=float(softcap), backend=backend, table=table,
                                        fwd_config=fwd_config, bwd_config=bwd_config, bias_requires_grad=bias_grad)
             if signature is not None:
-                plans.remember(signature, plan)
+                plans.PLANS.put(signature, plan)
         if attn_mask is not None and attn_mask.dtype is not torch.bool:
             _check_mask_values(attn_mask)
         if needs_grad:

@@ -56,15 +56,14 @@ def plan_for(query, key, value, mask, bias, is_causal: bool, softmax_scale: floa
              bias_requires_grad: bool) -> plans.AttentionPlan:
     """The call's plan, built (after the device and dtype checks) on its signature's first call."""
     options = (is_causal, softmax_scale, softcap, backend, table, fwd_config, bwd_config, bias_requires_grad)
-    signature = plans.signature(query, key, value, mask, bias, *options)
-    plan = plans.cached(signature)
-    if plan is None:
+
+    def build() -> plans.AttentionPlan:
         check_device_and_dtypes(query, key, value, bias)
-        plan = plans.AttentionPlan(query, key, value, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
+        return plans.AttentionPlan(query, key, value, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
                                    softcap=softcap, backend=backend, table=table, fwd_config=fwd_config,
                                    bwd_config=bwd_config, bias_requires_grad=bias_requires_grad)
-        plans.remember(signature, plan)
-    return plan
+
+    return plans.PLANS.get_or_build(plans.signature(query, key, value, mask, bias, *options), build)
 
 
 def _activity_shape(mask, query, key) -> tuple[int, ...]:
@@ -173,6 +172,6 @@ def dispatch_overhead_us(device: torch.device | str, calls: int = 2000) -> float
     times = []  # a lookup costs the same whether or not the signature has a plan
     for _ in range(calls):
         begin = time.perf_counter()
-        plans.cached(plans.signature(q, k, k, mask, bias, *options))
+        plans.PLANS.get(plans.signature(q, k, k, mask, bias, *options))
         times.append(time.perf_counter() - begin)
     return round(statistics.median(times) * 1e6, 2)

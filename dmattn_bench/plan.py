@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 
@@ -228,23 +229,40 @@ def signature(q, k, v, mask, bias, *options) -> tuple:
             os.environ.get(dispatch.ENV_VAR), dispatch.DISPATCHER.generation, registry.overrides, *options)
 
 
-PLAN_CACHE_SIZE = 1024  # signatures kept; a training or serving loop repeats a handful
-_plans: OrderedDict[tuple, AttentionPlan] = OrderedDict()
-_plans_lock = threading.Lock()  # for eviction; a lookup is one dict read
+class PlanCache:
+    """Plans by signature, at most `size` of them, the oldest built dropped first. A lookup is one
+    dict read, without the lock (a training or serving loop repeats a handful of signatures);
+    adding and clearing take it."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._plans: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple):
+        return self._plans.get(key)
+
+    def put(self, key: tuple, plan) -> None:
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+
+    def get_or_build(self, key: tuple, build: Callable[[], object]):
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = build()
+            self.put(key, plan)
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
 
 
-def cached(key: tuple) -> AttentionPlan | None:
-    return _plans.get(key)
-
-
-def remember(key: tuple, plan: AttentionPlan) -> None:
-    with _plans_lock:
-        _plans[key] = plan
-        while len(_plans) > PLAN_CACHE_SIZE:
-            _plans.popitem(last=False)  # the oldest signature
+PLANS = PlanCache(1024)  # the runtime's plans (a training or serving loop repeats a handful of signatures)
 
 
 def clear() -> None:
     """Forgets every plan (tests; a process that edits its kernels' configs at run time)."""
-    with _plans_lock:
-        _plans.clear()
+    PLANS.clear()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Callable
 
@@ -27,6 +26,7 @@ import triton
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from dmattn_bench.plan import PlanCache
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 from dmattn_kernels.triton.activity import CELL, WORD_BYTES, block_list_kernel, tile_activity_kernel
 from dmattn_kernels.triton.flash_bwd import (
@@ -636,29 +636,13 @@ def signature(*tensors) -> tuple:
                  for t in tensors)
 
 
-_plans: OrderedDict = OrderedDict()
-_plans_lock = threading.Lock()
+_plans = PlanCache(PLAN_CACHE_SIZE)
 
 
 def clear_plans() -> None:
     """Forgets the plans `attention_forward` / `attention_backward` keep (tests that change how a
     plan is built, e.g. the K/V load path)."""
-    with _plans_lock:
-        _plans.clear()
-
-
-def _cached_plan(key: tuple, build: Callable):
-    with _plans_lock:
-        plan = _plans.get(key)
-        if plan is not None:
-            _plans.move_to_end(key)
-            return plan
-    plan = build()
-    with _plans_lock:
-        _plans[key] = plan
-        while len(_plans) > PLAN_CACHE_SIZE:
-            _plans.popitem(last=False)
-    return plan
+    _plans.clear()
 
 
 def attention_forward(
@@ -682,7 +666,7 @@ def attention_forward(
     (the runtime's plan fits an fp32 bias's tiles before: `dmattn_bench.plan`)."""
     options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, config=config)
     key = ("fwd", signature(q, k, v, mask, bias, out, lse), tuple(options.values()))
-    plan = _cached_plan(key, lambda: ForwardPlan(q, k, v, mask, bias, out=out, lse=lse, **options))
+    plan = _plans.get_or_build(key, lambda: ForwardPlan(q, k, v, mask, bias, out=out, lse=lse, **options))
     plan(q, k, v, mask, bias, out, lse, activity)
 
 
@@ -717,7 +701,7 @@ def attention_backward(
     2.129 ms for the backward with it)."""
     options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, config=config)
     key = ("bwd", signature(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, dlse), tuple(options.values()))
-    plan = _cached_plan(key, lambda: BackwardPlan(dout, q, k, v, out, lse, mask, bias, dq=dq, dk=dk, dv=dv,
+    plan = _plans.get_or_build(key, lambda: BackwardPlan(dout, q, k, v, out, lse, mask, bias, dq=dq, dk=dk, dv=dv,
                                                   dbias=dbias, dlse=dlse, **options))
     plan(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
 
