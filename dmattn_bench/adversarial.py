@@ -7,6 +7,7 @@ tile sizes of the configuration under test, so each config is attacked on its ow
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -115,6 +116,36 @@ def _mask_shape(case: Case) -> tuple[int, int, int, int]:
 def _bias_shape(case: Case) -> tuple[int, int, int, int]:
     b, h, hkv, lq, lk = case.batch, case.heads, case.heads_kv, case.seqlen_q, case.seqlen_k
     return {"full": (b, h, lq, lk), "kv_head": (b, hkv, lq, lk), "per_key": (b, hkv, 1, lk)}[case.bias]
+
+
+def specialization_class(case: Case, dtype: str) -> tuple:
+    """What of a case's inputs, besides the config, decides which kernels a launch compiles: the
+    dtype, the features and head dim (constexprs), the GQA group, for each int the kernels
+    receive (lengths, head counts and the contiguous strides made of them) whether it is 1, a
+    multiple of 16 (what Triton specializes an int on) and whether it needs 64 bits, and whether
+    the mask's rows are 8-byte aligned (the activity pass then reads it as words). The values in
+    the tensors (poisons, mask patterns, scales) decide nothing. Views into larger buffers have
+    strides of their own: such a case is a class alone. Inputs that differ only in batch, or in
+    lengths of one class, share their compiled kernels; a class too coarse for some kernel
+    costs a wait and a compile of its own, never a wrong kernel."""
+    def strides(shape, broadcast: bool = False) -> list[int]:
+        """Contiguous strides of `shape` but the last (1); a broadcast operand's size-1 dims are
+        launched with stride 0 (`layouts.zero_size1_strides`) and drop out."""
+        return [math.prod(shape[dim + 1:]) for dim in range(len(shape) - 1) if shape[dim] > 1 or not broadcast]
+
+    b, h, hkv, lq, lk, d = case.batch, case.heads, case.heads_kv, case.seqlen_q, case.seqlen_k, case.head_dim
+    ints = [lq, lk, h, hkv, *strides((b, lq, h, d)), *strides((b, lk, hkv, d))]
+    mask_words = None
+    if case.mask != "none":
+        mask_strides = strides(_mask_shape(case), broadcast=True)
+        ints += mask_strides
+        mask_words = all(stride % 8 == 0 for stride in mask_strides)
+    if case.bias != "none":
+        ints += strides(_bias_shape(case), broadcast=True)
+    return (dtype, d, case.causal, case.mask != "none" and case.mask_shape, mask_words, case.bias, case.bias_grad,
+            case.bias_fp32, case.softcap > 0, h // hkv, b == 1,
+            tuple((value == 1, value % 16 == 0, value >= 2**31) for value in ints),
+            case.name if case.sliced or case.bhld_views else None)
 
 
 def _excluded_positions(case: Case, mask: torch.Tensor | None, bias_shape, device) -> torch.Tensor:

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from dmattn_bench.adversarial import specialization_class
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import local_limits
 from dmattn_bench.journal import Journal, suite_id, trial_id
@@ -361,31 +362,11 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                       {name: pool.to_dict() for name, pool in pools.items() if pool.jobs})
 
 
-def specialization_class(workload: Workload) -> tuple:
-    """What of a workload, besides the config, decides which kernels its candidates compile: the
-    dtype, features, head dim and GQA group (constexprs), and for each int the kernels receive
-    (lengths, head counts and the strides made of them) whether it is 1, a multiple of 16 (what
-    Triton specializes an int on) or of 8 (the activity pass reads a mask as words when its rows
-    are 8-byte aligned), and whether it needs 64 bits. Workloads that differ only in batch, or in
-    lengths of one class, share their compiled kernels. A class too coarse for some kernel costs
-    a wait and a compile of its own, never a wrong kernel."""
-    def classes(*values: int) -> tuple:
-        return tuple((value == 1, value % 16 == 0, value % 8 == 0, value >= 2**31) for value in values)
-
-    w = workload
-    heads_of = {"full": w.heads, "kv_head": w.heads_kv}
-    mask_rows = heads_of.get(w.mask, 1) * w.seqlen_q * w.seqlen_k  # a (B, H|Hkv, Lq, Lk) operand's batch stride
-    bias_rows = heads_of.get(w.bias, 1) * w.seqlen_q * w.seqlen_k
-    return (w.dtype, w.head_dim, w.causal, w.mask, w.bias, w.bias_grad, w.heads // w.heads_kv, w.batch == 1,
-            classes(w.seqlen_q, w.seqlen_k, w.heads, w.heads_kv, w.heads * w.head_dim, w.heads_kv * w.head_dim,
-                    w.seqlen_q * w.heads * w.head_dim, w.seqlen_k * w.heads_kv * w.head_dim,
-                    w.seqlen_q * w.seqlen_k, mask_rows, bias_rows))
-
-
 def compile_keys(jobs: list[tuple], backend) -> list[list[tuple]]:
     """Per compile job (workload, direction, config, backend name), the kernels it compiles, keyed
-    so that jobs of workloads of one `specialization_class` meet on the kernels they share."""
-    return [[(specialization_class(w), *kernel) for kernel in backend.kernels(d, c, shape_of_workload(w))]
+    so that jobs of workloads of one `adversarial.specialization_class` meet on the kernels they
+    share."""
+    return [[(specialization_class(w.case(), w.dtype), *kernel) for kernel in backend.kernels(d, c, shape_of_workload(w))]
             for w, d, c, _ in jobs]
 
 
@@ -403,10 +384,11 @@ def _leaders(kernels_per_job: list[list[tuple]]) -> list[tuple[int, ...]]:
 
 
 def _case_kernels(job: tuple) -> list[tuple]:
-    """The kernels one suite case job compiles (`suite_case_job`'s job), keyed by its inputs."""
+    """The kernels one suite case job compiles (`suite_case_job`'s job), keyed so that cases of
+    one `specialization_class` (e.g. the NaN, +inf and -inf poisoned biases) meet on them."""
     backend_name, direction, config, dtype_name, suite, _, index = job
     case = suite_cases(direction, config, suite)[index]
-    return [(dtype_name, case.name, *kernel)
+    return [(specialization_class(case, dtype_name), *kernel)
             for kernel in get_backend(backend_name).kernels(direction, config, shape_of_case(case))]
 
 

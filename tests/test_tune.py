@@ -392,6 +392,24 @@ def test_workloads_of_one_specialization_class_share_their_compiles():
     assert _leaders(keys) == [(), (0,), (), (), ()]
 
 
+def test_suite_cases_that_differ_only_in_their_values_share_their_compiles():
+    """Cases whose inputs differ only in values (poisons, scales) wait for one compile of their
+    kernels; another length class, a fp32 bias or a view into a larger buffer compiles its own."""
+    from dmattn_bench.space import FwdConfig
+    from dmattn_bench.trials import suite_cases
+    from dmattn_bench.tuner import _case_kernels, _leaders
+
+    config = FwdConfig(64, 64, 4, 2)
+    names = [case.name for case in suite_cases("fwd", config, "quick")]
+    jobs = [("triton", "fwd", config, "bf16", "quick", "cuda", index) for index in range(len(names))]
+    after = dict(zip(names, _leaders([_case_kernels(job) for job in jobs])))
+    leader = names.index("bias_posinf_at_masked")
+    for same in ("bias_neginf_at_masked", "bias_neginf_at_allowed", "large_logits", "large_bias"):
+        assert after[same] == (leader,)
+    for alone in ("bias_posinf_at_masked", "sliced_nan_tails", "fp32_bias", "lengths_multiple_of_16"):
+        assert after[alone] == ()
+
+
 def test_the_sm90_backward_candidates_share_their_kernels():
     """The Triton backend names the kernels a launch compiles by the config fields each reads:
     the 16 sm90 backward candidates need 8 dK/dV kernels and 4 of each dQ kernel."""
