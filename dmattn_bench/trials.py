@@ -137,6 +137,22 @@ def warm_job(job: tuple) -> tuple[str, str]:
         return classify_failure(exc)
 
 
+def problem_job(workload: Workload, device_name: str) -> dict | None:
+    """Measuring worker, before a workload's trials: builds its inputs and references, which its
+    trials then share. Returns None, or the trial fields of every trial of the workload when they
+    cannot be built (the reference of a long sequence can need more memory than the GPU has)."""
+    device = torch.device(device_name)
+    try:
+        _problem_for(workload, device, with_reference=True)
+    except Exception as exc:  # noqa: BLE001 - a workload that does not fit is data
+        _problems.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        status, reason = classify_failure(exc)
+        return {"status": status, "reason": f"the workload's inputs and reference: {reason}", "stage": "compiled"}
+    return None
+
+
 def measure_job(workload: Workload, direction: str, config, backend_name: str, device_name: str) -> dict:
     """Measuring worker: validate one candidate on its workload and time it; returns trial fields."""
     device = torch.device(device_name)

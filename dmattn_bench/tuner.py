@@ -40,7 +40,7 @@ from dmattn_bench.journal import Journal, suite_id, trial_id
 from dmattn_bench.prune import precheck
 from dmattn_bench.registry import default_configs, get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, config_label
-from dmattn_bench.trials import (STAGES, Trial, measure_job, ready_job, shape_of_workload, suite_case_job,
+from dmattn_bench.trials import (STAGES, Trial, measure_job, problem_job, ready_job, shape_of_workload, suite_case_job,
                                  suite_cases, suite_job, suite_verdict, warm_job)
 from dmattn_bench.validator import CaseResult, shape_of_case
 from dmattn_bench.workers import PoolStats, Worker, WorkerCrashed, WorkerTimedOut, parallel_map
@@ -307,12 +307,32 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             if not interrupted.is_set():
                 raise  # after an interrupt a killed worker may fail in any way: nothing to report
 
+    def measured(worker, job, args) -> dict | None:
+        """`job(*args)` in the worker: trial fields, or None for nothing to report. A lost or
+        hung worker is the trial's status, and the next job gets a fresh process (and CUDA
+        context); a DmattnError stops the tune (`fatal`), the trial "skipped"."""
+        try:
+            fields = worker.call(job, args, trial_timeout_s)
+        except WorkerTimedOut as exc:
+            fields = {"status": "timeout", "reason": str(exc), "stage": "compiled"}
+        except (WorkerCrashed, RuntimeError) as exc:
+            fields = {"status": "crash", "reason": str(exc)[:300], "stage": "compiled"}
+        except DmattnError as exc:
+            fatal.append(exc)
+            return {"status": "skipped", "reason": exc.one_line()}
+        if fields is not None and fields["status"] in RESTART_AFTER:
+            worker.stop()
+        return fields
+
     def measure_queue(worker) -> None:
         while True:
             try:
                 share = queue.get_nowait()
             except Empty:
                 return
+            # the workload's inputs and references first: if they cannot be built, its trials end
+            # with that one failure instead of each failing alike (and restarting the worker)
+            failure = None if out_of_budget() or fatal else measured(worker, problem_job, (share[0][0], str(device)))
             for workload, direction, config, is_default in share:
                 if interrupted.is_set():
                     return  # no fresh worker to race the parent's stop
@@ -320,20 +340,8 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                     reason = "time budget exhausted" if not fatal else "tune stopped: " + fatal[0].one_line()
                     finish(workload, direction, config, is_default, {"status": "skipped", "reason": reason})
                     continue
-                try:
-                    fields = worker.call(measure_job, (workload, direction, config, backend_name, str(device)),
-                                         trial_timeout_s)
-                except WorkerTimedOut as exc:
-                    fields = {"status": "timeout", "reason": str(exc), "stage": "compiled"}
-                except (WorkerCrashed, RuntimeError) as exc:
-                    fields = {"status": "crash", "reason": str(exc)[:300], "stage": "compiled"}
-                except DmattnError as exc:
-                    fatal.append(exc)
-                    finish(workload, direction, config, is_default, {"status": "skipped", "reason": exc.one_line()})
-                    continue
-                if fields["status"] in RESTART_AFTER:
-                    worker.stop()  # a fresh process (and CUDA context) for the next candidate
-                finish(workload, direction, config, is_default, fields)
+                finish(workload, direction, config, is_default,
+                       failure or measured(worker, measure_job, (workload, direction, config, backend_name, str(device))))
 
     threads = [threading.Thread(target=measure_share, args=(worker,), daemon=True) for worker in workers]
     for thread in threads:

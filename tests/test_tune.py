@@ -219,6 +219,38 @@ def test_a_budget_stopped_tune_records_what_it_left_unmeasured(tmp_path):
     assert final == {"kind": "finished", "table": str(out.resolve()), "entries": 0, "unmeasured": 2}
 
 
+def test_a_workload_whose_reference_does_not_fit_ends_its_trials_with_one_failure(tmp_path, monkeypatch):
+    """When a workload's inputs and references cannot be built (an L16384 H16 reference needs
+    more than an H100's memory), its trials end with that failure, built once, none measured."""
+    from dmattn_bench import trials, tuner
+    from dmattn_bench.space import BwdConfig
+    from dmattn_bench.workloads import Workload
+
+    class InProcessWorker:
+        def __init__(self):
+            self.jobs = []
+
+        def call(self, fn, args, timeout):
+            self.jobs.append(fn.__name__)
+            return fn(*args)
+
+        def stop(self):
+            pass
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+
+    monkeypatch.setattr(trials, "_Problem", out_of_memory)
+    worker = InProcessWorker()
+    workload = Workload(batch=1, heads=2, heads_kv=2, seqlen_q=40, seqlen_k=40, head_dim=32, causal=False,
+                        mask="none", bias="none", bias_grad=False, dtype="fp32")
+    spaces = {"fwd": [FwdConfig(16, 16, 4, 1)], "bwd": [BwdConfig(16, 16, 16, 16, 4, 1)]}
+    result = tuner.tune([workload], spaces, "cpu", journal_path=tmp_path / "trials.jsonl", workers=[worker])
+    assert len(result.trials) >= 2 and {t.status for t in result.trials} == {"oom"}
+    assert all(t.reason.startswith("the workload's inputs and reference: OutOfMemoryError") for t in result.trials)
+    assert worker.jobs == ["problem_job"] and result.winners == []
+
+
 def test_info_shows_the_table_a_call_would_use_or_why_none(tmp_path, monkeypatch):
     """`info`'s active table is the one the runtime's lookup consults on this machine, with where
     it comes from; with none, the reasons (no variable, no shipped table, a skipped table) and,
