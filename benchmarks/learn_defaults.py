@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 JOURNALS = [ROOT / "results/tune/h100-default-workloads.trials.jsonl",
             ROOT / "results/tune/h200-default-workloads.trials.jsonl",
             ROOT / "results/bench/h100-peers-table.yaml.trials.jsonl",
-            ROOT / "results/bench/h200-peers-table.yaml.trials.jsonl"]
+            ROOT / "results/bench/h200-peers-table.yaml.trials.jsonl",
+            ROOT / "results/tune/h100-shipped-grid.trials.jsonl"]
 VALIDATED = [ROOT / "results/tables/nvidia-h100-80gb-hbm3-sm90.yaml"]
 HEADER = """\
 # Default tile configs per backend, arch family, direction, dtype and head-dim class (the head

@@ -9,7 +9,10 @@ that key over the fastest candidate's (1.0: the best). Choices compared:
   dtype, head-dim class), among the configs of the validated tables (what `configs/defaults.yaml`
   is, re-learned without the held-out workload);
 - nearest entry: the winner of the most similar other key of the same GPU's journal (what a
-  table holding every other key would offer), by the distance `similarity_distance`.
+  table holding every other key would offer), by the distance `similarity_distance`;
+- runtime: what `dispatch.lookup` picks from such a table (an entry of the key's categories at
+  the nearest lengths, else the most similar within `lookup.SIMILAR_WITHIN`), else the learned
+  default as above.
 
     python benchmarks/selection_regret.py > results/regret/sm90-journals.md
 
@@ -28,22 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learn_defaults  # noqa: E402
 
 from dmattn_bench import defaults  # noqa: E402
+from dmattn_bench.dispatch import lookup  # noqa: E402
+from dmattn_bench.dispatch.table import Entry  # noqa: E402
 from dmattn_bench.registry import GPU_DEFAULTS  # noqa: E402
-
-# Weights of `similarity_distance` per key field: per octave of head dim, GQA ratio and length
-# bucket, per differing kind or flag. Head dim decides the tiles' register and shared-memory use.
-WEIGHTS = dict(head_dim=2.0, gqa_ratio=0.5, mask=1.0, bias=1.0, causal=0.5, seqlen=0.25)
-
+from dmattn_bench.space import BwdConfig, FwdConfig, TableKey  # noqa: E402
 
 def similarity_distance(a: dict, b: dict) -> float | None:
-    """Distance between two table keys (dicts); None across directions or dtypes."""
-    if a["direction"] != b["direction"] or a["dtype"] != b["dtype"]:
-        return None
-    octaves = lambda field: abs(math.log2(a[field] / b[field]))  # noqa: E731
-    return (WEIGHTS["head_dim"] * octaves("head_dim") + WEIGHTS["gqa_ratio"] * octaves("gqa_ratio")
-            + WEIGHTS["mask"] * (a["mask"] != b["mask"]) + WEIGHTS["bias"] * (a["bias"] != b["bias"])
-            + WEIGHTS["causal"] * (a["causal"] != b["causal"])
-            + WEIGHTS["seqlen"] * (octaves("seqlen_q_bucket") + octaves("seqlen_k_bucket")))
+    """`lookup.similarity_distance` of two journal keys (dicts)."""
+    return lookup.similarity_distance(TableKey(**a), TableKey(**b))
 
 
 def _items(config) -> tuple:
@@ -57,6 +52,22 @@ def read_keys(journals: list[Path]) -> dict[tuple, tuple[dict, dict[tuple, float
         keys.setdefault((name, trial["workload"], trial["key"]["direction"]), (trial["key"], {}))[1][config] = \
             trial["median_ms"]
     return keys
+
+
+def table_of(keys, held: tuple) -> list[Entry]:
+    """The other keys of the held-out key's journal as table entries, each with its fastest
+    config (what a table tuned on them would hold)."""
+    config_class = {"fwd": FwdConfig, "bwd": BwdConfig}
+    return [Entry(TableKey(**k), "triton", config_class[k["direction"]](**dict(min(t, key=t.get))), {})
+            for other, (k, t) in keys.items() if other != held and other[0] == held[0]]
+
+
+def runtime_choice(key: TableKey, entries: list[Entry], default):
+    """What `lookup` picks for `key` from a table of `entries`: an entry of its categories at the
+    nearest lengths, else the most similar entry within `lookup.SIMILAR_WITHIN`, else `default`."""
+    matches = tuple(e for e in entries if e.key.categorical() == key.categorical())
+    entry = lookup.nearest(key, matches) if matches else lookup.most_similar(key, entries)
+    return entry.config if entry is not None else default
 
 
 def held_out_regrets(keys, qualified) -> list[dict]:
@@ -75,9 +86,11 @@ def held_out_regrets(keys, qualified) -> list[dict]:
                 if other != held and other[0] == held[0] and similarity_distance(key, k) is not None]
         distance, nearest = min(near) if near else (None, None)
         regret = lambda items: times[items] / best if items in times else None  # noqa: E731
+        runtime = runtime_choice(TableKey(**key), table_of(keys, held), learned.config if learned else heuristic)
         rows.append(dict(key=held, heuristic=regret(_items(heuristic)),
                          learned=regret(_items(learned.config)) if learned else None,
-                         nearest=regret(nearest) if nearest else None, distance=distance))
+                         nearest=regret(nearest) if nearest else None, distance=distance,
+                         runtime=regret(_items(runtime))))
     return rows
 
 
@@ -104,15 +117,17 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, label in (("heuristic", "heuristic default (registry.GPU_DEFAULTS)"),
                         ("learned", "learned default, re-learned without the workload (configs/defaults.yaml)"),
-                        ("nearest", "nearest other key's winner, same GPU (similarity_distance)")):
+                        ("nearest", "nearest other key's winner, same GPU (similarity_distance)"),
+                        ("runtime", "the runtime's lookup (dispatch.lookup), a table of the journal's other keys, "
+                                    "else the learned default")):
         print(f"| {label} | {_summary([r[name] for r in rows])} |")
-    print("\n| held-out key | heuristic | learned | nearest (distance) |")
-    print("|---|---|---|---|")
+    print("\n| held-out key | heuristic | learned | nearest (distance) | runtime |")
+    print("|---|---|---|---|---|")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for row in sorted(rows, key=lambda r: r["key"]):
         journal, workload, direction = row["key"]
         print(f"| {journal.split('.')[0]} {workload} {direction} | {fmt(row['heuristic'])} | {fmt(row['learned'])} "
-              f"| {fmt(row['nearest'])} ({fmt(row['distance'])}) |")
+              f"| {fmt(row['nearest'])} ({fmt(row['distance'])}) | {fmt(row['runtime'])} |")
 
 
 if __name__ == "__main__":

@@ -197,6 +197,24 @@ def test_tie_goes_to_larger_bucket(tmp_path):
     assert choose(key(q=2048, k=2048), "cpu", table=path).config == configs[4096]
 
 
+def test_a_key_without_entries_of_its_categories_takes_the_most_similar_within_reach(tmp_path):
+    """An entry one step away in the causal flag or the GQA ratio stands in for a key of no
+    entry's categories; a mask kind, a head dim or more steps away do not (the default)."""
+    from dataclasses import replace
+
+    causal, gqa2_longer = FwdConfig(16, 16, 1, 1), FwdConfig(32, 32, 1, 1)
+    base = key(q=1024, k=1024)
+    path = write(tmp_path / "t.yaml", [
+        entry(replace(base, causal=True), causal),
+        entry(replace(base, gqa_ratio=2, seqlen_q_bucket=2048, seqlen_k_bucket=2048), gqa2_longer)])
+    assert choose(base, "cpu", table=path).config == causal  # 0.5 (causal) before 1.0 (GQA and lengths)
+    assert choose(replace(base, gqa_ratio=2, causal=True), "cpu", table=path).config == causal  # GQA: 0.5
+    assert choose(replace(base, causal=True, seqlen_q_bucket=2048, seqlen_k_bucket=2048),
+                  "cpu", table=path).config == causal  # its own categories, at other lengths
+    for far in (replace(base, gqa_ratio=4), replace(base, mask="full"), replace(base, head_dim=128)):
+        assert choose(far, "cpu", table=path).source == "default"
+
+
 def test_categorical_miss_is_default_without_warning(tmp_path):
     path = write(tmp_path / "t.yaml", [entry(key())])
     with warnings.catch_warnings():

@@ -9,12 +9,14 @@ per (file, reason) per process, and the next source is tried. So are a backend's
 table is stale for it: some dtype of them was not validated on the kernel sources installed here
 (`validation_status`).
 
-Within the chosen table: exact match on the categorical key, then the nearest sequence-length
-buckets (log2 distance); a key the table does not cover gets the default config, silently.
-(Offering it the nearest entry of another key instead was measured and not shipped: on the
-committed sm90 journals, held out one workload at a time, the nearest other key's winner had
-geometric-mean regret 1.061 and worst 1.623 against the learned default's 1.058 and 1.287,
-`python benchmarks/selection_regret.py`.)
+Within the chosen table: the entries of the key's categories (direction, dtype, head dim, causal,
+mask, bias, GQA ratio), at the nearest sequence-length buckets (log2 distance); without any, the
+entry most similar to the key (`similarity_distance`) if it is within `SIMILAR_WITHIN`: one step
+in the causal flag or the GQA ratio, with the same head dim, dtype and mask and bias kinds, so
+its config fits and is supported for the key as for its own. A key with nothing that close gets
+the default config, silently. Each rule's regret on held-out keys is printed by
+`python benchmarks/selection_regret.py` (each tuned key of the committed sm90 journals held out
+in turn, the other keys of its journal standing in for a table).
 
 Choices are memoised per (table selection, device, key) until `clear_cache()` or `use_table()`,
 so a repeated call costs a dict lookup (a few µs). Edit a table in a running process? Call
@@ -81,6 +83,39 @@ class _Usable:
     table: Table
     by_category: dict[tuple, tuple[Entry, ...]]
     stale: dict[str, tuple[str, ...]]  # backend -> its dtypes not validated on the installed kernels
+
+
+# Weights of `similarity_distance` per key field: per octave of head dim, GQA ratio and length
+# bucket, per differing kind or flag. Head dim decides the tiles' register and shared-memory use.
+SIMILARITY_WEIGHTS = dict(head_dim=2.0, gqa_ratio=0.5, mask=1.0, bias=1.0, causal=0.5, seqlen=0.25)
+# How similar an entry of other categories must be to stand in for a key. Within 0.5 only the
+# causal flag or one octave of GQA ratio (and lengths) may differ; at 1.0 a mask or bias kind
+# may too. On the 192 held-out keys of `benchmarks/selection_regret.py`, the lookup's geometric-
+# mean / worst regret is 1.050 / 1.549 at 0 (categories only), 1.036 / 1.287 at 0.5 and 1.028 /
+# 1.566 at 1.0.
+SIMILAR_WITHIN = 0.5
+
+
+def similarity_distance(a: TableKey, b: TableKey) -> float | None:
+    """Distance between two keys by `SIMILARITY_WEIGHTS`; None across directions or dtypes."""
+    if a.direction != b.direction or a.dtype != b.dtype:
+        return None
+    octaves = lambda x, y: abs(math.log2(x / y))  # noqa: E731
+    weights = SIMILARITY_WEIGHTS
+    return (weights["head_dim"] * octaves(a.head_dim, b.head_dim)
+            + weights["gqa_ratio"] * octaves(a.gqa_ratio, b.gqa_ratio)
+            + weights["mask"] * (a.mask != b.mask) + weights["bias"] * (a.bias != b.bias)
+            + weights["causal"] * (a.causal != b.causal)
+            + weights["seqlen"] * (octaves(a.seqlen_q_bucket, b.seqlen_q_bucket)
+                                   + octaves(a.seqlen_k_bucket, b.seqlen_k_bucket)))
+
+
+def most_similar(key: TableKey, entries) -> Entry | None:
+    """The entry nearest `key` by `similarity_distance` if within `SIMILAR_WITHIN` (ties: larger
+    buckets, as in `nearest`), else None."""
+    scored = [(distance, -e.key.seqlen_q_bucket, -e.key.seqlen_k_bucket, index, e) for index, e in enumerate(entries)
+              if (distance := similarity_distance(key, e.key)) is not None and distance <= SIMILAR_WITHIN]
+    return min(scored)[-1] if scored else None
 
 
 def _log_distance(key: TableKey, entry: Entry) -> float:
@@ -220,9 +255,10 @@ class Dispatcher:
             if usable is None:
                 continue
             matches = usable.by_category.get(key.categorical())
-            if not matches:
-                break  # the chosen table does not cover this key: the default, silently
-            entry = nearest(key, matches)
+            entry = (nearest(key, matches) if matches else
+                     most_similar(key, [entry for group in usable.by_category.values() for entry in group]))
+            if entry is None:
+                break  # the chosen table has nothing near this key: the default, silently
             return Choice(entry.backend, entry.config, f"table:{path}")
         return self._default(key, device)
 
