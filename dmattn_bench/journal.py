@@ -9,6 +9,10 @@ rule for a journal that already exists is:
   a fresh run (no resume) replaces the journal, as it replaces that table; `resume` replays it;
 - any other journal holding trials (a run interrupted, or stopped by its budget before the end):
   only `resume` may use it, so running the same command again never throws measured trials away.
+
+Each run first records who measures: the backend, the GPU's fingerprint and the backend's kernel
+hash (`run` records). A run that would resume trials measured on another GPU or other kernel
+sources is refused: their timings and verdicts are not this installation's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dmattn_bench.space import config_label
 from dmattn_bench.workloads import Workload
 
 FINISHED = "finished"  # record kind: the run completed and wrote `table`
+RUN = "run"  # record kind: the backend, device and kernel hash the trials after it are measured with
 
 
 class JournalError(ValueError):
@@ -43,12 +48,13 @@ class _Contents:
 
     trials: dict[str, dict]
     suites: dict[str, tuple[str, str]]
-    finished: dict | None  # the last record, when it is a `finished` one
+    finished: dict | None  # the last record but `run` ones, when it is a `finished` one
     dropped_lines: int
+    runs: list[dict]
 
 
 def _parse(text: str) -> _Contents:
-    contents = _Contents({}, {}, None, 0)
+    contents = _Contents({}, {}, None, 0, [])
     for line in text.splitlines():
         try:
             record = json.loads(line)
@@ -61,8 +67,26 @@ def _parse(text: str) -> _Contents:
             contents.trials[record["id"]] = record
         elif kind == "suite":
             contents.suites[record["id"]] = (record["status"], record["note"])
+        elif kind == RUN:
+            contents.runs.append(record)
+            continue  # a resumed run that stops before measuring leaves a completed journal completed
         contents.finished = record if kind == FINISHED else None
     return contents
+
+
+def _foreign(path: Path, runs: list[dict], identity: dict) -> str | None:
+    """Why a run of `identity` may not resume the trials of `runs` (None: it may)."""
+    for run in runs:
+        if run.get("backend") != identity["backend"]:
+            continue
+        if run.get("device") != identity["device"]:
+            measured = (run.get("device") or {}).get("name", "another device")
+            return (f"{path} holds {identity['backend']} trials measured on {measured}, this is "
+                    f"{identity['device']['name']}: resume it there, or delete it to start over")
+        if run.get("kernel_hash") != identity["kernel_hash"]:
+            return (f"{path} holds {identity['backend']} trials measured on kernel sources "
+                    f"{run.get('kernel_hash')}, these are {identity['kernel_hash']}: delete it to tune them anew")
+    return None
 
 
 def _refusal(path: Path, contents: _Contents) -> str | None:
@@ -114,7 +138,9 @@ class Journal:
     one holding trials refused (module docstring).
     """
 
-    def __init__(self, path: Path, resume: bool):
+    def __init__(self, path: Path, resume: bool, identity: dict | None = None):
+        """`identity`, when given: {"backend", "device" (a fingerprint dict), "kernel_hash"} of
+        this run, checked against the trials it would resume and recorded."""
         self.path = Path(path)
         self._file = open(self.path, "a+", encoding="utf-8")
         try:
@@ -132,11 +158,17 @@ class Journal:
                 raise JournalError(refusal)
             self._file.truncate(0)  # "a+" writes at the end, which is now the start
             text, contents = "", _parse("")
+        foreign = _foreign(self.path, contents.runs, identity) if identity is not None else None
+        if foreign is not None:
+            self._file.close()
+            raise JournalError(foreign)
         if text and not text.endswith("\n"):
             self._file.write("\n")  # a kill mid-line: the next record starts on a line of its own
         self.trials = contents.trials
         self.suites = contents.suites
         self.dropped_lines = contents.dropped_lines
+        if identity is not None:
+            self.append({"kind": RUN, **identity})
 
     def append(self, record: dict) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")

@@ -35,10 +35,10 @@ import torch
 
 from dmattn_bench.adversarial import specialization_class
 from dmattn_bench.errors import DmattnError
-from dmattn_bench.hardware import local_limits
+from dmattn_bench.hardware import device_fingerprint, local_limits
 from dmattn_bench.journal import Journal, suite_id, trial_id
 from dmattn_bench.prune import precheck
-from dmattn_bench.registry import default_configs, get_backend
+from dmattn_bench.registry import default_configs, get_backend, kernel_source_hash
 from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, config_label
 from dmattn_bench.trials import (STAGES, Trial, measure_job, problem_job, ready_job, shape_of_workload, suite_case_job,
                                  suite_cases, suite_job, suite_verdict, warm_job)
@@ -198,7 +198,9 @@ def tune(
     if journal_path is None:
         owned_dir = tempfile.TemporaryDirectory()
         journal_path = Path(owned_dir.name) / "trials.jsonl"
-    journal = Journal(Path(journal_path), resume)
+    identity = {"backend": backend_name, "device": device_fingerprint(device).to_dict(),
+                "kernel_hash": kernel_source_hash(backend_name)}
+    journal = Journal(Path(journal_path), resume, identity)
     remote = workers is not None
     if not remote:
         workers = [Worker(interpret=device.type != "cuda", gpu=gpu if device.type == "cuda" else None)

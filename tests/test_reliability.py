@@ -146,6 +146,28 @@ def test_journal_is_exclusive_and_ignores_a_torn_last_line(tmp_path):
         Journal(path, resume=False)
 
 
+def test_trials_of_another_gpu_or_other_kernels_are_not_resumed(tmp_path):
+    """A run records who measures (backend, GPU, kernel hash); resuming trials another GPU or
+    other kernel sources measured is refused, those of another backend or of no record are not."""
+    h100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "sm_count": 132,
+            "shared_memory_per_block": 232448}
+    here = {"backend": "triton", "device": h100, "kernel_hash": "sha256:" + "1" * 32}
+    path = tmp_path / "j.jsonl"
+    path.write_text(json.dumps({"kind": "trial", "id": "a", "status": "ok"}) + "\n")
+    Journal(path, resume=True, identity=here).close()  # no record yet: resumable, and now recorded
+    assert _records(path)[-1] == {"kind": "run", **here}
+    Journal(path, resume=True, identity=here).close()
+    Journal(path, resume=True, identity=dict(here, backend="cuda", kernel_hash="sha256:" + "2" * 32)).close()
+    h200 = dict(h100, name="NVIDIA H200")
+    with pytest.raises(JournalError, match="measured on NVIDIA H100 80GB HBM3, this is NVIDIA H200: resume it there"):
+        Journal(path, resume=True, identity=dict(here, device=h200))
+    with pytest.raises(JournalError, match="kernel sources sha256:1+, these are sha256:3+: delete it"):
+        Journal(path, resume=True, identity=dict(here, kernel_hash="sha256:" + "3" * 32))
+    mark_finished(path, tmp_path / "T.yaml", entries=1, unmeasured=0)
+    Journal(path, resume=False, identity=dict(here, device=h200)).close()  # a fresh run replaces it
+    assert _records(path) == [{"kind": "run", **dict(here, device=h200)}]
+
+
 def test_a_fresh_run_replaces_only_the_journal_of_a_completed_run(tmp_path):
     """Without resume, the journal of a run that completed is emptied (the run starts over); one of
     a run interrupted (no final record, or a record or torn line after it) or stopped by its budget
