@@ -1,11 +1,12 @@
 """Regret of the runtime's choice today, offline, on the keys of a tune's trial journal.
 
 For each (workload, direction) of the journal, the config a call gets today on the table's GPU
-(`dispatch.choose` with that table: an entry of the key's categories at the nearest lengths,
-else the learned or heuristic default of the GPU's arch) is looked up among the journal's timed
-candidates; its regret is its median over the fastest candidate's. Keys are split by how the
-choice was made: an entry tuned for these exact buckets (in the table), an entry of the same
-categories at other lengths, or the default (no entry of these categories: the held-out case).
+(`dispatch.choose` with that table: an entry of the key's categories at the nearest lengths, else
+the most similar entry within reach, else the learned or heuristic default of the GPU's arch) is
+looked up among the journal's timed candidates; its regret is its median over the fastest
+candidate's. Keys are split by how the choice was made: an entry tuned for these exact buckets
+(in the table), an entry of the same categories at other lengths, a similar entry of other
+categories, or the default; all but the first are held out.
 
     python benchmarks/current_choice_regret.py results/tune/h100-shipped-grid.trials.jsonl \
         --table results/tables/nvidia-h100-80gb-hbm3-sm90.yaml > results/regret/h100-shipped-grid.md
@@ -27,7 +28,7 @@ from dmattn_bench.dispatch.lookup import Choice, Dispatcher
 from dmattn_bench.registry import default_entries_for
 from dmattn_bench.space import TableKey, config_label
 
-SOURCES = ("exact entry", "entry at other lengths", "default")
+SOURCES = ("exact entry", "entry at other lengths", "similar entry", "default")
 
 
 class OfflineDispatcher(Dispatcher):
@@ -60,7 +61,10 @@ def read_shapes(journal: Path) -> dict[tuple, tuple[TableKey, dict[tuple, float]
 def source_of(choice: Choice, key: TableKey, table_keys: set[TableKey]) -> str:
     if choice.source == "default":
         return "default"
-    return "exact entry" if key in table_keys else "entry at other lengths"
+    if key in table_keys:
+        return "exact entry"
+    same_categories = any(other.categorical() == key.categorical() for other in table_keys)
+    return "entry at other lengths" if same_categories else "similar entry"
 
 
 def geomean(values: list[float]) -> float:

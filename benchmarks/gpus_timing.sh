@@ -9,7 +9,7 @@
 # and whether the two tables choose the same configs as each other and as the shipped table of
 # this GPU), runs.tar.gz (logs, tables, trial journals).
 set -u
-out=$(realpath "$1"); grid=${2:-default}; limit=${3:-300}
+mkdir -p "$1"; out=$(realpath "$1"); grid=${2:-default}; limit=${3:-300}
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 {
@@ -31,7 +31,10 @@ from pathlib import Path
 import yaml
 
 out, work = Path(sys.argv[1]), Path(sys.argv[2])
-runs = {n: json.loads((out / f"gpus{n}.json").read_text()) for n in (1, 2)}
+try:
+    runs = {n: json.loads((out / f"gpus{n}.json").read_text()) for n in (1, 2)}
+except json.JSONDecodeError:
+    sys.exit("a tune wrote no JSON (it failed or ran out of time): see its tune.log in runs.tar.gz")
 rows = [("tune wall s", lambda r: r["wall_s"])]
 rows += [(f"{phase} phase s", lambda r, p=phase: r["phases_s"].get(p)) for phase in runs[1]["phases_s"]]
 for phase in runs[1]["phase_pools"]:

@@ -120,10 +120,11 @@ def _bias_shape(case: Case) -> tuple[int, int, int, int]:
 
 def specialization_class(case: Case, dtype: str) -> tuple:
     """What of a case's inputs, besides the config, decides which kernels a launch compiles: the
-    dtype, the features and head dim (constexprs), the GQA group, for each int the kernels
-    receive (lengths, head counts and the contiguous strides made of them) whether it is 1, a
-    multiple of 16 (what Triton specializes an int on) and whether it needs 64 bits, and whether
-    the mask's rows are 8-byte aligned (the activity pass then reads it as words). The values in
+    dtype, the features and head dim (constexprs), the GQA group, for the lengths, head counts
+    and the operands' contiguous strides whether each is 1, a multiple of 16 (what Triton
+    specializes an int on) and whether it needs 64 bits, and whether the mask's rows are 8-byte
+    aligned (the activity pass then reads it as words). Ints derived from those (lse, block-list
+    and dBias-partial strides) are left out. The values in
     the tensors (poisons, mask patterns, scales) decide nothing. Views into larger buffers have
     strides of their own: such a case is a class alone. Inputs that differ only in batch, or in
     lengths of one class, share their compiled kernels; a class too coarse for some kernel

@@ -137,6 +137,9 @@ def warm_job(job: tuple) -> tuple[str, str]:
         return classify_failure(exc)
 
 
+PROBLEM_FAILED = "the workload's inputs and reference: "  # how `problem_job`'s failures start
+
+
 def problem_job(workload: Workload, device_name: str) -> dict | None:
     """Measuring worker, before a workload's trials: builds its inputs and references, which its
     trials then share. Returns None, or the trial fields of every trial of the workload when they
@@ -149,7 +152,10 @@ def problem_job(workload: Workload, device_name: str) -> dict | None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         status, reason = classify_failure(exc)
-        return {"status": status, "reason": f"the workload's inputs and reference: {reason}", "stage": "compiled"}
+        # the stage the trials reached before: compiled on a GPU (the compile phase), nothing in
+        # the interpreter, which compiles as it runs
+        stage = "compiled" if device.type == "cuda" else "pruned"
+        return {"status": status, "reason": PROBLEM_FAILED + reason, "stage": stage}
     return None
 
 

@@ -40,13 +40,13 @@ from dmattn_bench.journal import Journal, suite_id, trial_id
 from dmattn_bench.prune import precheck
 from dmattn_bench.registry import default_configs, get_backend, kernel_source_hash
 from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, config_label
-from dmattn_bench.trials import (STAGES, Trial, measure_job, problem_job, ready_job, shape_of_workload, suite_case_job,
-                                 suite_cases, suite_job, suite_verdict, warm_job)
+from dmattn_bench.trials import (PROBLEM_FAILED, STAGES, Trial, measure_job, problem_job, ready_job,
+                                 shape_of_workload, suite_case_job, suite_cases, suite_job, suite_verdict, warm_job)
 from dmattn_bench.validator import CaseResult, shape_of_case
 from dmattn_bench.workers import PoolStats, Worker, WorkerCrashed, WorkerTimedOut, parallel_map
 from dmattn_bench.workloads import Workload
 
-DEFAULT_TRIAL_TIMEOUT_S = 300.0  # a first candidate of a workload also builds its references
+DEFAULT_TRIAL_TIMEOUT_S = 300.0  # also the bound on building a workload's inputs and references
 DEFAULT_SUITE_TIMEOUT_S = 1800.0  # one adversarial suite: ~20-35 cases, each a new compile
 
 
@@ -332,9 +332,16 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                 share = queue.get_nowait()
             except Empty:
                 return
-            # the workload's inputs and references first: if they cannot be built, its trials end
-            # with that one failure instead of each failing alike (and restarting the worker)
-            failure = None if out_of_budget() or fatal else measured(worker, problem_job, (share[0][0], str(device)))
+            if interrupted.is_set():
+                return  # no fresh worker to race the parent's stop
+            # the workload's inputs and references first: if building them fails, its trials end
+            # with that one failure instead of each failing alike (and restarting the worker); a
+            # worker lost or hung meanwhile is left to the trials, each in a fresh process
+            failure = None
+            if not (out_of_budget() or fatal):
+                failure = measured(worker, problem_job, (share[0][0], str(device)))
+                if failure is not None and not failure["reason"].startswith(PROBLEM_FAILED):
+                    failure = None
             for workload, direction, config, is_default in share:
                 if interrupted.is_set():
                     return  # no fresh worker to race the parent's stop

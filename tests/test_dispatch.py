@@ -215,6 +215,19 @@ def test_a_key_without_entries_of_its_categories_takes_the_most_similar_within_r
         assert choose(far, "cpu", table=path).source == "default"
 
 
+def test_a_similar_entry_of_another_head_dim_or_gqa_mode_does_not_stand_in(tmp_path):
+    """A head dim 12% away is within distance 0.34 but its config may not fit (D72 tiles take a
+    128-lane head block, D64's 64); MHA and GQA run other backward kernels."""
+    from dataclasses import replace
+
+    base = key(q=1024, k=1024)
+    path = write(tmp_path / "t.yaml", [entry(replace(base, causal=True)),
+                                       entry(replace(base, head_dim=72, causal=True, gqa_ratio=2))])
+    for other in (replace(base, head_dim=72), replace(base, gqa_ratio=2, causal=True, head_dim=64),
+                  replace(base, causal=True, head_dim=72, gqa_ratio=1)):
+        assert choose(other, "cpu", table=path).source == "default"
+
+
 def test_categorical_miss_is_default_without_warning(tmp_path):
     path = write(tmp_path / "t.yaml", [entry(key())])
     with warnings.catch_warnings():

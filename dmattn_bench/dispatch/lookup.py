@@ -11,10 +11,10 @@ table is stale for it: some dtype of them was not validated on the kernel source
 
 Within the chosen table: the entries of the key's categories (direction, dtype, head dim, causal,
 mask, bias, GQA ratio), at the nearest sequence-length buckets (log2 distance); without any, the
-entry most similar to the key (`similarity_distance`) if it is within `SIMILAR_WITHIN`: one step
-in the causal flag or the GQA ratio, with the same head dim, dtype and mask and bias kinds, so
-its config fits and is supported for the key as for its own. A key with nothing that close gets
-the default config, silently. Each rule's regret on held-out keys is printed by
+entry most similar to the key (`similarity_distance`) within `SIMILAR_WITHIN`, among those of
+the same head dim, mask and bias kinds and GQA-or-not, whose configs run for the key as for their
+own: one step in the causal flag or the GQA ratio. A key with nothing that close gets the
+default config, silently. Each rule's regret on held-out keys is printed by
 `python benchmarks/selection_regret.py` (each tuned key of the committed sm90 journals held out
 in turn, the other keys of its journal standing in for a table).
 
@@ -88,11 +88,11 @@ class _Usable:
 # Weights of `similarity_distance` per key field: per octave of head dim, GQA ratio and length
 # bucket, per differing kind or flag. Head dim decides the tiles' register and shared-memory use.
 SIMILARITY_WEIGHTS = dict(head_dim=2.0, gqa_ratio=0.5, mask=1.0, bias=1.0, causal=0.5, seqlen=0.25)
-# How similar an entry of other categories must be to stand in for a key. Within 0.5 only the
-# causal flag or one octave of GQA ratio (and lengths) may differ; at 1.0 a mask or bias kind
-# may too. On the 192 held-out keys of `benchmarks/selection_regret.py`, the lookup's geometric-
-# mean / worst regret is 1.050 / 1.549 at 0 (categories only), 1.036 / 1.287 at 0.5 and 1.028 /
-# 1.566 at 1.0.
+# How similar an entry of other categories must be to stand in for a key (`most_similar`): 0.5
+# lets the causal flag or one octave of GQA ratio differ, lengths aside. On the 192 held-out keys
+# of `benchmarks/selection_regret.py` the lookup's geometric-mean / worst regret is 1.050 / 1.549
+# with categories only (0), 1.036 / 1.287 at 0.5 and 1.028 / 1.566 at 1.0 (chosen on those same
+# keys; the gain came from causal flips at head dims 96 and 256, no GQA step was exercised).
 SIMILAR_WITHIN = 0.5
 
 
@@ -110,11 +110,22 @@ def similarity_distance(a: TableKey, b: TableKey) -> float | None:
                                    + octaves(a.seqlen_k_bucket, b.seqlen_k_bucket)))
 
 
+def _runs_alike(key: TableKey, other: TableKey) -> bool:
+    """Whether a config that runs for `other` runs for `key`: the same head dim (the tiles' shared
+    memory and registers grow with its power-of-two block), mask and bias kinds (their loads and
+    a dBias), and GQA on both or neither (under GQA the backward sums dK/dV shares, or for a
+    bias with rows and fewer heads runs one program per kv head)."""
+    return (key.head_dim == other.head_dim and key.mask == other.mask and key.bias == other.bias
+            and (key.gqa_ratio > 1) == (other.gqa_ratio > 1))
+
+
 def most_similar(key: TableKey, entries) -> Entry | None:
-    """The entry nearest `key` by `similarity_distance` if within `SIMILAR_WITHIN` (ties: larger
-    buckets, as in `nearest`), else None."""
+    """Among the entries whose configs run for `key` as for their own (`_runs_alike`), the one
+    nearest by `similarity_distance` if within `SIMILAR_WITHIN` (ties: larger buckets, as in
+    `nearest`), else None."""
     scored = [(distance, -e.key.seqlen_q_bucket, -e.key.seqlen_k_bucket, index, e) for index, e in enumerate(entries)
-              if (distance := similarity_distance(key, e.key)) is not None and distance <= SIMILAR_WITHIN]
+              if _runs_alike(key, e.key) and (distance := similarity_distance(key, e.key)) is not None
+              and distance <= SIMILAR_WITHIN]
     return min(scored)[-1] if scored else None
 
 
