@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tune --backend all on the peer shapes (W1-W3 as a grid) + verify of that table, on the H200.
-# Run from the repository root on the GPU machine; outputs under $OUT/r.
+# Run from the repository root on the GPU machine (bash benchmarks/cuda/h200-tune-all.sh); outputs under $OUT/r.
 set -u
 R=$OUT/r; mkdir -p $R
 export PATH=$PATH:/usr/local/cuda/bin
