@@ -396,7 +396,7 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     result = CliRunner().invoke(show, [_copy(tmp_path / "all.yaml", shipped), "--coverage", workloads, "--format", "json"])
     assert result.exit_code == 0, result.output
     counts = json.loads(result.output)["coverage"]["counts"]
-    assert counts == {"exact": 16, "nearest bucket": 0, "default": 0, "default (stale table)": 0}
+    assert counts == {"exact": 16, "nearest bucket": 0, "similar entry": 0, "default": 0, "default (stale table)": 0}
     # drop the L4096 entries of one categorical key: its L1000 entry now serves them by nearest bucket;
     # drop every entry of another: those keys fall back to the defaults
     in_grid = [e for e in shipped["entries"] if e["key"]["dtype"] == "bf16"]  # the default grid is bf16
@@ -416,13 +416,15 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     full = CliRunner().invoke(show, [_copy(tmp_path / "all2.yaml", shipped), "--coverage", workloads, "--grid", "full",
                                      "--format", "json"])
     counts = json.loads(full.output)["coverage"]["counts"]
-    # the full grid has bf16 and fp16: every shipped entry is one of its keys
+    # the full grid has bf16 and fp16: every shipped entry is one of its keys; its non-causal GQA
+    # keys of the shipped kinds take the causal entries
     assert counts["exact"] == len(shipped["entries"]) and counts["nearest bucket"] > 0 and counts["default"] > counts["exact"]
+    assert counts["similar entry"] > 0
     # a table whose kernel sources changed serves nothing: the lookup skips it
     stale = _validated_on(shipped, OLD_HASH)
     result = CliRunner().invoke(show, [_copy(tmp_path / "stale.yaml", stale), "--coverage", workloads, "--format", "json"])
     assert json.loads(result.output)["coverage"]["counts"] == {
-        "exact": 0, "nearest bucket": 0, "default": 0, "default (stale table)": 16}
+        "exact": 0, "nearest bucket": 0, "similar entry": 0, "default": 0, "default (stale table)": 16}
 
 
 def _validated_on(document: dict, kernel_hash: str | None) -> dict:

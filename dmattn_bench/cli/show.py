@@ -6,7 +6,7 @@ import click
 from rich.table import Table as RichTable
 
 from dmattn_bench import output
-from dmattn_bench.dispatch.lookup import kernel_hash_status, validation_status
+from dmattn_bench.dispatch.lookup import kernel_hash_status, most_similar, validation_status
 from dmattn_bench.dispatch.table import SCHEMA_VERSION, Table, TableError, load_table, table_to_dict
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.space import CONFIG_CLASSES, config_label
@@ -60,13 +60,14 @@ def _entries(doc: dict) -> RichTable:
     return entries
 
 
-COVERAGE_KINDS = ("exact", "nearest bucket", "default", "default (stale table)")
+COVERAGE_KINDS = ("exact", "nearest bucket", "similar entry", "default", "default (stale table)")
 
 
 def coverage(table: Table, workloads_path: str, grid: str, stale: set[str] = frozenset()) -> list[dict]:
     """How the run-time lookup would serve each (workload, direction) of a grid from `table`:
     "exact" (an entry with the same key), "nearest bucket" (same categorical key, other
-    sequence-length buckets), "default" (no entry of that kind: the heuristic config), or
+    sequence-length buckets), "similar entry" (an entry of other categories one step away,
+    `lookup.most_similar`), "default" (nothing that close: the default config), or
     "default (stale table)" (an entry exists but the table is stale for its backend: not
     validated on the installed kernels, so the lookup skips it). Whether the table belongs to
     this GPU is not considered: coverage is about the grid the table was tuned for."""
@@ -81,6 +82,8 @@ def coverage(table: Table, workloads_path: str, grid: str, stale: set[str] = fro
                 served = "exact"
             elif key.categorical() in categories:
                 served = "nearest bucket"
+            elif most_similar(key, usable) is not None:
+                served = "similar entry"
             else:
                 served = "default (stale table)" if key.categorical() in stale_categories else "default"
             rows.append({"workload": workload.label, "direction": direction, "served_by": served})
