@@ -18,7 +18,8 @@ from dmattn_bench.cli.show import show
 from dmattn_bench.cli.tune import parse_duration, tune_command
 from dmattn_bench.cli.verify import verify
 from dmattn_bench.dispatch import DispatchWarning, load_table
-from dmattn_bench.registry import default_configs
+from dmattn_bench.hardware import CPU_FINGERPRINT
+from dmattn_bench.registry import default_configs, kernel_source_hash
 from dmattn_bench.space import CONFIGS_DIR, FwdConfig, as_4d, config_label, seqlen_bucket
 from dmattn_bench.workloads import load_workloads
 
@@ -116,7 +117,9 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "T.yaml.trials.jsonl").read_text().splitlines()]
     trials = [r for r in records if r["kind"] == "trial"]
     assert len(trials) == 3 and all(r["status"] == "ok" for r in trials)
-    assert {r["kind"] for r in records} == {"trial", "suite", "finished"}  # winners' adversarial verdicts too
+    assert {r["kind"] for r in records} == {"run", "trial", "suite", "finished"}  # winners' adversarial verdicts too
+    assert records[0] == {"kind": "run", "backend": "triton", "device": CPU_FINGERPRINT.to_dict(),
+                          "kernel_hash": kernel_source_hash("triton")}  # who measured, for --resume
     assert records[-1] == {"kind": "finished", "table": str(out.resolve()), "entries": 2, "unmeasured": 0}
     # what calls ran before this tune (no table on this machine: the defaults), against the winners
     fwd_time = {config_label(FwdConfig(**r["config"])): r["median_ms"] for r in trials if r["direction"] == "fwd"}
@@ -260,7 +263,6 @@ def test_info_shows_the_table_a_call_would_use_or_why_none(tmp_path, monkeypatch
     from dmattn_bench.cli.info import info
     from dmattn_bench.dispatch import lookup
     from dmattn_bench.dispatch.table import Entry, dump_table, new_table
-    from dmattn_bench.hardware import CPU_FINGERPRINT
 
     shipped_dir = tmp_path / "shipped"
     shipped_dir.mkdir()
