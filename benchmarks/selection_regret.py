@@ -63,10 +63,11 @@ def table_of(keys, held: tuple) -> list[Entry]:
 
 
 def runtime_choice(key: TableKey, entries: list[Entry], default):
-    """What `lookup` picks for `key` from a table of `entries`: an entry of its categories at the
-    nearest lengths, else the most similar entry within `lookup.SIMILAR_WITHIN`, else `default`."""
-    matches = tuple(e for e in entries if e.key.categorical() == key.categorical())
-    entry = lookup.nearest(key, matches) if matches else lookup.most_similar(key, entries)
+    """What `lookup.table_entry` picks for `key` from a table of `entries`, else `default`."""
+    by_category: dict[tuple, tuple[Entry, ...]] = {}
+    for entry in entries:
+        by_category[entry.key.categorical()] = by_category.get(entry.key.categorical(), ()) + (entry,)
+    entry = lookup.table_entry(key, by_category)
     return entry.config if entry is not None else default
 
 

@@ -129,6 +129,15 @@ def most_similar(key: TableKey, entries) -> Entry | None:
     return min(scored)[-1] if scored else None
 
 
+def table_entry(key: TableKey, by_category: dict[tuple, tuple[Entry, ...]]) -> Entry | None:
+    """The entry a table (its entries grouped by `TableKey.categorical`) offers `key`: one of its
+    categories at the nearest lengths, else the most similar one within reach, else None."""
+    matches = by_category.get(key.categorical())
+    if matches:
+        return nearest(key, matches)
+    return most_similar(key, [entry for group in by_category.values() for entry in group])
+
+
 def _log_distance(key: TableKey, entry: Entry) -> float:
     return (abs(math.log2(key.seqlen_q_bucket) - math.log2(entry.key.seqlen_q_bucket))
             + abs(math.log2(key.seqlen_k_bucket) - math.log2(entry.key.seqlen_k_bucket)))
@@ -265,9 +274,7 @@ class Dispatcher:
             usable = self._usable(path, local)
             if usable is None:
                 continue
-            matches = usable.by_category.get(key.categorical())
-            entry = (nearest(key, matches) if matches else
-                     most_similar(key, [entry for group in usable.by_category.values() for entry in group]))
+            entry = table_entry(key, usable.by_category)
             if entry is None:
                 break  # the chosen table has nothing near this key: the default, silently
             return Choice(entry.backend, entry.config, f"table:{path}")
