@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The shipped table of this GPU, in steps that fit a time-limited session:
+#   tune          the `shipped` grid of configs/workloads/default.yaml (bf16 + fp16), resuming
+#                 from results/tune/NAME-shipped-grid.trials.jsonl when it exists; stopped with
+#                 SIGINT after TUNE_SECONDS, the journal keeps every finished trial. A finished
+#                 tune writes results/tables/<this GPU's slug>.yaml.
+#   verify-bf16   `verify --suite full --restamp` of that table in bf16 (and verify-fp16).
+#   learn-defaults  configs/defaults.yaml learned again (benchmarks/learn_defaults.py), so the
+#                 configs of the table just verified qualify.
+#   held-out      the held-out shapes of configs/workloads/held-out.yaml, tuned on their own:
+#                 the tune's JSON reports each key's regret of the runtime's choice today.
+#
+#   bash benchmarks/shipped_table.sh NAME OUT_DIR STEP... [TUNE_SECONDS=540]
+#
+# Writes to OUT_DIR: NAME-shipped-grid.trials.jsonl, the table, tune.json, held-out.json,
+# held-out.trials.jsonl, verify-<dtype>.txt, and a log per step (stderr). Copy the journal and
+# the table back to results/ to resume or ship them.
+set -u
+name=$1; mkdir -p "$2"; out=$(realpath "$2"); shift 2
+cd "$(dirname "$0")/.."
+tune_seconds=${TUNE_SECONDS:-540}
+slug=$(python3 -c "from dmattn_bench.hardware import device_fingerprint; print(device_fingerprint('cuda').slug())")
+table=results/tables/$slug.yaml
+journal=results/tune/$name-shipped-grid.trials.jsonl
+work=$(mktemp -d)
+for step in "$@"; do
+  start=$(date +%s)
+  case $step in
+    tune)
+      resume=()
+      if [ -f "$journal" ]; then cp "$journal" "$work/table.yaml.trials.jsonl"; resume=(--resume); fi
+      timeout -s INT "$tune_seconds" python3 -m dmattn_bench tune --grid shipped --dtype bf16 --dtype fp16 \
+          --out "$work/table.yaml" "${resume[@]}" --format json > "$out/tune.json" 2> "$out/tune.log"
+      status=$?
+      cp "$work/table.yaml.trials.jsonl" "$out/$(basename "$journal")"
+      if [ $status -eq 0 ]; then cp "$work/table.yaml" "$table"; cp "$table" "$out/"; fi ;;
+    verify-bf16|verify-fp16)
+      python3 -m dmattn_bench verify --table "$table" --suite full --dtype "${step#verify-}" --restamp \
+          > "$out/$step.txt" 2> "$out/$step.log"
+      status=$?
+      cp "$table" "$out/" ;;
+    learn-defaults)
+      python3 benchmarks/learn_defaults.py > "$out/learn-defaults.log" 2>&1
+      status=$?
+      cp configs/defaults.yaml "$out/" ;;
+    held-out)
+      python3 -m dmattn_bench tune --workloads configs/workloads/held-out.yaml --grid held_out \
+          --out "$work/held-out.yaml" --format json > "$out/held-out.json" 2> "$out/held-out.log"
+      status=$?
+      cp "$work/held-out.yaml.trials.jsonl" "$out/held-out.trials.jsonl" ;;
+    *) echo "unknown step: $step" >&2; exit 2 ;;
+  esac
+  echo "$step: exit $status, $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"
+  [ $status -eq 0 ] || break  # a later step would use a table or defaults this one did not finish
+done
