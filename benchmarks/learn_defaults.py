@@ -27,8 +27,10 @@ JOURNALS = [ROOT / "results/tune/h100-default-workloads.trials.jsonl",
             ROOT / "results/tune/h100-shipped-grid.trials.jsonl"]
 VALIDATED = [ROOT / "results/tables/nvidia-h100-80gb-hbm3-sm90.yaml"]
 HEADER = """\
-# Default tile configs per backend, arch family, direction, dtype and head-dim class (the head
-# dims above the previous class's max_head_dim up to this one), learned from trial journals: the
+# Default tile configs per backend, arch family, direction, head-dim class (the head dims above
+# the previous class's max_head_dim up to this one) and bias with rows (bias_rows: a full, kv_head
+# or shared bias, whose tiles the kernels load), for the dtypes listed (their shapes pooled: one
+# kernel, one tensor-core rate), learned from trial journals: the
 # config with the lowest geometric-mean regret (its time over the best config's, per shape) on
 # every shape of the group, among the configs that passed the full adversarial suite on the
 # current kernels (the validated tables' entries). A group not listed keeps the heuristic
@@ -47,16 +49,18 @@ def build(journals: list[Path], validated: list[Path], arch: str) -> dict:
                  for path in validated for entry in load_table(path).entries if entry.backend == "triton"}
     heuristics = {high: (fwd, bwd) for high, fwd, bwd in GPU_DEFAULTS}
     groups = []
-    for (direction, dtype, high), learned in defaults.learn(times, qualified).items():
+    for (direction, high, bias_rows), learned in defaults.learn(times, qualified).items():
         heuristic = heuristics[high][0 if direction == "fwd" else 1]
         items = tuple(sorted(heuristic.to_dict().items()))
-        shapes = times[(direction, dtype, high)]
+        shapes = times[(direction, high, bias_rows)]
         evidence = {}
         if all(items in by_config for by_config in shapes.values()):
             regrets = defaults.regrets(shapes, items)
             evidence = dict(heuristic_geomean_regret=round(defaults._geomean(regrets), 3),
                             heuristic_worst_regret=round(max(regrets), 3))
-        groups.append(dict(direction=direction, dtype=dtype, max_head_dim=high, **learned.to_dict(), **evidence))
+        groups.append(dict(direction=direction, dtypes=list(defaults.POOLED_DTYPES),
+                           max_head_dim=high, bias_rows=bias_rows,
+                           **learned.to_dict(), **evidence))
     return dict(journals=[str(path.relative_to(ROOT)) for path in journals],
                 validated_tables=[str(path.relative_to(ROOT)) for path in validated],
                 defaults={"triton": {arch: groups}})

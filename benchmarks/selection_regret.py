@@ -6,7 +6,7 @@ and its regret is the chosen config's time on
 that key over the fastest candidate's (1.0: the best). Choices compared:
 - heuristic: `registry.GPU_DEFAULTS` for the key's head-dim class;
 - learned: `dmattn_bench.defaults.learn` on the other workloads' keys of the group (direction,
-  dtype, head-dim class), among the configs of the validated tables (what `configs/defaults.yaml`
+  head-dim class, bias with rows or not; both 16-bit dtypes), among the configs of the validated tables (what `configs/defaults.yaml`
   is, re-learned without the held-out workload);
 - nearest entry: the winner of the most similar other key of the same GPU's journal (what a
   table holding every other key would offer), by the distance `similarity_distance`;
@@ -34,7 +34,7 @@ from dmattn_bench import defaults  # noqa: E402
 from dmattn_bench.dispatch import lookup  # noqa: E402
 from dmattn_bench.dispatch.table import Entry  # noqa: E402
 from dmattn_bench.registry import GPU_DEFAULTS  # noqa: E402
-from dmattn_bench.space import BwdConfig, FwdConfig, TableKey  # noqa: E402
+from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, bias_has_rows  # noqa: E402
 
 def similarity_distance(a: dict, b: dict) -> float | None:
     """`lookup.similarity_distance` of two journal keys (dicts)."""
@@ -76,11 +76,11 @@ def held_out_regrets(keys, qualified) -> list[dict]:
     for held, (key, times) in keys.items():
         best = min(times.values())
         high = defaults.head_dim_class(key["head_dim"])
-        group = (key["direction"], key["dtype"], high)
+        group = (key["direction"], high, bias_has_rows(key["bias"]))
         # the workload is held out on every GPU: the other GPU's run of it would leak its answer
         others = {(name, workload): t for (name, workload, direction), (k, t) in keys.items()
-                  if workload != held[1] and (k["direction"], k["dtype"],
-                                              defaults.head_dim_class(k["head_dim"])) == group}
+                  if workload != held[1] and (k["direction"], defaults.head_dim_class(k["head_dim"]),
+                                              bias_has_rows(k["bias"])) == group}
         learned = defaults.learn({group: others}, qualified).get(group) if others else None
         heuristic = next(fwd if key["direction"] == "fwd" else bwd for h, fwd, bwd in GPU_DEFAULTS if h == high)
         near = [(similarity_distance(key, k), min(t, key=t.get)) for other, (k, t) in keys.items()

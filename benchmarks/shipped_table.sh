@@ -7,13 +7,13 @@
 #   verify-bf16   `verify --suite full --restamp` of that table in bf16 (and verify-fp16).
 #   learn-defaults  configs/defaults.yaml learned again (benchmarks/learn_defaults.py), so the
 #                 configs of the table just verified qualify.
-#   held-out      the held-out shapes of configs/workloads/held-out.yaml, tuned on their own:
-#                 the tune's JSON reports each key's regret of the runtime's choice today.
+#   held_out, held_out_b  a grid of held-out shapes (configs/workloads/held-out.yaml), tuned on
+#                 their own: the tune's JSON reports each key's regret of the runtime's choice today.
 #
 #   bash benchmarks/shipped_table.sh NAME OUT_DIR STEP... [TUNE_SECONDS=540]
 #
-# Writes to OUT_DIR: NAME-shipped-grid.trials.jsonl, the table, tune.json, held-out.json,
-# held-out.trials.jsonl, verify-<dtype>.txt, and a log per step (stderr). Copy the journal and
+# Writes to OUT_DIR: NAME-shipped-grid.trials.jsonl, the table, tune.json, <grid>.json,
+# <grid>.trials.jsonl, verify-<dtype>.txt, and a log per step (stderr). Copy the journal and
 # the table back to results/ to resume or ship them.
 set -u
 name=$1; mkdir -p "$2"; out=$(realpath "$2"); shift 2
@@ -43,11 +43,11 @@ for step in "$@"; do
       python3 benchmarks/learn_defaults.py > "$out/learn-defaults.log" 2>&1
       status=$?
       cp configs/defaults.yaml "$out/" ;;
-    held-out)
-      python3 -m dmattn_bench tune --workloads configs/workloads/held-out.yaml --grid held_out \
-          --out "$work/held-out.yaml" --format json > "$out/held-out.json" 2> "$out/held-out.log"
+    held_out*)
+      python3 -m dmattn_bench tune --workloads configs/workloads/held-out.yaml --grid "$step" \
+          --out "$work/$step.yaml" --format json > "$out/$step.json" 2> "$out/$step.log"
       status=$?
-      cp "$work/held-out.yaml.trials.jsonl" "$out/held-out.trials.jsonl" ;;
+      cp "$work/$step.yaml.trials.jsonl" "$out/$step.trials.jsonl" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac
   echo "$step: exit $status, $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"

@@ -1,8 +1,13 @@
 """Default tile configs learned from the committed trial journals: the config with the lowest
-selection regret across the tuned shapes, per arch family, direction, dtype and head-dim class.
+selection regret across the tuned shapes, per arch family, direction, head-dim class and whether
+the bias has rows (`space.bias_has_rows`). The 16-bit dtypes share a group: the kernels are the
+same and Hopper's tensor cores run bf16 and fp16 at one rate, so each dtype's shapes inform the
+other's tiles (on the held-out journal keys of `benchmarks/selection_regret.py`, split by dtype the
+rows groups were too thin to learn from).
 
 A shape's regret for a config is its median time over the fastest config's on that shape (1.0:
-the config was the best). Within a group (arch family, direction, dtype, head-dim class) only
+the config was the best). Within a group (arch family, direction, head-dim class, bias with rows
+or not) only
 configs timed on every shape of the group compete, and only configs that passed the full
 adversarial suite on the current kernels qualify (the entries of a validated shipped table);
 the winner has the lowest geometric-mean regret, ties going to the lower worst regret.
@@ -21,9 +26,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from dmattn_bench.space import CONFIGS_DIR, BwdConfig, FwdConfig, load_yaml
+from dmattn_bench.space import CONFIGS_DIR, BwdConfig, FwdConfig, bias_has_rows, load_yaml
 
 DEFAULTS_FILE = CONFIGS_DIR / "defaults.yaml"
+POOLED_DTYPES = ("bf16", "fp16")  # the journals' kernel dtypes; each group's default serves both
 HEAD_DIM_CLASSES = (64, 128, 256)  # a class holds the head dims above the previous bound up to its own
 _CONFIG_CLASSES = {"fwd": FwdConfig, "bwd": BwdConfig}
 
@@ -67,40 +73,44 @@ def timed_trials(journals: list[Path], backend: str = "triton"):
 
 
 def read_journal_times(journals: list[Path], backend: str = "triton") -> dict[tuple, dict[tuple, dict[tuple, float]]]:
-    """{(direction, dtype, head-dim class): {shape: {config items: median ms}}} of `timed_trials`;
-    a shape is (journal, workload) so two GPUs' runs of a workload stay apart."""
+    """{(direction, head-dim class, bias has rows): {shape: {config items: median ms}}} of
+    `timed_trials`; a shape is (journal, workload) so two GPUs' runs of a workload stay apart (a
+    workload names its dtype)."""
     groups: dict[tuple, dict[tuple, dict[tuple, float]]] = {}
     for name, trial, config in timed_trials(journals, backend):
         key = trial["key"]
-        group = (key["direction"], key["dtype"], head_dim_class(key["head_dim"]))
+        group = (key["direction"], head_dim_class(key["head_dim"]), bias_has_rows(key["bias"]))
         groups.setdefault(group, {}).setdefault((name, trial["workload"]), {})[config] = trial["median_ms"]
     return groups
 
 
 def learn(times: dict[tuple, dict[tuple, dict[tuple, float]]], qualified: set[tuple]) -> dict[tuple, Learned]:
     """The lowest-regret qualified config of each group (module docstring); `qualified` holds
-    (direction, config items) pairs."""
+    (direction, config items) pairs; a group is keyed (direction, head-dim class, bias has rows)."""
     learned = {}
-    for (direction, dtype, high), shapes in sorted(times.items()):
+    for group, shapes in sorted(times.items()):
+        direction = group[0]
         common = set.intersection(*(set(by_config) for by_config in shapes.values()))
         ranked = sorted((_geomean(regrets(shapes, c)), max(regrets(shapes, c)), c)
                         for c in common if (direction, c) in qualified)
         if ranked:
             geomean, worst, items = ranked[0]
-            learned[(direction, dtype, high)] = Learned(_CONFIG_CLASSES[direction](**dict(items)), len(shapes),
-                                                        round(geomean, 3), round(worst, 3))
+            learned[group] = Learned(_CONFIG_CLASSES[direction](**dict(items)), len(shapes), round(geomean, 3),
+                                     round(worst, 3))
     return learned
 
 
 @lru_cache(maxsize=1)
 def learned_defaults() -> dict[tuple, FwdConfig | BwdConfig]:
-    """{(backend, arch family, direction, dtype, head-dim class): config} from `DEFAULTS_FILE`."""
+    """{(backend, arch family, direction, dtype, head-dim class, bias has rows): config} from
+    `DEFAULTS_FILE`."""
     document = load_yaml(DEFAULTS_FILE)
     chosen = {}
     for backend, archs in document["defaults"].items():
         for arch, groups in archs.items():
             for group in groups:
                 direction = group["direction"]
-                chosen[(backend, arch, direction, group["dtype"], group["max_head_dim"])] = \
-                    _CONFIG_CLASSES[direction](**group["config"])
+                for dtype in group["dtypes"]:
+                    chosen[(backend, arch, direction, dtype, group["max_head_dim"], group["bias_rows"])] = \
+                        _CONFIG_CLASSES[direction](**group["config"])
     return chosen

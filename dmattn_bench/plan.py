@@ -69,7 +69,7 @@ def _choose(key: TableKey, device: torch.device, head_dim: int, backend: str, ta
     if explicit is not None:
         return get_backend("triton" if backend == "auto" else backend), explicit
     if backend != "auto":
-        fwd, bwd = default_configs(head_dim, device, backend, key.dtype)
+        fwd, bwd = default_configs(head_dim, device, backend, key.dtype, key.bias)
         return get_backend(backend), fwd if key.direction == "fwd" else bwd
     choice = dispatch.choose(key, device, table=table, env=env)
     return get_backend(choice.backend), choice.config

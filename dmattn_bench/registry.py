@@ -20,7 +20,7 @@ import torch
 
 from dmattn_bench import reference, sourcehash
 from dmattn_bench.hardware import ARCH_LIMITS, local_limits
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, bias_has_rows
 
 
 def interpreter_enabled() -> bool:
@@ -261,15 +261,16 @@ def _fitting(candidates, head_dim: int, limits):
                 candidates[-1])
 
 
-def default_entries(device: torch.device | str, backend: str = "triton", dtype: str | None = None
-                    ) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
-    """The default configs of `backend` for `dtype` ("bf16", ...; None: the heuristics alone) as
-    (smallest head dim, largest head dim, fwd, bwd) classes."""
+def default_entries(device: torch.device | str, backend: str = "triton", dtype: str | None = None,
+                    bias_rows: bool = False) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
+    """The default configs of `backend` for `dtype` ("bf16", ...; None: the heuristics alone) and
+    a bias with rows or not (`space.bias_has_rows`) as (smallest head dim, largest head dim, fwd,
+    bwd) classes."""
     device = torch.device(device)
     if backend == "cuda":
         return _cuda_entries(device)
     gpu = device.type == "cuda"
-    return default_entries_for(_device_limits(device).arch if gpu else None, backend, dtype, gpu)
+    return default_entries_for(_device_limits(device).arch if gpu else None, backend, dtype, gpu, bias_rows)
 
 
 def _classes(classes) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
@@ -288,25 +289,27 @@ def _cuda_entries(device: torch.device) -> tuple[tuple[int, int, FwdConfig, BwdC
 
 
 @lru_cache(maxsize=None)
-def default_entries_for(arch: str | None, backend: str, dtype: str | None, gpu: bool = True
-                        ) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
+def default_entries_for(arch: str | None, backend: str, dtype: str | None, gpu: bool = True,
+                        bias_rows: bool = False) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
     """The Triton `default_entries` on a GPU of arch family `arch` ("sm90"), or in the interpreter
-    (`gpu` False). An arch and dtype that `configs/defaults.yaml` covers take its learned configs
-    (`dmattn_bench.defaults`), class by class and direction by direction; the rest, the
-    heuristics above."""
+    (`gpu` False). An arch, dtype and bias with rows or not that `configs/defaults.yaml` covers
+    take its learned configs (`dmattn_bench.defaults`), class by class and direction by direction;
+    the rest, the heuristics above."""
     if not gpu:
         return _classes((INTERPRETER_DEFAULT,))
     from dmattn_bench.defaults import learned_defaults
 
     learned = learned_defaults()
-    return _classes((high, learned.get((backend, arch, "fwd", dtype, high), fwd),
-                     learned.get((backend, arch, "bwd", dtype, high), bwd)) for high, fwd, bwd in GPU_DEFAULTS)
+    return _classes((high, learned.get((backend, arch, "fwd", dtype, high, bias_rows), fwd),
+                     learned.get((backend, arch, "bwd", dtype, high, bias_rows), bwd))
+                    for high, fwd, bwd in GPU_DEFAULTS)
 
 
-def default_configs(head_dim: int, device: torch.device | str, backend: str = "triton", dtype: str | None = None
-                    ) -> tuple[FwdConfig, BwdConfig]:
-    """The configs of `backend` used for `head_dim` (and `dtype`) when no tuned table has an entry."""
-    for low, high, fwd, bwd in default_entries(device, backend, dtype):
+def default_configs(head_dim: int, device: torch.device | str, backend: str = "triton", dtype: str | None = None,
+                    bias: str = "none") -> tuple[FwdConfig, BwdConfig]:
+    """The configs of `backend` used for `head_dim` (and `dtype` and `bias`, a `TableKey.bias`
+    kind) when no tuned table has an entry."""
+    for low, high, fwd, bwd in default_entries(device, backend, dtype, bias_has_rows(bias)):
         if low <= head_dim <= high:
             return fwd, bwd
     raise ValueError(f"head_dim: got {head_dim}, expected a multiple of 8 in [8, 256]")

@@ -203,6 +203,13 @@ def operand_kind(dims: tuple[int, int, int, int] | None, num_heads: int, num_hea
     return "shared"
 
 
+def bias_has_rows(kind: str) -> bool:
+    """Whether a bias of this kind (`operand_kind`, "+grad" allowed) has a query-row dim: its
+    kernels load (and a backward with dBias stores) a tile per block instead of a row vector, so
+    their best tiles differ (the learned defaults are grouped by it)."""
+    return kind.removesuffix("+grad") in ("full", "kv_head", "shared")
+
+
 def is_valid_head_dim(head_dim: int) -> bool:
     """DESIGN §1: any D <= 256 that is a multiple of 8."""
     return head_dim % 8 == 0 and 8 <= head_dim <= 256

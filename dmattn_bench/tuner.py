@@ -108,7 +108,8 @@ def combine_backends(results: dict[str, TuneResult]) -> TuneResult:
 def candidate_list(direction: str, space: list, workload: Workload, device, backend_name: str = "triton") -> list:
     """The default config a call of this workload gets without a table (first: `is_default`), then
     the space."""
-    default = default_configs(workload.head_dim, device, backend_name, workload.dtype)[0 if direction == "fwd" else 1]
+    default = default_configs(workload.head_dim, device, backend_name, workload.dtype,
+                              workload.key(direction).bias)[0 if direction == "fwd" else 1]
     return list(dict.fromkeys([default, *space]))
 
 

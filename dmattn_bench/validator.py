@@ -16,7 +16,7 @@ A kernel failure is data: it becomes a status and a one-line reason, never an ex
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from dmattn_bench import plan, reference
 from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, build_inputs
 from dmattn_bench.registry import Backend, default_configs, default_entries, get_backend
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, as_4d, config_label
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, as_4d, bias_has_rows, config_label
 
 # Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
 # exact low-precision reference (error 0 on a tensor) does not demand an exact kernel.
@@ -248,6 +248,16 @@ def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.d
         reason = backend.is_supported(config, shape) if config is not None else None
         if reason:
             return CaseResult(case.name, "unsupported", reason)
+    try:
+        return _check_case(backend, case, dtype, device, fwd_config, bwd_config, seed)
+    except torch.cuda.OutOfMemoryError as exc:
+        # in the reference or the comparison too; other processes may hold the memory:
+        # `run_plan` runs such a case again on its own
+        return CaseResult(case.name, *classify_failure(exc))
+
+
+def _check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.device,
+                fwd_config: FwdConfig | None, bwd_config: BwdConfig | None, seed: int) -> CaseResult:
     inputs = build_inputs(case, dtype, device, seed)
     high = run_reference(inputs, case, None)
     low = run_reference(inputs, case, dtype)
@@ -330,17 +340,28 @@ class PlannedSuite:
 
 def plan_default_configs(device: torch.device | str, suite: str, backend: str = "triton",
                          dtype: str | None = None) -> list[PlannedSuite]:
-    """The default configs of `backend` for `dtype`, each with the suite cases of its head-dim class."""
+    """The default configs of `backend` for `dtype`, each with the suite cases of its head-dim class
+    and bias kind (with rows or not: `registry.default_entries`)."""
     plan = []
-    for low, high, fwd, bwd in default_entries(device, backend, dtype):
-        cases = [c for c in adversarial_cases(suite, config_tiles(fwd, bwd)) if low <= c.head_dim <= high]
-        if cases:
-            plan.append(PlannedSuite(f"D {low}-{high}", backend, fwd, bwd, cases))
+    for bias_rows in (False, True):
+        for low, high, fwd, bwd in default_entries(device, backend, dtype, bias_rows):
+            cases = [c for c in adversarial_cases(suite, config_tiles(fwd, bwd))
+                     if low <= c.head_dim <= high and bias_has_rows(c.bias) == bias_rows]
+            if cases:
+                label = f"D {low}-{high}, bias {'with' if bias_rows else 'without'} rows"
+                plan.append(PlannedSuite(label, backend, fwd, bwd, cases))
     return plan
 
 
-def entry_case(key, batch: int = 1, heads_kv: int = 2) -> Case:
-    """A case with the shape and features of a dispatch-table key (lengths = the buckets)."""
+ENTRY_CASE_SCORE_BYTES = 2 << 30  # above this, an entry case has one KV head (fp32 scores of every head)
+
+
+def entry_case(key, batch: int = 1) -> Case:
+    """A case with the shape and features of a dispatch-table key (lengths = the buckets): two KV
+    heads, or one where the fp32 reference's (heads, Lq, Lk) scores would pass
+    `ENTRY_CASE_SCORE_BYTES` (an L16384 key's reference then fits one GPU)."""
+    scores = 2 * key.gqa_ratio * key.seqlen_q_bucket * key.seqlen_k_bucket * 4
+    heads_kv = 2 if scores <= ENTRY_CASE_SCORE_BYTES else 1
     mask_shape = MASK_SHAPE_OF_KIND.get(key.mask, "full")
     bias = key.bias.removesuffix("+grad")
     if bias == "shared":
@@ -365,7 +386,8 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
     grouped: dict[tuple, list] = {}
     for entry in entries:
         if entry.key.dtype == dtype_name:
-            default_fwd, default_bwd = default_configs(entry.key.head_dim, device, entry.backend, dtype_name)
+            default_fwd, default_bwd = default_configs(entry.key.head_dim, device, entry.backend, dtype_name,
+                                                       entry.key.bias)
             pair = (entry.config, default_bwd) if entry.key.direction == "fwd" else (default_fwd, entry.config)
             grouped.setdefault((entry.backend, *pair), []).append(entry)
     plan = []
@@ -386,6 +408,24 @@ def _validate_planned(job: tuple) -> SuiteResult:
     return validate(item.backend, item.fwd_config, item.bwd_config, dtype, device, cases=item.cases)
 
 
+def _alone_where_out_of_memory(item: PlannedSuite, result: SuiteResult, dtype: torch.dtype,
+                               device: torch.device | str, on_case) -> SuiteResult:
+    """`result` with each case that ran out of GPU memory beside the other workers run again in
+    this process, the pool gone (a case that does not fit alone stays `oom`)."""
+    if not any(case.status == "oom" for case in result.cases):
+        return result
+    backend = get_backend(item.backend)
+    cases = []
+    for planned, outcome in zip(item.cases, result.cases):
+        if outcome.status == "oom":
+            torch.cuda.empty_cache()
+            outcome = check_case(backend, planned, dtype, device, item.fwd_config, item.bwd_config)
+            if on_case is not None:
+                on_case(outcome)
+        cases.append(outcome)
+    return replace(result, cases=cases)
+
+
 def run_plan(dtype: torch.dtype, device: torch.device | str, plan: list[PlannedSuite],
              on_case: Callable[[CaseResult], None] | None = None) -> list[tuple[str, SuiteResult]]:
     """Validates every planned config pair on its cases, each with its own backend.
@@ -403,12 +443,13 @@ def run_plan(dtype: torch.dtype, device: torch.device | str, plan: list[PlannedS
 
         def report(job, result):
             for case in result.cases:
-                if on_case is not None:
+                if on_case is not None and case.status != "oom":  # reported once run alone
                     on_case(case)
 
         jobs = [(dtype, str(device), item) for item in plan]
         results = parallel_map(_validate_planned, jobs, on_crash=crashed, on_done=report)
-        return [(item.label, result) for item, result in zip(plan, results)]
+        return [(item.label, _alone_where_out_of_memory(item, result, dtype, device, on_case))
+                for item, result in zip(plan, results)]
     return [
         (item.label, validate(item.backend, item.fwd_config, item.bwd_config, dtype, device,
                               on_case=on_case, cases=item.cases))

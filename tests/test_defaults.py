@@ -24,7 +24,7 @@ def _items(config):
 
 def test_the_lowest_geomean_regret_among_qualified_configs_on_every_shape_wins():
     fast, steady, unqualified, partial = (FwdConfig(64, 64, 4, s) for s in (1, 2, 3, 4))
-    times = {("fwd", "bf16", 128): {
+    times = {("fwd", 128, False): {
         ("j", "a"): {_items(fast): 1.0, _items(steady): 1.1, _items(unqualified): 0.5, _items(partial): 0.9},
         ("j", "b"): {_items(fast): 2.0, _items(steady): 1.2, _items(unqualified): 1.0},
     }}
@@ -52,19 +52,43 @@ def test_every_learned_default_passed_the_suite_on_the_current_kernels():
                  for path in learner.VALIDATED for entry in load_table(path).entries}
     learned = defaults.learned_defaults()
     assert learned
-    for (backend, arch, direction, dtype, high), config in learned.items():
-        assert (direction, _items(config)) in validated, (backend, arch, direction, dtype, high)
+    for (backend, arch, direction, dtype, high, bias_rows), config in learned.items():
+        assert (direction, _items(config)) in validated, (backend, arch, direction, dtype, high, bias_rows)
 
 
 def test_learned_defaults_apply_to_their_arch_and_dtype_only():
     learned = defaults.learned_defaults()
     heuristic = {high: (fwd, bwd) for high, fwd, bwd in GPU_DEFAULTS}
-    for low, high, fwd, bwd in default_entries_for("sm90", "triton", "bf16"):
-        assert fwd == learned.get(("triton", "sm90", "fwd", "bf16", high), heuristic[high][0])
-        assert bwd == learned.get(("triton", "sm90", "bwd", "bf16", high), heuristic[high][1])
+    for bias_rows in (False, True):
+        for low, high, fwd, bwd in default_entries_for("sm90", "triton", "bf16", bias_rows=bias_rows):
+            assert fwd == learned.get(("triton", "sm90", "fwd", "bf16", high, bias_rows), heuristic[high][0])
+            assert bwd == learned.get(("triton", "sm90", "bwd", "bf16", high, bias_rows), heuristic[high][1])
     assert default_entries_for("sm90", "triton", "bf16")[1][2:] != heuristic[128]  # D128 learned
     assert default_entries_for("sm90", "triton", "bf16")[2][2:] != heuristic[256]  # D192/D256 learned
     for arch, dtype in (("sm80", "bf16"), ("sm120", "fp16"), ("sm90", None)):
         assert [entry[2:] for entry in default_entries_for(arch, "triton", dtype)] == list(heuristic.values())
     assert default_entries_for(None, "triton", "fp32", gpu=False) == ((8, 256, *INTERPRETER_DEFAULT[1:]),)
     assert all(isinstance(c, (FwdConfig, BwdConfig)) for c in learned.values())
+
+
+def test_a_bias_with_rows_has_defaults_of_its_own():
+    """Its kernels load (and a backward with dBias stores) a tile of bias per block, not a row:
+    the journals' bias-with-rows shapes prefer other tiles, so they form groups of their own, and
+    every call site that knows the key's bias asks for them."""
+    from dmattn_bench.registry import default_configs
+    from dmattn_bench.space import bias_has_rows
+
+    assert [bias_has_rows(k) for k in ("none", "per_key", "per_key+grad", "kv_head", "full+grad", "shared")] == \
+        [False, False, False, True, True, True]
+    learned = defaults.learned_defaults()
+    rows = {key[:5] for key, config in learned.items() if key[5]}
+    assert rows, "the journals hold bias-with-rows shapes"
+    differing = [key for key in rows if learned[(*key, True)] != learned.get((*key, False))]
+    assert differing, "a split that never changes a config would be noise"
+    (backend, arch, direction, dtype, high) = differing[0]
+    assert arch == "sm90"
+    cpu = default_configs(high, "cpu", dtype=dtype, bias="kv_head")  # the interpreter has one default
+    assert cpu == default_configs(high, "cpu", dtype=dtype)
+    index = 0 if direction == "fwd" else 1
+    with_rows = default_entries_for(arch, backend, dtype, bias_rows=True)
+    assert next(e for e in with_rows if e[1] == high)[2 + index] == learned[(*differing[0], True)]

@@ -399,7 +399,12 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     assert counts == {"exact": 16, "nearest bucket": 0, "similar entry": 0, "default": 0, "default (stale table)": 0}
     # drop the L4096 entries of one categorical key: its L1000 entry now serves them by nearest bucket;
     # drop every entry of another: those keys fall back to the defaults
-    in_grid = [e for e in shipped["entries"] if e["key"]["dtype"] == "bf16"]  # the default grid is bf16
+    from dataclasses import asdict
+
+    from dmattn_bench.workloads import load_workloads
+
+    grid = {tuple(sorted(asdict(w.key(d)).items())) for w in load_workloads(workloads) for d in ("fwd", "bwd")}
+    in_grid = [e for e in shipped["entries"] if tuple(sorted(e["key"].items())) in grid]
     first, second = in_grid[0]["key"], in_grid[2]["key"]  # two kinds (sorted by key)
     def same_kind(a, b):
         return all(a[f] == b[f] for f in a if not f.startswith("seqlen"))
@@ -410,15 +415,18 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     result = CliRunner().invoke(show, [_copy(tmp_path / "some.yaml", dict(shipped, entries=kept)),
                                        "--coverage", workloads, "--format", "json"])
     counts = json.loads(result.output)["coverage"]["counts"]
-    assert counts["exact"] == sum(e["key"]["dtype"] == "bf16" for e in kept)
+    assert counts["exact"] == sum(tuple(sorted(e["key"].items())) in grid for e in kept)
     assert counts["nearest bucket"] >= 1 and counts["default"] >= 1
     assert sum(counts.values()) == 16
     full = CliRunner().invoke(show, [_copy(tmp_path / "all2.yaml", shipped), "--coverage", workloads, "--grid", "full",
                                      "--format", "json"])
     counts = json.loads(full.output)["coverage"]["counts"]
-    # the full grid has bf16 and fp16: every shipped entry is one of its keys; its non-causal GQA
-    # keys of the shipped kinds take the causal entries
-    assert counts["exact"] == len(shipped["entries"]) and counts["nearest bucket"] > 0 and counts["default"] > counts["exact"]
+    # the full grid has bf16 and fp16: each shipped entry of its keys serves it exactly; its
+    # non-causal GQA keys of the shipped kinds take the causal entries
+    full_grid = {tuple(sorted(asdict(w.key(d)).items())) for w in load_workloads(workloads, "full")
+                 for d in ("fwd", "bwd")}
+    assert counts["exact"] == sum(tuple(sorted(e["key"].items())) in full_grid for e in shipped["entries"]) > 16
+    assert counts["nearest bucket"] > 0 and counts["default"] > counts["exact"]
     assert counts["similar entry"] > 0
     # a table whose kernel sources changed serves nothing: the lookup skips it
     stale = _validated_on(shipped, OLD_HASH)

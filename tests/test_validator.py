@@ -11,6 +11,7 @@ import torch
 from dmattn_bench.adversarial import Case, adversarial_cases, build_inputs
 from dmattn_bench.registry import Backend, get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
+from dmattn_bench import validator
 from dmattn_bench.validator import check_case, classify_failure, validate
 
 SMALL_FWD, SMALL_BWD = FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1)
@@ -209,3 +210,43 @@ def test_one_direction_alone_is_checked_on_its_own_tensors():
 
     broken = check_case(_broken(backward=backward), CASE, torch.float32, "cpu", None, SMALL_BWD)
     assert broken.status == "mismatch" and broken.reason.startswith("dk")
+
+
+def test_a_reference_out_of_memory_is_an_oom_case_not_a_crash(monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(validator, "run_reference", out_of_memory)
+    result = _check(REFERENCE)
+    assert (result.status, result.reason.split(":")[0]) == ("oom", "OutOfMemoryError")
+
+
+def test_cases_out_of_memory_beside_other_workers_run_again_alone(monkeypatch):
+    """`verify` runs its planned suites in parallel processes on one GPU: a case whose memory
+    did not fit beside theirs runs again afterwards in the parent; the others keep their result
+    and progress counts each case once."""
+    cases = [dataclasses.replace(CASE, name=name) for name in ("small", "large")]
+    item = validator.PlannedSuite("pair", "reference", SMALL_FWD, SMALL_BWD, cases)
+    first = validator.SuiteResult("reference", SMALL_FWD, SMALL_BWD, "float32",
+                                  [validator.CaseResult("small", "ok", ""), validator.CaseResult("large", "oom", "OOM")])
+    rerun = []
+    monkeypatch.setattr(validator, "check_case", lambda backend, case, *a, **k: rerun.append(case.name) or
+                        validator.CaseResult(case.name, "ok", ""))
+    reported = []
+    result = validator._alone_where_out_of_memory(item, first, torch.float32, "cpu", reported.append)
+    assert rerun == ["large"]
+    assert [(c.case, c.status) for c in result.cases] == [("small", "ok"), ("large", "ok")]
+    assert [c.case for c in reported] == ["large"]
+
+
+def test_entry_cases_of_long_keys_have_one_kv_head():
+    """A table entry's case is shaped like its key; at L16384 the fp32 reference's scores of
+    two KV heads' worth of query heads would not fit one GPU beside the rest of the reference."""
+    from dmattn_bench.space import TableKey
+
+    def key(length, gqa):
+        return TableKey("fwd", "bf16", 128, True, "kv_head", "per_key", gqa, length, length)
+
+    long_case, short_case = validator.entry_case(key(16384, 8)), validator.entry_case(key(4096, 4))
+    assert (long_case.heads_kv, long_case.heads, long_case.seqlen_k) == (1, 8, 16384)
+    assert (short_case.heads_kv, short_case.heads) == (2, 8)

@@ -284,7 +284,7 @@ class Dispatcher:
     def _default(key: TableKey, device) -> Choice:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        fwd, bwd = default_configs(key.head_dim, device, dtype=key.dtype)
+        fwd, bwd = default_configs(key.head_dim, device, dtype=key.dtype, bias=key.bias)
         return Choice(DEFAULT_BACKEND, fwd if key.direction == "fwd" else bwd, "default")
 
     def _usable(self, path: str, local: DeviceFingerprint) -> _Usable | None:
