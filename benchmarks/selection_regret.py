@@ -14,7 +14,7 @@ that key over the fastest candidate's (1.0: the best). Choices compared:
   the nearest lengths, else the most similar within `lookup.SIMILAR_WITHIN`), else the learned
   default as above.
 
-    python benchmarks/selection_regret.py > results/regret/sm90-journals.md
+    python benchmarks/selection_regret.py   # a section of results/regret/h100-held-out.md
 
 The timings are the journals' (their kernels and GPUs); a config a key did not time counts as
 missing, not as a regret.
