@@ -1,20 +1,20 @@
 """Selection regret on held-out shapes, offline, from the committed sm90 trial journals.
 
 Each journal key (one GPU's tune of one workload and direction, every candidate timed) is held
-out in turn, with that workload's keys on the other GPUs; a choice for it is made without them,
-and its regret is the chosen config's time on
-that key over the fastest candidate's (1.0: the best). Choices compared:
+out in turn, with its shape's keys on the other GPUs and in the other dtype; a choice for it is
+made without them, and its regret is the chosen config's time on that key over the fastest
+candidate's (1.0: the best). Choices compared:
 - heuristic: `registry.GPU_DEFAULTS` for the key's head-dim class;
-- learned: `dmattn_bench.defaults.learn` on the other workloads' keys of the group (direction,
-  head-dim class, bias with rows or not; both 16-bit dtypes), among the configs of the validated tables (what `configs/defaults.yaml`
-  is, re-learned without the held-out workload);
+- learned: `dmattn_bench.defaults.learn` on the other shapes' keys of the group (direction,
+  head-dim class, bias with rows or not; both 16-bit dtypes), among the configs of the validated
+  tables (what `configs/defaults.yaml` is, re-learned without the held-out shape);
 - nearest entry: the winner of the most similar other key of the same GPU's journal (what a
   table holding every other key would offer), by the distance `similarity_distance`;
 - runtime: what `dispatch.lookup` picks from such a table (an entry of the key's categories at
   the nearest lengths, else the most similar within `lookup.SIMILAR_WITHIN`), else the learned
   default as above.
 
-    python benchmarks/selection_regret.py   # a section of results/regret/h100-held-out.md
+    python benchmarks/selection_regret.py
 
 The timings are the journals' (their kernels and GPUs); a config a key did not time counts as
 missing, not as a regret.
@@ -71,16 +71,22 @@ def runtime_choice(key: TableKey, entries: list[Entry], default):
     return entry.config if entry is not None else default
 
 
+def _shape(workload: str) -> str:
+    """A workload's label without its leading dtype."""
+    return workload.split(" ", 1)[1]
+
+
 def held_out_regrets(keys, qualified) -> list[dict]:
     rows = []
     for held, (key, times) in keys.items():
         best = min(times.values())
         high = defaults.head_dim_class(key["head_dim"])
         group = (key["direction"], high, bias_has_rows(key["bias"]))
-        # the workload is held out on every GPU: the other GPU's run of it would leak its answer
+        # the shape is held out on every GPU and in every dtype: another GPU's run of it, or its run
+        # in the other dtype (the learned defaults pool bf16 and fp16), would leak its answer
         others = {(name, workload): t for (name, workload, direction), (k, t) in keys.items()
-                  if workload != held[1] and (k["direction"], defaults.head_dim_class(k["head_dim"]),
-                                              bias_has_rows(k["bias"])) == group}
+                  if _shape(workload) != _shape(held[1])
+                  and (k["direction"], defaults.head_dim_class(k["head_dim"]), bias_has_rows(k["bias"])) == group}
         learned = defaults.learn({group: others}, qualified).get(group) if others else None
         heuristic = next(fwd if key["direction"] == "fwd" else bwd for h, fwd, bwd in GPU_DEFAULTS if h == high)
         near = [(similarity_distance(key, k), min(t, key=t.get)) for other, (k, t) in keys.items()
@@ -117,7 +123,7 @@ def main() -> None:
     print("| choice | geomean regret | worst regret | keys that did not time the choice |")
     print("|---|---|---|---|")
     for name, label in (("heuristic", "heuristic default (registry.GPU_DEFAULTS)"),
-                        ("learned", "learned default, re-learned without the workload (configs/defaults.yaml)"),
+                        ("learned", "learned default, re-learned without the shape (configs/defaults.yaml)"),
                         ("nearest", "nearest other key's winner, same GPU (similarity_distance)"),
                         ("runtime", "the runtime's lookup (dispatch.lookup), a table of the journal's other keys, "
                                     "else the learned default")):

@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
 # The shipped table of this GPU, in steps that fit a time-limited session:
 #   tune          the `shipped` grid of configs/workloads/default.yaml (bf16 + fp16), resuming
-#                 from results/tune/NAME-shipped-grid.trials.jsonl when it exists; stopped with
-#                 SIGINT after TUNE_SECONDS, the journal keeps every finished trial. A finished
-#                 tune writes results/tables/<this GPU's slug>.yaml.
+#                 from results/tune/NAME-shipped-grid.trials.jsonl when it exists and writing the
+#                 journal back there; stopped with SIGINT after $TUNE_SECONDS (default 540), the
+#                 journal keeps every finished trial. A finished tune writes
+#                 results/tables/<this GPU's slug>.yaml.
 #   verify-bf16   `verify --suite full --restamp` of that table in bf16 (and verify-fp16).
-#   learn-defaults  configs/defaults.yaml learned again (benchmarks/learn_defaults.py), so the
-#                 configs of the table just verified qualify.
+#   learn-defaults  configs/defaults.yaml learned again from the journals and validated tables
+#                 benchmarks/learn_defaults.py lists (the H100's), so a verified H100 table's
+#                 configs qualify.
 #   held_out, held_out_b  a grid of held-out shapes (configs/workloads/held-out.yaml), tuned on
 #                 their own: the tune's JSON reports each key's regret of the runtime's choice today.
 #
-#   bash benchmarks/shipped_table.sh NAME OUT_DIR STEP... [TUNE_SECONDS=540]
+#   [TUNE_SECONDS=540] bash benchmarks/shipped_table.sh NAME OUT_DIR STEP...
 #
 # Writes to OUT_DIR: NAME-shipped-grid.trials.jsonl, the table, tune.json, <grid>.json,
-# <grid>.trials.jsonl, verify-<dtype>.txt, and a log per step (stderr). Copy the journal and
-# the table back to results/ to resume or ship them.
+# <grid>.trials.jsonl, verify-<dtype>.txt, and a log per step (stderr). On a lent machine, copy
+# the journal and the table back to this checkout's results/ to resume or ship them.
 set -u
 name=$1; mkdir -p "$2"; out=$(realpath "$2"); shift 2
+for step in "$@"; do
+  case $step in tune|verify-bf16|verify-fp16|learn-defaults|held_out*) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+done
 cd "$(dirname "$0")/.."
 tune_seconds=${TUNE_SECONDS:-540}
 slug=$(python3 -c "from dmattn_bench.hardware import device_fingerprint; print(device_fingerprint('cuda').slug())")
 table=results/tables/$slug.yaml
 journal=results/tune/$name-shipped-grid.trials.jsonl
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 for step in "$@"; do
   start=$(date +%s)
   case $step in
@@ -32,7 +38,8 @@ for step in "$@"; do
       timeout -s INT "$tune_seconds" python3 -m dmattn_bench tune --grid shipped --dtype bf16 --dtype fp16 \
           --out "$work/table.yaml" "${resume[@]}" --format json > "$out/tune.json" 2> "$out/tune.log"
       status=$?
-      cp "$work/table.yaml.trials.jsonl" "$out/$(basename "$journal")"
+      cp "$work/table.yaml.trials.jsonl" "$journal"
+      cp "$journal" "$out/"
       if [ $status -eq 0 ]; then cp "$work/table.yaml" "$table"; cp "$table" "$out/"; fi ;;
     verify-bf16|verify-fp16)
       python3 -m dmattn_bench verify --table "$table" --suite full --dtype "${step#verify-}" --restamp \
@@ -48,7 +55,6 @@ for step in "$@"; do
           --out "$work/$step.yaml" --format json > "$out/$step.json" 2> "$out/$step.log"
       status=$?
       cp "$work/$step.yaml.trials.jsonl" "$out/$step.trials.jsonl" ;;
-    *) echo "unknown step: $step" >&2; exit 2 ;;
   esac
   echo "$step: exit $status, $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"
   [ $status -eq 0 ] || break  # a later step would use a table or defaults this one did not finish

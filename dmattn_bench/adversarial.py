@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from dmattn_bench.space import operand_kind
+
 MASK_KINDS = ("none", "random", "dead_rows", "all_false", "corner", "tile_holes", "window")
 MASK_SHAPES = ("full", "kv_head", "key")  # (B,H,Lq,Lk), (B,Hkv,Lq,Lk), (B,1,1,Lk)
 # workload/table mask kind -> the builder's mask shape (a "per_key" mask is the key-only one)
@@ -116,6 +118,14 @@ def _mask_shape(case: Case) -> tuple[int, int, int, int]:
 def _bias_shape(case: Case) -> tuple[int, int, int, int]:
     b, h, hkv, lq, lk = case.batch, case.heads, case.heads_kv, case.seqlen_q, case.seqlen_k
     return {"full": (b, h, lq, lk), "kv_head": (b, hkv, lq, lk), "per_key": (b, hkv, 1, lk)}[case.bias]
+
+
+def bias_kind(case: Case) -> str:
+    """The `TableKey` bias kind a call of this case looks up (`space.operand_kind` of its bias as
+    the kernels see it: a per-key bias of a one-row query has rows); "+grad" left out."""
+    if case.bias == "none":
+        return "none"
+    return operand_kind(_bias_shape(case), case.heads, case.heads_kv, case.seqlen_q)
 
 
 def specialization_class(case: Case, dtype: str) -> tuple:

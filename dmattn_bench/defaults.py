@@ -1,15 +1,13 @@
 """Default tile configs learned from the committed trial journals: the config with the lowest
 selection regret across the tuned shapes, per arch family, direction, head-dim class and whether
 the bias has rows (`space.bias_has_rows`). The 16-bit dtypes share a group: the kernels are the
-same and Hopper's tensor cores run bf16 and fp16 at one rate, so each dtype's shapes inform the
-other's tiles (on the held-out journal keys of `benchmarks/selection_regret.py`, split by dtype the
-rows groups were too thin to learn from).
+same and Hopper's tensor cores run bf16 and fp16 at one rate, so a dtype tuned on fewer shapes
+(the peer journals are bf16 only) learns from the other's.
 
 A shape's regret for a config is its median time over the fastest config's on that shape (1.0:
 the config was the best). Within a group (arch family, direction, head-dim class, bias with rows
-or not) only
-configs timed on every shape of the group compete, and only configs that passed the full
-adversarial suite on the current kernels qualify (the entries of a validated shipped table);
+or not) only configs timed on every shape of the group compete, and only configs that passed the
+full adversarial suite on the current kernels qualify (the entries of a validated shipped table);
 the winner has the lowest geometric-mean regret, ties going to the lower worst regret.
 
 `configs/defaults.yaml` holds the result with its evidence (shapes, geometric-mean and worst
@@ -74,11 +72,13 @@ def timed_trials(journals: list[Path], backend: str = "triton"):
 
 def read_journal_times(journals: list[Path], backend: str = "triton") -> dict[tuple, dict[tuple, dict[tuple, float]]]:
     """{(direction, head-dim class, bias has rows): {shape: {config items: median ms}}} of
-    `timed_trials`; a shape is (journal, workload) so two GPUs' runs of a workload stay apart (a
-    workload names its dtype)."""
+    `timed_trials` of the `POOLED_DTYPES`; a shape is (journal, workload) so two GPUs' runs of a
+    workload stay apart (a workload names its dtype)."""
     groups: dict[tuple, dict[tuple, dict[tuple, float]]] = {}
     for name, trial, config in timed_trials(journals, backend):
         key = trial["key"]
+        if key["dtype"] not in POOLED_DTYPES:
+            continue
         group = (key["direction"], head_dim_class(key["head_dim"]), bias_has_rows(key["bias"]))
         groups.setdefault(group, {}).setdefault((name, trial["workload"]), {})[config] = trial["median_ms"]
     return groups

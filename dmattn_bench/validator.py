@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from dmattn_bench import plan, reference
-from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, build_inputs
+from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, bias_kind, build_inputs
 from dmattn_bench.registry import Backend, default_configs, default_entries, get_backend
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, as_4d, bias_has_rows, config_label
 
@@ -346,7 +346,7 @@ def plan_default_configs(device: torch.device | str, suite: str, backend: str = 
     for bias_rows in (False, True):
         for low, high, fwd, bwd in default_entries(device, backend, dtype, bias_rows):
             cases = [c for c in adversarial_cases(suite, config_tiles(fwd, bwd))
-                     if low <= c.head_dim <= high and bias_has_rows(c.bias) == bias_rows]
+                     if low <= c.head_dim <= high and bias_has_rows(bias_kind(c)) == bias_rows]
             if cases:
                 label = f"D {low}-{high}, bias {'with' if bias_rows else 'without'} rows"
                 plan.append(PlannedSuite(label, backend, fwd, bwd, cases))
@@ -358,9 +358,10 @@ ENTRY_CASE_SCORE_BYTES = 2 << 30  # above this, an entry case has one KV head (f
 
 def entry_case(key, batch: int = 1) -> Case:
     """A case with the shape and features of a dispatch-table key (lengths = the buckets): two KV
-    heads, or one where the fp32 reference's (heads, Lq, Lk) scores would pass
+    heads, or one where the fp32 reference's (batch, heads, Lq, Lk) scores would pass
     `ENTRY_CASE_SCORE_BYTES` (an L16384 key's reference then fits one GPU)."""
-    scores = 2 * key.gqa_ratio * key.seqlen_q_bucket * key.seqlen_k_bucket * 4
+    fp32_bytes = 4
+    scores = batch * 2 * key.gqa_ratio * key.seqlen_q_bucket * key.seqlen_k_bucket * fp32_bytes
     heads_kv = 2 if scores <= ENTRY_CASE_SCORE_BYTES else 1
     mask_shape = MASK_SHAPE_OF_KIND.get(key.mask, "full")
     bias = key.bias.removesuffix("+grad")

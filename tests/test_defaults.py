@@ -73,22 +73,40 @@ def test_learned_defaults_apply_to_their_arch_and_dtype_only():
 
 def test_a_bias_with_rows_has_defaults_of_its_own():
     """Its kernels load (and a backward with dBias stores) a tile of bias per block, not a row:
-    the journals' bias-with-rows shapes prefer other tiles, so they form groups of their own, and
-    every call site that knows the key's bias asks for them."""
-    from dmattn_bench.registry import default_configs
+    the journals' bias-with-rows shapes prefer other tiles, so they form groups of their own."""
     from dmattn_bench.space import bias_has_rows
 
     assert [bias_has_rows(k) for k in ("none", "per_key", "per_key+grad", "kv_head", "full+grad", "shared")] == \
         [False, False, False, True, True, True]
     learned = defaults.learned_defaults()
-    rows = {key[:5] for key, config in learned.items() if key[5]}
-    assert rows, "the journals hold bias-with-rows shapes"
-    differing = [key for key in rows if learned[(*key, True)] != learned.get((*key, False))]
+    differing = sorted(key[:5] for key, config in learned.items() if key[5] and config != learned.get((*key[:5], False)))
     assert differing, "a split that never changes a config would be noise"
-    (backend, arch, direction, dtype, high) = differing[0]
-    assert arch == "sm90"
-    cpu = default_configs(high, "cpu", dtype=dtype, bias="kv_head")  # the interpreter has one default
-    assert cpu == default_configs(high, "cpu", dtype=dtype)
-    index = 0 if direction == "fwd" else 1
-    with_rows = default_entries_for(arch, backend, dtype, bias_rows=True)
-    assert next(e for e in with_rows if e[1] == high)[2 + index] == learned[(*differing[0], True)]
+    backend, arch, direction, dtype, high = differing[0]
+    with_rows = next(e for e in default_entries_for(arch, backend, dtype, bias_rows=True) if e[1] == high)
+    assert with_rows[2 if direction == "fwd" else 3] == learned[(*differing[0], True)]
+
+
+def test_every_caller_that_knows_the_key_asks_for_the_default_of_its_bias(monkeypatch):
+    """The tuner's default candidate, the dispatcher's default, a forced backend's plan and the
+    verify pairing of a table entry all ask `default_configs` with the key's bias kind."""
+    from dmattn_bench import plan, tuner, validator
+    from dmattn_bench.dispatch import lookup
+    from dmattn_bench.dispatch.table import Entry
+    from dmattn_bench.workloads import Workload
+
+    asked = []
+
+    def spy(head_dim, device, backend="triton", dtype=None, bias="none"):
+        asked.append(bias)
+        return FwdConfig(64, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2)
+
+    for module in (tuner, lookup, plan, validator):
+        monkeypatch.setattr(module, "default_configs", spy)
+    workload = Workload(1, 8, 2, 256, 256, 64, False, "kv_head", "kv_head", True, "bf16")
+    key = workload.key("bwd")
+    assert key.bias == "kv_head+grad"
+    tuner.candidate_list("bwd", [], workload, "cpu")
+    lookup.Dispatcher._default(key, "cpu")
+    plan._choose(key, "cpu", 64, "triton", None, None, None)
+    validator.plan_table_entries([Entry(key, "triton", BwdConfig(32, 64, 64, 64, 4, 2), {})], "bf16", "cpu", "quick")
+    assert asked == [key.bias] * 4

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from dmattn_bench import validator
 from dmattn_bench.adversarial import Case, adversarial_cases, build_inputs
 from dmattn_bench.registry import Backend, get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
-from dmattn_bench import validator
 from dmattn_bench.validator import check_case, classify_failure, validate
 
 SMALL_FWD, SMALL_BWD = FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1)
@@ -225,18 +225,27 @@ def test_cases_out_of_memory_beside_other_workers_run_again_alone(monkeypatch):
     """`verify` runs its planned suites in parallel processes on one GPU: a case whose memory
     did not fit beside theirs runs again afterwards in the parent; the others keep their result
     and progress counts each case once."""
+    from dmattn_bench import workers
+
     cases = [dataclasses.replace(CASE, name=name) for name in ("small", "large")]
     item = validator.PlannedSuite("pair", "reference", SMALL_FWD, SMALL_BWD, cases)
-    first = validator.SuiteResult("reference", SMALL_FWD, SMALL_BWD, "float32",
-                                  [validator.CaseResult("small", "ok", ""), validator.CaseResult("large", "oom", "OOM")])
-    rerun = []
-    monkeypatch.setattr(validator, "check_case", lambda backend, case, *a, **k: rerun.append(case.name) or
+    in_pool = validator.SuiteResult("reference", SMALL_FWD, SMALL_BWD, "float32",
+                                    [validator.CaseResult("small", "ok", ""), validator.CaseResult("large", "oom", "OOM")])
+
+    def pool(fn, jobs, on_crash, on_done):
+        for job in jobs:
+            on_done(job, in_pool)
+        return [in_pool for _ in jobs]
+
+    alone = []
+    monkeypatch.setattr(workers, "parallel_map", pool)
+    monkeypatch.setattr(validator, "check_case", lambda backend, case, *a, **k: alone.append(case.name) or
                         validator.CaseResult(case.name, "ok", ""))
     reported = []
-    result = validator._alone_where_out_of_memory(item, first, torch.float32, "cpu", reported.append)
-    assert rerun == ["large"]
+    (label, result), _ = validator.run_plan(torch.float32, "cuda", [item, item], on_case=reported.append)
+    assert alone == ["large", "large"]
     assert [(c.case, c.status) for c in result.cases] == [("small", "ok"), ("large", "ok")]
-    assert [c.case for c in reported] == ["large"]
+    assert sorted(c.case for c in reported) == ["large", "large", "small", "small"]
 
 
 def test_entry_cases_of_long_keys_have_one_kv_head():
@@ -250,3 +259,16 @@ def test_entry_cases_of_long_keys_have_one_kv_head():
     long_case, short_case = validator.entry_case(key(16384, 8)), validator.entry_case(key(4096, 4))
     assert (long_case.heads_kv, long_case.heads, long_case.seqlen_k) == (1, 8, 16384)
     assert (short_case.heads_kv, short_case.heads) == (2, 8)
+
+
+def test_verify_checks_each_default_on_the_cases_the_runtime_sends_it():
+    """The defaults of a bias with rows answer for the suite cases whose bias the runtime names so
+    (`adversarial.bias_kind`): a per-key bias of a one-row query has rows."""
+    from dmattn_bench.adversarial import bias_kind
+
+    plan = validator.plan_default_configs("cpu", "quick")
+    with_rows = {c.name for item in plan if item.label.endswith("with rows") for c in item.cases}
+    without = {c.name for item in plan if item.label.endswith("without rows") for c in item.cases}
+    decode = next(c for c in adversarial_cases("quick", [(16, 16)]) if c.seqlen_q == 1 and c.bias == "per_key")
+    assert bias_kind(decode) == "full" and decode.name in with_rows and decode.name not in without
+    assert with_rows and without and not with_rows & without

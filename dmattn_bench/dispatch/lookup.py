@@ -2,8 +2,9 @@
 
 A table is chosen by, in order: a `table=` argument to `choose` or `use_table(path)`; the
 `DMATTN_BENCH_TABLE` environment variable; the table shipped in `results/tables/` for this device;
-else the default of `registry.default_configs` (learned from the trials for the GPU's arch and
-the key's dtype where `configs/defaults.yaml` has one, else heuristic). A table that cannot be used (unreadable,
+else the default of `registry.default_configs` (learned from the trials for the GPU's arch, the
+key's direction, head dim and bias kind where `configs/defaults.yaml` has one, else heuristic).
+A table that cannot be used (unreadable,
 invalid, tuned on another device) never breaks a call: it is skipped with one `DispatchWarning`
 per (file, reason) per process, and the next source is tried. So are a backend's entries when the
 table is stale for it: some dtype of them was not validated on the kernel sources installed here
@@ -90,8 +91,8 @@ class _Usable:
 SIMILARITY_WEIGHTS = dict(head_dim=2.0, gqa_ratio=0.5, mask=1.0, bias=1.0, causal=0.5, seqlen=0.25)
 # How similar an entry of other categories must be to stand in for a key (`most_similar`): 0.5
 # lets the causal flag or one octave of GQA ratio differ at the same length buckets. Chosen on
-# the held-out journal keys of `benchmarks/selection_regret.py` (with the defaults of then: 0.5
-# cut the worst regret from 1.549 to 1.287, 1.0 raised it to 1.566).
+# the held-out journal keys of `benchmarks/selection_regret.py`, where 0 (categories only) and
+# 1.0 each gave a worse worst-case regret.
 SIMILAR_WITHIN = 0.5
 
 
