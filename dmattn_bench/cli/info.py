@@ -35,9 +35,14 @@ def _environment() -> dict:
     else:
         doc["gpu"] = None
     doc["active_table"], doc["active_table_note"] = _table_in_use("cuda" if doc["gpu"] else "cpu")
+    # what a key with no table entry runs: on a GPU per dtype and bias kind (the learned defaults)
+    device = "cuda" if doc["gpu"] else "cpu"
     doc["default_configs"] = [
-        {"head_dims": f"{low}-{high}", "fwd": fwd.to_dict(), "bwd": bwd.to_dict()}
-        for low, high, fwd, bwd in default_entries("cuda" if doc["gpu"] else "cpu")
+        {"dtype": dtype, "bias": "with rows" if bias_rows else "without rows", "head_dims": f"{low}-{high}",
+         "fwd": fwd.to_dict(), "bwd": bwd.to_dict()}
+        for dtype in (("bf16", "fp16") if doc["gpu"] else (None,)) for bias_rows in (False, True)
+        for low, high, fwd, bwd in default_entries(device, "triton", dtype, bias_rows)
+        if doc["gpu"] or not bias_rows  # the interpreter has one default
     ]
     return doc
 
@@ -116,5 +121,6 @@ def info(measure_dispatch: bool, fmt: str) -> None:
     if "dispatch_overhead_us" in doc:
         table.add_row("dispatch overhead", f"{doc['dispatch_overhead_us']} µs per call to find its launch plan")
     for entry in doc["default_configs"]:
-        table.add_row(f"default D {entry['head_dims']}", f"fwd {entry['fwd']}  bwd {entry['bwd']}")
+        scope = f" {entry['dtype']}, bias {entry['bias']}" if entry["dtype"] else ""
+        table.add_row(f"default D {entry['head_dims']}{scope}", f"fwd {entry['fwd']}  bwd {entry['bwd']}")
     output.render(doc, [table], fmt)
