@@ -85,7 +85,7 @@ def main() -> None:
     for (workload, direction), (key, times) in sorted(read_shapes(args.journal).items()):
         choice = dispatcher.choose(key, "cuda", table=args.table, env=None)
         best = min(times, key=times.get)
-        chosen = times.get(tuple(sorted(choice.config.to_dict().items())))
+        chosen = times.get(defaults.config_items(choice.config))
         regret = chosen / times[best] if chosen is not None else None
         rows.append((source_of(choice, key, table_keys), regret, workload, direction, config_label(choice.config),
                      config_label(type(choice.config)(**dict(best)))))

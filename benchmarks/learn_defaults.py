@@ -16,7 +16,6 @@ from pathlib import Path
 import yaml
 
 from dmattn_bench import defaults
-from dmattn_bench.dispatch import load_table
 from dmattn_bench.registry import GPU_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,13 +44,12 @@ HEADER = """\
 def build(journals: list[Path], validated: list[Path], arch: str) -> dict:
     """The document `configs/defaults.yaml` holds (module docstring)."""
     times = defaults.read_journal_times(journals)
-    qualified = {(entry.key.direction, tuple(sorted(entry.config.to_dict().items())))
-                 for path in validated for entry in load_table(path).entries if entry.backend == "triton"}
+    qualified = defaults.qualified_configs(validated)
     heuristics = {high: (fwd, bwd) for high, fwd, bwd in GPU_DEFAULTS}
     groups = []
     for (direction, high, bias_rows), learned in defaults.learn(times, qualified).items():
         heuristic = heuristics[high][0 if direction == "fwd" else 1]
-        items = tuple(sorted(heuristic.to_dict().items()))
+        items = defaults.config_items(heuristic)
         shapes = times[(direction, high, bias_rows)]
         evidence = {}
         if all(items in by_config for by_config in shapes.values()):

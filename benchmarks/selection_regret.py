@@ -34,15 +34,11 @@ from dmattn_bench import defaults  # noqa: E402
 from dmattn_bench.dispatch import lookup  # noqa: E402
 from dmattn_bench.dispatch.table import Entry  # noqa: E402
 from dmattn_bench.registry import GPU_DEFAULTS  # noqa: E402
-from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, bias_has_rows  # noqa: E402
+from dmattn_bench.space import BwdConfig, FwdConfig, TableKey  # noqa: E402
 
 def similarity_distance(a: dict, b: dict) -> float | None:
     """`lookup.similarity_distance` of two journal keys (dicts)."""
     return lookup.similarity_distance(TableKey(**a), TableKey(**b))
-
-
-def _items(config) -> tuple:
-    return tuple(sorted(config.to_dict().items()))
 
 
 def read_keys(journals: list[Path]) -> dict[tuple, tuple[dict, dict[tuple, float]]]:
@@ -64,10 +60,7 @@ def table_of(keys, held: tuple) -> list[Entry]:
 
 def runtime_choice(key: TableKey, entries: list[Entry], default):
     """What `lookup.table_entry` picks for `key` from a table of `entries`, else `default`."""
-    by_category: dict[tuple, tuple[Entry, ...]] = {}
-    for entry in entries:
-        by_category[entry.key.categorical()] = by_category.get(entry.key.categorical(), ()) + (entry,)
-    entry = lookup.table_entry(key, by_category)
+    entry = lookup.table_entry(key, lookup.by_category(entries))
     return entry.config if entry is not None else default
 
 
@@ -80,24 +73,23 @@ def held_out_regrets(keys, qualified) -> list[dict]:
     rows = []
     for held, (key, times) in keys.items():
         best = min(times.values())
-        high = defaults.head_dim_class(key["head_dim"])
-        group = (key["direction"], high, bias_has_rows(key["bias"]))
+        group = defaults.group_of(key)
         # the shape is held out on every GPU and in every dtype: another GPU's run of it, or its run
         # in the other dtype (the learned defaults pool bf16 and fp16), would leak its answer
         others = {(name, workload): t for (name, workload, direction), (k, t) in keys.items()
                   if _shape(workload) != _shape(held[1])
-                  and (k["direction"], defaults.head_dim_class(k["head_dim"]), bias_has_rows(k["bias"])) == group}
+                  and defaults.group_of(k) == group}
         learned = defaults.learn({group: others}, qualified).get(group) if others else None
-        heuristic = next(fwd if key["direction"] == "fwd" else bwd for h, fwd, bwd in GPU_DEFAULTS if h == high)
+        heuristic = next(fwd if key["direction"] == "fwd" else bwd for h, fwd, bwd in GPU_DEFAULTS if h == group[1])
         near = [(similarity_distance(key, k), min(t, key=t.get)) for other, (k, t) in keys.items()
                 if other != held and other[0] == held[0] and similarity_distance(key, k) is not None]
         distance, nearest = min(near) if near else (None, None)
         regret = lambda items: times[items] / best if items in times else None  # noqa: E731
         runtime = runtime_choice(TableKey(**key), table_of(keys, held), learned.config if learned else heuristic)
-        rows.append(dict(key=held, heuristic=regret(_items(heuristic)),
-                         learned=regret(_items(learned.config)) if learned else None,
+        rows.append(dict(key=held, heuristic=regret(defaults.config_items(heuristic)),
+                         learned=regret(defaults.config_items(learned.config)) if learned else None,
                          nearest=regret(nearest) if nearest else None, distance=distance,
-                         runtime=regret(_items(runtime))))
+                         runtime=regret(defaults.config_items(runtime))))
     return rows
 
 
@@ -109,9 +101,7 @@ def _summary(values: list[float | None]) -> str:
 
 def main() -> None:
     journals, tables = learn_defaults.JOURNALS, learn_defaults.VALIDATED
-    from dmattn_bench.dispatch import load_table
-
-    qualified = {(e.key.direction, _items(e.config)) for path in tables for e in load_table(path).entries}
+    qualified = defaults.qualified_configs(tables)
     rows = held_out_regrets(read_keys(journals), qualified)
     root = learn_defaults.ROOT
     print("# Selection regret on held-out shapes (sm90, offline from the committed journals)\n")

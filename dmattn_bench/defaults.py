@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from dmattn_bench.dispatch.table import load_table
 from dmattn_bench.space import CONFIGS_DIR, BwdConfig, FwdConfig, bias_has_rows, load_yaml
 
 DEFAULTS_FILE = CONFIGS_DIR / "defaults.yaml"
@@ -55,6 +56,23 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def config_items(config: FwdConfig | BwdConfig) -> tuple:
+    """A config as the hashable (field, value) items the journals' times are keyed by."""
+    return tuple(sorted(config.to_dict().items()))
+
+
+def group_of(key: dict) -> tuple:
+    """The group a journal key's shape informs: (direction, head-dim class, bias has rows)."""
+    return key["direction"], head_dim_class(key["head_dim"]), bias_has_rows(key["bias"])
+
+
+def qualified_configs(tables) -> set[tuple]:
+    """(direction, config items) of every Triton entry of these validated tables: the configs a
+    learned default may be."""
+    return {(entry.key.direction, config_items(entry.config))
+            for path in tables for entry in load_table(path).entries if entry.backend == "triton"}
+
+
 def regrets(times: dict[tuple, dict[tuple, float]], config: tuple) -> list[float]:
     """Per shape of `times` ({shape: {config items: median ms}}), `config`'s time over the best."""
     return [by_config[config] / min(by_config.values()) for by_config in times.values()]
@@ -79,8 +97,7 @@ def read_journal_times(journals: list[Path], backend: str = "triton") -> dict[tu
         key = trial["key"]
         if key["dtype"] not in POOLED_DTYPES:
             continue
-        group = (key["direction"], head_dim_class(key["head_dim"]), bias_has_rows(key["bias"]))
-        groups.setdefault(group, {}).setdefault((name, trial["workload"]), {})[config] = trial["median_ms"]
+        groups.setdefault(group_of(key), {}).setdefault((name, trial["workload"]), {})[config] = trial["median_ms"]
     return groups
 
 

@@ -6,6 +6,7 @@ import os
 import platform
 import shutil
 import warnings
+from itertools import product
 from pathlib import Path
 
 import click
@@ -40,9 +41,8 @@ def _environment() -> dict:
     doc["default_configs"] = [
         {"dtype": dtype, "bias": "with rows" if bias_rows else "without rows", "head_dims": f"{low}-{high}",
          "fwd": fwd.to_dict(), "bwd": bwd.to_dict()}
-        for dtype in (("bf16", "fp16") if doc["gpu"] else (None,)) for bias_rows in (False, True)
+        for dtype, bias_rows in (product(("bf16", "fp16"), (False, True)) if doc["gpu"] else [(None, False)])
         for low, high, fwd, bwd in default_entries(device, "triton", dtype, bias_rows)
-        if doc["gpu"] or not bias_rows  # the interpreter has one default
     ]
     return doc
 

@@ -129,6 +129,14 @@ def most_similar(key: TableKey, entries) -> Entry | None:
     return min(scored)[-1] if scored else None
 
 
+def by_category(entries) -> dict[tuple, tuple[Entry, ...]]:
+    """`entries` grouped by `TableKey.categorical`, each group in the entries' order."""
+    groups: dict[tuple, list[Entry]] = {}
+    for entry in entries:
+        groups.setdefault(entry.key.categorical(), []).append(entry)
+    return {category: tuple(group) for category, group in groups.items()}
+
+
 def table_entry(key: TableKey, by_category: dict[tuple, tuple[Entry, ...]]) -> Entry | None:
     """The entry a table (its entries grouped by `TableKey.categorical`) offers `key`: one of its
     categories at the nearest lengths, else the most similar one within reach, else None."""
@@ -329,11 +337,7 @@ class Dispatcher:
             stale = {backend: tuple(d for d, state in per_dtype.items() if state != "current")
                      for backend, per_dtype in validation_status(table).items()}
             stale = {backend: dtypes for backend, dtypes in stale.items() if dtypes}
-            groups: dict[tuple, list[Entry]] = {}
-            for entry in table.entries:
-                if entry.backend not in stale:
-                    groups.setdefault(entry.key.categorical(), []).append(entry)
-            result = _Usable(table, {k: tuple(v) for k, v in groups.items()}, stale)
+            result = _Usable(table, by_category(e for e in table.entries if e.backend not in stale), stale)
         self._tables[cache_key] = (signature, result)
         return result
 
