@@ -140,6 +140,8 @@ DBIAS_CASES = [
     pytest.param("BK1L", F16, F16, (FWD_WIDE, BWD_WIDE), id="BK1L-gqa-fp16"),
     pytest.param("B11L", F32, F32, (FWD_SMALL, BWD_SMALL), id="B11L-fp32"),
     pytest.param("11L1", F16, F32, (FWD_SMALL, BWD_WIDE), id="11L1-fp16q-fp32bias"),
+    # every dim summed: batch, heads, rows of query blocks and keys in one program
+    pytest.param("1K11", F32, F32, (FWD_SMALL, BWD_SMALL), id="1K11-fp32"),
 ]
 
 

@@ -75,23 +75,25 @@ def _inputs(seed, heads=4, heads_kv=2, seqlen=40, mask=None, bias=None, grad=Fal
 
 
 FWD, LISTS, ACTIVITY = "flash_fwd_kernel", "block_list_kernel", "tile_activity_kernel"
-DELTA, DKDV, DQ, GQA_SUM = "flash_bwd_preprocess_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "gqa_share_sum_kernel"
+PREPROCESS, DKDV, DQ, REDUCE = "flash_bwd_preprocess_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "grad_reduce_kernel"
 
 # (name, inputs, forward launches, forward allocations, backward launches, backward allocations,
 # backward's other ops): what a call costs once its plan exists. A change that adds a launch, an
 # allocation or a host-side op to a call fails here.
 CASES = [
-    ("dense", dict(heads=4, heads_kv=4), [FWD], 2, [DELTA, DKDV, DQ], 4, []),
-    ("mask", dict(heads=4, heads_kv=4, mask="per_key"), [ACTIVITY, LISTS, FWD], 4,
-     [DELTA, LISTS, LISTS, DKDV, DQ], 4, []),
+    ("dense", dict(heads=4, heads_kv=4), [FWD], 2, [PREPROCESS, DKDV, DQ], 4, []),
+    # with a mask the preprocess launch also builds both kernels' block lists
+    ("mask", dict(heads=4, heads_kv=4, mask="per_key"), [ACTIVITY, LISTS, FWD], 4, [PREPROCESS, DKDV, DQ], 4, []),
     ("mask+bias", dict(heads=4, heads_kv=4, mask="per_key", bias="per_key"), [ACTIVITY, LISTS, FWD], 4,
-     [DELTA, LISTS, LISTS, DKDV, DQ], 4, []),
+     [PREPROCESS, DKDV, DQ], 4, []),
     ("gqa+mask+bias", dict(mask="kv_head", bias="per_key"), [ACTIVITY, LISTS, FWD], 4,
-     [DELTA, LISTS, LISTS, DKDV, GQA_SUM, DQ], 4, []),
+     [PREPROCESS, DKDV, DQ, REDUCE], 4, []),
     # a learnable per-key bias: its fp32 partials (one row per query block and query head) are
-    # summed into (Hkv, 1, Lk) on the host, in a fixed order, by one reduction and one cast
+    # summed into (Hkv, 1, Lk) in the same launch as the GQA shares, nothing on the host
     ("gqa+mask+bias-grad", dict(mask="kv_head", bias="per_key"), [ACTIVITY, LISTS, FWD], 4,
-     [DELTA, LISTS, LISTS, DKDV, GQA_SUM, DQ], 5, ["aten.sum.dim_IntList", "aten.copy_.default"]),
+     [PREPROCESS, DKDV, DQ, REDUCE], 5, []),
+    ("full-bias-grad", dict(heads=4, heads_kv=4, mask="kv_head", bias="full"), [ACTIVITY, LISTS, FWD], 4,
+     [PREPROCESS, DKDV, "flash_bwd_dq_from_ds_kernel"], 5, []),
 ]
 
 

@@ -104,8 +104,19 @@ def tile_activity_kernel(
 
 
 @triton.jit
-def block_list_kernel(
-    active_ptr, lists_ptr,
+def _chunk_activity(cells_base, own, start, stride_list, own_cells, list_cells, num_tiles,
+                    LIST_CELLS: tl.constexpr, CHUNK: tl.constexpr):
+    """1 for each of the tiles start .. start + CHUNK - 1 holding an active cell, else 0 (int32)."""
+    tiles = start + tl.arange(0, CHUNK)
+    cell = tiles[None, :, None] * LIST_CELLS + tl.arange(0, LIST_CELLS)[None, None, :]
+    inside = (own[:, None, None] < own_cells) & (cell < list_cells) & (tiles[None, :, None] < num_tiles)
+    cells = tl.load(cells_base + cell * stride_list, mask=inside, other=0)
+    return tl.max(tl.max(cells.to(tl.int32), 2), 0)
+
+
+@triton.jit
+def block_list_row(
+    active_ptr, lists_ptr, row, pid_bh,
     stride_ab, stride_ah, stride_own, stride_list,
     stride_lb, stride_lh, stride_lr,
     num_heads, own_cells, list_cells, num_tiles,
@@ -123,9 +134,8 @@ def block_list_kernel(
 
     (the dK/dV kernel writes zero dBias tiles from the skipped part). Two passes over the tiles
     in CHUNK-sized steps: the first counts the active ones, the second places every index.
+    `pid_bh` = batch * num_heads + head of the activity's own (broadcast) dims.
     """
-    row = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     b = (pid_bh // num_heads).to(tl.int64)
     h = (pid_bh % num_heads).to(tl.int64)
     own = row * OWN_CELLS + tl.arange(0, OWN_CELLS)
@@ -151,11 +161,17 @@ def block_list_kernel(
 
 
 @triton.jit
-def _chunk_activity(cells_base, own, start, stride_list, own_cells, list_cells, num_tiles,
-                    LIST_CELLS: tl.constexpr, CHUNK: tl.constexpr):
-    """1 for each of the tiles start .. start + CHUNK - 1 holding an active cell, else 0 (int32)."""
-    tiles = start + tl.arange(0, CHUNK)
-    cell = tiles[None, :, None] * LIST_CELLS + tl.arange(0, LIST_CELLS)[None, None, :]
-    inside = (own[:, None, None] < own_cells) & (cell < list_cells) & (tiles[None, :, None] < num_tiles)
-    cells = tl.load(cells_base + cell * stride_list, mask=inside, other=0)
-    return tl.max(tl.max(cells.to(tl.int32), 2), 0)
+def block_list_kernel(
+    active_ptr, lists_ptr,
+    stride_ab, stride_ah, stride_own, stride_list,
+    stride_lb, stride_lh, stride_lr,
+    num_heads, own_cells, list_cells, num_tiles,
+    OWN_CELLS: tl.constexpr,
+    LIST_CELLS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The forward's block lists: one program per list row (`block_list_row`); the backward
+    builds its two in its preprocess launch."""
+    block_list_row(active_ptr, lists_ptr, tl.program_id(0), tl.program_id(1), stride_ab, stride_ah, stride_own,
+                   stride_list, stride_lb, stride_lh, stride_lr, num_heads, own_cells, list_cells, num_tiles,
+                   OWN_CELLS, LIST_CELLS, CHUNK)

@@ -16,7 +16,7 @@ contribute nothing (their dQ row is 0).
 Work split (FlashAttention-2 style, without atomics, so results are bitwise reproducible):
 - `flash_bwd_dkdv_kernel`, split mode (HEADS_PER_PROGRAM = 1, the default): one program per
   (key block, batch, query head), looping over the query blocks. Under GQA each program writes
-  its query head's share of dK/dV (fp32, (B, Lk, H, D)) and `gqa_share_sum_kernel` sums each
+  its query head's share of dK/dV (fp32, (B, Lk, H, D)) and `grad_reduce_kernel` sums each
   group's shares in a fixed order: 4x the programs of one per kv head looping over its group, which left most
   SMs idle (W2, H100: dK/dV 3.0 ms vs 1.85 ms for the same FLOPs without GQA, 2026-11-21).
 - `flash_bwd_dkdv_kernel`, group mode (HEADS_PER_PROGRAM = GROUP): one program per (key block,
@@ -38,7 +38,7 @@ Split mode keeps one slice per query head; a (B, Hkv|1, Lq, Lk) bias would need 
 tile and stores it once per query block, so the partial is (B, Hkv, Lq, Lk): the bias's own
 gradient when the bias is (B, Hkv, Lq, Lk). Each element has exactly one writer, and every
 element is written: the tiles a key block skips get zeros, so no buffer is zero-filled first.
-The launcher sums the remaining broadcast dims on the host.
+`grad_reduce_kernel` sums the remaining broadcast dims (and, in the same launch, the GQA shares).
 
 Skipped work: with a mask both kernels walk only the tiles the activity summary lists
 (`activity.py`, `launch.block_lists`); in group mode that is the union of the group's lists, and
@@ -57,6 +57,7 @@ D=128, BLOCK_M=32, no mask, triton 3.6, 2026-11-21.
 import triton
 import triton.language as tl
 
+from dmattn_kernels.triton.activity import block_list_row
 from dmattn_kernels.triton.common import (
     LOG2E,
     key_tiles,
@@ -71,27 +72,20 @@ from dmattn_kernels.triton.common import (
 
 
 @triton.jit
-def flash_bwd_preprocess_kernel(
-    out_ptr, dout_ptr, delta_ptr, lse_ptr, dlse_ptr,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_dob, stride_dom, stride_doh, stride_dod,
-    stride_deltab, stride_deltah, stride_deltam,
-    stride_lb, stride_lh, stride_lm,
-    stride_dlb, stride_dlh, stride_dlm,
-    num_heads, seqlen_q,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-):
-    """delta = rowsum(dO * O) - dlse per query row.
+def _delta_rows(out_ptr, dout_ptr, delta_ptr, lse_ptr, dlse_ptr, pid_m, pid_bh,
+                stride_ob, stride_om, stride_oh, stride_od,
+                stride_dob, stride_dom, stride_doh, stride_dod,
+                stride_deltab, stride_deltah, stride_deltam,
+                stride_lb, stride_lh, stride_lm,
+                stride_dlb, stride_dlh, stride_dlm,
+                num_heads, seqlen_q,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse for BLOCK_M query rows of one (batch, head).
 
     The kernels below compute dS = P * (dP - delta); a gradient reaching lse adds P * dlse
     (d lse_i / d s_ij = P_ij), hence the subtraction. A dead row (lse = -inf) drops its dlse: a
     merge of partial attentions often sends NaN there (logaddexp(-inf, -inf)), and 0 * NaN
     would reach every key of the head."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     b = (pid_bh // num_heads).to(tl.int64)
     h = (pid_bh % num_heads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -109,22 +103,70 @@ def flash_bwd_preprocess_kernel(
 
 
 @triton.jit
-def gqa_share_sum_kernel(
-    dk_share_ptr, dv_share_ptr, dk_ptr, dv_ptr,
-    stride_sb, stride_sn, stride_sh, stride_sd,
-    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    num_heads_kv, seqlen_k,
-    GROUP: tl.constexpr,
+def flash_bwd_preprocess_kernel(
+    out_ptr, dout_ptr, delta_ptr, lse_ptr, dlse_ptr, kv_active_ptr, kv_lists_ptr, q_active_ptr, q_lists_ptr,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_dob, stride_dom, stride_doh, stride_dod,
+    stride_deltab, stride_deltah, stride_deltam,
+    stride_lb, stride_lh, stride_lm,
+    stride_dlb, stride_dlh, stride_dlm,
+    num_heads, seqlen_q, delta_blocks,
+    stride_kvab, stride_kvah, stride_kv_own, stride_kv_list, stride_kvlb, stride_kvlh, stride_kvlr,
+    kv_list_heads, kv_own_cells, kv_list_cells, kv_num_tiles, kv_rows, kv_programs,
+    stride_qab, stride_qah, stride_q_own, stride_q_list, stride_qlb, stride_qlh, stride_qlr,
+    q_list_heads, q_own_cells, q_list_cells, q_num_tiles, q_rows, q_programs,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    KV_OWN_CELLS: tl.constexpr,
+    KV_LIST_CELLS: tl.constexpr,
+    KV_CHUNK: tl.constexpr,
+    Q_OWN_CELLS: tl.constexpr,
+    Q_LIST_CELLS: tl.constexpr,
+    Q_CHUNK: tl.constexpr,
 ):
+    """What the dK/dV and dQ kernels read besides the forward's tensors, in one launch of
+    independent programs (one launch instead of three: host time per call):
+
+        programs [0, kv_programs)               the dK/dV kernel's key-major block lists, one row each
+        [kv_programs, + q_programs)             the dQ kernel's query-major block lists, one row each
+        the rest                                delta for BLOCK_M query rows of one (batch, head)
+
+    The lists exist with a mask only (HAS_MASK; `activity.block_list_row`, from the forward's
+    tile activity); without one both counts are 0."""
+    pid = tl.program_id(0)
+    if HAS_MASK:
+        if pid < kv_programs:
+            block_list_row(kv_active_ptr, kv_lists_ptr, pid % kv_rows, pid // kv_rows,
+                           stride_kvab, stride_kvah, stride_kv_own, stride_kv_list, stride_kvlb, stride_kvlh,
+                           stride_kvlr, kv_list_heads, kv_own_cells, kv_list_cells, kv_num_tiles,
+                           KV_OWN_CELLS, KV_LIST_CELLS, KV_CHUNK)
+            return
+        pid -= kv_programs
+        if pid < q_programs:
+            block_list_row(q_active_ptr, q_lists_ptr, pid % q_rows, pid // q_rows,
+                           stride_qab, stride_qah, stride_q_own, stride_q_list, stride_qlb, stride_qlh,
+                           stride_qlr, q_list_heads, q_own_cells, q_list_cells, q_num_tiles,
+                           Q_OWN_CELLS, Q_LIST_CELLS, Q_CHUNK)
+            return
+        pid -= q_programs
+    _delta_rows(out_ptr, dout_ptr, delta_ptr, lse_ptr, dlse_ptr, pid % delta_blocks, pid // delta_blocks,
+                stride_ob, stride_om, stride_oh, stride_od, stride_dob, stride_dom, stride_doh, stride_dod,
+                stride_deltab, stride_deltah, stride_deltam, stride_lb, stride_lh, stride_lm,
+                stride_dlb, stride_dlh, stride_dlm, num_heads, seqlen_q, HEAD_DIM, BLOCK_D, BLOCK_M, HAS_DLSE)
+
+
+@triton.jit
+def _share_sum(dk_share_ptr, dv_share_ptr, dk_ptr, dv_ptr, pid_n, pid_bh,
+               stride_sb, stride_sn, stride_sh, stride_sd,
+               stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+               stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+               num_heads_kv, seqlen_k,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK[b, n, hk] = sum over g < GROUP of dK_share[b, n, hk * GROUP + g] (dV likewise), in fp32,
-    g in increasing order: the per-query-head shares of the split-mode dK/dV kernel reduced
-    deterministically (no atomics), both tensors in one launch. The shares have one layout."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    g in increasing order, for BLOCK_N keys of one (batch, kv head). The shares have one layout."""
     b = (pid_bh // num_heads_kv).to(tl.int64)
     head_kv = (pid_bh % num_heads_kv).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,6 +183,111 @@ def gqa_share_sum_kernel(
              dk.to(dk_ptr.dtype.element_ty), mask=tile_in)
     tl.store(dv_ptr + b * stride_dvb + head_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
              dv.to(dv_ptr.dtype.element_ty), mask=tile_in)
+
+
+@triton.jit
+def _partial_sum(partial_ptr, dbias_ptr, pid,
+                 stride_pb, stride_ph, stride_pr, stride_pk,
+                 stride_dbb, stride_dbh, stride_dbr, stride_dbk,
+                 partial_rows, partial_keys, batches_summed, heads_summed, dbias_heads, row_tiles, key_tiles,
+                 ROW_SUM: tl.constexpr, KEY_SUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (BLOCK_R x BLOCK_K) tile of dBias (B|1, Hd, Rd, Kd) from the fp32 partials
+    (B, Hd * heads_summed, R, K):
+
+        dbias[b', h', r', k'] = sum over b, g, r, k of partial[b, h' * heads_summed + g, r, k]
+
+    with b over the batch when dBias has one (batches_summed = B) else b = b', r over every
+    partial row when ROW_SUM (Rd = 1 < R) else r = r', k likewise with KEY_SUM; in a fixed order
+    (deterministic), cast to dBias's dtype once."""
+    key_tile = pid % key_tiles
+    pid //= key_tiles
+    row_tile = pid % row_tiles
+    pid_bh = pid // row_tiles
+    b_out = (pid_bh // dbias_heads).to(tl.int64)
+    h_out = (pid_bh % dbias_heads).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    # a summed dim is walked whole by one program; a kept one is this program's tile of it
+    first_r = row_tile * BLOCK_R
+    r_steps = 1
+    if ROW_SUM:
+        first_r = 0
+        r_steps = tl.cdiv(partial_rows, BLOCK_R)
+    first_k = key_tile * BLOCK_K
+    k_steps = 1
+    if KEY_SUM:
+        first_k = 0
+        k_steps = tl.cdiv(partial_keys, BLOCK_K)
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for batch in range(batches_summed):
+        for g in range(heads_summed):
+            base = partial_ptr + (b_out + batch) * stride_pb + (h_out * heads_summed + g) * stride_ph
+            for r_step in range(r_steps):
+                rows = first_r + r_step * BLOCK_R + offs_r
+                for k_step in range(k_steps):
+                    keys = first_k + k_step * BLOCK_K + offs_k
+                    acc += tl.load(base + rows[:, None] * stride_pr + keys[None, :] * stride_pk,
+                                   mask=(rows[:, None] < partial_rows) & (keys[None, :] < partial_keys), other=0.0)
+    # -- store: the summed dims collapse to their one row / column --
+    out_base = dbias_ptr + b_out * stride_dbb + h_out * stride_dbh
+    out_dtype = dbias_ptr.dtype.element_ty
+    rows = first_r + offs_r
+    keys = first_k + offs_k
+    if ROW_SUM:
+        if KEY_SUM:
+            tl.store(out_base, tl.sum(tl.sum(acc, 1), 0).to(out_dtype))
+        else:
+            tl.store(out_base + keys * stride_dbk, tl.sum(acc, 0).to(out_dtype), mask=keys < partial_keys)
+    else:
+        if KEY_SUM:
+            tl.store(out_base + rows * stride_dbr, tl.sum(acc, 1).to(out_dtype), mask=rows < partial_rows)
+        else:
+            tl.store(out_base + rows[:, None] * stride_dbr + keys[None, :] * stride_dbk, acc.to(out_dtype),
+                     mask=(rows[:, None] < partial_rows) & (keys[None, :] < partial_keys))
+
+
+@triton.jit
+def grad_reduce_kernel(
+    dk_share_ptr, dv_share_ptr, dk_ptr, dv_ptr, partial_ptr, dbias_ptr,
+    stride_sb, stride_sn, stride_sh, stride_sd,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    num_heads_kv, seqlen_k, share_blocks, share_programs,
+    stride_pb, stride_ph, stride_pr, stride_pk,
+    stride_dbb, stride_dbh, stride_dbr, stride_dbk,
+    partial_rows, partial_keys, batches_summed, heads_summed, dbias_heads, row_tiles, key_tiles,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SHARES: tl.constexpr,
+    HAS_PARTIAL: tl.constexpr,
+    ROW_SUM: tl.constexpr,
+    KEY_SUM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The backward's sums after its main kernels, deterministic (no atomics), in one launch of
+    independent programs:
+
+        programs [0, share_programs)   dK and dV from the split-mode kernel's per-query-head fp32
+                                       shares under GQA (`_share_sum`; HAS_SHARES)
+        the rest                       dBias from the dK/dV kernel's fp32 partials, every broadcast
+                                       dim summed (`_partial_sum`; HAS_PARTIAL)
+    """
+    pid = tl.program_id(0)
+    if HAS_SHARES:
+        if pid < share_programs:
+            _share_sum(dk_share_ptr, dv_share_ptr, dk_ptr, dv_ptr, pid % share_blocks, pid // share_blocks,
+                       stride_sb, stride_sn, stride_sh, stride_sd, stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+                       stride_dvb, stride_dvn, stride_dvh, stride_dvd, num_heads_kv, seqlen_k,
+                       GROUP, HEAD_DIM, BLOCK_D, BLOCK_N)
+            return
+        pid -= share_programs
+    if HAS_PARTIAL:
+        _partial_sum(partial_ptr, dbias_ptr, pid, stride_pb, stride_ph, stride_pr, stride_pk,
+                     stride_dbb, stride_dbh, stride_dbr, stride_dbk, partial_rows, partial_keys, batches_summed,
+                     heads_summed, dbias_heads, row_tiles, key_tiles, ROW_SUM, KEY_SUM, BLOCK_R, BLOCK_K)
 
 
 @triton.jit

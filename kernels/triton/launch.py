@@ -34,7 +34,7 @@ from dmattn_kernels.triton.flash_bwd import (
     flash_bwd_dq_from_ds_kernel,
     flash_bwd_dq_kernel,
     flash_bwd_preprocess_kernel,
-    gqa_share_sum_kernel,
+    grad_reduce_kernel,
 )
 from dmattn_kernels.triton.flash_fwd import flash_fwd_kernel
 from dmattn_kernels.triton.layouts import (activity_shape, bias_per_key, broadcast_layout, contiguous_strides,
@@ -51,11 +51,14 @@ MAX_BLOCK = 256
 WARP_CHOICES = (1, 2, 4, 8, 16)
 MAX_STAGES = 8
 PREPROCESS_BLOCK_M = 64  # delta = rowsum(dO * O) is memory-bound; any reasonable tile will do
+PREPROCESS_NUM_WARPS = 4  # the backward's preprocess launch: delta rows and block-list rows alike
 ACTIVITY_BLOCK_M, ACTIVITY_BLOCK_N = 64, 256  # tile of the (memory-bound) activity pass; multiples of CELL
 ACTIVITY_NUM_WARPS = 8
 LIST_NUM_WARPS = 4  # a block-list program handles one row of tiles: little work
 GQA_SUM_BLOCK_N = 64  # keys per program of the (memory-bound) GQA share sum
-GQA_SUM_NUM_WARPS = 4
+# dBias tile per program of the (memory-bound) partial sum: rows x keys, fp32
+DBIAS_SUM_BLOCK_R, DBIAS_SUM_BLOCK_K = 8, 128
+REDUCE_NUM_WARPS = 4
 PLAN_CACHE_SIZE = 512  # signatures whose plans `attention_forward` / `attention_backward` keep
 # Compute-capability majors whose forward loads K and V by bulk tensor copy (TMA descriptors).
 # Measured only on sm90 (H200, flash_fwd._load_kv_tile); Blackwell has the copy engine too, but
@@ -327,11 +330,14 @@ class _BlockLists:
         lists_strides = contiguous_strides(self.shape)
         # what a kernel reading the lists receives: (batch, head, row) strides, 0 on broadcast dims
         self.strides = tuple(0 if size == 1 else stride for size, stride in zip(self.shape, lists_strides))[:3]
+        # `activity.block_list_row`'s arguments after its pointers and row, and its program count
+        self.scalars = (stride_b, stride_h, stride_own, stride_list, *lists_strides[:3], heads_m, own_cells,
+                        list_cells, num_tiles)
+        self.cells = (own, listed, min(LIST_CHUNK, triton.next_power_of_2(num_tiles)))  # OWN_CELLS, LIST_CELLS, CHUNK
+        self.rows, self.programs = num_rows, num_rows * batch_m * heads_m
         self.launch = _Launch(
-            block_list_kernel, (num_rows, batch_m * heads_m),
-            (stride_b, stride_h, stride_own, stride_list, *lists_strides[:3], heads_m, own_cells, list_cells, num_tiles),
-            dict(OWN_CELLS=own, LIST_CELLS=listed, CHUNK=min(LIST_CHUNK, triton.next_power_of_2(num_tiles))),
-            num_warps=LIST_NUM_WARPS,
+            block_list_kernel, (num_rows, batch_m * heads_m), self.scalars,
+            dict(zip(("OWN_CELLS", "LIST_CELLS", "CHUNK"), self.cells)), num_warps=LIST_NUM_WARPS,
         )
 
     def __call__(self, active: torch.Tensor) -> torch.Tensor:
@@ -441,7 +447,8 @@ class _PartialSum:
 
 
 def _finish_dbias(partial: torch.Tensor, dbias: torch.Tensor) -> None:
-    """`_PartialSum` for one call: the CUDA backward's dBias partials (a Triton plan keeps its own)."""
+    """`_PartialSum` for one call: the CUDA backward's dBias partials (a Triton plan sums its own in
+    `grad_reduce_kernel`)."""
     _PartialSum(tuple(partial.shape), tuple(dbias.shape))(partial, dbias)
 
 
@@ -456,9 +463,10 @@ class BackwardPlan:
     """A backward call's launches for one signature; `plan(dout, q, k, v, out, lse, mask, bias, dq,
     dk, dv, dbias, activity, dlse)` runs them.
 
-    delta (with dlse folded in), the block lists of both kernels' tiles (from the forward's
-    activity, or one more activity pass without it), dK/dV (and dBias partials), the GQA share
-    sum, dQ, and the host sum of dBias's broadcast dims where the kernel kept them apart.
+    Launches: the preprocess (delta with dlse folded in, and with a mask the block lists of both
+    kernels' tiles from the forward's activity, or from one more activity pass without it), dK/dV
+    (and dBias partials), dQ, then, where there is anything to sum, one reduction (the GQA shares
+    of dK/dV and dBias's broadcast dims where the kernel kept them apart).
     """
 
     def __init__(self, dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
@@ -484,7 +492,7 @@ class BackwardPlan:
         # at all for a contiguous (B, Hkv, Lq, Lk) bias. Everywhere else split mode stays:
         # per-kv-head programs leave most SMs idle (flash_bwd.py docstring). The target is dbias
         # itself where the shapes agree (never zero-filled: the kernel writes every element,
-        # skipped tiles as zeros), else fp32 scratch summed by `_PartialSum` --
+        # skipped tiles as zeros), else fp32 scratch summed by `grad_reduce_kernel` --
         rows, heads_per_program = True, 1
         self.partial_shape = None  # None: the kernel writes dbias itself (or there is none)
         partial_strides = (0, 0, 0, 0)
@@ -498,7 +506,6 @@ class BackwardPlan:
             else:
                 self.partial_shape = shape
                 partial_strides = contiguous_strides(shape)
-        self.partial_sum = None if self.partial_shape is None else _PartialSum(self.partial_shape, tuple(dbias.shape))
 
         # -- schedules --
         self.activity = self.kv_lists = self.q_lists = None
@@ -517,30 +524,33 @@ class BackwardPlan:
             kv_blocks_strides, q_blocks_strides = self.kv_lists.strides, self.q_lists.strides
         self.num_heads_kv, self.group = num_heads_kv, group
 
-        # -- delta = rowsum(dO * O) - dlse --
+        # -- one launch: delta = rowsum(dO * O) - dlse and, with a mask, both kernels' block lists --
         delta_strides = contiguous_strides(lse.shape)
+        delta_blocks = triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M)
+        list_scalars, list_cells = [], {}
+        for name, lists in (("KV", self.kv_lists), ("Q", self.q_lists)):
+            # without a mask no program builds lists: zero programs, placeholder tiles
+            list_scalars += [*lists.scalars, lists.rows, lists.programs] if lists is not None else [0] * 13
+            cells = lists.cells if lists is not None else (1, 1, 1)
+            list_cells.update({f"{name}_OWN_CELLS": cells[0], f"{name}_LIST_CELLS": cells[1], f"{name}_CHUNK": cells[2]})
+        list_programs = sum(lists.programs for lists in (self.kv_lists, self.q_lists) if lists is not None)
         self.preprocess = _Launch(
-            flash_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * num_heads),
+            flash_bwd_preprocess_kernel, (list_programs + delta_blocks * batch * num_heads,),
             (*out.stride(), *dout.stride(), *delta_strides, *lse.stride(),
-             *(dlse.stride() if dlse is not None else (0, 0, 0)), num_heads, seqlen_q),
-            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None),
-            num_warps=4,
+             *(dlse.stride() if dlse is not None else (0, 0, 0)), num_heads, seqlen_q, delta_blocks, *list_scalars),
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None,
+                 HAS_MASK=mask is not None, **list_cells),
+            num_warps=PREPROCESS_NUM_WARPS,
         )
 
         # -- dK, dV (and dBias partials): one program per key block and query head (split mode) or
         # kv head (group mode); under GQA in split mode each query head's fp32 share, summed by
-        # `gqa_share_sum_kernel` in a fixed order (deterministic, no atomics) --
+        # `grad_reduce_kernel` in a fixed order (deterministic, no atomics) --
         self.share_shape = None
         dk_strides, dv_strides = dk.stride(), dv.stride()
         if group > 1 and heads_per_program == 1:
             self.share_shape = (batch, seqlen_k, num_heads, head_dim)
             dk_strides = dv_strides = contiguous_strides(self.share_shape)
-            self.share_sum = _Launch(
-                gqa_share_sum_kernel, (triton.cdiv(seqlen_k, GQA_SUM_BLOCK_N), batch * num_heads_kv),
-                (*dk_strides, *dk.stride(), *dv.stride(), num_heads_kv, seqlen_k),
-                dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=GQA_SUM_BLOCK_N),
-                num_warps=GQA_SUM_NUM_WARPS,
-            )
         self.dkdv = _Launch(
             flash_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, config.block_n), batch * num_heads // heads_per_program),
             (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *dout.stride(),
@@ -574,6 +584,35 @@ class BackwardPlan:
                 num_warps=config.num_warps, num_stages=config.num_stages,
             )
 
+        # -- the sums after the main kernels, one launch: the GQA shares and dBias's broadcast dims --
+        self.reduce = None
+        if self.share_shape is not None or self.partial_shape is not None:
+            share_blocks = triton.cdiv(seqlen_k, GQA_SUM_BLOCK_N)
+            share_programs = share_blocks * batch * num_heads_kv if self.share_shape is not None else 0
+            partial_scalars, partial_flags, partial_programs = (0,) * 15, dict(ROW_SUM=False, KEY_SUM=False), 0
+            if self.partial_shape is not None:
+                partial_batch, partial_heads, partial_rows, partial_keys = self.partial_shape
+                dbias_batch, dbias_heads, dbias_rows, dbias_keys = dbias.shape
+                row_sum = dbias_rows == 1 and partial_rows > 1
+                key_sum = dbias_keys == 1 and partial_keys > 1
+                row_tiles = 1 if row_sum else triton.cdiv(dbias_rows, DBIAS_SUM_BLOCK_R)
+                key_tiles = 1 if key_sum else triton.cdiv(dbias_keys, DBIAS_SUM_BLOCK_K)
+                partial_programs = dbias_batch * dbias_heads * row_tiles * key_tiles
+                partial_scalars = (*partial_strides, *dbias.stride(), partial_rows, partial_keys,
+                                   partial_batch // dbias_batch, partial_heads // dbias_heads, dbias_heads,
+                                   row_tiles, key_tiles)
+                partial_flags = dict(ROW_SUM=row_sum, KEY_SUM=key_sum)
+            share_strides = dk_strides if self.share_shape is not None else (0, 0, 0, 0)
+            self.reduce = _Launch(
+                grad_reduce_kernel, (share_programs + partial_programs,),
+                (*share_strides, *dk.stride(), *dv.stride(), num_heads_kv, seqlen_k, share_blocks, share_programs,
+                 *partial_scalars),
+                dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=GQA_SUM_BLOCK_N,
+                     HAS_SHARES=self.share_shape is not None, HAS_PARTIAL=self.partial_shape is not None,
+                     BLOCK_R=DBIAS_SUM_BLOCK_R, BLOCK_K=DBIAS_SUM_BLOCK_K, **partial_flags),
+                num_warps=REDUCE_NUM_WARPS,
+            )
+
         # -- scratch: everything a run writes that dies with it, in one allocation --
         parts = {"delta": (self.lse_shape, torch.float32)}
         if mask is not None:
@@ -583,11 +622,7 @@ class BackwardPlan:
         if self.share_shape is not None:
             parts.update(dk_share=(self.share_shape, torch.float32), dv_share=(self.share_shape, torch.float32))
         self.workspace = _Workspace(parts)
-        self.launches = [self.preprocess, self.dkdv, self.dq]
-        if self.share_shape is not None:
-            self.launches.append(self.share_sum)
-        if mask is not None:
-            self.launches += [self.kv_lists.launch, self.q_lists.launch]
+        self.launches = [launch for launch in (self.preprocess, self.dkdv, self.dq, self.reduce) if launch is not None]
         self.compiled = False  # every launch has its compiled launcher (after the first run)
 
     def __call__(self, dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity=None, dlse=None) -> None:
@@ -597,30 +632,26 @@ class BackwardPlan:
         by_address = stream is not None and self.compiled
         scratch = self.workspace.pointers(buffer) if by_address else self.workspace.tensors(buffer)
         delta = scratch["delta"]
-        self.preprocess.run(stream, out, dout, delta, lse, lse if dlse is None else dlse)
-        kv_blocks = q_blocks = q  # unused pointers without a mask
+        active = kv_active = kv_blocks = q_blocks = q  # unused pointers without a mask
         if self.activity is not None:
             # one read of the mask, the forward's, serves both kernels' schedules
-            active = activity if activity is not None else self.activity(mask)
-            kv_active = active
+            active = kv_active = activity if activity is not None else self.activity(mask)
             if self.group_union:
                 kv_active = active.unflatten(1, (self.num_heads_kv, self.group)).amax(2)
             kv_blocks, q_blocks = scratch["kv_blocks"], scratch["q_blocks"]
-            self.kv_lists.launch.run(stream, kv_active, kv_blocks)
-            self.q_lists.launch.run(stream, active, q_blocks)
+        self.preprocess.run(stream, out, dout, delta, lse, lse if dlse is None else dlse, kv_active, kv_blocks, active,
+                            q_blocks)
         partial = q if dbias is None else scratch.get("partial", dbias)
         dk_share, dv_share = scratch.get("dk_share", dk), scratch.get("dv_share", dv)
         mask_arg = q if mask is None else mask
         bias_arg = q if bias is None else bias
         self.dkdv.run(stream, q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks)
-        if self.share_shape is not None:
-            self.share_sum.run(stream, dk_share, dv_share, dk, dv)
         if self.dq_from_ds:
             self.dq.run(stream, dbias, k, dq, q_blocks)
         else:
             self.dq.run(stream, q, k, v, mask_arg, bias_arg, dout, lse, delta, dq, q_blocks)
-        if self.partial_sum is not None:
-            self.partial_sum(self.workspace.tensor(buffer, "partial"), dbias)
+        if self.reduce is not None:
+            self.reduce.run(stream, dk_share, dv_share, dk, dv, partial, q if dbias is None else dbias)
         if not self.compiled:
             self.compiled = all(launch.launcher is not None for launch in self.launches)
 
