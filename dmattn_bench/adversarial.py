@@ -24,6 +24,10 @@ KEEP_PROBABILITY = 0.7  # random masks keep 70% of positions: most tiles mixed, 
 NAN_TAIL = 7  # extra rows/cols of NaN around sliced operands: odd so it straddles any tile
 LARGE_LOGIT_FACTOR = 8.0  # q and k scaled x8: logits of O(100) stress the online max
 LARGE_BIAS = {torch.bfloat16: 1e4, torch.float16: 1e3, torch.float32: 1e3}
+# cache lengths of a `cache_lengths` case, sequence b taking entry b % 4 (in keys): the whole
+# cache, about half of it (odd: a tile straddles it), none (a dead sequence), one key
+CACHE_LENGTHS = (lambda lk: lk, lambda lk: lk // 2 + 1, lambda lk: 0, lambda lk: 1)
+MAX_DECODE_QUERIES = 64  # the short-query forward's cases (`plan.MAX_DECODE_QUERIES`)
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Case:
     large_bias: bool = False
     softcap: float = 0.0
     window: int = 0  # for mask="window": keys i - window < j <= i (bottom-right aligned)
+    cache_lengths: bool = False  # per-sequence `cache_seqlens` (CACHE_LENGTHS), K/V NaN past them
     tile_m: int = 16  # tile sizes the tile-aware masks are built on (set from the config)
     tile_n: int = 16
     tags: tuple[str, ...] = field(default=())
@@ -69,6 +74,7 @@ class Inputs:
     mask: torch.Tensor | None
     bias: torch.Tensor | None
     dout: torch.Tensor
+    cache_seqlens: torch.Tensor | None = None
 
 
 def _within(buffer_shape, values: torch.Tensor, fill) -> torch.Tensor:
@@ -231,7 +237,14 @@ def build_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Input
         else:
             bias = values
     dout = randn((b, lq, h, d))
-    return Inputs(q, k, v, mask, bias, dout)
+    cache_seqlens = None
+    if case.cache_lengths:
+        lengths = [CACHE_LENGTHS[index % len(CACHE_LENGTHS)](lk) for index in range(b)]
+        cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        for index, length in enumerate(lengths):  # what lies past a length is never read
+            k[index, length:] = float("nan")
+            v[index, length:] = float("nan")
+    return Inputs(q, k, v, mask, bias, dout, cache_seqlens)
 
 
 def _quick_cases() -> list[Case]:
@@ -294,6 +307,26 @@ def _full_cases() -> list[Case]:
 
 
 SUITES = {"quick": _quick_cases, "full": _full_cases}
+
+
+def _cache_cases() -> list[Case]:
+    """Decode over a KV cache: per-sequence lengths over NaN-filled tails, with the operands a
+    serving step carries (a padding mask, a per-key bias, GQA groups packed in one tile)."""
+    return [
+        Case("cache_lengths_decode", batch=4, heads=8, heads_kv=2, seqlen_q=1, seqlen_k=113, mask="random",
+             mask_shape="key", bias="per_key", cache_lengths=True),
+        Case("cache_lengths_causal_lq3", batch=4, heads=4, heads_kv=1, seqlen_q=3, seqlen_k=70, causal=True,
+             mask="random", mask_shape="kv_head", bias="full", cache_lengths=True),
+        Case("cache_lengths_sliced_softcap", batch=4, heads=2, heads_kv=2, seqlen_q=2, seqlen_k=40, head_dim=40,
+             softcap=5.0, bias="kv_head", bias_poison="nan", mask="random", sliced=True, cache_lengths=True),
+    ]
+
+
+def decode_cases(suite: str) -> list[Case]:
+    """The short-query forward's cases: those of `suite` with at most MAX_DECODE_QUERIES query rows
+    (tile-aware ones on 16 x 16 tiles: the kernel's smallest) and the KV-cache cases."""
+    cases = [case for case in adversarial_cases(suite, [(16, 16)]) if case.seqlen_q <= MAX_DECODE_QUERIES]
+    return cases + [replace(case, batch=2 * case.batch) if suite == "full" else case for case in _cache_cases()]
 
 
 def adversarial_cases(suite: str, tiles: list[tuple[int, int]]) -> list[Case]:

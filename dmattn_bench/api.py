@@ -39,19 +39,19 @@ def _check_strides_and_head_dim(query, key, value) -> None:
 
 
 def _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,
-                fwd_config, bwd_config) -> float:
+                fwd_config, bwd_config, cache_seqlens=None) -> float:
     """Every check of a call that depends only on its signature; returns the softmax scale.
 
     Raises:
         TypeError / ValueError: naming the argument, what was received and what is expected.
     """
     for name, t in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask),
-                    ("attn_bias", attn_bias)):
+                    ("attn_bias", attn_bias), ("cache_seqlens", cache_seqlens)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: got {type(is_causal).__name__} {is_causal!r}, expected True or False")
-    reference.check_inputs(query, key, value, attn_mask, attn_bias)
+    reference.check_inputs(query, key, value, attn_mask, attn_bias, cache_seqlens)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: got {type(softcap).__name__} {softcap!r}, expected a float >= 0 (0 disables)")
     if softcap < 0 or not math.isfinite(softcap):
@@ -71,6 +71,12 @@ def _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scal
     if backend != "reference":
         _check_strides_and_head_dim(query, key, value)
     return float(softmax_scale)
+
+
+def _check_no_gradient_with_seqlens(cache_seqlens, needs_grad: bool) -> None:
+    if cache_seqlens is not None and needs_grad:
+        raise ValueError("cache_seqlens: supported in calls that need no gradient (decode, serving); got inputs "
+                         "that require grad with grad mode on (use torch.no_grad() or an attn_mask for training)")
 
 
 def _check_mask_values(attn_mask: torch.Tensor) -> None:
@@ -126,6 +132,7 @@ def flash_dmattn_func(
     softcap: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
+    cache_seqlens: torch.Tensor | None = None,
     *,
     table: str | None = None,
     fwd_config: FwdConfig | None = None,
@@ -150,8 +157,16 @@ def flash_dmattn_func(
             gradient flows into dq, dk and dbias, as for merging partial attentions).
         backend: "auto" (the dispatch table, else the heuristic default), "triton", "cuda" (GPU only)
             or "reference".
+        cache_seqlens: (B,) int32, sequence b's key length when key/value are (slices of) a KV
+            cache: keys at or past it are never read, and it replaces Lk in the causal rule
+            (clamped to [0, Lk]). May change between CUDA-graph replays. Calls without gradient
+            and at most 64 query rows (decode) only.
         table: a dispatch-table path for this call (overrides `use_table` and DMATTN_BENCH_TABLE).
         fwd_config, bwd_config: explicit kernel tiles, overriding the table for that direction.
+
+    A call that needs no gradient and has at most 64 query rows runs the short-query forward
+    (split-KV, a KV group's query heads in one tile); with a gradient the prefill kernels run
+    forward and backward whatever Lq is.
 
     Returns:
         out (B, Lq, H, D) in the query's dtype, or (out, lse) with `return_lse`. Zero-length
@@ -171,7 +186,7 @@ def flash_dmattn_func(
                 or (attn_bias is not None and attn_bias.requires_grad))
             bias_grad = needs_grad and attn_bias is not None and attn_bias.requires_grad
             # the scalars' types too: 1 == True and 0.0 == False would share a plan, skipping the checks
-            signature = plans.signature(query, key, value, attn_mask, attn_bias, type(is_causal), is_causal,
+            signature = plans.signature(query, key, value, attn_mask, attn_bias, cache_seqlens, type(is_causal), is_causal,
                                         type(softmax_scale), softmax_scale, type(softcap), softcap, backend, table,
                                         fwd_config, bwd_config, bias_grad)
             plan = plans.PLANS.get(signature)
@@ -179,32 +194,39 @@ def flash_dmattn_func(
             signature = plan = None
         if plan is None:
             scale = _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,
-                                fwd_config, bwd_config)
+                                fwd_config, bwd_config, cache_seqlens)
+            _check_no_gradient_with_seqlens(cache_seqlens, needs_grad)
             ops.check_device_and_dtypes(query, key, value, attn_bias)
             plan = plans.AttentionPlan(query, key, value, attn_mask, attn_bias, is_causal=is_causal,
                                        softmax_scale=scale, softcap=float(softcap), backend=backend, table=table,
-                                       fwd_config=fwd_config, bwd_config=bwd_config, bias_requires_grad=bias_grad)
+                                       fwd_config=fwd_config, bwd_config=bwd_config, bias_requires_grad=bias_grad,
+                                       cache_seqlens=cache_seqlens)
             if signature is not None:
                 plans.PLANS.put(signature, plan)
+        elif cache_seqlens is not None:
+            _check_no_gradient_with_seqlens(cache_seqlens, needs_grad)  # the plan's signature has no grad flag
         if attn_mask is not None and attn_mask.dtype is not torch.bool:
             _check_mask_values(attn_mask)
         if needs_grad:
             out, lse = _Attention.apply(plan, query, key, value, attn_mask, attn_bias)
         else:
-            out, lse, _ = plan.forward(query, key, value, attn_mask, attn_bias)
+            out, lse = plan.infer(query, key, value, attn_mask, attn_bias, cache_seqlens)
         return (out, lse) if return_lse else out
 
     softmax_scale = _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,
-                                fwd_config, bwd_config)
+                                fwd_config, bwd_config, cache_seqlens)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_bias))
+    _check_no_gradient_with_seqlens(cache_seqlens, needs_grad)
     if backend == "reference":
         out, lse = reference.attention(
             query, key, value, attn_mask, attn_bias, is_causal=is_causal,
-            softmax_scale=softmax_scale, softcap=softcap, return_lse=True,
+            softmax_scale=softmax_scale, softcap=softcap, return_lse=True, cache_seqlens=cache_seqlens,
         )
         return (out, lse.float()) if return_lse else out
     as_list = (lambda config: None if config is None else list(config.to_dict().values()))
     out, lse, _ = ops.attention_fwd(
         query, key, value, as_4d(attn_mask), as_4d(attn_bias), is_causal, softmax_scale,
-        float(softcap), backend, table, as_list(fwd_config), as_list(bwd_config),
+        float(softcap), backend, table, as_list(fwd_config), as_list(bwd_config), cache_seqlens, not needs_grad,
     )
     return (out, lse) if return_lse else out

@@ -24,10 +24,12 @@ from typing import Callable
 import torch
 
 from dmattn_bench import dispatch, registry
-from dmattn_bench.registry import default_configs, get_backend
+from dmattn_bench.registry import decode_config, default_configs, get_backend
 from dmattn_bench.space import DTYPE_NAMES, BwdConfig, FwdConfig, TableKey, as_4d, operand_kind, seqlen_bucket
 
 MIN_KEY_TILE = 16  # tl.dot's smallest tile dim: the fp32-bias fit stops halving there
+MAX_DECODE_QUERIES = 64  # query rows up to which a call without gradient runs the short-query forward
+INTERPRETER_SMS = 4
 
 
 def table_keys(q_shape, seqlen_k: int, num_heads_kv: int, dtype: torch.dtype, mask_dims, bias_dims,
@@ -85,6 +87,14 @@ def select(direction: str, query, key, mask4, bias4, is_causal: bool, backend: s
                    os.environ.get(dispatch.ENV_VAR))
 
 
+def sm_count(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (the decode split count aims at them); a few in the
+    interpreter, so its calls split the keys too."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def shared_memory_limit(device: torch.device) -> int | None:
     """Shared memory per block of a GPU; None where none applies (the interpreter)."""
     if device.type != "cuda":
@@ -100,7 +110,7 @@ class AttentionPlan:
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
                  table: str | None, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None,
-                 bias_requires_grad: bool):
+                 bias_requires_grad: bool, cache_seqlens: torch.Tensor | None = None):
         batch, seqlen_q, num_heads, _ = q.shape
         self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap)
         self.device, self.dtype = q.device, q.dtype
@@ -133,6 +143,16 @@ class AttentionPlan:
         # whether the forward leaves the mask's tile activity for the backward (Triton's does)
         self.fills_activity = self.fwd_backend is not None and mask is not None and (
             self.fwd_backend.forward_plan is not None)
+        # a call that needs no gradient runs the short-query forward when it has few query rows
+        # and no explicit tiles (`decode_launch`); `cache_seqlens` needs it
+        self.decodes = (backend in ("auto", "triton") and fwd_config is None and not (self.no_rows or self.no_keys)
+                        and seqlen_q <= MAX_DECODE_QUERIES and (q.is_cuda or registry.interpreter_enabled()))
+        if cache_seqlens is not None and not self.decodes:
+            raise ValueError(
+                f"cache_seqlens: supported by the short-query forward only (Lq <= {MAX_DECODE_QUERIES}, backend "
+                f"'auto' or 'triton', no fwd_config, no gradient); got Lq={seqlen_q}, backend {backend!r}"
+                + (", a fwd_config" if fwd_config is not None else ""))
+        self._decode_launch = None
         self._fwd_launch = None
         self._bwd_choice = None
         self._bwd_launches: dict[tuple, object] = {}
@@ -175,6 +195,25 @@ class AttentionPlan:
                                                              out=out, lse=lse, **self.options)
         launch(q, k, v, mask, bias, out, lse, activity)
         return out, lse, activity
+
+    def infer(self, q, k, v, mask, bias, cache_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """out and lse of a call that needs no gradient: the short-query forward where `decodes`,
+        else `forward`'s (its tile activity unused)."""
+        if not self.decodes:
+            out, lse, _ = self.forward(q, k, v, mask, bias)
+            return out, lse
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        launch = self._decode_launch
+        if launch is None:
+            from dmattn_kernels.triton.decode_launch import DecodePlan
+
+            launch = self._decode_launch = DecodePlan(
+                q, k, v, as_4d(mask), as_4d(bias), cache_seqlens, **self.options,
+                config=decode_config(self.out_shape[-1], self.device), out=out, lse=lse,
+                num_sms=sm_count(self.device))
+        launch(q, k, v, mask, bias, cache_seqlens, out, lse)
+        return out, lse
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -221,11 +260,12 @@ def _tensor_signature(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
 
 
-def signature(q, k, v, mask, bias, *options) -> tuple:
+def signature(q, k, v, mask, bias, cache_seqlens, *options) -> tuple:
     """The plan key of a call (module docstring). Raises AttributeError on a non-tensor, which the
     caller answers by validating the call."""
     return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v),
             None if mask is None else _tensor_signature(mask), None if bias is None else _tensor_signature(bias),
+            None if cache_seqlens is None else _tensor_signature(cache_seqlens),
             os.environ.get(dispatch.ENV_VAR), dispatch.DISPATCHER.generation, registry.overrides, *options)
 
 

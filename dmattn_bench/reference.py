@@ -10,6 +10,8 @@ For query head ``h`` (KV head ``h // (H // Hkv)``), query row ``i`` and key ``j`
     S[i, j] = softcap * tanh(S[i, j] / softcap)          if softcap > 0
     S[i, j] = S[i, j] + bias[i, j]                        bias is not scaled
     S[i, j] = -inf  unless  mask[i, j] and (not is_causal or j <= i + Lk - Lq)
+with ``cache_seqlens``, sequence b has Lk_b = clamp(cache_seqlens[b], 0, Lk) keys: keys at or past
+Lk_b are excluded (their K and V never reach a product) and Lk_b replaces Lk in the causal rule.
     lse[i]  = log(sum_j exp(S[i, j]))
     out[i]  = sum_j exp(S[i, j] - lse[i]) * v_j
 
@@ -69,6 +71,7 @@ def check_inputs(
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
     attn_bias: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None = None,
 ) -> None:
     """Checks the shapes, dtypes and devices shared by every attention backend.
 
@@ -78,6 +81,7 @@ def check_inputs(
         value: Same shape as ``key``.
         attn_mask: ``None`` or a bool/integer tensor broadcastable as in :func:`broadcast_dims`.
         attn_bias: ``None`` or a floating tensor broadcastable as in :func:`broadcast_dims`.
+        cache_seqlens: ``None`` or a ``(B,)`` int32 tensor of key lengths.
 
     Raises:
         ValueError: On a bad shape or device; the message names the argument, the shape
@@ -102,8 +106,13 @@ def check_inputs(
                          f"to divide the query's H={H} heads")
     if value.shape != key.shape:
         raise ValueError(f"value: got shape {_shape(value)}, expected {_shape(key)} (key's shape)")
+    if cache_seqlens is not None:
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens: got dtype {cache_seqlens.dtype}, expected torch.int32")
+        if tuple(cache_seqlens.shape) != (B,):
+            raise ValueError(f"cache_seqlens: got shape {_shape(cache_seqlens)}, expected (B,) = ({B},)")
     for name, t in (("key", key), ("value", value), ("attn_mask", attn_mask),
-                    ("attn_bias", attn_bias)):
+                    ("attn_bias", attn_bias), ("cache_seqlens", cache_seqlens)):
         if t is not None and t.device != query.device:
             raise ValueError(f"{name}: got device {t.device}, expected {query.device} "
                              f"(query's device)")
@@ -144,6 +153,7 @@ def attention(
     softcap: float = 0.0,
     return_lse: bool = False,
     compute_dtype: torch.dtype | None = None,
+    cache_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dynamic-mask attention, computed eagerly in ``compute_dtype``.
 
@@ -168,6 +178,8 @@ def attention(
         return_lse: Also return the natural-log ``lse`` of shape ``(B, H, Lq)``.
         compute_dtype: Dtype of the whole computation. Defaults to fp64 on CPU and fp32 on GPU;
             ``query.dtype`` runs the same math in low precision.
+        cache_seqlens: Optional ``(B,)`` int32 key lengths (module docstring), clamped to
+            ``[0, Lk]``; what lies past them in ``key`` and ``value`` is never used.
 
     Returns:
         ``out`` of shape ``(B, Lq, H, D)`` in ``query.dtype``, or ``(out, lse)`` where ``lse``
@@ -178,7 +190,7 @@ def attention(
         ValueError: On bad shapes, devices or a negative ``softcap``.
         TypeError: On bad dtypes.
     """
-    check_inputs(query, key, value, attn_mask, attn_bias)
+    check_inputs(query, key, value, attn_mask, attn_bias, cache_seqlens)
     if softcap < 0:
         raise ValueError(f"softcap: got {softcap}, expected >= 0 (0 disables soft-capping)")
     B, Lq, H, D = query.shape
@@ -193,6 +205,13 @@ def attention(
     q = query.to(compute_dtype).transpose(1, 2)
     k = key.to(compute_dtype).transpose(1, 2).repeat_interleave(group, dim=1)
     v = value.to(compute_dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    key_lengths = None
+    if cache_seqlens is not None:
+        # (B, 1, 1, 1) lengths; K and V past them are zeroed so a NaN tail never reaches a product
+        key_lengths = cache_seqlens.to(torch.int64).clamp(0, Lk).view(B, 1, 1, 1)
+        in_cache = torch.arange(Lk, device=query.device).view(1, 1, Lk, 1) < key_lengths
+        zero = torch.zeros((), dtype=compute_dtype, device=query.device)
+        k, v = torch.where(in_cache, k, zero), torch.where(in_cache, v, zero)
 
     # -- scores --
     s = softmax_scale * (q @ k.transpose(-1, -2))
@@ -206,10 +225,13 @@ def attention(
     if attn_mask is not None:
         mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask != 0
         visible = _expand_scores_like(mask, "attn_mask", B, H, Hkv, Lq, Lk)
+    rows = torch.arange(Lq, device=query.device).unsqueeze(-1)
+    cols = torch.arange(Lk, device=query.device)
+    if key_lengths is not None:
+        in_cache = cols < key_lengths  # (B, 1, 1, Lk)
+        visible = in_cache if visible is None else visible & in_cache
     if is_causal:
-        rows = torch.arange(Lq, device=query.device).unsqueeze(-1)
-        cols = torch.arange(Lk, device=query.device)
-        causal = cols <= rows + (Lk - Lq)
+        causal = cols <= rows + ((Lk if key_lengths is None else key_lengths) - Lq)
         visible = causal if visible is None else visible & causal
     if visible is not None:
         s = torch.where(visible, s, torch.full((), -math.inf, dtype=compute_dtype,

@@ -20,7 +20,7 @@ import torch
 
 from dmattn_bench import reference, sourcehash
 from dmattn_bench.hardware import ARCH_LIMITS, local_limits
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, bias_has_rows
+from dmattn_bench.space import AttentionShape, BwdConfig, DecodeConfig, FwdConfig, bias_has_rows
 
 
 def interpreter_enabled() -> bool:
@@ -245,6 +245,21 @@ CUDA_SM90_DEFAULTS = (
 )
 # The interpreter runs each tile op in numpy; small tiles waste the fewest out-of-bounds lanes.
 INTERPRETER_DEFAULT = (256, FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1))
+# The short-query forward (decode) per head-dim class: (largest head dim, config). It streams K
+# and V once per KV group, so the key tile only needs to keep the loads in flight; the split
+# count follows the GPU (`DecodeConfig.num_splits` 0).
+DECODE_DEFAULTS = (
+    (128, DecodeConfig(64, 4, 3)),
+    (256, DecodeConfig(32, 4, 2)),
+)
+INTERPRETER_DECODE_DEFAULT = DecodeConfig(16, 1, 1)
+
+
+def decode_config(head_dim: int, device: torch.device | str) -> DecodeConfig:
+    """The short-query forward's config for `head_dim` on `device` (`DECODE_DEFAULTS`)."""
+    if torch.device(device).type != "cuda":
+        return INTERPRETER_DECODE_DEFAULT
+    return next(config for high, config in DECODE_DEFAULTS if head_dim <= high)
 
 
 def _device_limits(device: torch.device):

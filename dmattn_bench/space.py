@@ -92,8 +92,35 @@ class BwdConfig:
         return asdict(self)
 
 
-def config_label(config: "FwdConfig | BwdConfig") -> str:
-    """Compact human label: fwd "128x64 w4 s3", bwd "32x64 dq64x32 w4 s2"."""
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Short-query forward tiles (`flash_decode.py`): the query heads of a KV group share a tile.
+
+    Attributes:
+        block_n: key columns per inner-loop step.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the key loop.
+        num_splits: key ranges run by programs of their own (split-KV); 0 picks it from the GPU's
+            SM count and the cache length (`decode_launch.split_count`).
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def config_label(config: "FwdConfig | BwdConfig | DecodeConfig | None") -> str:
+    """Compact human label: fwd "128x64 w4 s3", bwd "32x64 dq64x32 w4 s2", decode "n64 w4 s3 splits
+    auto"; "-" for a direction not run."""
+    if config is None:
+        return "-"
+    if isinstance(config, DecodeConfig):
+        splits = config.num_splits or "auto"
+        return f"n{config.block_n} w{config.num_warps} s{config.num_stages} splits {splits}"
     label = f"{config.block_m}x{config.block_n}"
     if isinstance(config, BwdConfig):
         label += f" dq{config.block_m_dq}x{config.block_n_dq}"

@@ -22,9 +22,11 @@ from typing import Callable
 import torch
 
 from dmattn_bench import plan, reference
-from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, bias_kind, build_inputs
-from dmattn_bench.registry import Backend, default_configs, default_entries, get_backend
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, as_4d, bias_has_rows, config_label
+from dmattn_bench.adversarial import (MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, bias_kind, build_inputs,
+                                      decode_cases)
+from dmattn_bench.registry import DECODE_DEFAULTS, Backend, decode_config, default_configs, default_entries, get_backend
+from dmattn_bench.space import (AttentionShape, BwdConfig, DecodeConfig, FwdConfig, as_4d, bias_has_rows,
+                                config_label)
 
 # Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
 # exact low-precision reference (error 0 on a tensor) does not demand an exact kernel.
@@ -32,6 +34,9 @@ ATOL_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 FWD_FACTOR = 2.0  # FlashAttention's test rule for out and lse
 BWD_FACTOR = 3.0  # gradients go through one more low-precision product chain
 CHECKED = ("out", "lse", "dq", "dk", "dv", "dbias")
+# The short-query forward's suites: not a backend of the registry (it serves the "auto" and
+# "triton" calls without gradient, `plan.AttentionPlan.decodes`), checked on `decode_cases`
+DECODE = "triton-decode"
 # Failure statuses, most severe first; "ok" is success.
 STATUSES = ("crash", "launch_error", "oom", "timeout", "compile_error", "nonfinite", "mismatch", "unsupported", "ok")
 
@@ -184,7 +189,7 @@ def run_reference(inputs: Inputs, case: Case, compute_dtype: torch.dtype | None)
     with torch.enable_grad():
         out, lse = reference.attention(
             q, k, v, inputs.mask, bias, is_causal=case.causal, softmax_scale=case.head_dim ** -0.5,
-            softcap=case.softcap, return_lse=True, compute_dtype=dtype,
+            softcap=case.softcap, return_lse=True, compute_dtype=dtype, cache_seqlens=inputs.cache_seqlens,
         )
         wrt = [q, k, v] + ([bias] if with_dbias else [])
         with warnings.catch_warnings():
@@ -235,6 +240,42 @@ def compare(name: str, x: torch.Tensor, x_ref: torch.Tensor, x_lowp: torch.Tenso
     return TensorCheck(name, error, bound, error / bound, True, detail)
 
 
+def run_decode(inputs: Inputs, case: Case, config: DecodeConfig) -> dict[str, torch.Tensor]:
+    """The short-query forward (`decode_launch.DecodePlan`, the split count the runtime picks on
+    this device) into NaN-poisoned out and lse."""
+    from dmattn_kernels.triton.decode_launch import DecodePlan
+
+    q = inputs.q
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
+    mask, bias = as_4d(inputs.mask), as_4d(inputs.bias)
+    launch = DecodePlan(q, inputs.k, inputs.v, mask, bias, inputs.cache_seqlens, is_causal=case.causal,
+                        softmax_scale=case.head_dim ** -0.5, softcap=case.softcap, config=config, out=out, lse=lse,
+                        num_sms=plan.sm_count(q.device))
+    launch(q, inputs.k, inputs.v, mask, bias, inputs.cache_seqlens, out, lse)
+    return {"out": out, "lse": lse}
+
+
+def check_decode_case(case: Case, dtype: torch.dtype, device: torch.device | str, config: DecodeConfig,
+                      seed: int = 0) -> CaseResult:
+    """`check_case` for the short-query forward: out and lse, twice (bitwise), never raises."""
+    device = torch.device(device)
+    try:
+        inputs = build_inputs(case, dtype, device, seed)
+        high = run_reference(inputs, case, None)
+        low = run_reference(inputs, case, dtype)
+    except torch.cuda.OutOfMemoryError as exc:
+        return CaseResult(case.name, *classify_failure(exc))
+    try:
+        first = run_decode(inputs, case, config)
+        second = run_decode(inputs, case, config)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - a failed candidate is data, not a crash
+        return CaseResult(case.name, *classify_failure(exc))
+    return _verdict(case, first, second, high, low, dtype)
+
+
 def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.device | str,
                fwd_config: FwdConfig | None, bwd_config: BwdConfig | None, seed: int = 0) -> CaseResult:
     """Runs one case twice through the kernel and once through each reference; never raises.
@@ -270,6 +311,11 @@ def _check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.
     except Exception as exc:  # noqa: BLE001 - a failed candidate is data, not a crash
         status, reason = classify_failure(exc)
         return CaseResult(case.name, status, reason)
+    return _verdict(case, first, second, high, low, dtype)
+
+
+def _verdict(case: Case, first, second, high, low, dtype: torch.dtype) -> CaseResult:
+    """Rules 1 and 2 on every tensor of the first run, then the second run's bits against it."""
     checks = {name: compare(name, first[name], high[name], low[name], dtype) for name in CHECKED if name in first}
     failed = [c for c in checks.values() if not c.passed]
     if any(not c.finite for c in failed):
@@ -315,12 +361,17 @@ def validate(backend_name: str, fwd_config: FwdConfig | None, bwd_config: BwdCon
     Returns:
         A `SuiteResult`; its `status` is "ok" only if every case passed.
     """
-    backend = get_backend(backend_name)
-    if cases is None:
-        cases = adversarial_cases(suite, config_tiles(fwd_config, bwd_config))
+    if backend_name == DECODE:
+        cases = decode_cases(suite) if cases is None else cases
+        check = lambda case: check_decode_case(case, dtype, device, fwd_config)  # noqa: E731
+    else:
+        backend = get_backend(backend_name)
+        if cases is None:
+            cases = adversarial_cases(suite, config_tiles(fwd_config, bwd_config))
+        check = lambda case: check_case(backend, case, dtype, device, fwd_config, bwd_config)  # noqa: E731
     results = []
     for case in cases:
-        result = check_case(backend, case, dtype, device, fwd_config, bwd_config)
+        result = check(case)
         results.append(result)
         if on_case is not None:
             on_case(result)
@@ -333,9 +384,22 @@ class PlannedSuite:
 
     label: str
     backend: str
-    fwd_config: FwdConfig
-    bwd_config: BwdConfig
+    fwd_config: FwdConfig | DecodeConfig
+    bwd_config: BwdConfig | None  # None: the short-query forward (DECODE)
     cases: list[Case]
+
+
+def plan_decode(device: torch.device | str, suite: str) -> list[PlannedSuite]:
+    """The short-query forward's config per head-dim class (`registry.decode_config`), each with
+    the decode cases of its class: what every call without gradient of few query rows runs."""
+    planned, low = [], 8
+    for high, _ in DECODE_DEFAULTS:
+        config = decode_config(high, device)
+        cases = [case for case in decode_cases(suite) if low <= case.head_dim <= high]
+        if cases:
+            planned.append(PlannedSuite(f"{DECODE} D{low}-{high} (short-query forward)", DECODE, config, None, cases))
+        low = high + 8
+    return planned
 
 
 def plan_default_configs(device: torch.device | str, suite: str, backend: str = "triton",
@@ -415,12 +479,11 @@ def _alone_where_out_of_memory(item: PlannedSuite, result: SuiteResult, dtype: t
     this process, the pool gone (a case that does not fit alone stays `oom`)."""
     if not any(case.status == "oom" for case in result.cases):
         return result
-    backend = get_backend(item.backend)
     cases = []
     for planned, outcome in zip(item.cases, result.cases):
         if outcome.status == "oom":
             torch.cuda.empty_cache()
-            outcome = check_case(backend, planned, dtype, device, item.fwd_config, item.bwd_config)
+            outcome = validate(item.backend, item.fwd_config, item.bwd_config, dtype, device, cases=[planned]).cases[0]
             if on_case is not None:
                 on_case(outcome)
         cases.append(outcome)

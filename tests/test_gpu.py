@@ -230,3 +230,35 @@ def test_timing_measures_gpu_time_not_the_hosts():
     assert timing.host_ms >= 2.0
     assert timing.median_ms < 1.0, timing
     assert eager_wall_ms(slow_host_call, "cuda", calls=5, loops=3) >= 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_decode_steps_in_a_cuda_graph_with_changing_lengths(dtype):
+    """A serving step: one query row per sequence over a NaN-tailed KV cache, `cache_seqlens`
+    changed between replays of one captured graph; each replay is checked against the reference
+    (DESIGN §2), splits and all (H32 Hkv8 D128, Lk 4096: several splits per sequence)."""
+    from dmattn_bench.reference import attention
+
+    batch, heads, heads_kv, seqlen_k, head_dim = 4, 32, 8, 4096, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(batch, 1, heads, head_dim, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=dtype, generator=g)
+            for _ in range(2))
+    bias = torch.randn(batch, heads_kv, 1, seqlen_k, device="cuda", dtype=dtype, generator=g)
+    lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        flash_dmattn_func(q, k, v, None, bias, cache_seqlens=lengths)  # builds the plan and compiles
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flash_dmattn_func(q, k, v, None, bias, cache_seqlens=lengths)
+    for values in ([4096, 1, 2000, 0], [17, 4095, 64, 3000]):
+        lengths.copy_(torch.tensor(values, dtype=torch.int32))
+        k_cache, v_cache = k.clone(), v.clone()
+        for b, length in enumerate(values):
+            k[b, length:], v[b, length:] = float("nan"), float("nan")  # past the length: never read
+        graph.replay()
+        high = attention(q, k_cache, v_cache, None, bias, cache_seqlens=lengths)
+        low = attention(q, k_cache, v_cache, None, bias, cache_seqlens=lengths, compute_dtype=dtype)
+        check = compare("out", out, high, low, dtype)
+        assert check.passed, f"lengths {values}: {check}"
+        k.copy_(k_cache), v.copy_(v_cache)

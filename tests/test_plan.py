@@ -107,8 +107,8 @@ def test_launches_and_allocations_per_call(counted, name, shape, fwd_launches, f
     leaves = [t for t in (q, k, v, bias) if t is not None and t.requires_grad]
     flash_dmattn_func(q, k, v, mask, bias, is_causal=True)  # builds the plan and compiles
 
-    with torch.no_grad():
-        launches, allocations, other = counted(lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=True))
+    # the forward of a training step (a call without gradient of Lq <= 64 decodes: below)
+    launches, allocations, other = counted(lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=True))
     assert (launches, allocations, other) == (fwd_launches, fwd_allocations, [])
 
     grad_out = torch.randn(q.shape)
@@ -117,6 +117,39 @@ def test_launches_and_allocations_per_call(counted, name, shape, fwd_launches, f
     out = flash_dmattn_func(q, k, v, mask, bias, is_causal=True)
     launches, allocations, other = counted(lambda: torch.autograd.grad(out, leaves, grad_out))
     assert (launches, allocations, other) == (bwd_launches, bwd_allocations, bwd_other)
+
+
+DECODE, COMBINE = "flash_decode_kernel", "decode_combine_kernel"
+
+
+# (name, B, Hkv, mask, bias, cache lengths, launches, allocations) of a decode step, Lq = 1, H = 4,
+# Lk = 40 in the interpreter (4 SMs): one split where B * Hkv programs fill SPLIT_WAVES per SM,
+# else split-KV into one fp32 workspace and a combine
+DECODE_CASES = [
+    ("one-split", 2, 4, None, None, None, [DECODE], 2),
+    ("one-split-mask-bias-seqlens", 2, 4, "per_key", "per_key", [40, 7], [DECODE], 2),
+    ("split-kv", 2, 2, None, None, None, [DECODE, COMBINE], 3),
+    ("split-kv-mask-bias-seqlens", 2, 2, "kv_head", "per_key", [3, 40], [DECODE, COMBINE], 3),
+]
+
+
+@pytest.mark.parametrize("name, batch, heads_kv, mask, bias, seqlens, launches, allocations", DECODE_CASES,
+                         ids=[case[0] for case in DECODE_CASES])
+def test_decode_launches_and_allocations(counted, name, batch, heads_kv, mask, bias, seqlens, launches, allocations):
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(batch, 1, 4, 32, generator=generator)
+    k, v = (torch.randn(batch, 40, heads_kv, 32, generator=generator) for _ in range(2))
+    mask = {None: None, "per_key": torch.rand(batch, 1, 1, 40, generator=generator) < 0.8,
+            "kv_head": torch.rand(batch, heads_kv, 1, 40, generator=generator) < 0.8}[mask]
+    bias = None if bias is None else torch.randn(batch, heads_kv, 1, 40, generator=generator)
+    seqlens = None if seqlens is None else torch.tensor(seqlens, dtype=torch.int32)
+
+    def call():
+        return flash_dmattn_func(q, k, v, mask, bias, cache_seqlens=seqlens)
+
+    first = call()  # builds the plan and compiles
+    assert counted(call)[:2] == (launches, allocations)
+    assert torch.equal(call(), first)
 
 
 def test_a_plan_is_built_once_per_signature_and_the_backward_chooses_nothing(monkeypatch):
@@ -157,10 +190,13 @@ def test_plans_match_the_compiled_op_path_bitwise():
     from dmattn_bench.space import as_4d
 
     q, k, v, mask, bias = _inputs(4, mask="kv_head", bias="full")
-    eager, eager_lse = flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
-    op_out, op_lse, _ = ops.attention_fwd(q, k, v, as_4d(mask), as_4d(bias), True, 32 ** -0.5, 0.0, "auto", None,
-                                          None, None)
-    assert torch.equal(eager, op_out) and torch.equal(eager_lse, op_lse)
+    for inference in (True, False):  # the short-query forward (Lq 40) and the prefill one
+        with torch.set_grad_enabled(not inference):
+            q.requires_grad_(not inference)
+            eager, eager_lse = flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
+            op_out, op_lse, _ = ops.attention_fwd(q, k, v, as_4d(mask), as_4d(bias), True, 32 ** -0.5, 0.0, "auto",
+                                                  None, None, None, None, inference)
+        assert torch.equal(eager, op_out) and torch.equal(eager_lse, op_lse)
 
 
 # -- what the public entry rejects, and the zero-length results it defines ---------------------------

@@ -16,7 +16,8 @@ from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint
 from dmattn_bench.registry import kernel_source_hash
 from dmattn_bench.space import DTYPES, config_label
-from dmattn_bench.validator import CHECKED, SuiteResult, plan_default_configs, plan_table_entries, run_plan
+from dmattn_bench.validator import (CHECKED, SuiteResult, plan_decode, plan_default_configs, plan_table_entries,
+                                    run_plan)
 
 
 
@@ -65,7 +66,7 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
     if table_path is None:
         backend = backend or "triton"
         output.info(f"no table given (--table or DMATTN_BENCH_TABLE): verifying the {backend} default configs")
-        return "defaults", plan_default_configs(device, suite, backend, dtype), None, []
+        return "defaults", plan_default_configs(device, suite, backend, dtype) + _decode(backend, device, suite), None, []
     try:
         table = load_table(table_path)
     except TableError as exc:
@@ -80,12 +81,20 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
                     f"(stale): the runtime skips those entries; verifying their configs on these kernels "
                     f"(`--suite full --restamp` records a pass)")
     plan = plan_table_entries(entries, dtype, device, suite)
+    if plan:
+        plan += _decode(backend, device, suite)
     if not plan:
         which = f"{dtype} {backend}" if backend else dtype
         raise DmattnError(f"{table_path}: no {which} entries to verify",
                           f"pass a --dtype and --backend the table has "
                           f"({sorted({(e.key.dtype, e.backend) for e in table.entries})})")
     return str(table_path), plan, table, [e for e in entries if e.key.dtype == dtype]
+
+
+def _decode(backend: str | None, device: str, suite: str) -> list:
+    """The short-query forward's suites, which every Triton call without gradient of few query rows
+    runs (whatever the table holds); none when verifying another backend."""
+    return plan_decode(device, suite) if backend in (None, "triton") else []
 
 
 def _check_restamp(table_path: str | None, suite: str) -> None:

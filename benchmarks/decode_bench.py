@@ -1,0 +1,138 @@
+"""Decode steps (one query row per sequence, a KV cache) on the local GPU: our short-query forward
+against SDPA, GPU time, eager wall time and the fraction of the HBM bandwidth its K/V reads reach.
+
+For each (B, Lk) of the grid, bf16, H 32, Hkv 8, D 128 by default:
+- ours: no mask; a padding mask (B, 1, 1, Lk) with each sequence's last 1/8 of keys masked;
+  `cache_seqlens` at 7/8 of Lk (memory past it NaN-filled, never read);
+- SDPA flash (no mask: it takes none) and SDPA memory-efficient with the padding mask as a
+  float mask (K/V expanded to H heads, the way a float-mask user calls it).
+Every row of ours is checked against the reference first (error / DESIGN §2 bound, NaN fails).
+Bandwidth: the K/V bytes a step must read (the visible part of the cache) over its GPU time,
+as a fraction of a device-to-device copy's rate measured in the same run.
+
+    python benchmarks/decode_bench.py [--json out.json] [--heads 32 --heads-kv 8 --head-dim 128]
+
+Prints one markdown table (stdout); progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from dmattn_bench import flash_dmattn_func
+from dmattn_bench.reference import attention
+from dmattn_bench.timing import eager_wall_ms, time_kernel
+from dmattn_bench.validator import compare
+
+GRID = ((1, 2048), (1, 8192), (8, 4096), (32, 4096), (64, 2048), (8, 32768), (64, 16384))
+COPY_BYTES = 1 << 30
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    timing = time_kernel(lambda: dst.copy_(src), device, repeats=20)
+    return 2 * COPY_BYTES / (timing.median_ms * 1e-3)
+
+
+def _check(out, q, k, v, mask, seqlens) -> float:
+    """Error / bound of `out` by DESIGN §2 (`validator.compare`: the fp32 reference against the
+    bf16 one); inf when anything is not finite."""
+    high = attention(q, k, v, mask, cache_seqlens=seqlens)
+    low = attention(q, k, v, mask, cache_seqlens=seqlens, compute_dtype=q.dtype)
+    return compare("out", out, high, low, q.dtype).ratio
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--heads-kv", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    heads, heads_kv, head_dim = args.heads, args.heads_kv, args.head_dim
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
+    rows = []
+    for batch, seqlen_k in GRID:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(batch, 1, heads, head_dim, device=device, dtype=dtype, generator=g)
+        k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype, generator=g)
+                for _ in range(2))
+        valid = seqlen_k - seqlen_k // 8
+        mask = torch.arange(seqlen_k, device=device).view(1, 1, 1, seqlen_k) < valid
+        mask = mask.expand(batch, 1, 1, seqlen_k).contiguous()
+        seqlens = torch.full((batch,), valid, dtype=torch.int32, device=device)
+        k_cache, v_cache = k.clone(), v.clone()
+        k_cache[:, valid:], v_cache[:, valid:] = float("nan"), float("nan")
+        kv_bytes = {"all": 2 * batch * seqlen_k * heads_kv * head_dim * 2,
+                    "valid": 2 * batch * valid * heads_kv * head_dim * 2}
+        variants = {
+            "ours, no mask": (lambda: flash_dmattn_func(q, k, v), "all", (k, v, None, None)),
+            "ours, padding mask": (lambda: flash_dmattn_func(q, k, v, mask), "valid", (k, v, mask, None)),
+            "ours, cache_seqlens": (lambda: flash_dmattn_func(q, k_cache, v_cache, cache_seqlens=seqlens), "valid",
+                                    (k_cache, v_cache, None, seqlens)),
+        }
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        float_mask = torch.zeros(batch, heads, 1, seqlen_k, device=device, dtype=dtype).masked_fill(~mask, float("-inf"))
+        kt_full, vt_full = (t.repeat_interleave(heads // heads_kv, 1) for t in (kt, vt))
+
+        def sdpa_flash():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+        def sdpa_efficient():
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt_full, vt_full, attn_mask=float_mask)
+
+        variants["SDPA flash, no mask"] = (sdpa_flash, "all", None)
+        variants["SDPA efficient, padding mask"] = (sdpa_efficient, "valid", None)
+        flash_ms = None
+        for name, (fn, read, check) in variants.items():
+            print(f"B{batch} Lk{seqlen_k} {name}", file=sys.stderr, flush=True)
+            row = dict(batch=batch, seqlen_k=seqlen_k, variant=name)
+            try:
+                with torch.no_grad():
+                    if check is not None:
+                        row["error_over_bound"] = _check(fn(), q, *check)
+                    timing = time_kernel(fn, device, repeats=30)
+                    row.update(gpu_ms=timing.median_ms, host_ms=timing.host_ms,
+                               wall_ms=eager_wall_ms(fn, device, calls=50, loops=5))
+                row["bandwidth_fraction"] = kv_bytes[read] / (timing.median_ms * 1e-3) / bandwidth
+                if name.startswith("SDPA flash"):
+                    flash_ms = timing.median_ms
+            except Exception as exc:  # a peer that cannot take this shape is a row with its reason
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+            rows.append(row)
+        for row in rows[-len(variants):]:
+            if flash_ms and "gpu_ms" in row:
+                row["over_sdpa_flash"] = row["gpu_ms"] / flash_ms
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H{heads} Hkv{heads_kv} D{head_dim}, "
+          f"copy {bandwidth / 1e12:.2f} TB/s; GPU and eager wall ms per step (medians)\n")
+    print("| B | Lk | variant | GPU ms | eager wall ms | wall / GPU | K/V read / copy BW | vs SDPA flash | err / bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['batch']} | {row['seqlen_k']} | {row['variant']} | {row['error']} | | | | | |")
+            continue
+        err = row.get("error_over_bound")
+        print(f"| {row['batch']} | {row['seqlen_k']} | {row['variant']} | {row['gpu_ms']:.4f} | {row['wall_ms']:.4f} "
+              f"| {row['wall_ms'] / row['gpu_ms']:.2f} | {row['bandwidth_fraction']:.0%} "
+              f"| {row.get('over_sdpa_flash', float('nan')):.2f}x | {'' if err is None else f'{err:.3f}'} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           copy_bandwidth=bandwidth, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

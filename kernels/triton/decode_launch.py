@@ -1,0 +1,98 @@
+"""Launcher of the short-query forward (`flash_decode.py`): a plan per call signature, as
+`launch.ForwardPlan`, for the calls `dmattn_bench.plan` sends it: few query rows
+(`plan.MAX_DECODE_QUERIES`), no gradient.
+
+One launch when the keys take one split (the kernel writes out and lse), else the split kernel
+into fp32 partials and `decode_combine_kernel`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from dmattn_bench.space import DecodeConfig
+from dmattn_kernels.triton.flash_decode import decode_combine_kernel, flash_decode_kernel
+from dmattn_kernels.triton.launch import _Launch, _Workspace, head_block, launch_stream
+from dmattn_kernels.triton.layouts import broadcast_layout, contiguous_strides
+
+MIN_BLOCK_M, MAX_BLOCK_M = 16, 64  # packed rows per program: tl.dot's minimum, and a tile that stays in registers
+SPLIT_WAVES = 2  # programs aimed at per SM when splitting the keys: enough to hide one's tail
+MAX_SPLITS = 64  # the combine kernel holds one lse per split
+COMBINE_NUM_WARPS = 4
+
+
+def split_count(programs: int, key_tiles: int, num_sms: int) -> int:
+    """Splits of the key range for `programs` programs per split on `num_sms` SMs: enough for
+    SPLIT_WAVES programs per SM, at most one per key tile and MAX_SPLITS."""
+    return max(1, min(triton.cdiv(SPLIT_WAVES * num_sms, programs), key_tiles, MAX_SPLITS))
+
+
+class DecodePlan:
+    """A short-query forward for one signature; `plan(q, k, v, mask, bias, seqlens, out, lse)`
+    runs it. `num_sms`: the GPU's SM count (splits chosen for it when the config leaves them to
+    the plan)."""
+
+    def __init__(self, q, k, v, mask, bias, seqlens, *, is_causal: bool, softmax_scale: float, softcap: float,
+                 config: DecodeConfig, out: torch.Tensor, lse: torch.Tensor, num_sms: int):
+        batch, seqlen_q, num_heads, head_dim = q.shape
+        seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+        group = num_heads // num_heads_kv
+        block_d = head_block(head_dim)
+        rows = seqlen_q * group
+        block_m = min(max(MIN_BLOCK_M, triton.next_power_of_2(rows)), MAX_BLOCK_M)
+        row_blocks = triton.cdiv(rows, block_m)
+        key_tiles = triton.cdiv(seqlen_k, config.block_n)
+        splits = config.num_splits or split_count(batch * num_heads_kv * row_blocks, key_tiles, num_sms)
+        splits = min(splits, key_tiles, MAX_SPLITS)
+        keys_per_split = triton.cdiv(key_tiles, splits) * config.block_n
+        self.splits = triton.cdiv(seqlen_k, keys_per_split)  # no split left without keys
+        self.device = q.device
+        mask_strides, mask_head_div = broadcast_layout(mask, num_heads, group)
+        bias_strides, bias_head_div = broadcast_layout(bias, num_heads, group)
+        # a program's rows (one KV group's heads, every query) share an operand's row when it has no
+        # query dim and one head per group (or none)
+        mask_shared, bias_shared = (strides[2] == 0 and (strides[1] == 0 or head_div == group)
+                                    for strides, head_div in ((mask_strides, mask_head_div),
+                                                              (bias_strides, bias_head_div)))
+
+        # -- where the split kernel writes: out and lse themselves, or per-split fp32 partials --
+        out_strides, lse_strides = (0, *out.stride()), (0, *lse.stride())
+        self.workspace = None
+        if self.splits > 1:
+            partial_out, partial_lse = (self.splits, *out.shape), (self.splits, *lse.shape)
+            out_strides, lse_strides = contiguous_strides(partial_out), contiguous_strides(partial_lse)
+            self.workspace = _Workspace({"out": (partial_out, torch.float32), "lse": (partial_lse, torch.float32)})
+        self.decode = _Launch(
+            flash_decode_kernel, (self.splits, batch * num_heads_kv, row_blocks),
+            (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out_strides, *lse_strides,
+             num_heads_kv, seqlen_q, seqlen_k, keys_per_split, mask_head_div, bias_head_div,
+             softmax_scale, softcap if softcap > 0 else 1.0),
+            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=config.block_n,
+                 IS_CAUSAL=is_causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
+                 HAS_SOFTCAP=softcap > 0, HAS_SEQLENS=seqlens is not None, MASK_SHARED=mask_shared,
+                 BIAS_SHARED=bias_shared),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        self.combine = None
+        if self.splits > 1:
+            self.combine = _Launch(
+                decode_combine_kernel, (batch * seqlen_q * num_heads,),
+                (*out_strides, *lse_strides, *out.stride(), *lse.stride(), num_heads, seqlen_q, self.splits),
+                dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(self.splits)),
+                num_warps=COMBINE_NUM_WARPS,
+            )
+        self.compiled = False
+
+    def __call__(self, q, k, v, mask, bias, seqlens, out, lse) -> None:
+        stream = launch_stream()
+        extra = (q if mask is None else mask, q if bias is None else bias, q if seqlens is None else seqlens)
+        if self.workspace is None:
+            self.decode.run(stream, q, k, v, *extra, out, lse)
+            return
+        buffer = self.workspace.allocate(self.device)
+        by_address = stream is not None and self.compiled
+        partial = self.workspace.pointers(buffer) if by_address else self.workspace.tensors(buffer)
+        self.decode.run(stream, q, k, v, *extra, partial["out"], partial["lse"])
+        self.combine.run(stream, partial["out"], partial["lse"], out, lse)
+        self.compiled = self.decode.launcher is not None and self.combine.launcher is not None

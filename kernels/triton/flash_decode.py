@@ -1,0 +1,180 @@
+"""Flash dynamic-mask attention, forward for short queries (decode), in Triton: split-KV with the
+query heads of a KV group packed into one tile.
+
+Layouts as in `flash_fwd.py`; `seqlens` (B,) int32 optional (`cache_seqlens`): sequence b has
+L_b = clamp(seqlens[b], 0, Lk) keys and every rule reads L_b for Lk, so no key at or past it is
+loaded (a cache's tail may hold anything, NaN included).
+
+Rows: one program owns up to BLOCK_M rows r of one (batch, kv head), r = i * GROUP + g for query
+i < Lq and group member g < GROUP (query head h = h_kv * GROUP + g): a K, V, mask and bias tile
+is read once for the whole group instead of once per query head, and Lq * GROUP rows fill a
+tensor-core tile that one decode row alone would leave 1/16 full. Scores per row, as the prefill:
+
+    s_rj = scale * q_r . k_j ; softcap ; + bias_rj ; -inf unless mask_rj and j < L_b and
+           (not causal or j <= i_r + L_b - Lq)
+
+Split-KV: the keys are cut into `num_splits` ranges of `keys_per_split` (a multiple of BLOCK_N),
+one program each, so a short query still fills the GPU. Each program keeps the online softmax
+over its range (natural units, fp32: m_r = running max, l_r = sum exp(s - m_r)) and, with one
+split, writes out and lse itself; with several it writes its partial o_rs = acc / l (0 if dead)
+and lse_rs = m + log l (-inf if dead), and `decode_combine_kernel` merges them in split order
+(deterministic):
+
+    lse_r = M + log(sum_s exp(lse_rs - M)),  M = max_s lse_rs ;  out_r = sum_s exp(lse_rs - lse_r) o_rs
+
+A row with no visible key anywhere has every lse_rs = -inf: out 0, lse -inf, never NaN.
+"""
+
+import triton
+import triton.language as tl
+
+from dmattn_kernels.triton.common import tanh
+
+
+@triton.jit
+def flash_decode_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, seqlens_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_os, stride_ob, stride_om, stride_oh, stride_od,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    num_heads_kv, seqlen_q, seqlen_k, keys_per_split,
+    mask_head_div, bias_head_div,
+    softmax_scale, softcap,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    MASK_SHARED: tl.constexpr,
+    BIAS_SHARED: tl.constexpr,
+):
+    """Grid (num_splits, B * Hkv, ceil(Lq * GROUP / BLOCK_M)). MASK_SHARED / BIAS_SHARED: every
+    row of a program reads the same mask / bias row (no query dim, one head per KV group or
+    none: a padding mask, a per-key bias), loaded once per key tile as a vector. `out`/`lse` are the final
+    (B, Lq, H, D) / (B, H, Lq) tensors with one split (stride_os = stride_ls = 0), else the fp32
+    partials (splits, B, Lq, H, D) / (splits, B, H, Lq)."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    split = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // num_heads_kv).to(tl.int64)
+    h_kv = (pid_bh % num_heads_kv).to(tl.int64)
+    seqlen_b = seqlen_k
+    if HAS_SEQLENS:
+        seqlen_b = tl.minimum(tl.maximum(tl.load(seqlens_ptr + b), 0), seqlen_k)
+
+    # -- this program's rows: r = i * GROUP + g --
+    offs_r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    query = offs_r // GROUP
+    head = h_kv * GROUP + offs_r % GROUP
+    row_in = query < seqlen_q
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + b * stride_qb + query[:, None] * stride_qm + head[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=row_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    mask_rows = mask_ptr + b * stride_mb + (head // mask_head_div) * stride_mh + query * stride_mm
+    bias_rows = bias_ptr + b * stride_bb + (head // bias_head_div) * stride_bh + query * stride_bm
+    mask_row = mask_ptr + b * stride_mb + (h_kv * GROUP // mask_head_div) * stride_mh  # MASK_SHARED
+    bias_row = bias_ptr + b * stride_bb + (h_kv * GROUP // bias_head_div) * stride_bh  # BIAS_SHARED
+    k_base = k_ptr + b * stride_kb + h_kv * stride_kh
+    v_base = v_ptr + b * stride_vb + h_kv * stride_vh
+    # the last key each row may see: L_b - 1, or its causal diagonal i + L_b - Lq
+    last_key = tl.full([BLOCK_M], 0, tl.int32) + seqlen_b - 1
+    if IS_CAUSAL:
+        last_key = query + seqlen_b - seqlen_q
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seqlen_b)
+    for start_n in range(start, end, BLOCK_N):
+        # -- load k, v: keys at or past L_b and lanes past HEAD_DIM read as 0, never as memory --
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_in = offs_n < end
+        kv_in = key_in[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
+        visible = row_in[:, None] & key_in[None, :] & (offs_n[None, :] <= last_key[:, None])
+        if HAS_MASK:
+            if MASK_SHARED:
+                keep = tl.load(mask_row + offs_n * stride_mn, mask=key_in, other=0)
+                visible = visible & (keep[None, :] != 0)
+            else:
+                keep = tl.load(mask_rows[:, None] + offs_n[None, :] * stride_mn, mask=visible, other=0)
+                visible = visible & (keep != 0)
+        # -- scores (fp32): scale, softcap, bias; excluded positions replaced, never added to --
+        s = tl.dot(q, tl.trans(k)) * softmax_scale
+        if HAS_SOFTCAP:
+            s = softcap * tanh(s / softcap)
+        if HAS_BIAS:
+            if BIAS_SHARED:
+                s += tl.load(bias_row + offs_n * stride_bn, mask=key_in, other=0.0).to(tl.float32)[None, :]
+            else:
+                s += tl.load(bias_rows[:, None] + offs_n[None, :] * stride_bn, mask=visible, other=0.0).to(tl.float32)
+        s = tl.where(visible, s, float("-inf"))
+        # -- online softmax; a row that has seen nothing visible keeps m = -inf and shifts by 0 --
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_shift)
+        p = tl.exp(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # epilogue: the split's (or the whole row's) normalised output and lse
+    dead = l_i == 0.0
+    l_safe = tl.where(dead, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(dead, float("-inf"), m_i + tl.log(l_safe))
+    out_ptrs = (out_ptr + split * stride_os + b * stride_ob + query[:, None] * stride_om + head[:, None] * stride_oh
+                + offs_d[None, :] * stride_od)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(lse_ptr + split * stride_ls + b * stride_lb + head * stride_lh + query * stride_lm, lse, mask=row_in)
+
+
+@triton.jit
+def decode_combine_kernel(
+    partial_out_ptr, partial_lse_ptr, out_ptr, lse_ptr,
+    stride_pos, stride_pob, stride_pom, stride_poh, stride_pod,
+    stride_pls, stride_plb, stride_plh, stride_plm,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    num_heads, seqlen_q, num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One query row (b, i, h) per program: the splits' partials merged by their lse (module
+    docstring), in split order. BLOCK_S >= num_splits."""
+    pid = tl.program_id(0)
+    h = (pid % num_heads).to(tl.int64)
+    i = ((pid // num_heads) % seqlen_q).to(tl.int64)
+    b = (pid // (num_heads * seqlen_q)).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    split_in = offs_s < num_splits
+    lse_s = tl.load(partial_lse_ptr + offs_s * stride_pls + b * stride_plb + h * stride_plh + i * stride_plm,
+                    mask=split_in, other=float("-inf"))
+    lse_max = tl.max(lse_s, 0)
+    dead = lse_max == float("-inf")
+    shift = tl.where(dead, 0.0, lse_max)
+    weight = tl.exp(lse_s - shift)  # 0 for dead splits and lanes past num_splits
+    total = tl.sum(weight, 0)
+    total_safe = tl.where(dead, 1.0, total)
+    partial = tl.load(partial_out_ptr + offs_s[:, None] * stride_pos + b * stride_pob + i * stride_pom
+                      + h * stride_poh + offs_d[None, :] * stride_pod,
+                      mask=split_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(partial * (weight / total_safe)[:, None], 0)
+    lse = tl.where(dead, float("-inf"), shift + tl.log(total_safe))
+    tl.store(out_ptr + b * stride_ob + i * stride_om + h * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + i * stride_lm, lse)

@@ -1,0 +1,128 @@
+"""The short-query forward (`flash_decode.py`, `decode_launch.py`) and `cache_seqlens`: against
+the reference by DESIGN §2, on the inputs decode meets (GQA groups packed into one tile, split-KV,
+per-sequence cache lengths over NaN-filled cache tails, dead rows), and the entry's rules."""
+
+import pytest
+import torch
+
+from dmattn_bench import flash_dmattn_func, plan
+from dmattn_bench.reference import attention
+from dmattn_bench.registry import interpreter_enabled
+from dmattn_bench.space import DecodeConfig
+from dmattn_bench.validator import compare
+
+pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="the CPU tier runs the kernels in the interpreter")
+
+F32, F16 = torch.float32, torch.float16
+
+
+def _case(seed, batch, seqlen_q, heads, heads_kv, seqlen_k, head_dim, dtype, mask=None, bias=None, seqlens=None):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=generator).to(dtype) for _ in range(2))
+    shapes = {"key": (batch, 1, 1, seqlen_k), "kv_head": (batch, heads_kv, seqlen_q, seqlen_k),
+              "full": (batch, heads, seqlen_q, seqlen_k), "per_key": (batch, heads_kv, 1, seqlen_k)}
+    mask = None if mask is None else torch.rand(shapes[mask], generator=generator) < 0.7
+    bias = None if bias is None else torch.randn(shapes[bias], generator=generator).to(dtype)
+    if seqlens is not None:
+        seqlens = torch.tensor(seqlens, dtype=torch.int32)
+        for b, length in enumerate(seqlens.tolist()):
+            k[b, max(length, 0):] = float("nan")  # a cache's tail: never read
+            v[b, max(length, 0):] = float("nan")
+    return q, k, v, mask, bias, seqlens
+
+
+def _check(q, k, v, mask, bias, seqlens, **options):
+    with torch.no_grad():
+        out, lse = flash_dmattn_func(q, k, v, mask, bias, return_lse=True, cache_seqlens=seqlens, **options)
+    high = attention(q, k, v, mask, bias, return_lse=True, cache_seqlens=seqlens, **options)
+    low = attention(q, k, v, mask, bias, return_lse=True, cache_seqlens=seqlens, compute_dtype=q.dtype, **options)
+    for name, got, ref, ref_low in (("out", out, high[0], low[0]), ("lse", lse, high[1], low[1])):
+        check = compare(name, got, ref, ref_low, q.dtype)
+        assert check.passed, f"{name}: {check}"
+    return out, lse
+
+
+CASES = [
+    # (batch, Lq, H, Hkv, Lk, D, dtype, mask, bias, causal, softcap, cache lengths)
+    pytest.param(2, 1, 8, 2, 100, 32, F32, None, None, False, 0.0, None, id="gqa4-decode"),
+    pytest.param(2, 3, 8, 2, 100, 32, F16, "kv_head", "per_key", True, 0.0, None, id="gqa4-lq3-causal-fp16"),
+    pytest.param(2, 5, 4, 4, 70, 40, F32, "full", "full", True, 5.0, None, id="mha-d40-softcap"),
+    pytest.param(3, 2, 8, 2, 90, 32, F32, None, "kv_head", True, 0.0, [50, 0, 90], id="seqlens-zero-and-full"),
+    pytest.param(3, 1, 4, 1, 200, 16, F16, "key", None, False, 0.0, [1, 17, 300], id="mqa-seqlens-past-lk"),
+    pytest.param(1, 64, 4, 2, 64, 32, F32, None, None, True, 0.0, None, id="lq64-causal"),
+    pytest.param(2, 1, 16, 2, 48, 24, F32, "key", "per_key", False, 0.0, [48, 31], id="gqa8-d24"),
+]
+
+
+@pytest.mark.parametrize("batch, seqlen_q, heads, heads_kv, seqlen_k, head_dim, dtype, mask, bias, causal, softcap, "
+                         "seqlens", CASES)
+def test_matches_reference(batch, seqlen_q, heads, heads_kv, seqlen_k, head_dim, dtype, mask, bias, causal,
+                           softcap, seqlens):
+    q, k, v, mask, bias, seqlens = _case(1, batch, seqlen_q, heads, heads_kv, seqlen_k, head_dim, dtype, mask, bias,
+                                         seqlens)
+    out, lse = _check(q, k, v, mask, bias, seqlens, is_causal=causal, softcap=softcap)
+    if seqlens is not None:
+        empty = seqlens <= 0
+        assert bool((out[empty] == 0).all()) and bool((lse[empty] == float("-inf")).all())  # dead: 0 / -inf
+
+
+def test_the_calls_decode_without_gradient_and_split_the_keys(monkeypatch):
+    """The plan runs the short-query kernel for these calls (not the prefill one), in more than one
+    split where the interpreter's SMs leave room; the same inputs give the same bits every call."""
+    from dmattn_kernels.triton import decode_launch
+
+    built = []
+    original = decode_launch.DecodePlan.__init__
+    monkeypatch.setattr(decode_launch.DecodePlan, "__init__",
+                        lambda self, *a, **k: original(self, *a, **k) or built.append(self))
+    plan.clear()
+    q, k, v, mask, bias, _ = _case(2, 1, 1, 8, 2, 120, 32, F32, "key", "per_key")
+    first = _check(q, k, v, mask, bias, None)[0]
+    assert len(built) == 1 and built[0].splits > 1
+    with torch.no_grad():
+        assert torch.equal(flash_dmattn_func(q, k, v, mask, bias), first)
+    assert len(built) == 1
+
+
+def test_a_forced_split_count_gives_the_same_result_within_the_bound(monkeypatch):
+    q, k, v, mask, bias, seqlens = _case(3, 2, 2, 8, 2, 150, 32, F32, "kv_head", "per_key", [150, 9])
+    for splits in (1, 3, 10):
+        monkeypatch.setattr(plan, "decode_config", lambda head_dim, device, splits=splits: DecodeConfig(16, 1, 1, splits))
+        plan.clear()
+        _check(q, k, v, mask, bias, seqlens, is_causal=True)
+
+
+def test_new_lengths_reuse_the_plan():
+    """What a CUDA graph replays: the lengths' values change, the plan (and its launches) stay."""
+    plan.clear()
+    q, k, v, _, _, _ = _case(4, 2, 1, 4, 2, 64, 16, F32)
+    lengths = torch.tensor([64, 64], dtype=torch.int32)
+    for values in ([64, 10], [5, 33], [0, 64]):
+        lengths.copy_(torch.tensor(values, dtype=torch.int32))
+        _check(q, k, v, None, None, lengths)
+    assert len(plan.PLANS._plans) == 1
+
+
+def test_cache_seqlens_with_a_gradient_is_rejected():
+    q, k, v, _, _, _ = _case(5, 1, 1, 4, 2, 32, 16, F32)
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="cache_seqlens: supported in calls that need no gradient"):
+        flash_dmattn_func(q, k, v, cache_seqlens=torch.tensor([32], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("seqlens, error, match", [
+    (torch.tensor([8], dtype=torch.int64), TypeError, "cache_seqlens: got dtype torch.int64, expected torch.int32"),
+    (torch.tensor([8, 8], dtype=torch.int32), ValueError, r"cache_seqlens: got shape \(2,\), expected \(B,\) = \(1,\)"),
+    ([8], TypeError, "cache_seqlens: got list, expected a torch.Tensor"),
+])
+def test_bad_cache_seqlens_are_named(seqlens, error, match):
+    q, k, v, _, _, _ = _case(6, 1, 1, 4, 2, 32, 16, F32)
+    with torch.no_grad(), pytest.raises(error, match=match):
+        flash_dmattn_func(q, k, v, cache_seqlens=seqlens)
+
+
+def test_cache_seqlens_needs_a_short_query():
+    q, k, v, _, _, _ = _case(7, 1, 65, 4, 2, 80, 16, F32)
+    with torch.no_grad(), pytest.raises(ValueError, match="cache_seqlens: supported by the short-query forward only"):
+        flash_dmattn_func(q, k, v, cache_seqlens=torch.tensor([80], dtype=torch.int32))
