@@ -319,6 +319,11 @@ def _cache_cases() -> list[Case]:
              mask="random", mask_shape="kv_head", bias="full", cache_lengths=True),
         Case("cache_lengths_sliced_softcap", batch=4, heads=2, heads_kv=2, seqlen_q=2, seqlen_k=40, head_dim=40,
              softcap=5.0, bias="kv_head", bias_poison="nan", mask="random", sliced=True, cache_lengths=True),
+        # the wide head dims' class (its own config) and a GQA group of 8 in one tile
+        Case("cache_lengths_d256_gqa8", batch=4, heads=8, heads_kv=1, seqlen_q=1, seqlen_k=150, head_dim=256,
+             mask="random", mask_shape="key", bias="per_key", cache_lengths=True),
+        Case("decode_d192_causal_lq5", batch=2, heads=4, heads_kv=2, seqlen_q=5, seqlen_k=77, head_dim=192,
+             causal=True, mask="random", mask_shape="kv_head", bias="full"),
     ]
 
 
