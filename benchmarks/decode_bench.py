@@ -3,7 +3,8 @@ against SDPA, GPU time, eager wall time and the fraction of the HBM bandwidth it
 
 For each (B, Lk) of the grid, bf16, H 32, Hkv 8, D 128 by default:
 - ours: no mask; a padding mask (B, 1, 1, Lk) with each sequence's last 1/8 of keys masked;
-  `cache_seqlens` at 7/8 of Lk (memory past it NaN-filled, never read);
+  `cache_seqlens` at 7/8 of Lk (memory past it NaN-filled, never read); the same over a paged
+  cache (pages of PAGE keys shuffled in a pool, a block table);
 - SDPA flash (no mask: it takes none) and SDPA memory-efficient with the padding mask as a
   float mask (K/V expanded to H heads, the way a float-mask user calls it).
 Every row of ours is checked against the reference first (error / DESIGN §2 bound, NaN fails).
@@ -11,6 +12,7 @@ Bandwidth: the K/V bytes a step must read (the visible part of the cache) over i
 as a fraction of a device-to-device copy's rate measured in the same run.
 
     python benchmarks/decode_bench.py [--json out.json] [--heads 32 --heads-kv 8 --head-dim 128]
+    python benchmarks/decode_bench.py --plot out.json --png out.png   # the figure, from a run's JSON
 
 Prints one markdown table (stdout); progress to stderr.
 """
@@ -31,6 +33,7 @@ from dmattn_bench.timing import eager_wall_ms, time_kernel
 from dmattn_bench.validator import compare
 
 GRID = ((1, 2048), (1, 8192), (8, 4096), (32, 4096), (64, 2048), (8, 32768), (64, 16384))
+PAGE = 256  # keys per page of the paged variant (vLLM's and FlashAttention's common sizes: 16-256)
 COPY_BYTES = 1 << 30
 
 
@@ -50,13 +53,47 @@ def _check(out, q, k, v, mask, seqlens) -> float:
     return compare("out", out, high, low, q.dtype).ratio
 
 
+def plot(json_path: str, png_path: str) -> None:
+    """GPU time over SDPA flash's, per shape and variant, from a run's JSON (no GPU needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        run = json.load(f)
+    rows = [r for r in run["rows"] if "over_sdpa_flash" in r and not r["variant"].startswith("SDPA flash")]
+    shapes = list(dict.fromkeys((r["batch"], r["seqlen_k"]) for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for index, variant in enumerate(variants):
+        values = [next((r["over_sdpa_flash"] for r in rows if (r["batch"], r["seqlen_k"]) == shape
+                        and r["variant"] == variant), float("nan")) for shape in shapes]
+        ax.bar([x + index * width for x in range(len(shapes))], values, width, label=variant)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(variants) - 1) / 2 for x in range(len(shapes))],
+                  [f"B{b} Lk{lk}" for b, lk in shapes])
+    ax.set_ylabel("GPU time / SDPA flash (no mask)")
+    ax.set_yscale("log")
+    ax.set_title(f"decode step, {run['device']}: lower is faster")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", metavar="JSON", help="draw the figure of a run's JSON and exit")
+    parser.add_argument("--png", default="decode.png", help="where --plot writes the figure")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--heads-kv", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
+    if args.plot:
+        plot(args.plot, args.png)
+        return
     device = torch.device("cuda")
     dtype = torch.bfloat16
     heads, heads_kv, head_dim = args.heads, args.heads_kv, args.head_dim
@@ -74,6 +111,11 @@ def main() -> None:
         seqlens = torch.full((batch,), valid, dtype=torch.int32, device=device)
         k_cache, v_cache = k.clone(), v.clone()
         k_cache[:, valid:], v_cache[:, valid:] = float("nan"), float("nan")
+        pages = seqlen_k // PAGE
+        order = torch.randperm(batch * pages, device=device, generator=g)  # page p of the pool holds order[p]
+        table = torch.empty_like(order).scatter_(0, order, torch.arange(batch * pages, device=device))
+        table = table.view(batch, pages).to(torch.int32)
+        k_pages, v_pages = (t.view(batch * pages, PAGE, heads_kv, head_dim)[order] for t in (k_cache, v_cache))
         kv_bytes = {"all": 2 * batch * seqlen_k * heads_kv * head_dim * 2,
                     "valid": 2 * batch * valid * heads_kv * head_dim * 2}
         variants = {
@@ -81,6 +123,9 @@ def main() -> None:
             "ours, padding mask": (lambda: flash_dmattn_func(q, k, v, mask), "valid", (k, v, mask, None)),
             "ours, cache_seqlens": (lambda: flash_dmattn_func(q, k_cache, v_cache, cache_seqlens=seqlens), "valid",
                                     (k_cache, v_cache, None, seqlens)),
+            f"ours, paged ({PAGE}), cache_seqlens": (
+                lambda: flash_dmattn_func(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table), "valid",
+                (k_cache, v_cache, None, seqlens)),
         }
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         float_mask = torch.zeros(batch, heads, 1, seqlen_k, device=device, dtype=dtype).masked_fill(~mask, float("-inf"))
