@@ -28,34 +28,24 @@ def split_count(programs: int, key_tiles: int, num_sms: int) -> int:
     return max(1, min(triton.cdiv(SPLIT_WAVES * num_sms, programs), key_tiles, MAX_SPLITS))
 
 
-def page_tile(block_n: int, page_size: int) -> int:
-    """The key tile a paged cache runs: `block_n`, or the largest power of two dividing the page
-    when that is smaller (a tile never straddles two pages)."""
-    return min(block_n, page_size & -page_size)
-
-
 class DecodePlan:
-    """A short-query forward for one signature; `plan(q, k, v, mask, bias, seqlens, block_table,
-    out, lse)` runs it. `num_sms`: the GPU's SM count (splits chosen for it when the config leaves
-    them to the plan). With a `block_table`, k and v are a paged cache (`flash_decode.py`)."""
+    """A short-query forward for one signature; `plan(q, k, v, mask, bias, seqlens, out, lse)`
+    runs it. `num_sms`: the GPU's SM count (splits chosen for it when the config leaves them to
+    the plan)."""
 
-    def __init__(self, q, k, v, mask, bias, seqlens, block_table, *, is_causal: bool, softmax_scale: float,
-                 softcap: float, config: DecodeConfig, out: torch.Tensor, lse: torch.Tensor, num_sms: int):
+    def __init__(self, q, k, v, mask, bias, seqlens, *, is_causal: bool, softmax_scale: float, softcap: float,
+                 config: DecodeConfig, out: torch.Tensor, lse: torch.Tensor, num_sms: int):
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
-        block_n, page_size = config.block_n, 0
-        if block_table is not None:
-            page_size = k.shape[1]
-            seqlen_k, block_n = block_table.shape[1] * page_size, page_tile(config.block_n, page_size)
         group = num_heads // num_heads_kv
         block_d = head_block(head_dim)
         rows = seqlen_q * group
         block_m = min(max(MIN_BLOCK_M, triton.next_power_of_2(rows)), MAX_BLOCK_M)
         row_blocks = triton.cdiv(rows, block_m)
-        key_tiles = triton.cdiv(seqlen_k, block_n)
+        key_tiles = triton.cdiv(seqlen_k, config.block_n)
         splits = config.num_splits or split_count(batch * num_heads_kv * row_blocks, key_tiles, num_sms)
         splits = min(splits, key_tiles, MAX_SPLITS)
-        keys_per_split = triton.cdiv(key_tiles, splits) * block_n
+        keys_per_split = triton.cdiv(key_tiles, splits) * config.block_n
         self.splits = triton.cdiv(seqlen_k, keys_per_split)  # no split left without keys
         self.device = q.device
         mask_strides, mask_head_div = broadcast_layout(mask, num_heads, group)
@@ -76,13 +66,12 @@ class DecodePlan:
         self.decode = _Launch(
             flash_decode_kernel, (self.splits, batch * num_heads_kv, row_blocks),
             (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out_strides, *lse_strides,
-             0 if block_table is None else block_table.stride(0),
              num_heads_kv, seqlen_q, seqlen_k, keys_per_split, mask_head_div, bias_head_div,
              softmax_scale, softcap if softcap > 0 else 1.0),
-            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=config.block_n,
                  IS_CAUSAL=is_causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
                  HAS_SOFTCAP=softcap > 0, HAS_SEQLENS=seqlens is not None, MASK_SHARED=mask_shared,
-                 BIAS_SHARED=bias_shared, PAGED=block_table is not None, PAGE_SIZE=page_size),
+                 BIAS_SHARED=bias_shared),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         self.combine = None
@@ -95,10 +84,9 @@ class DecodePlan:
             )
         self.compiled = False
 
-    def __call__(self, q, k, v, mask, bias, seqlens, block_table, out, lse) -> None:
+    def __call__(self, q, k, v, mask, bias, seqlens, out, lse) -> None:
         stream = launch_stream()
-        extra = (q if mask is None else mask, q if bias is None else bias, q if seqlens is None else seqlens,
-                 q if block_table is None else block_table)
+        extra = (q if mask is None else mask, q if bias is None else bias, q if seqlens is None else seqlens)
         if self.workspace is None:
             self.decode.run(stream, q, k, v, *extra, out, lse)
             return
