@@ -8,97 +8,126 @@ whose backward returns precomputed gradients at once.
 
 Prints one markdown table (stdout).
 """
-import gc, statistics, sys, time
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
 import torch
+
 import host_overhead
 from dmattn_bench import api, flash_dmattn_func
 
-SPIN = 2_000_000
-device = torch.device("cuda")
-stamps = {}
+SPIN_CYCLES = 2_000_000  # about 1 ms of GPU spin: longer than a step's host time
+CALLS = 60
+STAMPS: dict[str, float] = {}  # "grad" (autograd.grad called), "enter" / "exit" (the backward)
 
-def med(xs): return statistics.median(xs) * 1e3
 
-def run(fn, calls=60):
-    for _ in range(3): fn()
-    torch.cuda.synchronize()
-    rows = {"total": [], "to_bwd": [], "in_bwd": [], "from_bwd": []}
-    for i in range(calls):
-        torch.cuda._sleep(SPIN)
-        t0 = time.perf_counter()
-        stamps.clear()
-        stamps["t0"] = None
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def timed(fn) -> dict[str, float]:
+    """Medians (ms) of a call's total host time and of its three legs around the backward."""
+    for _ in range(3):
         fn()
-        t3 = time.perf_counter()
-        rows["total"].append(t3 - t0)
-        if "t1" in stamps:
-            rows["to_bwd"].append(stamps["t1"] - stamps["tg"])
-            rows["in_bwd"].append(stamps["t2"] - stamps["t1"])
-            rows["from_bwd"].append(t3 - stamps["t2"])
-        if i % 20 == 19: torch.cuda.synchronize()
     torch.cuda.synchronize()
-    return {k: med(v) for k, v in rows.items() if v}
+    legs = {"total": [], "to_backward": [], "in_backward": [], "after_backward": []}
+    for index in range(CALLS):
+        torch.cuda._sleep(SPIN_CYCLES)
+        STAMPS.clear()
+        begin = time.perf_counter()
+        fn()
+        end = time.perf_counter()
+        legs["total"].append(end - begin)
+        if "enter" in STAMPS:
+            legs["to_backward"].append(STAMPS["enter"] - STAMPS["grad"])
+            legs["in_backward"].append(STAMPS["exit"] - STAMPS["enter"])
+            legs["after_backward"].append(end - STAMPS["exit"])
+        if index % 20 == 19:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return {name: _median_ms(samples) for name, samples in legs.items() if samples}
 
-def grad(out, leaves, g):
-    stamps["tg"] = time.perf_counter()
-    return torch.autograd.grad(out, leaves, g)
 
-class Ident(torch.autograd.Function):
+def grad(out, inputs, grad_out):
+    STAMPS["grad"] = time.perf_counter()
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+class Identity(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         return x.view_as(x)
-    @staticmethod
-    def backward(ctx, g):
-        stamps["t1"] = time.perf_counter(); stamps["t2"] = time.perf_counter()
-        return g
 
-class Fake6(torch.autograd.Function):
-    grads = None
     @staticmethod
-    def forward(ctx, plan, q, k, v, m, b):
-        out = torch.empty_like(q); lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse, m, b, None)
+    def backward(ctx, grad_out):
+        STAMPS["enter"] = STAMPS["exit"] = time.perf_counter()
+        return grad_out
+
+
+class Precomputed(torch.autograd.Function):
+    """Our Function's inputs, outputs and saved tensors; its backward returns `grads` at once."""
+
+    grads: tuple = ()
+
+    @staticmethod
+    def forward(ctx, plan, q, k, v, mask, bias):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse, mask, bias, None)
         ctx.set_materialize_grads(False)
         return out, lse
+
     @staticmethod
     def backward(ctx, dout, dlse):
-        stamps["t1"] = time.perf_counter()
+        STAMPS["enter"] = time.perf_counter()
         ctx.saved_tensors
-        dq, dk, dv, db = Fake6.grads
-        r = (None, dq, dk, dv, None, db)
-        stamps["t2"] = time.perf_counter()
-        return r
+        dq, dk, dv, dbias = Precomputed.grads
+        STAMPS["exit"] = time.perf_counter()
+        return None, dq, dk, dv, None, dbias
 
-original = api._Attention.backward
-def timed_backward(ctx, dout, dlse):
-    stamps["t1"] = time.perf_counter()
-    r = original(ctx, dout, dlse)
-    stamps["t2"] = time.perf_counter()
-    return r
-api._Attention.backward = staticmethod(timed_backward)
 
-results = []
-x = torch.randn(1 << 20, device=device, requires_grad=True); gx = torch.randn_like(x)
-results.append(("identity 1 input", run(lambda: grad(Ident.apply(x), x, gx))))
-for name in ("small", "W3", "W2"):
-    key, shape = next((n, s) for n, s in host_overhead._scenarios(device).items() if n.startswith(name))
-    q, k, v, mask, bias, causal, leaves = host_overhead._inputs(shape, device, True)
-    g = torch.randn_like(q)
-    call = lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=causal)
-    results.append((f"{name} ours", run(lambda: grad(call(), leaves, g))))
-    gc.disable()
-    results.append((f"{name} ours gc off", run(lambda: grad(call(), leaves, g))))
-    gc.enable()
-    Fake6.grads = torch.autograd.grad(call(), leaves, g) + ((None,) if bias is None else ())
-    results.append((f"{name} fake backward, our signature", run(lambda: grad(Fake6.apply(None, q, k, v, mask, bias)[0], leaves, g))))
-    results.append((f"{name} ours fwd only (grad)", run(call)))
-    # the engine on the calling thread? compare .backward
-    def acc():
-        out = call(); stamps["tg"] = time.perf_counter(); out.backward(g)
-    for t in leaves: t.grad = None
-    results.append((f"{name} ours .backward accumulate", run(acc)))
-print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; host ms, medians")
-print("| what | total | grad call -> bwd entry | in bwd | bwd exit -> grad returns |")
-print("|---|---|---|---|---|")
-for name, r in results:
-    print(f"| {name} | {r['total']:.3f} | {r.get('to_bwd', 0):.3f} | {r.get('in_bwd', 0):.3f} | {r.get('from_bwd', 0):.3f} |")
+def main() -> None:
+    device = torch.device("cuda")
+    original = api._Attention.backward
+
+    def stamped_backward(ctx, dout, dlse):
+        STAMPS["enter"] = time.perf_counter()
+        result = original(ctx, dout, dlse)
+        STAMPS["exit"] = time.perf_counter()
+        return result
+
+    api._Attention.backward = staticmethod(stamped_backward)
+    rows = []
+    x = torch.randn(1 << 20, device=device, requires_grad=True)
+    x_grad = torch.randn_like(x)
+    rows.append(("identity Function, 1 input", timed(lambda: grad(Identity.apply(x), x, x_grad))))
+    for prefix in ("small", "W3", "W2"):
+        _, shape = next((n, s) for n, s in host_overhead._scenarios(device).items() if n.startswith(prefix))
+        q, k, v, mask, bias, causal, leaves = host_overhead._inputs(shape, device, True)
+        grad_out = torch.randn_like(q)
+
+        def call():
+            return flash_dmattn_func(q, k, v, mask, bias, is_causal=causal)
+
+        rows.append((f"{prefix}: ours", timed(lambda: grad(call(), leaves, grad_out))))
+        gc.disable()
+        rows.append((f"{prefix}: ours, gc off", timed(lambda: grad(call(), leaves, grad_out))))
+        gc.enable()
+        Precomputed.grads = torch.autograd.grad(call(), leaves, grad_out) + ((None,) if bias is None else ())
+        rows.append((f"{prefix}: our signature, backward returns at once",
+                     timed(lambda: grad(Precomputed.apply(None, q, k, v, mask, bias)[0], leaves, grad_out))))
+        rows.append((f"{prefix}: ours, forward only (inputs need grad)", timed(call)))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host ms, medians of {CALLS}\n")
+    print("| what | total | autograd.grad -> backward | in backward | backward -> return |")
+    print("|---|---|---|---|---|")
+    for name, legs in rows:
+        print(f"| {name} | {legs['total']:.3f} | {legs.get('to_backward', 0):.3f} | {legs.get('in_backward', 0):.3f} "
+              f"| {legs.get('after_backward', 0):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
