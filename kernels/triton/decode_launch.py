@@ -17,7 +17,11 @@ from dmattn_kernels.triton.launch import _Launch, _Workspace, head_block, launch
 from dmattn_kernels.triton.layouts import broadcast_layout, contiguous_strides
 
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64  # packed rows per program: tl.dot's minimum, and a tile that stays in registers
-SPLIT_WAVES = 2  # programs aimed at per SM when splitting the keys: enough to hide one's tail
+# programs aimed at per SM when splitting the keys, enough to hide one's tail. H200, bf16 H32 Hkv8
+# D128 with a padding mask, the default tiles, 1, 2, 4 or 8 waves (2026-11-26): 2 was the best
+# or within 3% of it at B1 Lk8192, B8 Lk4096 and B8 Lk32768 (1 wave: +18% at B8 Lk32768), but
+# 23% over a single split at B32 Lk4096; the runs spread about 15%. A tunable (`num_splits`).
+SPLIT_WAVES = 2
 MAX_SPLITS = 64  # the combine kernel holds one lse per split
 COMBINE_NUM_WARPS = 4
 
