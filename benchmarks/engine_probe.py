@@ -18,10 +18,9 @@ import time
 import torch
 
 import host_overhead
+from backward_host import CALLS, SPIN_CYCLES
 from dmattn_bench import api, flash_dmattn_func
 
-SPIN_CYCLES = 2_000_000  # about 1 ms of GPU spin: longer than a step's host time
-CALLS = 60
 STAMPS: dict[str, float] = {}  # "grad" (autograd.grad called), "enter" / "exit" (the backward)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dmattn_bench.space import operand_kind
+from dmattn_bench.space import MAX_DECODE_QUERIES, operand_kind
 
 MASK_KINDS = ("none", "random", "dead_rows", "all_false", "corner", "tile_holes", "window")
 MASK_SHAPES = ("full", "kv_head", "key")  # (B,H,Lq,Lk), (B,Hkv,Lq,Lk), (B,1,1,Lk)
@@ -27,7 +27,6 @@ LARGE_BIAS = {torch.bfloat16: 1e4, torch.float16: 1e3, torch.float32: 1e3}
 # cache lengths of a `cache_lengths` case, sequence b taking entry b % 4 (in keys): the whole
 # cache, about half of it (odd: a tile straddles it), none (a dead sequence), one key
 CACHE_LENGTHS = (lambda lk: lk, lambda lk: lk // 2 + 1, lambda lk: 0, lambda lk: 1)
-MAX_DECODE_QUERIES = 64  # the short-query forward's cases (`plan.MAX_DECODE_QUERIES`)
 
 
 @dataclass(frozen=True)

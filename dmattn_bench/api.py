@@ -73,6 +73,12 @@ def _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scal
     return float(softmax_scale)
 
 
+def _needs_grad(query, key, value, attn_bias) -> bool:
+    """Whether autograd will ask this call for a gradient."""
+    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                        or (attn_bias is not None and attn_bias.requires_grad))
+
+
 def _check_no_gradient_with_seqlens(cache_seqlens, needs_grad: bool) -> None:
     if cache_seqlens is not None and needs_grad:
         raise ValueError("cache_seqlens: supported in calls that need no gradient (decode, serving); got inputs "
@@ -181,9 +187,7 @@ def flash_dmattn_func(
     """
     if backend != "reference" and not torch.compiler.is_compiling() and not _traced(query):
         try:
-            needs_grad = torch.is_grad_enabled() and (
-                query.requires_grad or key.requires_grad or value.requires_grad
-                or (attn_bias is not None and attn_bias.requires_grad))
+            needs_grad = _needs_grad(query, key, value, attn_bias)
             bias_grad = needs_grad and attn_bias is not None and attn_bias.requires_grad
             # the scalars' types too: 1 == True and 0.0 == False would share a plan, skipping the checks
             signature = plans.signature(query, key, value, attn_mask, attn_bias, cache_seqlens, type(is_causal), is_causal,
@@ -215,8 +219,7 @@ def flash_dmattn_func(
 
     softmax_scale = _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,
                                 fwd_config, bwd_config, cache_seqlens)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_bias))
+    needs_grad = _needs_grad(query, key, value, attn_bias)
     _check_no_gradient_with_seqlens(cache_seqlens, needs_grad)
     if backend == "reference":
         out, lse = reference.attention(

@@ -25,10 +25,10 @@ import torch
 
 from dmattn_bench import dispatch, registry
 from dmattn_bench.registry import decode_config, default_configs, get_backend
-from dmattn_bench.space import DTYPE_NAMES, BwdConfig, FwdConfig, TableKey, as_4d, operand_kind, seqlen_bucket
+from dmattn_bench.space import (DTYPE_NAMES, MAX_DECODE_QUERIES, BwdConfig, FwdConfig, TableKey, as_4d, operand_kind,
+                                seqlen_bucket)
 
 MIN_KEY_TILE = 16  # tl.dot's smallest tile dim: the fp32-bias fit stops halving there
-MAX_DECODE_QUERIES = 64  # query rows up to which a call without gradient runs the short-query forward
 INTERPRETER_SMS = 4
 
 

@@ -209,9 +209,9 @@ def attention(
     if cache_seqlens is not None:
         # (B, 1, 1, 1) lengths; K and V past them are zeroed so a NaN tail never reaches a product
         key_lengths = cache_seqlens.to(torch.int64).clamp(0, Lk).view(B, 1, 1, 1)
-        in_cache = torch.arange(Lk, device=query.device).view(1, 1, Lk, 1) < key_lengths
+        in_cache = torch.arange(Lk, device=query.device) < key_lengths  # (B, 1, 1, Lk)
         zero = torch.zeros((), dtype=compute_dtype, device=query.device)
-        k, v = torch.where(in_cache, k, zero), torch.where(in_cache, v, zero)
+        k, v = (torch.where(in_cache.transpose(-1, -2), t, zero) for t in (k, v))
 
     # -- scores --
     s = softmax_scale * (q @ k.transpose(-1, -2))
@@ -228,7 +228,6 @@ def attention(
     rows = torch.arange(Lq, device=query.device).unsqueeze(-1)
     cols = torch.arange(Lk, device=query.device)
     if key_lengths is not None:
-        in_cache = cols < key_lengths  # (B, 1, 1, Lk)
         visible = in_cache if visible is None else visible & in_cache
     if is_causal:
         causal = cols <= rows + ((Lk if key_lengths is None else key_lengths) - Lq)

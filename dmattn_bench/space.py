@@ -92,6 +92,9 @@ class BwdConfig:
         return asdict(self)
 
 
+MAX_DECODE_QUERIES = 64  # query rows up to which a call without gradient runs the short-query forward
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Short-query forward tiles (`flash_decode.py`): the query heads of a KV group share a tile.

@@ -259,21 +259,10 @@ def run_decode(inputs: Inputs, case: Case, config: DecodeConfig) -> dict[str, to
 def check_decode_case(case: Case, dtype: torch.dtype, device: torch.device | str, config: DecodeConfig,
                       seed: int = 0) -> CaseResult:
     """`check_case` for the short-query forward: out and lse, twice (bitwise), never raises."""
-    device = torch.device(device)
-    try:
-        inputs = build_inputs(case, dtype, device, seed)
-        high = run_reference(inputs, case, None)
-        low = run_reference(inputs, case, dtype)
-    except torch.cuda.OutOfMemoryError as exc:
-        return CaseResult(case.name, *classify_failure(exc))
-    try:
-        first = run_decode(inputs, case, config)
-        second = run_decode(inputs, case, config)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001 - a failed candidate is data, not a crash
-        return CaseResult(case.name, *classify_failure(exc))
-    return _verdict(case, first, second, high, low, dtype)
+    def launcher(inputs, high):
+        return lambda: run_decode(inputs, case, config)
+
+    return _run_case(case, dtype, torch.device(device), seed, launcher)
 
 
 def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.device | str,
@@ -289,29 +278,34 @@ def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.d
         reason = backend.is_supported(config, shape) if config is not None else None
         if reason:
             return CaseResult(case.name, "unsupported", reason)
+
+    def launcher(inputs, high):
+        forward = None if fwd_config is not None else reference_forward(high, dtype)
+        return lambda: run_kernel(backend, inputs, case, fwd_config, bwd_config, forward)
+
+    return _run_case(case, dtype, device, seed, launcher)
+
+
+def _run_case(case: Case, dtype: torch.dtype, device: torch.device, seed: int, launcher) -> CaseResult:
+    """Builds the case's inputs and both references, runs the kernel twice through
+    `launcher(inputs, high reference)` (a callable returning its tensors by name) and judges the
+    runs (`_verdict`)."""
     try:
-        return _check_case(backend, case, dtype, device, fwd_config, bwd_config, seed)
+        inputs = build_inputs(case, dtype, device, seed)
+        high = run_reference(inputs, case, None)
+        low = run_reference(inputs, case, dtype)
+        try:
+            run = launcher(inputs, high)
+            first, second = run(), run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - a failed candidate is data, not a crash
+            return CaseResult(case.name, *classify_failure(exc))
+        return _verdict(case, first, second, high, low, dtype)
     except torch.cuda.OutOfMemoryError as exc:
         # in the reference or the comparison too; other processes may hold the memory:
         # `run_plan` runs such a case again on its own
         return CaseResult(case.name, *classify_failure(exc))
-
-
-def _check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.device,
-                fwd_config: FwdConfig | None, bwd_config: BwdConfig | None, seed: int) -> CaseResult:
-    inputs = build_inputs(case, dtype, device, seed)
-    high = run_reference(inputs, case, None)
-    low = run_reference(inputs, case, dtype)
-    forward = None if fwd_config is not None else reference_forward(high, dtype)
-    try:
-        first = run_kernel(backend, inputs, case, fwd_config, bwd_config, forward)
-        second = run_kernel(backend, inputs, case, fwd_config, bwd_config, forward)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001 - a failed candidate is data, not a crash
-        status, reason = classify_failure(exc)
-        return CaseResult(case.name, status, reason)
-    return _verdict(case, first, second, high, low, dtype)
 
 
 def _verdict(case: Case, first, second, high, low, dtype: torch.dtype) -> CaseResult:
@@ -392,10 +386,10 @@ class PlannedSuite:
 def plan_decode(device: torch.device | str, suite: str) -> list[PlannedSuite]:
     """The short-query forward's config per head-dim class (`registry.decode_config`), each with
     the decode cases of its class: what every call without gradient of few query rows runs."""
-    planned, low = [], 8
+    planned, low, suite_cases = [], 8, decode_cases(suite)
     for high, _ in DECODE_DEFAULTS:
         config = decode_config(high, device)
-        cases = [case for case in decode_cases(suite) if low <= case.head_dim <= high]
+        cases = [case for case in suite_cases if low <= case.head_dim <= high]
         if cases:
             planned.append(PlannedSuite(f"{DECODE} D{low}-{high} (short-query forward)", DECODE, config, None, cases))
         low = high + 8

@@ -1,6 +1,6 @@
 """Launcher of the short-query forward (`flash_decode.py`): a plan per call signature, as
 `launch.ForwardPlan`, for the calls `dmattn_bench.plan` sends it: few query rows
-(`plan.MAX_DECODE_QUERIES`), no gradient.
+(`space.MAX_DECODE_QUERIES`), no gradient.
 
 One launch when the keys take one split (the kernel writes out and lse), else the split kernel
 into fp32 partials and `decode_combine_kernel`.
