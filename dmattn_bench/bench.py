@@ -294,32 +294,33 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
             advance(f"{pw.name} {peer} {direction}: error")
         return rows, None
     calls, loops = eager_loop(device)  # time_kernel's warm-up serves the eager loop too
-    for direction in DIRECTIONS:
-        row = Row(pw.name, peer, direction, "ok", setup_ms=prepared.setup_ms, note=prepared.note)
-        try:
-            if direction == "fwd":
-                with torch.no_grad():
-                    out = _as_blhd(prepared.forward(), prepared.layout).detach()
-                    timing = time_kernel(lambda: prepared.forward(), device, repeats=repeats)
-                    wall_ms = eager_wall_ms(lambda: prepared.forward(), device, calls, loops, warmup=0)
-                    if ours_out is not None and prepared.semantic:
-                        row.max_abs_diff_vs_ours = (out.float() - ours_out.float()).abs().max().item()
+    with prepared.context():  # the peer's own set-up for every call (SDPA's kernel choice)
+        for direction in DIRECTIONS:
+            row = Row(pw.name, peer, direction, "ok", setup_ms=prepared.setup_ms, note=prepared.note)
+            try:
+                if direction == "fwd":
+                    with torch.no_grad():
+                        out = _as_blhd(prepared.forward(), prepared.layout).detach()
+                        timing = time_kernel(lambda: prepared.forward(), device, repeats=repeats)
+                        wall_ms = eager_wall_ms(lambda: prepared.forward(), device, calls, loops, warmup=0)
+                        if ours_out is not None and prepared.semantic:
+                            row.max_abs_diff_vs_ours = (out.float() - ours_out.float()).abs().max().item()
+                else:
+                    grad_out = torch.ones_like(prepared.forward().detach()) / math.sqrt(w.head_dim)
+                    timing = time_kernel(_fwd_bwd(prepared, grad_out), device, repeats=repeats)
+                    wall_ms = eager_wall_ms(_fwd_bwd(prepared, grad_out), device, calls, loops, warmup=0)
+            except Exception as exc:  # a failing peer is a row, whatever failed
+                row.status, row.error = "error", _one_line(exc)
             else:
-                grad_out = torch.ones_like(prepared.forward().detach()) / math.sqrt(w.head_dim)
-                timing = time_kernel(_fwd_bwd(prepared, grad_out), device, repeats=repeats)
-                wall_ms = eager_wall_ms(_fwd_bwd(prepared, grad_out), device, calls, loops, warmup=0)
-        except Exception as exc:  # a failing peer is a row, whatever failed
-            row.status, row.error = "error", _one_line(exc)
-        else:
-            row.median_ms, row.p20_ms, row.p80_ms, row.spread, row.host_ms = (
-                timing.median_ms, timing.p20_ms, timing.p80_ms, timing.spread, timing.host_ms)
-            row.wall_ms = wall_ms
-            row.tflops = flops_needed(w, direction) / (timing.median_ms * 1e-3) / 1e12
-            row.floor_ms = floor_ms(w, direction, peaks)
-            if row.floor_ms is not None:
-                row.floor_fraction = row.floor_ms / timing.median_ms
-        rows.append(row)
-        advance(f"{pw.name} {peer} {direction}: {row.status}")
+                row.median_ms, row.p20_ms, row.p80_ms, row.spread, row.host_ms = (
+                    timing.median_ms, timing.p20_ms, timing.p80_ms, timing.spread, timing.host_ms)
+                row.wall_ms = wall_ms
+                row.tflops = flops_needed(w, direction) / (timing.median_ms * 1e-3) / 1e12
+                row.floor_ms = floor_ms(w, direction, peaks)
+                if row.floor_ms is not None:
+                    row.floor_fraction = row.floor_ms / timing.median_ms
+            rows.append(row)
+            advance(f"{pw.name} {peer} {direction}: {row.status}")
     del prepared
     return rows, out
 

@@ -92,12 +92,13 @@ def attention_fwd(
         out, lse = plan.infer(query, key, value, mask, bias, cache_seqlens)
         return out, lse, query.new_empty(0, dtype=torch.int8)
     out, lse, activity = plan.forward(query, key, value, mask, bias)
-    if activity is None:
+    if mask is None:
         return out, lse, query.new_empty(0, dtype=torch.int8)
-    if not plan.fills_activity:
-        # the backward op may build its plan on another choice (the table changed in between) and
-        # trust this buffer: every tile marked active costs it speed, never correctness
-        activity.fill_(1)
+    if activity is None:
+        # the forward filled none; the backward op may build its plan on another choice (the table
+        # changed in between) and trust this buffer: every tile marked active costs it speed,
+        # never correctness
+        activity = query.new_ones(_activity_shape(mask, query, key), dtype=torch.int8)
     return out, lse, activity
 
 

@@ -116,6 +116,9 @@ class AttentionPlan:
         self.device, self.dtype = q.device, q.dtype
         self.out_shape, self.lse_shape = tuple(q.shape), (batch, num_heads, seqlen_q)
         self.k_shape = tuple(k.shape)
+        # a contiguous input's gradient is allocated as `empty_like` it (a shape tuple costs the
+        # host more to parse than a tensor: 2.7 against 4.5 µs, H100 host, host_probe.py --pieces)
+        self.contiguous = tuple(t.is_contiguous() for t in (q, k, v))
         # the bias as the caller passed it and as its 4-D broadcast view: dBias is built 4-D and
         # handed back in the caller's shape (a view: the 4-D form only prepends size-1 dims)
         self.bias_shape = None if bias is None else tuple(bias.shape)
@@ -171,25 +174,28 @@ class AttentionPlan:
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def forward(self, q, k, v, mask, bias) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """out, lse and the mask's tile activity (`activity_shape`, filled if `fills_activity`; None
-        without a mask).
+    def forward(self, q, k, v, mask, bias, keep_activity: bool = True) -> tuple:
+        """out, lse and, if `keep_activity` and the forward fills one (`fills_activity`), the mask's
+        tile activity for the backward (`activity_shape`), else None.
         The mask and bias as the caller passed them (broadcastable, any dims up to 4)."""
+        launch = self._fwd_launch
+        if launch is not None:  # every call after the first of a Triton forward
+            return launch.allocate_and_run(q, k, v, mask, bias, keep_activity)
         device = self.device
         out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-        activity = None if self.activity_shape is None else torch.empty(self.activity_shape, dtype=torch.int8,
-                                                                           device=device)
         if self.no_rows or self.no_keys:
             out.zero_()  # no keys: every row is dead (out 0, lse -inf)
             lse.fill_(float("-inf"))
-            return out, lse, activity
+            return out, lse, None
         backend = self.fwd_backend
         if backend.forward_plan is None:
             backend.forward(q, k, v, as_4d(mask), as_4d(bias), config=self.fwd_config, out=out, lse=lse,
                             **self.options)
-            return out, lse, activity
-        launch = self._fwd_launch
+            return out, lse, None
+        activity = None
+        if keep_activity and self.fills_activity:
+            activity = torch.empty(self.activity_shape, dtype=torch.int8, device=device)
         if launch is None:  # built from the first call's tensors: the kernels read only their pointers later
             launch = self._fwd_launch = backend.forward_plan(q, k, v, as_4d(mask), as_4d(bias), config=self.fwd_config,
                                                              out=out, lse=lse, **self.options)
@@ -200,20 +206,19 @@ class AttentionPlan:
         """out and lse of a call that needs no gradient: the short-query forward where `decodes`,
         else `forward`'s (its tile activity unused)."""
         if not self.decodes:
-            out, lse, _ = self.forward(q, k, v, mask, bias)
+            out, lse, _ = self.forward(q, k, v, mask, bias, keep_activity=False)
             return out, lse
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         launch = self._decode_launch
         if launch is None:
             from dmattn_kernels.triton.decode_launch import DecodePlan
 
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
             launch = self._decode_launch = DecodePlan(
                 q, k, v, as_4d(mask), as_4d(bias), cache_seqlens, **self.options,
                 config=decode_config(self.out_shape[-1], self.device), out=out, lse=lse,
                 num_sms=sm_count(self.device))
-        launch(q, k, v, mask, bias, cache_seqlens, out, lse)
-        return out, lse
+        return launch.allocate_and_run(q, k, v, mask, bias, cache_seqlens)
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -223,9 +228,8 @@ class AttentionPlan:
         device = self.device
         if dout.stride(-1) != 1:
             dout = dout.contiguous()  # a copy of the incoming gradient, never of an input
-        dq = torch.empty(self.out_shape, dtype=self.dtype, device=device)
-        dk = torch.empty(self.k_shape, dtype=self.dtype, device=device)
-        dv = torch.empty(self.k_shape, dtype=self.dtype, device=device)
+        dq, dk, dv = (torch.empty_like(t) if contiguous else torch.empty(t.shape, dtype=self.dtype, device=device)
+                      for t, contiguous in zip((q, k, v), self.contiguous))
         dbias = torch.empty(self.bias4_shape, dtype=self.bias_dtype, device=device) if bias_requires_grad else None
         grad_bias = None if dbias is None else dbias.view(self.bias_shape)
         if self.no_rows or self.no_keys:

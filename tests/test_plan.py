@@ -119,17 +119,26 @@ def test_launches_and_allocations_per_call(counted, name, shape, fwd_launches, f
     assert (launches, allocations, other) == (bwd_launches, bwd_allocations, bwd_other)
 
 
+def test_inference_forward_keeps_its_schedule_in_one_buffer(counted):
+    """Without a gradient (and more query rows than a decode takes) the mask's activity and block
+    lists share one scratch allocation beside out and lse."""
+    q, k, v, mask, bias = _inputs(2, seqlen=80, mask="kv_head", bias="per_key")
+    flash_dmattn_func(q, k, v, mask, bias)  # builds the plan and compiles
+    launches, allocations, other = counted(lambda: flash_dmattn_func(q, k, v, mask, bias))
+    assert (launches, allocations, other) == ([ACTIVITY, LISTS, FWD], 3, [])
+
+
 DECODE, COMBINE = "flash_decode_kernel", "decode_combine_kernel"
 
 
 # (name, B, Hkv, mask, bias, cache lengths, launches, allocations) of a decode step, Lq = 1, H = 4,
 # Lk = 40 in the interpreter (4 SMs): one split where B * Hkv programs fill SPLIT_WAVES per SM,
-# else split-KV into one fp32 workspace and a combine
+# else split-KV into fp32 partials and a combine; lse and the partials share one allocation
 DECODE_CASES = [
     ("one-split", 2, 4, None, None, None, [DECODE], 2),
     ("one-split-mask-bias-seqlens", 2, 4, "per_key", "per_key", [40, 7], [DECODE], 2),
-    ("split-kv", 2, 2, None, None, None, [DECODE, COMBINE], 3),
-    ("split-kv-mask-bias-seqlens", 2, 2, "kv_head", "per_key", [3, 40], [DECODE, COMBINE], 3),
+    ("split-kv", 2, 2, None, None, None, [DECODE, COMBINE], 2),
+    ("split-kv-mask-bias-seqlens", 2, 2, "kv_head", "per_key", [3, 40], [DECODE, COMBINE], 2),
 ]
 
 

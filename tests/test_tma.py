@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dmattn_bench.space import FwdConfig
-from dmattn_kernels.triton import launch
+from dmattn_kernels.triton import handles, launch
 
 CASES = {
     # name: (Lq, Lk, H, Hkv, D, causal, mask, bias)
@@ -68,9 +68,9 @@ def test_cpu_tensors_take_pointer_loads():
 def test_descriptors_cover_the_whole_key_tensor():
     """A plan checks the descriptor once and keeps no tensor; each run's copy carries its own."""
     k = torch.zeros(2, 40, 3, 24, dtype=torch.float16)
-    template = launch._descriptor_template(k, 32, 32)
+    template = handles.descriptor_template(k, [1, 32, 1, 32])
     assert template.base is None
-    k_desc = launch._on(template, k)
+    k_desc = handles.descriptor_on(template, k)
     assert k_desc.base is k
     assert list(k_desc.shape) == [2, 40, 3, 24]
     assert list(k_desc.strides) == list(k.stride())

@@ -62,11 +62,17 @@ class DecodePlan:
 
         # -- where the split kernel writes: out and lse themselves, or per-split fp32 partials --
         out_strides, lse_strides = (0, *out.stride()), (0, *lse.stride())
+        self.out_shape, self.out_dtype = tuple(out.shape), out.dtype
+        self.out_like_q = q.is_contiguous() and q.dtype == out.dtype  # `empty_like(q)` costs the host less
         self.workspace = None
+        # what `allocate_and_run` allocates beside out: lse, and the partials of the splits
+        outputs = {"lse": (tuple(lse.shape), torch.float32)}
         if self.splits > 1:
             partial_out, partial_lse = (self.splits, *out.shape), (self.splits, *lse.shape)
             out_strides, lse_strides = contiguous_strides(partial_out), contiguous_strides(partial_lse)
             self.workspace = _Workspace({"out": (partial_out, torch.float32), "lse": (partial_lse, torch.float32)})
+            outputs.update(partial_out=(partial_out, torch.float32), partial_lse=(partial_lse, torch.float32))
+        self.outputs = _Workspace(outputs)
         self.decode = _Launch(
             flash_decode_kernel, (self.splits, batch * num_heads_kv, row_blocks),
             (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out_strides, *lse_strides,
@@ -100,3 +106,22 @@ class DecodePlan:
         self.decode.run(stream, q, k, v, *extra, partial["out"], partial["lse"])
         self.combine.run(stream, partial["out"], partial["lse"], out, lse)
         self.compiled = self.decode.launcher is not None and self.combine.launcher is not None
+
+    def allocate_and_run(self, q, k, v, mask, bias, seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs into new outputs: (out, lse), in two allocations (out, and lse with the partials)."""
+        stream = launch_stream()
+        out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.out_dtype,
+                                                                       device=q.device)
+        buffer = self.outputs.allocate(q.device)
+        lse = self.outputs.tensor(buffer, "lse")
+        extra = (q if mask is None else mask, q if bias is None else bias, q if seqlens is None else seqlens)
+        if self.workspace is None:
+            self.decode.run(stream, q, k, v, *extra, out, lse)
+            return out, lse
+        by_address = stream is not None and self.compiled
+        partial_out = self.outputs.part(buffer, "partial_out", by_address)
+        partial_lse = self.outputs.part(buffer, "partial_lse", by_address)
+        self.decode.run(stream, q, k, v, *extra, partial_out, partial_lse)
+        self.combine.run(stream, partial_out, partial_lse, out, lse)
+        self.compiled = self.decode.launcher is not None and self.combine.launcher is not None
+        return out, lse

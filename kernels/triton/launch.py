@@ -24,7 +24,6 @@ from typing import Callable
 import torch
 import triton
 from triton import knobs
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dmattn_bench.plan import PlanCache
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
@@ -37,6 +36,7 @@ from dmattn_kernels.triton.flash_bwd import (
     grad_reduce_kernel,
 )
 from dmattn_kernels.triton.flash_fwd import flash_fwd_kernel
+from dmattn_kernels.triton.handles import descriptor_on, descriptor_template, direct_launch
 from dmattn_kernels.triton.layouts import (activity_shape, bias_per_key, broadcast_layout, contiguous_strides,
                                            mask_words_readable, zero_size1_strides)
 
@@ -131,29 +131,30 @@ class _Launch:
     """One kernel of a plan: grid, scalar arguments and constexprs fixed; tensors given per run.
 
     The first run goes through Triton's JIT, which compiles the kernel for these arguments (or
-    finds it in its caches) and returns the compiled kernel; later runs call that kernel's
-    launcher directly, as the JIT itself does after its binder, specialization key and cache
-    lookup, which are what they skip. The specialization cannot change between runs of a plan:
-    its signature holds every shape, stride, dtype and 16-byte alignment the JIT specializes on.
-    In the interpreter, within `compile_only()` and while a Triton launch hook is set (a
-    profiler), every run takes the JIT path.
+    finds it in its caches); later runs call the compiled kernel's C launcher directly
+    (`handles.DirectLaunch`), skipping the JIT's binder, specialization key and cache lookup and
+    the compiled kernel's Python wrappers. The specialization cannot change between runs of a
+    plan: its signature holds every shape, stride, dtype and 16-byte alignment the JIT
+    specializes on. In the interpreter, within `compile_only()` and while a Triton launch hook is
+    set (a profiler), every run takes the JIT path.
 
     Tensors come first in every kernel's parameters, so a run's arguments are the tensors, then
-    the fixed tail. A bool tensor is viewed as uint8 on the JIT path (same itemsize; the handle's
-    launcher reads only its data pointer).
+    the fixed tail. A tensor at a position of `descriptors` is read through a copy of the
+    `TensorDescriptor` template there. A bool tensor is viewed as uint8 on the JIT path (same
+    itemsize; the C launcher reads only its data pointer).
     """
 
-    __slots__ = ("kernel", "name", "grid", "scalars", "constexprs", "options", "tail", "launcher", "function",
-                 "metadata")
+    __slots__ = ("kernel", "name", "grid", "scalars", "constexprs", "options", "descriptors", "launcher")
 
-    def __init__(self, kernel, grid, scalars, constexprs: dict, **options):
+    def __init__(self, kernel, grid, scalars, constexprs: dict, descriptors: dict | None = None, **options):
         self.kernel = kernel
         self.name = kernel.__name__ if hasattr(kernel, "__name__") else type(kernel).__name__
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.scalars = tuple(scalars)
         self.constexprs = constexprs
+        self.descriptors = descriptors or {}
         self.options = options
-        self.launcher = None  # the compiled kernel's launcher, after the first run
+        self.launcher = None  # `launcher(stream, args)`, after the first run compiled the kernel
 
     def __call__(self, *tensors) -> None:
         self.run(launch_stream(), *tensors)
@@ -161,18 +162,19 @@ class _Launch:
     def run(self, stream: int | None, *args) -> None:
         """Launches on `stream` (`launch_stream()`, read once by a plan for all its kernels): the
         compiled launcher when there is one and a stream, else the JIT. A pointer may be passed
-        as its address (an int) once the kernel is compiled, as Triton's launchers accept."""
+        as its address (an int) once the kernel is compiled."""
         if LAUNCH_OBSERVERS:
             for observer in LAUNCH_OBSERVERS:
                 observer(self.name)
         if stream is not None and self.launcher is not None:
-            self.launcher(*self.grid, stream, self.function, self.metadata, None, None, None, *args, *self.tail)
+            self.launcher(stream, args)
             return
         self._jit(args)
 
-    @staticmethod
-    def _jit_args(tensors) -> list:
-        return [t.view(torch.uint8) if getattr(t, "dtype", None) is torch.bool else t for t in tensors]
+    def _jit_args(self, tensors) -> list:
+        return [descriptor_on(self.descriptors[i], t) if i in self.descriptors
+                else t.view(torch.uint8) if getattr(t, "dtype", None) is torch.bool else t
+                for i, t in enumerate(tensors)]
 
     def compile(self, *tensors):
         """The compiled kernel for these tensors (Triton's `warmup`: nothing is launched)."""
@@ -187,9 +189,22 @@ class _Launch:
         if compiled is None or _interpreted() or not hasattr(compiled, "packed_metadata"):
             return
         positional = len(tensors) + len(self.scalars)
-        self.tail = self.scalars + tuple(self.constexprs[name] for name in self.kernel.arg_names[positional:])
+        tail = self.scalars + tuple(self.constexprs[name] for name in self.kernel.arg_names[positional:])
+        self.launcher = direct_launch(compiled, self.grid, len(tensors), tail, self.descriptors) or _RunLaunch(
+            compiled, self.grid, tail, self._jit_args)
+
+
+class _RunLaunch:
+    """The compiled kernel's own `run`, for a Triton whose C launcher `handles` does not know."""
+
+    __slots__ = ("run", "grid", "function", "metadata", "tail", "jit_args")
+
+    def __init__(self, compiled, grid: tuple, tail: tuple, jit_args):
+        self.run, self.grid, self.tail, self.jit_args = compiled.run, grid, tail, jit_args
         self.function, self.metadata = compiled.function, compiled.packed_metadata
-        self.launcher = compiled.run
+
+    def __call__(self, stream: int, args: tuple) -> None:
+        self.run(*self.grid, stream, self.function, self.metadata, None, None, None, *self.jit_args(args), *self.tail)
 
 
 def _hooked(hook) -> bool:
@@ -231,12 +246,14 @@ class _Workspace:
 
     def __init__(self, parts: dict[str, tuple[tuple[int, ...], torch.dtype]]):
         self.layout: dict[str, tuple[int, tuple[int, ...], torch.dtype, int]] = {}
+        self.views: dict[str, tuple] = {}  # name -> (dtype, shape, strides, element offset)
         offset = 0
         for name, (shape, dtype) in parts.items():
             nbytes = dtype.itemsize
             for size in shape:
                 nbytes *= size
             self.layout[name] = (offset, shape, dtype, nbytes)
+            self.views[name] = (dtype, shape, contiguous_strides(shape), offset // dtype.itemsize)
             offset += -(-nbytes // self.alignment) * self.alignment
         self.nbytes = offset
 
@@ -244,8 +261,12 @@ class _Workspace:
         return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
 
     def tensor(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
-        offset, shape, dtype, nbytes = self.layout[name]
-        return buffer[offset:offset + nbytes].view(dtype).view(shape)
+        dtype, shape, strides, offset = self.views[name]
+        return buffer.view(dtype).as_strided(shape, strides, offset)
+
+    def part(self, buffer: torch.Tensor, name: str, by_address: bool):
+        """`name`'s address (for compiled launchers: `by_address`) or its tensor view."""
+        return buffer.data_ptr() + self.layout[name][0] if by_address else self.tensor(buffer, name)
 
     def pointers(self, buffer: torch.Tensor) -> dict[str, int]:
         base = buffer.data_ptr()
@@ -270,21 +291,6 @@ def kv_by_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     return all(t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
                for t in (k, v))
-
-
-def _descriptor_template(t: torch.Tensor, block_n: int, block_d: int) -> TensorDescriptor:
-    """A (B, Lk, Hkv, D) descriptor of (1, block_n, 1, block_d) tiles (zero-filled past Lk and D),
-    checked once; `_on` gives each run's copy its tensor. The template keeps no tensor."""
-    template = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, block_d])
-    template.base = None
-    return template
-
-
-def _on(template: TensorDescriptor, t: torch.Tensor) -> TensorDescriptor:
-    descriptor = object.__new__(TensorDescriptor)  # the template's checked fields, without re-checking
-    descriptor.__dict__.update(template.__dict__)
-    descriptor.base = t
-    return descriptor
 
 
 # -- the mask's tile activity and block lists ------------------------------------------------------
@@ -371,7 +377,8 @@ def block_lists(active: torch.Tensor, block_rows: int, block_cols: int, *, key_m
 
 class ForwardPlan:
     """A forward call's launches for one signature; `plan(q, k, v, mask, bias, out, lse, activity)`
-    runs them on tensors of that signature.
+    runs them on tensors of that signature into given outputs, `plan.allocate_and_run(...)`
+    allocates them first (the runtime's call).
 
     With a mask: the activity pass (into `activity`, or a scratch buffer), the block lists of this
     config's tiles, then the forward; without: the forward alone.
@@ -386,15 +393,23 @@ class ForwardPlan:
         mask_strides, mask_head_div = broadcast_layout(mask, num_heads, group)
         bias_strides, bias_head_div = broadcast_layout(bias, num_heads, group)
         self.config = config
+        self.out_shape, self.out_dtype = tuple(out.shape), out.dtype
+        self.out_like_q = q.is_contiguous() and q.dtype == out.dtype  # `empty_like(q)` costs the host less
         self.activity = self.lists = None
         blocks_strides = (0, 0, 0)
+        self.lse_shape = tuple(lse.shape)
+        self.workspace = None  # `allocate_and_run`'s scratch: the mask's schedule
         if mask is not None:
             self.activity = _ActivityPass(mask, seqlen_q, seqlen_k, is_causal)
             self.lists = _BlockLists(self.activity.shape, config.block_m, config.block_n, key_major=False)
             blocks_strides = self.lists.strides
+            self.workspace = _Workspace({"activity": (self.activity.shape, torch.int8),
+                                         "blocks": (self.lists.shape, torch.int32)})
         self.use_tma = kv_by_tma(k, v)
+        descriptors = None  # the kernel's k_desc and v_desc (arguments 8 and 9: `_forward_tensors`)
         if self.use_tma:
-            self.k_desc, self.v_desc = (_descriptor_template(t, config.block_n, block_d) for t in (k, v))
+            kv_block = [1, config.block_n, 1, block_d]  # zero-filled past Lk and D
+            descriptors = {8: descriptor_template(k, kv_block), 9: descriptor_template(v, kv_block)}
         self.forward = _Launch(
             flash_fwd_kernel, (triton.cdiv(seqlen_q, config.block_m), batch * num_heads),
             (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out.stride(), *lse.stride(),
@@ -403,7 +418,7 @@ class ForwardPlan:
             dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  IS_CAUSAL=is_causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
                  USE_TMA=self.use_tma, BIAS_PER_KEY=bias_per_key(bias_strides, bias)),
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            descriptors, num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
     def __call__(self, q, k, v, mask, bias, out, lse, activity=None) -> None:
@@ -417,11 +432,40 @@ class ForwardPlan:
             self.lists.launch.run(stream, activity, blocks)
         self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, blocks))
 
+    def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool) -> tuple:
+        """Runs into new outputs: (out, lse, the mask's tile activity if `keep_activity` and there
+        is a mask, else None).
+
+        Outputs (and the activity a backward keeps) are tensors of their own: as views of one
+        buffer, autograd's handling of views cost an eager training step more host time than the
+        allocations saved. Without a gradient the schedule's scratch is one buffer, passed by
+        address."""
+        stream = launch_stream()
+        out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.out_dtype,
+                                                                       device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.activity is None:
+            self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, q))
+            return out, lse, None
+        if keep_activity:
+            activity = torch.empty(self.activity.shape, dtype=torch.int8, device=q.device)
+            blocks = torch.empty(self.lists.shape, dtype=torch.int32, device=q.device)
+        else:
+            # addresses once the kernels are compiled (the forward is the last); views for the JIT
+            # (the first run, a profiler)
+            by_address = stream is not None and self.forward.launcher is not None
+            buffer = self.workspace.allocate(q.device)
+            activity = self.workspace.part(buffer, "activity", by_address)
+            blocks = self.workspace.part(buffer, "blocks", by_address)
+        self.activity.launch.run(stream, mask, activity)
+        self.lists.launch.run(stream, activity, blocks)
+        self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, blocks))
+        return out, lse, activity if keep_activity else None
+
     def _forward_tensors(self, q, k, v, mask, bias, out, lse, blocks) -> tuple:
         """The forward kernel's tensor arguments; q stands in for an absent mask, bias or block list
         (an unused pointer)."""
-        k_desc, v_desc = (_on(self.k_desc, k), _on(self.v_desc, v)) if self.use_tma else (k, v)
-        return q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks, k_desc, v_desc
+        return q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks, k, v
 
 
 # -- backward --------------------------------------------------------------------------------------

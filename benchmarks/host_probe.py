@@ -1,0 +1,165 @@
+"""Warm host microseconds per eager call: ours and SDPA, forward, forward+backward and decode.
+
+Each figure is the median over rounds of N back-to-back calls enqueued behind a GPU spin (so no
+call waits on the GPU), divided by N. Run it with another checkout's packages first on
+PYTHONPATH to compare versions on one machine:
+
+    cd benchmarks && python host_probe.py --label after
+    PYTHONPATH=/path/to/old/packages python host_probe.py --label before
+
+Prints one markdown table (stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import host_overhead
+from dmattn_bench import flash_dmattn_func
+
+N, ROUNDS, SPIN_CYCLES = 100, 9, 60_000_000
+
+
+def host_us(fn, n: int = N) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(ROUNDS):
+        torch.cuda._sleep(SPIN_CYCLES)
+        begin = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rounds.append((time.perf_counter() - begin) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+def _decode_inputs(batch, seqlen_k, padded, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, 1, 32, 128, device=device, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(batch, seqlen_k, 8, 128, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    lengths = torch.full((batch,), seqlen_k - 100, dtype=torch.int32, device=device)
+    mask = None
+    if padded:
+        mask = (torch.arange(seqlen_k, device=device) < seqlen_k - 100).expand(batch, 1, 1, seqlen_k)
+    return q, k, v, mask, lengths
+
+
+def pieces(device) -> list[tuple[str, float]]:
+    """Host cost of the operations a call is made of (the current checkout's only)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from dmattn_bench import api
+    from dmattn_kernels.triton import launch
+    from dmattn_bench import plan as plans
+
+    q, k, v, mask, bias, causal, _ = host_overhead._inputs(next(iter(host_overhead._scenarios(device).values())),
+                                                            device, False)
+    buffer = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    shape = (2, 16, 4096)
+    return [
+        ("torch.empty", host_us(lambda: torch.empty(shape, dtype=torch.float32, device=device))),
+        ("torch.empty_like(q)", host_us(lambda: torch.empty_like(q))),
+        ("q.new_empty(shape)", host_us(lambda: q.new_empty(q.shape))),
+        ("q.new_empty(n, dtype=uint8)", host_us(lambda: q.new_empty(1 << 16, dtype=torch.uint8))),
+        ("torch.empty(n, dtype=uint8, device)", host_us(lambda: torch.empty(1 << 16, dtype=torch.uint8, device=device))),
+        ("launch_stream", host_us(launch.launch_stream)),
+        ("slice + view dtype + view shape", host_us(lambda: buffer[256:256 + 4 * 2 * 16 * 4096].view(torch.float32)
+                                                    .view(shape))),
+        ("view dtype + as_strided", host_us(lambda: buffer.view(torch.float32).as_strided(shape, (65536, 4096, 1), 64))),
+        ("data_ptr", host_us(buffer.data_ptr)),
+        ("torch.compiler.is_compiling", host_us(torch.compiler.is_compiling)),
+        ("is_fake", host_us(lambda: is_fake(q))),
+        ("api._needs_grad", host_us(lambda: api._needs_grad(q, k, v, bias))),
+        ("plan.signature", host_us(lambda: plans.signature(q, k, v, mask, bias, None, bool, causal, type(None), None,
+                                                           float, 0.0, "auto", None, None, None, False))),
+    ]
+
+
+def ab(device) -> list[tuple[str, float]]:
+    """Our launches through the C launcher and through Triton's `CompiledKernel.run`, in one
+    process: medians of interleaved rounds of the small step (forward without and with a
+    gradient, forward+backward)."""
+    from dmattn_bench import plan as plans
+    from dmattn_kernels.triton import launch
+
+    shape = next(s for n, s in host_overhead._scenarios(device).items() if n.startswith("small"))
+    q, k, v, mask, bias, causal, leaves = host_overhead._inputs(shape, device, True)
+    grad_out = torch.randn_like(q)
+    calls = {
+        "fwd, no grad": lambda: flash_dmattn_func(q.detach(), k.detach(), v.detach(), mask, bias.detach(),
+                                                  is_causal=causal),
+        "fwd": lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=causal),
+        "fwd+bwd": lambda: torch.autograd.grad(flash_dmattn_func(q, k, v, mask, bias, is_causal=causal), leaves,
+                                               grad_out),
+    }
+    direct = launch.direct_launch
+    ways = {"C launcher (handles.DirectLaunch)": direct, "Triton's CompiledKernel.run": lambda *a: None}
+    samples: dict[str, list[float]] = {}
+    for _ in range(5):
+        for way, launcher in ways.items():
+            launch.direct_launch = launcher
+            plans.clear()
+            launch.clear_plans()
+            for name, fn in calls.items():
+                samples.setdefault(f"{name}, {way}", []).append(host_us(fn, n=30))
+    launch.direct_launch = direct
+    return [(name, statistics.median(values)) for name, values in samples.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--label", default="ours")
+    parser.add_argument("--pieces", action="store_true", help="also time the operations a call is made of")
+    parser.add_argument("--ab", action="store_true", help="only compare the two launch paths, in one process")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    if args.ab:
+        for name, value in ab(device):
+            print(f"| {name} | {value:.1f} |")
+        return
+    rows = pieces(device) if args.pieces else []
+    scenarios = host_overhead._scenarios(device)
+    for name, shape in scenarios.items():
+        short = name.split(" (")[0]
+        q, k, v, mask, bias, causal, leaves = host_overhead._inputs(shape, device, False)
+        rows.append((f"{short} fwd", host_us(lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=causal))))
+        if short in ("small step", "tiny"):
+            q, k, v, mask, bias, causal, leaves = host_overhead._inputs(shape, device, True)
+            grad_out = torch.randn_like(q)
+            rows.append((f"{short} fwd (inputs need grad)",
+                         host_us(lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=causal))))
+            rows.append((f"{short} fwd+bwd (autograd.grad)", host_us(lambda: torch.autograd.grad(
+                flash_dmattn_func(q, k, v, mask, bias, is_causal=causal), leaves, grad_out), n=30)))
+        del q, k, v, mask, bias, leaves
+        torch.cuda.empty_cache()
+    for batch, seqlen_k in ((1, 8192), (8, 4096)):
+        q, k, v, mask, lengths = _decode_inputs(batch, seqlen_k, True, device)
+        rows.append((f"decode B{batch} Lk{seqlen_k} padding mask", host_us(lambda: flash_dmattn_func(q, k, v, mask))))
+        rows.append((f"decode B{batch} Lk{seqlen_k} cache_seqlens",
+                     host_us(lambda: flash_dmattn_func(q, k, v, cache_seqlens=lengths))))
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            rows.append((f"decode B{batch} Lk{seqlen_k} SDPA flash (no mask)",
+                         host_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))))
+    for name in ("W2", "W3", "small", "tiny"):
+        shape = next(s for n, s in scenarios.items() if n.startswith(name))
+        fn, context = host_overhead._sdpa(shape, device, False)
+        with context:
+            rows.append((f"{name} fwd SDPA", host_us(fn)))
+        torch.cuda.empty_cache()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"| call | {args.label}: host µs |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
