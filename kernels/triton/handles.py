@@ -1,11 +1,11 @@
 """A compiled Triton kernel launched through its C launcher alone.
 
-Once the JIT has compiled a kernel, `CompiledKernel.run` still does, on every launch: a Python
-call that would allocate global and profile scratch (our kernels use none), a new CUtensorMap
-for every host tensor descriptor (`make_tensordesc_arg`: the TMA forward has two), and in C a
-driver query per tensor argument (`cuPointerGetAttribute`). A launch plan fixes its arguments'
-layouts, so `DirectLaunch` encodes a descriptor once per base address and calls the C launcher
-with what Triton's wrappers would have handed it.
+Once the JIT has compiled a kernel, `CompiledKernel.run` still does, in Python, on every launch:
+a call that would allocate global and profile scratch (our kernels use none), and a pass over
+the arguments that encodes a new CUtensorMap for every host tensor descriptor
+(`make_tensordesc_arg`: the TMA forward has two). A launch plan fixes its arguments' layouts,
+so `DirectLaunch` encodes a descriptor once per base address and calls the C launcher with what
+Triton's wrappers would have handed it.
 
 `python benchmarks/host_probe.py --ab` (H100 host, triton 3.6, a masked forward of 3 launches,
 the one with two K/V descriptors included): 40.8 µs per call through the C launcher against
