@@ -3,7 +3,8 @@ against SDPA, GPU time, eager wall time and the fraction of the HBM bandwidth it
 
 For each (B, Lk) of the grid, bf16, H 32, Hkv 8, D 128 by default:
 - ours: no mask; a padding mask (B, 1, 1, Lk) with each sequence's last 1/8 of keys masked;
-  `cache_seqlens` at 7/8 of Lk (memory past it NaN-filled, never read);
+  `cache_seqlens` at 7/8 of Lk (memory past it NaN-filled, never read); the same over a paged
+  cache (pages of PAGE keys shuffled in a pool, a block table);
 - SDPA flash (no mask: it takes none) and SDPA memory-efficient with the padding mask as a
   float mask (K/V expanded to H heads, the way a float-mask user calls it).
 Every row of ours is checked against the reference first (error / DESIGN §2 bound, NaN fails).
@@ -33,6 +34,7 @@ from dmattn_bench.timing import eager_wall_ms, time_kernel
 from dmattn_bench.validator import compare
 
 GRID = ((1, 2048), (1, 8192), (8, 4096), (32, 4096), (64, 2048), (8, 32768), (64, 16384))
+PAGE = 256  # keys per page of the paged variant (vLLM's and FlashAttention's common sizes: 16-256)
 COPY_BYTES = 1 << 30
 
 
@@ -110,6 +112,11 @@ def main() -> None:
         seqlens = torch.full((batch,), valid, dtype=torch.int32, device=device)
         k_cache, v_cache = k.clone(), v.clone()
         k_cache[:, valid:], v_cache[:, valid:] = float("nan"), float("nan")
+        pages = seqlen_k // PAGE
+        order = torch.randperm(batch * pages, device=device, generator=g)  # page p of the pool holds order[p]
+        table = torch.empty_like(order).scatter_(0, order, torch.arange(batch * pages, device=device))
+        table = table.view(batch, pages).to(torch.int32)
+        k_pages, v_pages = (t.view(batch * pages, PAGE, heads_kv, head_dim)[order] for t in (k_cache, v_cache))
         kv_bytes = {"all": 2 * batch * seqlen_k * heads_kv * head_dim * 2,
                     "valid": 2 * batch * valid * heads_kv * head_dim * 2}
         # name -> (call, K/V bytes it must read, what its check compares, SDPA's kernel choice); the
@@ -120,6 +127,9 @@ def main() -> None:
             "ours, padding mask": (lambda: flash_dmattn_func(q, k, v, mask), "valid", (k, v, mask, None), None),
             "ours, cache_seqlens": (lambda: flash_dmattn_func(q, k_cache, v_cache, cache_seqlens=seqlens), "valid",
                                     (k_cache, v_cache, None, seqlens), None),
+            f"ours, paged ({PAGE}), cache_seqlens": (
+                lambda: flash_dmattn_func(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table), "valid",
+                (k_cache, v_cache, None, seqlens), None),
         }
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         float_mask = torch.zeros(batch, heads, 1, seqlen_k, device=device, dtype=dtype).masked_fill(~mask, float("-inf"))

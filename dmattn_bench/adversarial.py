@@ -55,6 +55,7 @@ class Case:
     softcap: float = 0.0
     window: int = 0  # for mask="window": keys i - window < j <= i (bottom-right aligned)
     cache_lengths: bool = False  # per-sequence `cache_seqlens` (CACHE_LENGTHS), K/V NaN past them
+    page: int = 0  # > 0: k and v are a paged cache of pages this long (`build_inputs`)
     tile_m: int = 16  # tile sizes the tile-aware masks are built on (set from the config)
     tile_n: int = 16
     tags: tuple[str, ...] = field(default=())
@@ -74,6 +75,7 @@ class Inputs:
     bias: torch.Tensor | None
     dout: torch.Tensor
     cache_seqlens: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
 
 
 def _within(buffer_shape, values: torch.Tensor, fill) -> torch.Tensor:
@@ -243,7 +245,33 @@ def build_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Input
         for index, length in enumerate(lengths):  # what lies past a length is never read
             k[index, length:] = float("nan")
             v[index, length:] = float("nan")
-    return Inputs(q, k, v, mask, bias, dout, cache_seqlens)
+    block_table = None
+    if case.page:
+        k, v, block_table = _paged(k, v, case.page, generator, cache_seqlens)
+    return Inputs(q, k, v, mask, bias, dout, cache_seqlens, block_table)
+
+
+def _paged(k, v, page: int, generator, cache_seqlens):
+    """k and v as a paged cache: (blocks, page, Hkv, D) with every sequence's pages scattered in a
+    shuffled pool of NaN-filled blocks, and the (B, pages) block table; a table entry whose keys
+    all lie past a sequence's cache length holds -1 (it must never be read)."""
+    batch, seqlen_k, heads_kv, head_dim = k.shape
+    pages = -(-seqlen_k // page)
+    spare = 3  # blocks no sequence uses
+    order = torch.randperm(batch * pages + spare, generator=generator, device=k.device)
+    table = order[:batch * pages].view(batch, pages).to(torch.int32)
+    pools = []
+    for t in (k, v):
+        pool = torch.full((batch * pages + spare, page, heads_kv, head_dim), float("nan"), dtype=t.dtype,
+                          device=t.device)
+        padded = torch.full((batch, pages * page, heads_kv, head_dim), float("nan"), dtype=t.dtype, device=t.device)
+        padded[:, :seqlen_k] = t
+        pool[table.view(-1).long()] = padded.view(batch * pages, page, heads_kv, head_dim)
+        pools.append(pool)
+    if cache_seqlens is not None:
+        unused = torch.arange(pages, device=k.device) * page >= cache_seqlens.unsqueeze(1)
+        table = torch.where(unused, torch.full_like(table, -1), table)
+    return pools[0], pools[1], table
 
 
 def _quick_cases() -> list[Case]:
@@ -323,6 +351,12 @@ def _cache_cases() -> list[Case]:
              mask="random", mask_shape="key", bias="per_key", cache_lengths=True),
         Case("decode_d192_causal_lq5", batch=2, heads=4, heads_kv=2, seqlen_q=5, seqlen_k=77, head_dim=192,
              causal=True, mask="random", mask_shape="kv_head", bias="full"),
+        # a paged cache (a block table over a shuffled, NaN-filled pool): pages of 16 keys (one
+        # tile each) and of 48 (tiles of 16 inside a page), with and without cache lengths
+        Case("paged_16_cache_lengths", batch=4, heads=8, heads_kv=2, seqlen_q=1, seqlen_k=96, page=16,
+             mask="random", mask_shape="key", bias="per_key", cache_lengths=True),
+        Case("paged_48_causal_lq4", batch=2, heads=4, heads_kv=1, seqlen_q=4, seqlen_k=144, page=48, causal=True,
+             bias="kv_head"),
     ]
 
 

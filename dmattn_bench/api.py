@@ -39,19 +39,19 @@ def _check_strides_and_head_dim(query, key, value) -> None:
 
 
 def _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,
-                fwd_config, bwd_config, cache_seqlens=None) -> float:
+                fwd_config, bwd_config, cache_seqlens=None, block_table=None) -> float:
     """Every check of a call that depends only on its signature; returns the softmax scale.
 
     Raises:
         TypeError / ValueError: naming the argument, what was received and what is expected.
     """
     for name, t in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask),
-                    ("attn_bias", attn_bias), ("cache_seqlens", cache_seqlens)):
+                    ("attn_bias", attn_bias), ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: got {type(is_causal).__name__} {is_causal!r}, expected True or False")
-    reference.check_inputs(query, key, value, attn_mask, attn_bias, cache_seqlens)
+    reference.check_inputs(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: got {type(softcap).__name__} {softcap!r}, expected a float >= 0 (0 disables)")
     if softcap < 0 or not math.isfinite(softcap):
@@ -79,10 +79,11 @@ def _needs_grad(query, key, value, attn_bias) -> bool:
                                         or (attn_bias is not None and attn_bias.requires_grad))
 
 
-def _check_no_gradient_with_seqlens(cache_seqlens, needs_grad: bool) -> None:
-    if cache_seqlens is not None and needs_grad:
-        raise ValueError("cache_seqlens: supported in calls that need no gradient (decode, serving); got inputs "
-                         "that require grad with grad mode on (use torch.no_grad() or an attn_mask for training)")
+def _check_no_gradient_with_cache(cache_seqlens, block_table, needs_grad: bool) -> None:
+    for name, given in (("cache_seqlens", cache_seqlens), ("block_table", block_table)):
+        if given is not None and needs_grad:
+            raise ValueError(f"{name}: supported in calls that need no gradient (decode, serving); got inputs "
+                             f"that require grad with grad mode on (use torch.no_grad(), or an attn_mask for training)")
 
 
 def _check_mask_values(attn_mask: torch.Tensor) -> None:
@@ -140,6 +141,7 @@ def flash_dmattn_func(
     backend: str = "auto",
     cache_seqlens: torch.Tensor | None = None,
     *,
+    block_table: torch.Tensor | None = None,
     table: str | None = None,
     fwd_config: FwdConfig | None = None,
     bwd_config: BwdConfig | None = None,
@@ -167,6 +169,10 @@ def flash_dmattn_func(
             cache: keys at or past it are never read, and it replaces Lk in the causal rule
             (clamped to [0, Lk]). May change between CUDA-graph replays. Calls without gradient
             and at most 64 query rows (decode) only.
+        block_table: (B, pages) int32, a paged KV cache (FlashAttention's and vLLM's layout):
+            key/value are (blocks, page, Hkv, D), page a multiple of 16, and key j of sequence b
+            is row j % page of block block_table[b, j // page] (Lk = pages * page). Entries whose
+            keys all lie at or past cache_seqlens are never read. Same calls as cache_seqlens.
         table: a dispatch-table path for this call (overrides `use_table` and DMATTN_BENCH_TABLE).
         fwd_config, bwd_config: explicit kernel tiles, overriding the table for that direction.
 
@@ -190,7 +196,8 @@ def flash_dmattn_func(
             needs_grad = _needs_grad(query, key, value, attn_bias)
             bias_grad = needs_grad and attn_bias is not None and attn_bias.requires_grad
             # the scalars' types too: 1 == True and 0.0 == False would share a plan, skipping the checks
-            signature = plans.signature(query, key, value, attn_mask, attn_bias, cache_seqlens, type(is_causal), is_causal,
+            signature = plans.signature(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table,
+                                        type(is_causal), is_causal,
                                         type(softmax_scale), softmax_scale, type(softcap), softcap, backend, table,
                                         fwd_config, bwd_config, bias_grad)
             plan = plans.PLANS.get(signature)
@@ -198,38 +205,40 @@ def flash_dmattn_func(
             signature = plan = None
         if plan is None:
             scale = _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,
-                                fwd_config, bwd_config, cache_seqlens)
-            _check_no_gradient_with_seqlens(cache_seqlens, needs_grad)
+                                fwd_config, bwd_config, cache_seqlens, block_table)
+            _check_no_gradient_with_cache(cache_seqlens, block_table, needs_grad)
             ops.check_device_and_dtypes(query, key, value, attn_bias)
             plan = plans.AttentionPlan(query, key, value, attn_mask, attn_bias, is_causal=is_causal,
                                        softmax_scale=scale, softcap=float(softcap), backend=backend, table=table,
                                        fwd_config=fwd_config, bwd_config=bwd_config, bias_requires_grad=bias_grad,
-                                       cache_seqlens=cache_seqlens)
+                                       cache_seqlens=cache_seqlens, block_table=block_table)
             if signature is not None:
                 plans.PLANS.put(signature, plan)
-        elif cache_seqlens is not None:
-            _check_no_gradient_with_seqlens(cache_seqlens, needs_grad)  # the plan's signature has no grad flag
+        elif cache_seqlens is not None or block_table is not None:
+            _check_no_gradient_with_cache(cache_seqlens, block_table, needs_grad)  # no grad flag in the signature
         if attn_mask is not None and attn_mask.dtype is not torch.bool:
             _check_mask_values(attn_mask)
         if needs_grad:
             out, lse = _Attention.apply(plan, query, key, value, attn_mask, attn_bias)
         else:
-            out, lse = plan.infer(query, key, value, attn_mask, attn_bias, cache_seqlens)
+            out, lse = plan.infer(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table)
         return (out, lse) if return_lse else out
 
     softmax_scale = _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,
-                                fwd_config, bwd_config, cache_seqlens)
+                                fwd_config, bwd_config, cache_seqlens, block_table)
     needs_grad = _needs_grad(query, key, value, attn_bias)
-    _check_no_gradient_with_seqlens(cache_seqlens, needs_grad)
+    _check_no_gradient_with_cache(cache_seqlens, block_table, needs_grad)
     if backend == "reference":
         out, lse = reference.attention(
             query, key, value, attn_mask, attn_bias, is_causal=is_causal,
             softmax_scale=softmax_scale, softcap=softcap, return_lse=True, cache_seqlens=cache_seqlens,
+            block_table=block_table,
         )
         return (out, lse.float()) if return_lse else out
     as_list = (lambda config: None if config is None else list(config.to_dict().values()))
     out, lse, _ = ops.attention_fwd(
         query, key, value, as_4d(attn_mask), as_4d(attn_bias), is_causal, softmax_scale,
-        float(softcap), backend, table, as_list(fwd_config), as_list(bwd_config), cache_seqlens, not needs_grad,
+        float(softcap), backend, table, as_list(fwd_config), as_list(bwd_config), cache_seqlens, block_table,
+        not needs_grad,
     )
     return (out, lse) if return_lse else out

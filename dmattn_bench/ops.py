@@ -53,7 +53,8 @@ def _as_config(values: list[int] | None, cls):
 
 def plan_for(query, key, value, mask, bias, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
              table: str | None, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None,
-             bias_requires_grad: bool, cache_seqlens: torch.Tensor | None = None) -> plans.AttentionPlan:
+             bias_requires_grad: bool, cache_seqlens: torch.Tensor | None = None,
+             block_table: torch.Tensor | None = None) -> plans.AttentionPlan:
     """The call's plan, built (after the device and dtype checks) on its signature's first call."""
     options = (is_causal, softmax_scale, softcap, backend, table, fwd_config, bwd_config, bias_requires_grad)
 
@@ -62,9 +63,10 @@ def plan_for(query, key, value, mask, bias, is_causal: bool, softmax_scale: floa
         return plans.AttentionPlan(query, key, value, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
                                    softcap=softcap, backend=backend, table=table, fwd_config=fwd_config,
                                    bwd_config=bwd_config, bias_requires_grad=bias_requires_grad,
-                                   cache_seqlens=cache_seqlens)
+                                   cache_seqlens=cache_seqlens, block_table=block_table)
 
-    return plans.PLANS.get_or_build(plans.signature(query, key, value, mask, bias, cache_seqlens, *options), build)
+    return plans.PLANS.get_or_build(plans.signature(query, key, value, mask, bias, cache_seqlens, block_table,
+                                                    *options), build)
 
 
 def _activity_shape(mask, query, key) -> tuple[int, ...]:
@@ -80,16 +82,17 @@ def attention_fwd(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
     bias: torch.Tensor | None, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
     table: str | None, fwd_config: list[int] | None, bwd_config: list[int] | None,
-    cache_seqlens: torch.Tensor | None = None, inference: bool = False,
+    cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, inference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, Lq, H, D), lse (B, H, Lq) fp32 and, with a mask, its tile-activity summary (int8,
     `layouts.activity_shape`; empty without a mask), which the backward reuses instead of reading
     the mask again where the forward filled it (`AttentionPlan.fills_activity`).
     `inference`: no gradient will be asked for (`AttentionPlan.infer`; the summary is empty)."""
     plan = plan_for(query, key, value, mask, bias, is_causal, softmax_scale, softcap, backend, table,
-                    _as_config(fwd_config, FwdConfig), _as_config(bwd_config, BwdConfig), False, cache_seqlens)
+                    _as_config(fwd_config, FwdConfig), _as_config(bwd_config, BwdConfig), False, cache_seqlens,
+                    block_table)
     if inference:
-        out, lse = plan.infer(query, key, value, mask, bias, cache_seqlens)
+        out, lse = plan.infer(query, key, value, mask, bias, cache_seqlens, block_table)
         return out, lse, query.new_empty(0, dtype=torch.int8)
     out, lse, activity = plan.forward(query, key, value, mask, bias)
     if mask is None:
@@ -104,7 +107,7 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(query, key, value, mask, bias, is_causal, softmax_scale, softcap, backend, table,
-                        fwd_config, bwd_config, cache_seqlens=None, inference=False):
+                        fwd_config, bwd_config, cache_seqlens=None, block_table=None, inference=False):
     batch, seqlen_q, num_heads, _ = query.shape
     return (query.new_empty(query.shape),
             query.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32),
@@ -157,7 +160,7 @@ def _backward(ctx, dout, dlse, _dactivity):
                                       softcap, bias_requires_grad, backend, table, fwd_config, bwd_config,
                                       activity if mask is not None else None, dlse)
     return (dq, dk, dv, None, dbias if bias_requires_grad else None,
-            None, None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -179,6 +182,6 @@ def dispatch_overhead_us(device: torch.device | str, calls: int = 2000) -> float
     times = []  # a lookup costs the same whether or not the signature has a plan
     for _ in range(calls):
         begin = time.perf_counter()
-        plans.PLANS.get(plans.signature(q, k, k, mask, bias, None, *options))
+        plans.PLANS.get(plans.signature(q, k, k, mask, bias, None, None, *options))
         times.append(time.perf_counter() - begin)
     return round(statistics.median(times) * 1e6, 2)

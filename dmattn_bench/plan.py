@@ -110,8 +110,11 @@ class AttentionPlan:
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
                  table: str | None, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None,
-                 bias_requires_grad: bool, cache_seqlens: torch.Tensor | None = None):
+                 bias_requires_grad: bool, cache_seqlens: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None):
         batch, seqlen_q, num_heads, _ = q.shape
+        # a paged cache is (blocks, page, Hkv, D): its logical length is the table's pages x page
+        seqlen_k = k.shape[1] if block_table is None else block_table.shape[1] * k.shape[1]
         self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap)
         self.device, self.dtype = q.device, q.dtype
         self.out_shape, self.lse_shape = tuple(q.shape), (batch, num_heads, seqlen_q)
@@ -129,17 +132,17 @@ class AttentionPlan:
         if mask is not None:
             from dmattn_kernels.triton.layouts import activity_shape  # imported on first use (registry)
 
-            self.activity_shape = activity_shape(mask.shape, seqlen_q, k.shape[1])
+            self.activity_shape = activity_shape(mask.shape, seqlen_q, seqlen_k)
         # nothing to compute: no query rows (empty outputs), or no keys (every row dead)
         self.no_rows = batch * seqlen_q * num_heads == 0
-        self.no_keys = k.shape[1] == 0
+        self.no_keys = seqlen_k == 0
         self._requested = (backend, table, bwd_config)
         self._keys = None if self.no_rows or self.no_keys else table_keys(
-            tuple(q.shape), k.shape[1], k.shape[2], q.dtype, None if mask is None else tuple(mask.shape),
+            tuple(q.shape), seqlen_k, k.shape[2], q.dtype, None if mask is None else tuple(mask.shape),
             None if bias is None else tuple(bias.shape), is_causal, bias_requires_grad)
         self._env = os.environ.get(dispatch.ENV_VAR)
         self.fwd_backend = self.fwd_config = None
-        if not (self.no_rows or self.no_keys):
+        if not (self.no_rows or self.no_keys or block_table is not None):  # a paged cache only decodes
             self.fwd_backend, config = self._choose("fwd", fwd_config)
             self.fwd_config = fitting_config(self.fwd_backend, config, q, k, v, mask, bias, **self.options,
                                              shared_memory_limit=shared_memory_limit(q.device))
@@ -147,14 +150,15 @@ class AttentionPlan:
         self.fills_activity = self.fwd_backend is not None and mask is not None and (
             self.fwd_backend.forward_plan is not None)
         # a call that needs no gradient runs the short-query forward when it has few query rows
-        # and no explicit tiles (`decode_launch`); `cache_seqlens` needs it
+        # and no explicit tiles (`decode_launch`); `cache_seqlens` and `block_table` need it
         self.decodes = (backend in ("auto", "triton") and fwd_config is None and not (self.no_rows or self.no_keys)
                         and seqlen_q <= MAX_DECODE_QUERIES and (q.is_cuda or registry.interpreter_enabled()))
-        if cache_seqlens is not None and not self.decodes:
-            raise ValueError(
-                f"cache_seqlens: supported by the short-query forward only (Lq <= {MAX_DECODE_QUERIES}, backend "
-                f"'auto' or 'triton', no fwd_config, no gradient); got Lq={seqlen_q}, backend {backend!r}"
-                + (", a fwd_config" if fwd_config is not None else ""))
+        for name, given in (("cache_seqlens", cache_seqlens), ("block_table", block_table)):
+            if given is not None and not self.decodes:
+                raise ValueError(
+                    f"{name}: supported by the short-query forward only (Lq <= {MAX_DECODE_QUERIES}, backend "
+                    f"'auto' or 'triton', no fwd_config, no gradient); got Lq={seqlen_q}, backend {backend!r}"
+                    + (", a fwd_config" if fwd_config is not None else ""))
         self._decode_launch = None
         self._fwd_launch = None
         self._bwd_choice = None
@@ -202,7 +206,7 @@ class AttentionPlan:
         launch(q, k, v, mask, bias, out, lse, activity)
         return out, lse, activity
 
-    def infer(self, q, k, v, mask, bias, cache_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def infer(self, q, k, v, mask, bias, cache_seqlens=None, block_table=None) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of a call that needs no gradient: the short-query forward where `decodes`,
         else `forward`'s (its tile activity unused)."""
         if not self.decodes:
@@ -215,10 +219,10 @@ class AttentionPlan:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
             launch = self._decode_launch = DecodePlan(
-                q, k, v, as_4d(mask), as_4d(bias), cache_seqlens, **self.options,
+                q, k, v, as_4d(mask), as_4d(bias), cache_seqlens, block_table, **self.options,
                 config=decode_config(self.out_shape[-1], self.device), out=out, lse=lse,
                 num_sms=sm_count(self.device))
-        return launch.allocate_and_run(q, k, v, mask, bias, cache_seqlens)
+        return launch.allocate_and_run(q, k, v, mask, bias, cache_seqlens, block_table)
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -264,12 +268,13 @@ def _tensor_signature(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
 
 
-def signature(q, k, v, mask, bias, cache_seqlens, *options) -> tuple:
+def signature(q, k, v, mask, bias, cache_seqlens, block_table, *options) -> tuple:
     """The plan key of a call (module docstring). Raises AttributeError on a non-tensor, which the
     caller answers by validating the call."""
     return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v),
             None if mask is None else _tensor_signature(mask), None if bias is None else _tensor_signature(bias),
             None if cache_seqlens is None else _tensor_signature(cache_seqlens),
+            None if block_table is None else _tensor_signature(block_table),
             os.environ.get(dispatch.ENV_VAR), dispatch.DISPATCHER.generation, registry.overrides, *options)
 
 

@@ -12,6 +12,9 @@ For query head ``h`` (KV head ``h // (H // Hkv)``), query row ``i`` and key ``j`
     S[i, j] = -inf  unless  mask[i, j] and (not is_causal or j <= i + Lk - Lq)
 with ``cache_seqlens``, sequence b has Lk_b = clamp(cache_seqlens[b], 0, Lk) keys: keys at or past
 Lk_b are excluded (their K and V never reach a product) and Lk_b replaces Lk in the causal rule.
+With ``block_table`` (B, pages) the cache is paged: key and value are (blocks, page, Hkv, D), and
+key j of sequence b is block ``block_table[b, j // page]``'s row ``j % page`` (Lk = pages * page);
+an entry whose keys all lie at or past Lk_b is never used.
     lse[i]  = log(sum_j exp(S[i, j]))
     out[i]  = sum_j exp(S[i, j] - lse[i]) * v_j
 
@@ -28,6 +31,7 @@ import torch
 __all__ = ["attention", "broadcast_dims", "check_inputs"]
 
 MASK_BIAS_LAYOUT = "(B|1, H|Hkv|1, Lq|1, Lk|1)"
+PAGE_MULTIPLE = 16  # keys per page of a paged cache are a multiple of this (the kernels' smallest key tile)
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -72,6 +76,7 @@ def check_inputs(
     attn_mask: torch.Tensor | None,
     attn_bias: torch.Tensor | None,
     cache_seqlens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> None:
     """Checks the shapes, dtypes and devices shared by every attention backend.
 
@@ -82,6 +87,8 @@ def check_inputs(
         attn_mask: ``None`` or a bool/integer tensor broadcastable as in :func:`broadcast_dims`.
         attn_bias: ``None`` or a floating tensor broadcastable as in :func:`broadcast_dims`.
         cache_seqlens: ``None`` or a ``(B,)`` int32 tensor of key lengths.
+        block_table: ``None`` or a ``(B, pages)`` int32 tensor: key/value are then paged,
+            ``(blocks, page, Hkv, D)`` with a page of a multiple of 16 keys.
 
     Raises:
         ValueError: On a bad shape or device; the message names the argument, the shape
@@ -98,9 +105,18 @@ def check_inputs(
     _, Lk, Hkv, _ = key.shape
     if D == 0:
         raise ValueError(f"query: got shape {_shape(query)} with head dim 0, expected D >= 1")
-    if key.shape[0] != B or key.shape[3] != D:
-        raise ValueError(f"key: got shape {_shape(key)}, expected (B={B}, Lk, Hkv, D={D}) "
-                         f"to match query {_shape(query)}")
+    if block_table is not None:
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table: got dtype {block_table.dtype}, expected torch.int32")
+        if block_table.dim() != 2 or block_table.shape[0] != B:
+            raise ValueError(f"block_table: got shape {_shape(block_table)}, expected (B, pages) = ({B}, pages)")
+        if Lk % PAGE_MULTIPLE or Lk == 0:
+            raise ValueError(f"key: got shape {_shape(key)} with a block_table, expected (blocks, page, Hkv, D) "
+                             f"with a page of a multiple of {PAGE_MULTIPLE} keys")
+        Lk = block_table.shape[1] * Lk  # the logical length the mask and bias broadcast over
+    if (block_table is None and key.shape[0] != B) or key.shape[3] != D:
+        layout = f"(B={B}, Lk, Hkv, D={D})" if block_table is None else f"(blocks, page, Hkv, D={D})"
+        raise ValueError(f"key: got shape {_shape(key)}, expected {layout} to match query {_shape(query)}")
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"key: got shape {_shape(key)} with Hkv={Hkv} heads, expected Hkv "
                          f"to divide the query's H={H} heads")
@@ -112,7 +128,7 @@ def check_inputs(
         if tuple(cache_seqlens.shape) != (B,):
             raise ValueError(f"cache_seqlens: got shape {_shape(cache_seqlens)}, expected (B,) = ({B},)")
     for name, t in (("key", key), ("value", value), ("attn_mask", attn_mask),
-                    ("attn_bias", attn_bias), ("cache_seqlens", cache_seqlens)):
+                    ("attn_bias", attn_bias), ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
         if t is not None and t.device != query.device:
             raise ValueError(f"{name}: got device {t.device}, expected {query.device} "
                              f"(query's device)")
@@ -142,6 +158,17 @@ def _expand_scores_like(
     return t.expand(B, H, Lq, Lk)
 
 
+def _gather_pages(key, value, block_table, cache_seqlens):
+    """A paged cache's (B, pages * page, Hkv, D) key and value; an entry no kept key reads (past
+    cache_seqlens) may hold anything, so it reads block 0 instead."""
+    page = key.shape[1]
+    pages = block_table.to(torch.int64)
+    if cache_seqlens is not None:
+        first_key = torch.arange(pages.shape[1], device=pages.device) * page
+        pages = torch.where(first_key < cache_seqlens.to(torch.int64).unsqueeze(1), pages, 0)
+    return key[pages].flatten(1, 2), value[pages].flatten(1, 2)
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -154,6 +181,7 @@ def attention(
     return_lse: bool = False,
     compute_dtype: torch.dtype | None = None,
     cache_seqlens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dynamic-mask attention, computed eagerly in ``compute_dtype``.
 
@@ -180,6 +208,7 @@ def attention(
             ``query.dtype`` runs the same math in low precision.
         cache_seqlens: Optional ``(B,)`` int32 key lengths (module docstring), clamped to
             ``[0, Lk]``; what lies past them in ``key`` and ``value`` is never used.
+        block_table: Optional ``(B, pages)`` int32: a paged ``key``/``value`` (module docstring).
 
     Returns:
         ``out`` of shape ``(B, Lq, H, D)`` in ``query.dtype``, or ``(out, lse)`` where ``lse``
@@ -190,9 +219,11 @@ def attention(
         ValueError: On bad shapes, devices or a negative ``softcap``.
         TypeError: On bad dtypes.
     """
-    check_inputs(query, key, value, attn_mask, attn_bias, cache_seqlens)
+    check_inputs(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table)
     if softcap < 0:
         raise ValueError(f"softcap: got {softcap}, expected >= 0 (0 disables soft-capping)")
+    if block_table is not None:
+        key, value = _gather_pages(key, value, block_table, cache_seqlens)
     B, Lq, H, D = query.shape
     Lk, Hkv = key.shape[1], key.shape[2]
     group = H // Hkv

@@ -190,6 +190,7 @@ def run_reference(inputs: Inputs, case: Case, compute_dtype: torch.dtype | None)
         out, lse = reference.attention(
             q, k, v, inputs.mask, bias, is_causal=case.causal, softmax_scale=case.head_dim ** -0.5,
             softcap=case.softcap, return_lse=True, compute_dtype=dtype, cache_seqlens=inputs.cache_seqlens,
+            block_table=inputs.block_table,
         )
         wrt = [q, k, v] + ([bias] if with_dbias else [])
         with warnings.catch_warnings():
@@ -249,10 +250,10 @@ def run_decode(inputs: Inputs, case: Case, config: DecodeConfig) -> dict[str, to
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
     mask, bias = as_4d(inputs.mask), as_4d(inputs.bias)
-    launch = DecodePlan(q, inputs.k, inputs.v, mask, bias, inputs.cache_seqlens, is_causal=case.causal,
-                        softmax_scale=case.head_dim ** -0.5, softcap=case.softcap, config=config, out=out, lse=lse,
-                        num_sms=plan.sm_count(q.device))
-    launch(q, inputs.k, inputs.v, mask, bias, inputs.cache_seqlens, out, lse)
+    launch = DecodePlan(q, inputs.k, inputs.v, mask, bias, inputs.cache_seqlens, inputs.block_table,
+                        is_causal=case.causal, softmax_scale=case.head_dim ** -0.5, softcap=case.softcap, config=config,
+                        out=out, lse=lse, num_sms=plan.sm_count(q.device))
+    launch(q, inputs.k, inputs.v, mask, bias, inputs.cache_seqlens, inputs.block_table, out, lse)
     return {"out": out, "lse": lse}
 
 

@@ -126,3 +126,53 @@ def test_cache_seqlens_needs_a_short_query():
     q, k, v, _, _, _ = _case(7, 1, 65, 4, 2, 80, 16, F32)
     with torch.no_grad(), pytest.raises(ValueError, match="cache_seqlens: supported by the short-query forward only"):
         flash_dmattn_func(q, k, v, cache_seqlens=torch.tensor([80], dtype=torch.int32))
+
+
+def _paged(k, v, page, generator):
+    """k and v as a shuffled pool of pages, and the block table that reads them back."""
+    batch, seqlen_k = k.shape[:2]
+    pages = seqlen_k // page
+    table = torch.randperm(batch * pages + 2, generator=generator)[:batch * pages].view(batch, pages).to(torch.int32)
+    pools = []
+    for t in (k, v):
+        pool = torch.full((batch * pages + 2, page, *t.shape[2:]), float("nan"), dtype=t.dtype)
+        pool[table.view(-1).long()] = t.reshape(batch * pages, page, *t.shape[2:])
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+@pytest.mark.parametrize("page", [16, 48], ids=["page16", "page48"])
+def test_a_paged_cache_gives_the_contiguous_result(page):
+    """The same keys through a block table over a shuffled NaN-filled pool: the same out and lse
+    as the contiguous cache, bitwise (the same tiles in the same order, from other addresses),
+    and within the bound of the reference."""
+    q, k, v, mask, bias, seqlens = _case(8, 2, 2, 8, 2, 96, 32, F32, "key", "per_key", [96, 40])
+    k, v = (torch.nan_to_num(t, nan=0.0) for t in (k, v))  # the contiguous copy: no NaN tail
+    k_pool, v_pool, table = _paged(k, v, page, torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        # the interpreter's default runs 16-key tiles, which every page size takes: both calls run
+        # the same tiles and splits in the same order
+        contiguous = flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True, cache_seqlens=seqlens)
+        paged = flash_dmattn_func(q, k_pool, v_pool, mask, bias, is_causal=True, return_lse=True,
+                                  cache_seqlens=seqlens, block_table=table)
+    assert all(torch.equal(a, b) for a, b in zip(contiguous, paged))
+    _check(q, k_pool, v_pool, mask, bias, seqlens, is_causal=True, block_table=table)
+
+
+@pytest.mark.parametrize("table, key_shape, error, match", [
+    (torch.zeros(1, 2, dtype=torch.int64), (4, 16, 2, 16), TypeError, "block_table: got dtype torch.int64"),
+    (torch.zeros(2, 2, dtype=torch.int32), (4, 16, 2, 16), ValueError, r"block_table: got shape \(2, 2\), expected \(B, pages\) = \(1, pages\)"),
+    (torch.zeros(1, 2, dtype=torch.int32), (4, 24, 2, 16), ValueError, "with a page of a multiple of 16 keys"),
+])
+def test_bad_block_tables_are_named(table, key_shape, error, match):
+    q = torch.randn(1, 1, 4, 16)
+    k = v = torch.randn(key_shape)
+    with torch.no_grad(), pytest.raises(error, match=match):
+        flash_dmattn_func(q, k, v, block_table=table)
+
+
+def test_a_paged_call_with_a_gradient_is_rejected():
+    q = torch.randn(1, 1, 4, 16, requires_grad=True)
+    k = v = torch.randn(4, 16, 2, 16)
+    with pytest.raises(ValueError, match="block_table: supported in calls that need no gradient"):
+        flash_dmattn_func(q, k, v, block_table=torch.zeros(1, 2, dtype=torch.int32))

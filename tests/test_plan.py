@@ -204,7 +204,7 @@ def test_plans_match_the_compiled_op_path_bitwise():
             q.requires_grad_(not inference)
             eager, eager_lse = flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
             op_out, op_lse, _ = ops.attention_fwd(q, k, v, as_4d(mask), as_4d(bias), True, 32 ** -0.5, 0.0, "auto",
-                                                  None, None, None, None, inference)
+                                                  None, None, None, None, None, inference)
         assert torch.equal(eager, op_out) and torch.equal(eager_lse, op_lse)
 
 

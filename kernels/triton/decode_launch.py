@@ -32,24 +32,34 @@ def split_count(programs: int, key_tiles: int, num_sms: int) -> int:
     return max(1, min(triton.cdiv(SPLIT_WAVES * num_sms, programs), key_tiles, MAX_SPLITS))
 
 
-class DecodePlan:
-    """A short-query forward for one signature; `plan(q, k, v, mask, bias, seqlens, out, lse)`
-    runs it. `num_sms`: the GPU's SM count (splits chosen for it when the config leaves them to
-    the plan)."""
+def page_tile(block_n: int, page_size: int) -> int:
+    """The key tile a paged cache runs: `block_n`, or the largest power of two dividing the page
+    when that is smaller (a tile never straddles two pages)."""
+    return min(block_n, page_size & -page_size)
 
-    def __init__(self, q, k, v, mask, bias, seqlens, *, is_causal: bool, softmax_scale: float, softcap: float,
-                 config: DecodeConfig, out: torch.Tensor, lse: torch.Tensor, num_sms: int):
+
+class DecodePlan:
+    """A short-query forward for one signature; `plan(q, k, v, mask, bias, seqlens, block_table,
+    out, lse)` runs it. `num_sms`: the GPU's SM count (splits chosen for it when the config leaves
+    them to the plan). With a `block_table`, k and v are a paged cache (`flash_decode.py`)."""
+
+    def __init__(self, q, k, v, mask, bias, seqlens, block_table, *, is_causal: bool, softmax_scale: float,
+                 softcap: float, config: DecodeConfig, out: torch.Tensor, lse: torch.Tensor, num_sms: int):
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+        block_n, page_size = config.block_n, 0
+        if block_table is not None:
+            page_size = k.shape[1]
+            seqlen_k, block_n = block_table.shape[1] * page_size, page_tile(config.block_n, page_size)
         group = num_heads // num_heads_kv
         block_d = head_block(head_dim)
         rows = seqlen_q * group
         block_m = min(max(MIN_BLOCK_M, triton.next_power_of_2(rows)), MAX_BLOCK_M)
         row_blocks = triton.cdiv(rows, block_m)
-        key_tiles = triton.cdiv(seqlen_k, config.block_n)
+        key_tiles = triton.cdiv(seqlen_k, block_n)
         splits = config.num_splits or split_count(batch * num_heads_kv * row_blocks, key_tiles, num_sms)
         splits = min(splits, key_tiles, MAX_SPLITS)
-        keys_per_split = triton.cdiv(key_tiles, splits) * config.block_n
+        keys_per_split = triton.cdiv(key_tiles, splits) * block_n
         self.splits = triton.cdiv(seqlen_k, keys_per_split)  # no split left without keys
         self.device = q.device
         mask_strides, mask_head_div = broadcast_layout(mask, num_heads, group)
@@ -64,24 +74,23 @@ class DecodePlan:
         out_strides, lse_strides = (0, *out.stride()), (0, *lse.stride())
         self.out_shape, self.out_dtype = tuple(out.shape), out.dtype
         self.out_like_q = q.is_contiguous() and q.dtype == out.dtype  # `empty_like(q)` costs the host less
-        self.workspace = None
-        # what `allocate_and_run` allocates beside out: lse, and the partials of the splits
+        # what a run allocates beside out: lse, and the partials of the splits
         outputs = {"lse": (tuple(lse.shape), torch.float32)}
         if self.splits > 1:
             partial_out, partial_lse = (self.splits, *out.shape), (self.splits, *lse.shape)
             out_strides, lse_strides = contiguous_strides(partial_out), contiguous_strides(partial_lse)
-            self.workspace = _Workspace({"out": (partial_out, torch.float32), "lse": (partial_lse, torch.float32)})
             outputs.update(partial_out=(partial_out, torch.float32), partial_lse=(partial_lse, torch.float32))
         self.outputs = _Workspace(outputs)
         self.decode = _Launch(
             flash_decode_kernel, (self.splits, batch * num_heads_kv, row_blocks),
             (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out_strides, *lse_strides,
+             0 if block_table is None else block_table.stride(0),
              num_heads_kv, seqlen_q, seqlen_k, keys_per_split, mask_head_div, bias_head_div,
              softmax_scale, softcap if softcap > 0 else 1.0),
-            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=config.block_n,
+            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                  IS_CAUSAL=is_causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
                  HAS_SOFTCAP=softcap > 0, HAS_SEQLENS=seqlens is not None, MASK_SHARED=mask_shared,
-                 BIAS_SHARED=bias_shared),
+                 BIAS_SHARED=bias_shared, PAGED=block_table is not None, PAGE_SIZE=page_size),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         self.combine = None
@@ -94,34 +103,32 @@ class DecodePlan:
             )
         self.compiled = False
 
-    def __call__(self, q, k, v, mask, bias, seqlens, out, lse) -> None:
-        stream = launch_stream()
-        extra = (q if mask is None else mask, q if bias is None else bias, q if seqlens is None else seqlens)
-        if self.workspace is None:
-            self.decode.run(stream, q, k, v, *extra, out, lse)
-            return
-        buffer = self.workspace.allocate(self.device)
-        by_address = stream is not None and self.compiled
-        partial = self.workspace.pointers(buffer) if by_address else self.workspace.tensors(buffer)
-        self.decode.run(stream, q, k, v, *extra, partial["out"], partial["lse"])
-        self.combine.run(stream, partial["out"], partial["lse"], out, lse)
-        self.compiled = self.decode.launcher is not None and self.combine.launcher is not None
+    def __call__(self, q, k, v, mask, bias, seqlens, block_table, out, lse) -> None:
+        """Runs into the given out and lse (the validator's poisoned buffers)."""
+        self._run(q, k, v, mask, bias, seqlens, block_table, out, lse)
 
-    def allocate_and_run(self, q, k, v, mask, bias, seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+    def allocate_and_run(self, q, k, v, mask, bias, seqlens, block_table) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs into new outputs: (out, lse), in two allocations (out, and lse with the partials)."""
-        stream = launch_stream()
         out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.out_dtype,
                                                                        device=q.device)
+        return out, self._run(q, k, v, mask, bias, seqlens, block_table, out, None)
+
+    def _run(self, q, k, v, mask, bias, seqlens, block_table, out, lse) -> torch.Tensor:
+        """The launches, lse (None: a view of the scratch buffer) and the splits' partials in one
+        allocation; returns lse."""
+        stream = launch_stream()
         buffer = self.outputs.allocate(q.device)
-        lse = self.outputs.tensor(buffer, "lse")
-        extra = (q if mask is None else mask, q if bias is None else bias, q if seqlens is None else seqlens)
-        if self.workspace is None:
+        if lse is None:
+            lse = self.outputs.tensor(buffer, "lse")
+        extra = (q if mask is None else mask, q if bias is None else bias, q if seqlens is None else seqlens,
+                 q if block_table is None else block_table)
+        if self.combine is None:
             self.decode.run(stream, q, k, v, *extra, out, lse)
-            return out, lse
+            return lse
         by_address = stream is not None and self.compiled
         partial_out = self.outputs.part(buffer, "partial_out", by_address)
         partial_lse = self.outputs.part(buffer, "partial_lse", by_address)
         self.decode.run(stream, q, k, v, *extra, partial_out, partial_lse)
         self.combine.run(stream, partial_out, partial_lse, out, lse)
         self.compiled = self.decode.launcher is not None and self.combine.launcher is not None
-        return out, lse
+        return lse

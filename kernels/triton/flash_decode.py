@@ -3,7 +3,10 @@ query heads of a KV group packed into one tile.
 
 Layouts as in `flash_fwd.py`; `seqlens` (B,) int32 optional (`cache_seqlens`): sequence b has
 L_b = clamp(seqlens[b], 0, Lk) keys and every rule reads L_b for Lk, so no key at or past it is
-loaded (a cache's tail may hold anything, NaN included).
+loaded (a cache's tail may hold anything, NaN included). PAGED: k and v are (blocks, PAGE_SIZE,
+Hkv, D) and key j of sequence b is row j % PAGE_SIZE of block `block_table[b, j // PAGE_SIZE]`
+(Lk = pages * PAGE_SIZE); a key tile never straddles two pages (BLOCK_N divides PAGE_SIZE), so
+each tile reads one table entry and then loads as from a contiguous cache.
 
 Rows: one program owns up to BLOCK_M rows r of one (batch, kv head), r = i * GROUP + g for query
 i < Lq and group member g < GROUP (query head h = h_kv * GROUP + g): a K, V, mask and bias tile
@@ -33,7 +36,7 @@ from dmattn_kernels.triton.common import tanh
 
 @triton.jit
 def flash_decode_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, seqlens_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, seqlens_ptr, block_table_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -41,6 +44,7 @@ def flash_decode_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_os, stride_ob, stride_om, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_tb,
     num_heads_kv, seqlen_q, seqlen_k, keys_per_split,
     mask_head_div, bias_head_div,
     softmax_scale, softcap,
@@ -56,6 +60,8 @@ def flash_decode_kernel(
     HAS_SEQLENS: tl.constexpr,
     MASK_SHARED: tl.constexpr,
     BIAS_SHARED: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     """Grid (num_splits, B * Hkv, ceil(Lq * GROUP / BLOCK_M)). MASK_SHARED / BIAS_SHARED: every
     row of a program reads the same mask / bias row (no query dim, one head per KV group or
@@ -64,6 +70,7 @@ def flash_decode_kernel(
     partials (splits, B, Lq, H, D) / (splits, B, H, Lq)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    tl.static_assert(not PAGED or PAGE_SIZE % BLOCK_N == 0)
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_heads_kv).to(tl.int64)
@@ -86,6 +93,7 @@ def flash_decode_kernel(
     bias_row = bias_ptr + b * stride_bb + (h_kv * GROUP // bias_head_div) * stride_bh  # BIAS_SHARED
     k_base = k_ptr + b * stride_kb + h_kv * stride_kh
     v_base = v_ptr + b * stride_vb + h_kv * stride_vh
+    pages = block_table_ptr + b * stride_tb  # PAGED: this sequence's row of the block table
     # the last key each row may see: L_b - 1, or its causal diagonal i + L_b - Lq
     last_key = tl.full([BLOCK_M], 0, tl.int32) + seqlen_b - 1
     if IS_CAUSAL:
@@ -101,8 +109,15 @@ def flash_decode_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_in = offs_n < end
         kv_in = key_in[:, None] & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
+        rows = offs_n
+        k_tile, v_tile = k_base, v_base
+        if PAGED:
+            block = tl.load(pages + start_n // PAGE_SIZE).to(tl.int64)
+            rows = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
+            k_tile = k_ptr + block * stride_kb + h_kv * stride_kh
+            v_tile = v_ptr + block * stride_vb + h_kv * stride_vh
+        k = tl.load(k_tile + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
+        v = tl.load(v_tile + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
         visible = row_in[:, None] & key_in[None, :] & (offs_n[None, :] <= last_key[:, None])
         if HAS_MASK:
             if MASK_SHARED:
