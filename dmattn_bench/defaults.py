@@ -95,8 +95,8 @@ def read_journal_times(journals: list[Path], backend: str = "triton") -> dict[tu
     groups: dict[tuple, dict[tuple, dict[tuple, float]]] = {}
     for name, trial, config in timed_trials(journals, backend):
         key = trial["key"]
-        if key["dtype"] not in POOLED_DTYPES:
-            continue
+        if key["dtype"] not in POOLED_DTYPES or key["direction"] not in _CONFIG_CLASSES:
+            continue  # the short-query forward has its own defaults (`registry.DECODE_DEFAULTS`)
         groups.setdefault(group_of(key), {}).setdefault((name, trial["workload"]), {})[config] = trial["median_ms"]
     return groups
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -71,6 +72,8 @@ def _choose(key: TableKey, device: torch.device, head_dim: int, backend: str, ta
     if explicit is not None:
         return get_backend("triton" if backend == "auto" else backend), explicit
     if backend != "auto":
+        if key.direction == "decode":
+            return get_backend(backend), decode_config(head_dim, device)
         fwd, bwd = default_configs(head_dim, device, backend, key.dtype, key.bias)
         return get_backend(backend), fwd if key.direction == "fwd" else bwd
     choice = dispatch.choose(key, device, table=table, env=env)
@@ -167,6 +170,8 @@ class AttentionPlan:
     def _choose(self, direction: str, explicit):
         backend, table, _ = self._requested
         key = self._keys[0 if direction == "fwd" else 1]
+        if direction == "decode":  # the forward's key in the short-query forward's direction
+            key = replace(key, direction="decode")
         return _choose(key, self.device, self.out_shape[-1], backend, table, explicit, self._env)
 
     def bwd_choice(self):
@@ -218,10 +223,10 @@ class AttentionPlan:
 
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+            _, config = self._choose("decode", None)
             launch = self._decode_launch = DecodePlan(
                 q, k, v, as_4d(mask), as_4d(bias), cache_seqlens, block_table, **self.options,
-                config=decode_config(self.out_shape[-1], self.device), out=out, lse=lse,
-                num_sms=sm_count(self.device))
+                config=config, out=out, lse=lse, num_sms=sm_count(self.device))
         return launch.allocate_and_run(q, k, v, mask, bias, cache_seqlens, block_table)
 
     # -- backward --------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from dmattn_bench.space import (
     ARCH_FAMILIES,
     CONFIG_CLASSES,
     DIRECTIONS,
+    TUNED_DIRECTIONS,
     AttentionShape,
     BwdConfig,
     FwdConfig,
@@ -197,7 +198,9 @@ def estimate_shared_bytes(direction: str, config: Config, head_dim: int, dtype_b
         dkdv = (config.block_n + config.block_m * stages) * width * dtype_bytes
         dq = (config.block_m_dq + config.block_n_dq * stages) * width * dtype_bytes
         return max(dkdv, dq)
-    raise ValueError(f"direction: got {direction!r}, expected one of {DIRECTIONS}")
+    if direction == "decode":
+        return config.block_n * stages * width * dtype_bytes
+    raise ValueError(f"direction: got {direction!r}, expected one of {TUNED_DIRECTIONS}")
 
 
 def _head_block(head_dim: int) -> int:

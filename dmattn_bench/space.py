@@ -7,7 +7,7 @@ caches and tables.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +110,7 @@ class DecodeConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    num_splits: int = 0
+    num_splits: int = field(default=0, metadata={"minimum": 0})  # 0 means "auto"
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -134,15 +134,17 @@ def config_from_dict(cls: type, data: dict[str, Any]):
     """Builds a config from a mapping, naming any unknown or non-integer field.
 
     Raises:
-        ValueError: an unknown key or a value that is not a positive int.
+        ValueError: an unknown key or a value that is not a positive int (or 0, for a field whose
+            metadata allows it: `DecodeConfig.num_splits`).
     """
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
+    minimum = {f.name: f.metadata.get("minimum", 1) for f in fields(cls)}
+    unknown = sorted(set(data) - set(minimum))
     if unknown:
-        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; expected a subset of {sorted(known)}")
+        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; expected a subset of {sorted(minimum)}")
     for name, value in data.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{cls.__name__}.{name}: expected a positive int, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum[name]:
+            wanted = "a positive int" if minimum[name] == 1 else f"an int >= {minimum[name]}"
+            raise ValueError(f"{cls.__name__}.{name}: expected {wanted}, got {value!r}")
     return cls(**data)
 
 
@@ -165,8 +167,11 @@ class AttentionShape:
 
 # -- search spaces ------------------------------------------------------------------------------
 
-DIRECTIONS = ("fwd", "bwd")
-CONFIG_CLASSES = {"fwd": FwdConfig, "bwd": BwdConfig}
+DIRECTIONS = ("fwd", "bwd")  # the prefill kernels' (compile-check and the CUDA backend cover these)
+# Every direction with tunable configs: the prefill pair, and the short-query forward (calls
+# without gradient of at most MAX_DECODE_QUERIES query rows), a table key's `direction`
+TUNED_DIRECTIONS = (*DIRECTIONS, "decode")
+CONFIG_CLASSES = {"fwd": FwdConfig, "bwd": BwdConfig, "decode": DecodeConfig}
 # Arch families with their own search-space section, and how a compute capability maps to one.
 ARCH_FAMILIES = ("sm80", "sm86_89", "sm90", "sm120")
 
@@ -182,7 +187,7 @@ def arch_family(major: int, minor: int) -> str:
     raise ValueError(f"compute capability {major}.{minor} is older than sm80 (Ampere); not supported")
 
 
-def expand_grid(direction: str, axes: dict[str, list[int]], where: str) -> list[FwdConfig | BwdConfig]:
+def expand_grid(direction: str, axes: dict[str, list[int]], where: str) -> list[FwdConfig | BwdConfig | DecodeConfig]:
     """The Cartesian product of `axes` as configs of `direction` (field order of the dataclass).
 
     Raises:
@@ -258,7 +263,7 @@ def seqlen_bucket(seqlen: int) -> int:
 class TableKey:
     """The categorical and bucketed key of a dispatch-table entry (DESIGN §3)."""
 
-    direction: str
+    direction: str  # fwd | bwd | decode (`TUNED_DIRECTIONS`)
     dtype: str
     head_dim: int
     causal: bool

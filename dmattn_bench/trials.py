@@ -1,6 +1,7 @@
 """One tuning trial, as the measuring and compiling worker processes run it.
 
-A trial is one candidate config on one workload and direction. `measure_job` validates it on the
+A trial is one candidate config on one workload and direction (fwd, bwd, or decode: the
+short-query forward, whose suites are `validator.DECODE`'s). `measure_job` validates it on the
 workload's own tensors, written into NaN-poisoned outputs and compared with the reference (DESIGN
 §2 bound), then times it; `warm_job` only compiles it; `suite_case_job` runs one case of a
 config's adversarial suite. Every job is a module-level function (workers receive them pickled by
@@ -14,12 +15,13 @@ from typing import Callable
 
 import torch
 
-from dmattn_bench.adversarial import Case, Inputs, adversarial_cases, build_inputs
+from dmattn_bench import plan
+from dmattn_bench.adversarial import Case, Inputs, adversarial_cases, build_inputs, decode_cases
 from dmattn_bench.registry import get_backend
-from dmattn_bench.space import DTYPES, BwdConfig, FwdConfig, as_4d
+from dmattn_bench.space import DTYPES, BwdConfig, DecodeConfig, FwdConfig, as_4d
 from dmattn_bench.timing import Timing, time_kernel
-from dmattn_bench.validator import (CaseResult, check_case, classify_failure, compare, config_tiles,
-                                    reference_forward, run_reference, shape_of_case, validate)
+from dmattn_bench.validator import (DECODE, CaseResult, check_case, check_decode_case, classify_failure, compare,
+                                    config_tiles, reference_forward, run_reference, shape_of_case, validate)
 from dmattn_bench.workloads import Workload
 
 WARMUP = 2
@@ -52,9 +54,15 @@ class Trial:
         return asdict(self)
 
 
-def _alone(direction: str, config) -> tuple[FwdConfig | None, BwdConfig | None]:
-    """(fwd, bwd) configs that run `config` in its direction and nothing in the other."""
-    return (config, None) if direction == "fwd" else (None, config)
+def _alone(direction: str, config) -> tuple[FwdConfig | DecodeConfig | None, BwdConfig | None]:
+    """(fwd, bwd) configs that run `config` in its direction and nothing in the other (the
+    short-query forward's config takes the forward's place, as in `validator.validate`)."""
+    return (None, config) if direction == "bwd" else (config, None)
+
+
+def _suite_backend(backend_name: str, direction: str) -> str:
+    """The name `validator.validate` runs a direction's suite under."""
+    return DECODE if direction == "decode" else backend_name
 
 
 class _Problem:
@@ -89,6 +97,12 @@ class _Problem:
 
     def launcher(self, backend, direction: str, config) -> Callable[[], None]:
         i = self.inputs
+        if direction == "decode":
+            from dmattn_kernels.triton.decode_launch import DecodePlan
+
+            launch = DecodePlan(i.q, i.k, i.v, self.mask, self.bias, None, None, **self.options, config=config,
+                                out=self.out, lse=self.lse, num_sms=plan.sm_count(i.q.device))
+            return lambda: launch(i.q, i.k, i.v, self.mask, self.bias, None, None, self.out, self.lse)
         if direction == "fwd":
             return lambda: backend.forward(i.q, i.k, i.v, self.mask, self.bias, config=config,
                                            out=self.out, lse=self.lse, **self.options)
@@ -102,7 +116,7 @@ class _Problem:
                 t.fill_(float("nan"))
 
     def checks(self, direction: str) -> dict:
-        names = ("out", "lse") if direction == "fwd" else ("dq", "dk", "dv") + (("dbias",) if self.dbias is not None else ())
+        names = ("out", "lse") if direction != "bwd" else ("dq", "dk", "dv") + (("dbias",) if self.dbias is not None else ())
         got = {"out": self.out, "lse": self.lse, "dq": self.dq, "dk": self.dk, "dv": self.dv, "dbias": self.dbias}
         if "dbias" in names:
             got["dbias"] = self.dbias.view(self.inputs.bias.shape)
@@ -180,11 +194,14 @@ def suite_verdict(results: list[CaseResult], suite: str) -> tuple[str, str]:
 def suite_job(backend_name: str, direction: str, config, dtype_name: str, suite: str,
               device_name: str) -> tuple[str, str]:
     """Worker: the adversarial suite for one direction's config; returns (status, note)."""
-    result = validate(backend_name, *_alone(direction, config), DTYPES[dtype_name], device_name, suite=suite)
+    result = validate(_suite_backend(backend_name, direction), *_alone(direction, config), DTYPES[dtype_name],
+                      device_name, suite=suite)
     return suite_verdict(result.cases, suite)
 
 
 def suite_cases(direction: str, config, suite: str) -> list[Case]:
+    if direction == "decode":
+        return decode_cases(suite)
     return adversarial_cases(suite, config_tiles(*_alone(direction, config)))
 
 
@@ -205,8 +222,11 @@ def suite_case_job(job: tuple) -> CaseResult:
     if _context_lost:
         return CaseResult(case.name, "retry", "an earlier case in this process lost the CUDA context")
     try:
-        result = check_case(get_backend(backend_name), case, DTYPES[dtype_name], device_name,
-                            *_alone(direction, config))
+        if direction == "decode":
+            result = check_decode_case(case, DTYPES[dtype_name], device_name, config)
+        else:
+            result = check_case(get_backend(backend_name), case, DTYPES[dtype_name], device_name,
+                                *_alone(direction, config))
     except Exception as exc:  # noqa: BLE001 - inputs or references failed: data, not a crash
         result = CaseResult(case.name, *classify_failure(exc))
     _context_lost = result.status == "launch_error"

@@ -1,6 +1,7 @@
 """The tuner: workloads x candidate configs -> trials -> one winner per table key.
 
-For each workload and direction:
+For each workload and each of its directions (`Workload.directions`: the prefill pair, and the
+short-query forward where calls of the shape without gradient run it):
   1. every candidate (the heuristic default first, then the search space) is checked for
      structural support and estimated shared memory (no GPU time); on a GPU the rest are
      compiled in parallel worker processes (Triton's on-disk cache hands the binaries on);
@@ -38,8 +39,8 @@ from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint, local_limits
 from dmattn_bench.journal import Journal, suite_id, trial_id
 from dmattn_bench.prune import precheck
-from dmattn_bench.registry import default_configs, get_backend, kernel_source_hash
-from dmattn_bench.space import BwdConfig, FwdConfig, TableKey, config_label
+from dmattn_bench.registry import decode_config, default_configs, get_backend, kernel_source_hash
+from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey, config_label
 from dmattn_bench.trials import (PROBLEM_FAILED, STAGES, Trial, measure_job, problem_job, ready_job,
                                  shape_of_workload, suite_case_job, suite_cases, suite_job, suite_verdict, warm_job)
 from dmattn_bench.validator import CaseResult, shape_of_case
@@ -54,7 +55,7 @@ DEFAULT_SUITE_TIMEOUT_S = 1800.0  # one adversarial suite: ~20-35 cases, each a 
 class Winner:
     key: TableKey
     backend: str
-    config: FwdConfig | BwdConfig
+    config: FwdConfig | BwdConfig | DecodeConfig
     evidence: dict
 
 
@@ -108,8 +109,11 @@ def combine_backends(results: dict[str, TuneResult]) -> TuneResult:
 def candidate_list(direction: str, space: list, workload: Workload, device, backend_name: str = "triton") -> list:
     """The default config a call of this workload gets without a table (first: `is_default`), then
     the space."""
-    default = default_configs(workload.head_dim, device, backend_name, workload.dtype,
-                              workload.key(direction).bias)[0 if direction == "fwd" else 1]
+    if direction == "decode":
+        default = decode_config(workload.head_dim, device)
+    else:
+        default = default_configs(workload.head_dim, device, backend_name, workload.dtype,
+                                  workload.key(direction).bias)[0 if direction == "fwd" else 1]
     return list(dict.fromkeys([default, *space]))
 
 
@@ -132,7 +136,7 @@ def current_choice_regret(key: TableKey, ranked: list, best: list, backend_name:
 
 def plan_trials(workloads: list[Workload], spaces: dict[str, list], device, backend_name: str = "triton") -> list:
     """Every trial a tune of `backend_name` runs, in order: (workload, direction, config, is_default)."""
-    return [(w, d, c, index == 0) for w in workloads for d in ("fwd", "bwd")
+    return [(w, d, c, index == 0) for w in workloads for d in w.directions("decode" in spaces)
             for index, c in enumerate(candidate_list(d, spaces[d], w, device, backend_name))]
 
 
@@ -161,11 +165,12 @@ def tune(
     gpus: int = 1,
     workers: list | None = None,
 ) -> TuneResult:
-    """Tunes every workload in both directions.
+    """Tunes every workload in its directions (`Workload.directions`).
 
     Args:
         workloads: shapes to tune.
-        spaces: {"fwd": [FwdConfig...], "bwd": [BwdConfig...]} candidate configs.
+        spaces: {"fwd": [FwdConfig...], "bwd": [BwdConfig...]} candidate configs, and optionally
+            "decode": [DecodeConfig...].
         device: where kernels run ("cpu" means the Triton interpreter).
         backend_name: the kernel family.
         budget_s: stop starting new trials after this many seconds (finished work is kept).
@@ -451,7 +456,7 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
                     on_phase, gpus: int = 1, stats: PoolStats | None = None) -> list[Winner]:
     groups: dict[TableKey, list[Workload]] = {}
     for workload in workloads:
-        for direction in ("fwd", "bwd"):
+        for direction in workload.directions("decode" in spaces):
             groups.setdefault(workload.key(direction), []).append(workload)
 
     def verdict_of(direction, config, dtype) -> tuple[str, str]:

@@ -437,27 +437,36 @@ def entry_case(key, batch: int = 1) -> Case:
 
 
 def plan_table_entries(entries, dtype_name: str, device: torch.device | str, suite: str) -> list[PlannedSuite]:
-    """One suite per distinct (fwd, bwd) pair the table's `dtype_name` entries can form.
+    """One suite per distinct (fwd, bwd) pair the table's `dtype_name` entries can form, and one
+    per short-query forward config of its decode entries.
 
-    Each entry's config is paired with the default of the other direction (for its head dim);
-    each pair runs the whole adversarial suite on its own tiles plus one case shaped like each
-    of its entries.
+    Each prefill entry's config is paired with the default of the other direction (for its head
+    dim); each pair runs the whole adversarial suite on its own tiles plus one case shaped like
+    each of its entries. A decode config runs the decode cases (`adversarial.decode_cases`) and
+    one case shaped like each of its entries.
     """
     grouped: dict[tuple, list] = {}
     for entry in entries:
-        if entry.key.dtype == dtype_name:
-            default_fwd, default_bwd = default_configs(entry.key.head_dim, device, entry.backend, dtype_name,
-                                                       entry.key.bias)
-            pair = (entry.config, default_bwd) if entry.key.direction == "fwd" else (default_fwd, entry.config)
-            grouped.setdefault((entry.backend, *pair), []).append(entry)
+        if entry.key.dtype != dtype_name:
+            continue
+        if entry.key.direction == "decode":
+            grouped.setdefault((DECODE, entry.config, None), []).append(entry)
+            continue
+        default_fwd, default_bwd = default_configs(entry.key.head_dim, device, entry.backend, dtype_name,
+                                                   entry.key.bias)
+        pair = (entry.config, default_bwd) if entry.key.direction == "fwd" else (default_fwd, entry.config)
+        grouped.setdefault((entry.backend, *pair), []).append(entry)
     plan = []
     for (backend, fwd, bwd), group in grouped.items():
         # the dispatch sends this pair only the head dims of its entries: suite cases with a larger
         # head dim (whose tiles need more shared memory) can never reach it
         largest = max(e.key.head_dim for e in group)
-        suite_cases = [c for c in adversarial_cases(suite, config_tiles(fwd, bwd)) if c.head_dim <= largest]
-        cases = suite_cases + [entry_case(e.key) for e in group]
-        label = f"{backend} fwd {config_label(fwd)} / bwd {config_label(bwd)} ({len(group)} entries)"
+        if backend == DECODE:
+            suite_cases, label = decode_cases(suite), f"{DECODE} {config_label(fwd)} ({len(group)} entries)"
+        else:
+            suite_cases = adversarial_cases(suite, config_tiles(fwd, bwd))
+            label = f"{backend} fwd {config_label(fwd)} / bwd {config_label(bwd)} ({len(group)} entries)"
+        cases = [c for c in suite_cases if c.head_dim <= largest] + [entry_case(e.key) for e in group]
         plan.append(PlannedSuite(label, backend, fwd, bwd, cases))
     return plan
 

@@ -2,8 +2,10 @@
 
 A grid is the Cartesian product of its axes (head_dim, seqlen, causal, gqa_ratio, variants,
 dtype), or a list of such products whose union it is (a sampled grid: each product covers some
-axes densely, together they span the others; an item may be another grid, by a YAML alias); the batch is chosen so every shape carries about
-`tokens` query tokens.
+axes densely, together they span the others; an item may be another grid, by a YAML alias); the
+batch is chosen so every shape carries about `tokens` tokens of key length (batch x seqlen).
+Lq = Lk = seqlen, unless the grid has a `seqlen_q` axis: then each query length runs against a
+key (cache) length of seqlen, a KV-cache shape (`Workload.directions`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case
-from dmattn_bench.space import (DTYPES, OPERAND_KINDS, TableKey, is_valid_head_dim, load_yaml, operand_kind,
+from dmattn_bench.space import (DTYPES, MAX_DECODE_QUERIES, OPERAND_KINDS, TableKey, is_valid_head_dim, load_yaml, operand_kind,
                                 seqlen_bucket)
 
 _BIAS_KINDS = ("none", "full", "kv_head", "per_key")
 GRID_KEYS = {"tokens", "heads", "head_dim", "seqlen", "causal", "gqa_ratio", "variants", "dtype"}
+OPTIONAL_GRID_KEYS = {"seqlen_q"}  # query lengths apart from the key length
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,18 @@ class Workload:
             return (b, 1, 1, lk) if which == "mask" else (b, hkv, 1, lk)
         return (b, h if kind == "full" else hkv, lq, lk)
 
+    def directions(self, with_decode: bool = True) -> tuple[str, ...]:
+        """The directions this shape is tuned in: the short-query forward ("decode") where a call
+        of it without gradient runs that (Lq <= MAX_DECODE_QUERIES) and `with_decode` (the tune
+        has a decode space), and the prefill pair unless it is a KV-cache shape (fewer query
+        rows than keys, up to that bound: a serving step, which needs no gradient)."""
+        decodes = self.seqlen_q <= MAX_DECODE_QUERIES
+        prefill = () if decodes and self.seqlen_q < self.seqlen_k else ("fwd", "bwd")
+        return prefill + (("decode",) if decodes and with_decode else ())
+
     def key(self, direction: str) -> TableKey:
-        """The dispatch-table key, derived exactly as the runtime derives it from tensors."""
+        """The dispatch-table key, derived exactly as the runtime derives it from tensors
+        (`plan.table_keys`)."""
         bias = operand_kind(self.operand_dims("bias"), self.heads, self.heads_kv, self.seqlen_q)
         if direction == "bwd" and bias != "none" and self.bias_grad:
             bias += "+grad"
@@ -80,8 +93,9 @@ class Workload:
         return sum(max(0, min(lk, i + lk - lq + 1)) for i in range(lq))
 
     def flops(self, direction: str) -> float:
-        """Matmul FLOPs actually needed: 2 GEMMs forward, 5 backward (FlashAttention's count)."""
-        per_pair = 2 * 2 * self.head_dim * (1 if direction == "fwd" else 2.5)
+        """Matmul FLOPs actually needed: 2 GEMMs forward (either forward kernel), 5 backward
+        (FlashAttention's count)."""
+        per_pair = 2 * 2 * self.head_dim * (2.5 if direction == "bwd" else 1)
         return float(per_pair * self.batch * self.heads * self.visible_pairs())
 
     def to_dict(self) -> dict:
@@ -122,13 +136,16 @@ def _checked_axes(grid: dict, where: str) -> list[list]:
 def _expand(grid: dict, where: str, dtypes: list[str] | None) -> list[Workload]:
     if not isinstance(grid, dict):
         raise ValueError(f"{where}: expected a mapping of {sorted(GRID_KEYS)}")
-    unknown = sorted(set(grid) - GRID_KEYS)
+    unknown = sorted(set(grid) - GRID_KEYS - OPTIONAL_GRID_KEYS)
     missing = sorted(GRID_KEYS - set(grid))
     if unknown or missing:
         raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
     tokens, heads = _positive_int(grid["tokens"], f"{where}.tokens"), _positive_int(grid["heads"], f"{where}.heads")
     workloads = []
     axes = _checked_axes(grid, where)
+    query_lengths = None
+    if "seqlen_q" in grid:
+        query_lengths = [_positive_int(n, f"{where}.seqlen_q") for n in _axis(grid, "seqlen_q", where)]
     for dtype in dtypes or _axis(grid, "dtype", where):
         if dtype not in DTYPES:
             raise ValueError(f"{where}.dtype: got {dtype!r}, expected one of {tuple(DTYPES)}")
@@ -138,12 +155,13 @@ def _expand(grid: dict, where: str, dtypes: list[str] | None) -> list[Workload]:
                 raise ValueError(f"{where}.variants: unknown kind in {variant}")
             if heads % int(gqa):
                 raise ValueError(f"{where}.gqa_ratio: {gqa} does not divide heads={heads}")
-            workloads.append(Workload(
-                batch=max(1, tokens // int(seqlen)), heads=heads, heads_kv=heads // int(gqa),
-                seqlen_q=int(seqlen), seqlen_k=int(seqlen), head_dim=int(head_dim), causal=bool(causal),
-                mask=mask, bias=bias, bias_grad=bool(variant.get("bias_grad", False)) and bias != "none",
-                dtype=dtype,
-            ))
+            for seqlen_q in query_lengths or [seqlen]:
+                workloads.append(Workload(
+                    batch=max(1, tokens // int(seqlen)), heads=heads, heads_kv=heads // int(gqa),
+                    seqlen_q=int(seqlen_q), seqlen_k=int(seqlen), head_dim=int(head_dim), causal=bool(causal),
+                    mask=mask, bias=bias, bias_grad=bool(variant.get("bias_grad", False)) and bias != "none",
+                    dtype=dtype,
+                ))
     return workloads
 
 

@@ -3,6 +3,7 @@ run-time dispatch of the table they write."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -17,10 +18,12 @@ from dmattn_bench.adversarial import build_inputs
 from dmattn_bench.cli.show import show
 from dmattn_bench.cli.tune import parse_duration, tune_command
 from dmattn_bench.cli.verify import verify
-from dmattn_bench.dispatch import DispatchWarning, load_table
+from dmattn_bench.dispatch import (DispatchWarning, Entry, TableError, Validation, dump_table, load_table, merged,
+                                   new_table)
 from dmattn_bench.hardware import CPU_FINGERPRINT
 from dmattn_bench.registry import default_configs, kernel_source_hash
-from dmattn_bench.space import CONFIGS_DIR, FwdConfig, as_4d, config_label, seqlen_bucket
+from dmattn_bench.space import (CONFIGS_DIR, DecodeConfig, FwdConfig, as_4d, config_from_dict, config_label,
+                                seqlen_bucket)
 from dmattn_bench.workloads import load_workloads
 
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
@@ -572,3 +575,117 @@ def test_verify_says_when_a_table_is_stale(tmp_path):
     result = CliRunner().invoke(verify, ["--table", str(path), "--dtype", "fp32", "--format", "json"])
     assert result.exit_code == 0, result.output
     assert "stale" in result.stderr and "the runtime skips" in result.stderr
+
+
+# -- the short-query forward (decode) in the tuner, the table and the runtime ------------------
+
+
+def _decode_grid(**overrides) -> dict:
+    grid = {"tokens": 48, "heads": 2, "head_dim": [32], "seqlen": [48], "seqlen_q": [1], "causal": [False],
+            "gqa_ratio": [2], "variants": [{"mask": "none", "bias": "none"}], "dtype": ["fp32"]}
+    return dict(grid, **overrides)
+
+
+def test_a_grid_with_query_lengths_makes_kv_cache_shapes_tuned_in_the_decode_direction(tmp_path):
+    path = _write(tmp_path / "w.yaml", {"default": _decode_grid(seqlen_q=[1, 4]),
+                                        "bad": _decode_grid(seqlen_q=[0])})
+    shapes = load_workloads(path)
+    assert [(w.batch, w.seqlen_q, w.seqlen_k) for w in shapes] == [(1, 1, 48), (1, 4, 48)]
+    assert {w.directions() for w in shapes} == {("decode",)}  # a serving step needs no gradient
+    assert shapes[0].directions(with_decode=False) == ()
+    prefill = load_workloads("configs/ci.yaml")  # Lq = Lk <= 64: all three, the decode one without gradient
+    assert {w.directions() for w in prefill} == {("fwd", "bwd", "decode")}
+    long = load_workloads(_write(tmp_path / "l.yaml", {"default": _decode_grid(seqlen=[96], seqlen_q=[96])}))
+    assert long[0].directions() == ("fwd", "bwd")
+    assert shapes[0].key("decode") == dataclasses.replace(shapes[0].key("fwd"), direction="decode")
+    with pytest.raises(ValueError, match="seqlen_q: got 0, expected a positive integer"):
+        load_workloads(path, "bad")
+
+
+def test_a_decode_config_reads_num_splits_zero_as_auto_and_rejects_negatives(tmp_path):
+    assert config_from_dict(DecodeConfig, {"block_n": 32, "num_splits": 0}) == DecodeConfig(32, 4, 2, 0)
+    with pytest.raises(ValueError, match=r"DecodeConfig.num_splits: expected an int >= 0, got -1"):
+        config_from_dict(DecodeConfig, {"num_splits": -1})
+    with pytest.raises(ValueError, match=r"FwdConfig.block_m: expected a positive int, got 0"):
+        config_from_dict(FwdConfig, {"block_m": 0})
+    decode_key = dataclasses.replace(load_workloads(_write(tmp_path / "w.yaml", {"default": _decode_grid()}))[0]
+                                     .key("decode"))
+    table = new_table([Entry(decode_key, "triton", DecodeConfig(32, 1, 1, 0), {"median_ms": 1.0})], CPU_FINGERPRINT,
+                      interpreter=True)
+    dump_table(table, tmp_path / "t.yaml")
+    assert load_table(tmp_path / "t.yaml").entries == table.entries
+    text = (tmp_path / "t.yaml").read_text().replace("num_splits: 0", "num_splits: -1")
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(TableError, match=r"config.num_splits: expected an int >= 0, got -1"):
+        load_table(tmp_path / "bad.yaml")
+
+
+def _validation(kernel_hash: str, date: str, suite: str) -> Validation:
+    return Validation(kernel_hash, f"2026-11-{date}T00:00:00+00:00", suite)
+
+
+def test_a_merge_keeps_the_other_keys_and_the_weaker_validation():
+    grid = load_workloads("configs/ci.yaml")[0]
+    fwd, bwd, decode = (grid.key(d) for d in ("fwd", "bwd", "decode"))
+
+    def table(entries, validation):
+        built = new_table([Entry(k, "triton", c, {"median_ms": 1.0}) for k, c in entries], CPU_FINGERPRINT, True)
+        return dataclasses.replace(built, validated={"triton": {"fp32": validation}})
+
+    current = kernel_source_hash("triton")
+    kept = table([(fwd, CPU_FWD), (bwd, CPU_BWD)], _validation(current, "20", "full"))
+    tuned = table([(decode, DecodeConfig(32, 1, 1, 0)), (bwd, dataclasses.replace(CPU_BWD, block_n=32))],
+                  _validation(current, "26", "quick"))
+    result = merged(kept, tuned)
+    assert {(e.key.direction, e.config) for e in result.entries} == {
+        ("decode", DecodeConfig(32, 1, 1, 0)), ("bwd", dataclasses.replace(CPU_BWD, block_n=32)), ("fwd", CPU_FWD)}
+    assert result.validated["triton"]["fp32"].suite == "quick"  # the weaker of full and quick
+    stale = dataclasses.replace(kept, validated={"triton": {"fp32": _validation("sha256:old", "20", "full")}})
+    assert merged(stale, tuned).validated["triton"]["fp32"].kernel_hash == "sha256:old"  # waits for a restamp
+    assert merged(kept, dataclasses.replace(tuned, entries=(), validated={})).validated == kept.validated
+    foreign = dataclasses.replace(kept, interpreter=False)
+    with pytest.raises(TableError, match="cannot merge"):
+        merged(foreign, tuned)
+
+
+def test_tuned_decode_keys_merged_into_a_table_are_verified_and_dispatched(tmp_path, monkeypatch):
+    """`tune --merge` adds the decode winners to an existing table; `verify` runs their configs on
+    the decode cases and on cases shaped like their keys; a call without gradient of such a shape
+    runs the short-query forward with the tuned config."""
+    from dmattn_kernels.triton import decode_launch
+
+    prefill_key = load_workloads("configs/ci.yaml")[0].key("fwd")
+    prior = tmp_path / "prior.yaml"
+    dump_table(new_table([Entry(prefill_key, "triton", CPU_FWD, {"median_ms": 1.0})], CPU_FINGERPRINT, True), prior)
+    workloads = _write(tmp_path / "w.yaml", {"default": _decode_grid()})
+    alternative = DecodeConfig(32, 1, 1, 0)
+    space = _write(tmp_path / "space.yaml", {"space": {"triton": {
+        "fwd": {k: [v] for k, v in CPU_FWD.to_dict().items()}, "bwd": {k: [v] for k, v in CPU_BWD.to_dict().items()},
+        "decode": {k: [v] for k, v in alternative.to_dict().items()}}}})
+    out = tmp_path / "T.yaml"
+    runner = CliRunner()
+    result = runner.invoke(tune_command, ["--workloads", workloads, "--space", space, "--out", str(out),
+                                          "--merge", str(prior), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["counts"] == {"ok": 2} and document["entries"] == 1  # the default and the alternative
+    (winner,) = document["winners"]
+    assert winner["key"]["direction"] == "decode" and winner["key"]["seqlen_q_bucket"] == 1
+    table = load_table(out)
+    assert {e.key.direction for e in table.entries} == {"fwd", "decode"}  # the prior entry is kept
+    decode_entry = next(e for e in table.entries if e.key.direction == "decode")
+
+    verified = runner.invoke(verify, ["--table", str(out), "--dtype", "fp32", "--format", "json"])
+    assert verified.exit_code == 0, verified.output
+    labels = [suite["configs"] for suite in json.loads(verified.stdout)["entries"]]
+    assert f"triton-decode {config_label(decode_entry.config)} (1 entries)" in labels
+
+    built = []
+    original = decode_launch.DecodePlan.__init__
+    monkeypatch.setattr(decode_launch.DecodePlan, "__init__",
+                        lambda self, *a, **k: original(self, *a, **k) or built.append(k["config"]))
+    dispatch.use_table(out)
+    inputs = build_inputs(load_workloads(workloads)[0].case(), torch.float32, "cpu")
+    with torch.no_grad():
+        flash_dmattn_func(inputs.q, inputs.k, inputs.v)
+    assert built == [decode_entry.config]

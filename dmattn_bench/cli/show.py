@@ -76,7 +76,7 @@ def coverage(table: Table, workloads_path: str, grid: str, stale: set[str] = fro
     stale_categories = {e.key.categorical() for e in table.entries if e.backend in stale}
     rows = []
     for workload in load_workloads(workloads_path, grid):
-        for direction in ("fwd", "bwd"):
+        for direction in workload.directions():
             key = workload.key(direction)
             if key in keys:
                 served = "exact"

@@ -14,12 +14,12 @@ from rich.table import Table
 
 from dmattn_bench import output
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
-from dmattn_bench.dispatch import ENV_VAR, Entry, dump_table, new_table
+from dmattn_bench.dispatch import ENV_VAR, Entry, TableError, dump_table, load_table, merged, new_table
 from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.journal import JournalError, JournalState, mark_finished, read_state
 from dmattn_bench.prune import load_ci_space, load_space, read_yaml_mapping
-from dmattn_bench.space import CONFIGS_DIR, config_label
+from dmattn_bench.space import CONFIGS_DIR, TUNED_DIRECTIONS, config_label
 from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, combine_backends,
                                 planned_trial_ids, tune)
 from dmattn_bench.workloads import load_workloads
@@ -54,16 +54,20 @@ def parse_gpus(text: str, available: int | None = None) -> int:
 
 def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[str, list]:
     """Candidate configs per direction from space files (per-direction files with arch sections,
-    or a CI-style file holding `space.<backend>.<direction>`)."""
+    or a CI-style file holding `space.<backend>.<direction>`). The prefill pair is required; the
+    short-query forward's ("decode") is tuned where a space for it is given (by default the
+    backend's `configs/space/<backend>-decode.yaml`, where it has one)."""
     if not on_gpu and not space_files:
         space_files = (str(CI_FILE),)
-    files = space_files or tuple(str(CONFIGS_DIR / "space" / f"{backend}-{d}.yaml") for d in ("fwd", "bwd"))
+    default_files = (CONFIGS_DIR / "space" / f"{backend}-{d}.yaml" for d in TUNED_DIRECTIONS)
+    files = space_files or tuple(str(path) for path in default_files if path.exists())
     section = search_section(local_limits()) if on_gpu else "sm90"
     spaces: dict[str, list] = {}
     for path in files:
         document = read_yaml_mapping(path)
         if "space" in document:
-            spaces.update({d: load_ci_space(path, backend, d) for d in ("fwd", "bwd")})
+            given = (document["space"] or {}).get(backend) or {}
+            spaces.update({d: load_ci_space(path, backend, d) for d in TUNED_DIRECTIONS if d in given or d != "decode"})
         else:
             direction = document.get("direction")
             spaces[direction] = load_space(path, backend, direction, section)
@@ -193,6 +197,9 @@ def _how_to_use(out: Path, dtypes: list[str]) -> None:
               help="Kernel dtype(s); repeat for several. Default: the workloads file's.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="Table to write. Default: ./<device>.yaml (e.g. nvidia-h200-sm90.yaml).")
+@click.option("--merge", "merge_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Write --out as this tune's entries plus those of this table (of the same GPU) whose keys it did "
+                   "not tune, e.g. decode keys tuned into a shipped table; mixed validations keep the weaker one.")
 @click.option("--resume", is_flag=True, default=False,
               help="Continue the trial journal (<out>.trials.jsonl), skipping the trials it holds. Without it, "
                    "a completed run's journal is replaced (the run starts over), and that of a run interrupted "
@@ -215,8 +222,8 @@ def _how_to_use(out: Path, dtypes: list[str]) -> None:
               help="Adversarial suite every winner must pass on its own tiles.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
-def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, resume, budget, trial_timeout,
-                 suite_timeout, gpus, ray_address, suite, fmt) -> None:
+def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, merge_path, resume, budget,
+                 trial_timeout, suite_timeout, gpus, ray_address, suite, fmt) -> None:
     """Tune the kernels on this machine's GPU and write a dispatch table.
 
     Every trial is journaled in <out>.trials.jsonl. Running the same command again after a run
@@ -266,10 +273,17 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     if not out.resolve().parent.is_dir():
         raise click.BadParameter(f"{out}: its folder does not exist", param_hint="--out")
     trials_path = out.with_name(out.name + ".trials.jsonl")
+    kept = None
+    if merge_path is not None:
+        try:  # before any GPU time: a table that cannot be merged fails now
+            kept = load_table(merge_path)
+            merged(kept, new_table((), fingerprint, interpreter=not on_gpu))
+        except TableError as exc:
+            raise DmattnError(f"--merge {merge_path}: {exc}", "merge a valid table of this GPU") from None
     journal = _check_journal(trials_path, resume)
     for name in backends:
-        output.info(f"{name}: {len(workloads)} workloads x ({len(spaces[name]['fwd'])} fwd + "
-                    f"{len(spaces[name]['bwd'])} bwd) candidates")
+        counts = " + ".join(f"{len(configs)} {direction}" for direction, configs in spaces[name].items())
+        output.info(f"{name}: {len(workloads)} workloads x ({counts}) candidates")
     output.info(f"table -> {out}, trials -> {trials_path}")
     planned = [identifier for name in backends
                for identifier in planned_trial_ids(workloads, spaces[name], device, name)]
@@ -288,7 +302,10 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
         raise DmattnError(str(exc)) from None
     result = results[backends[0]] if len(backends) == 1 else combine_backends(results)
     entries = [Entry(w.key, w.backend, w.config, w.evidence) for w in result.winners]
-    dump_table(new_table(entries, fingerprint, interpreter=not on_gpu), out)
+    table = new_table(entries, fingerprint, interpreter=not on_gpu)
+    if kept is not None:
+        table = merged(kept, table)
+    dump_table(table, out)
     try:
         # after the table is written: a run stopped before this point stays resumable, and one
         # its budget cut short stays so too (the record counts what it left unmeasured)
@@ -306,7 +323,8 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                 "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence)
                             for w in result.winners]}
     output.render(document, [_winners_table(result), _counts_table(result)], fmt)
-    output.info(f"wrote {out} ({len(entries)} entries); geometric-mean speed-up over the defaults: "
+    merged_note = f", {len(table.entries)} with those of {merge_path}" if kept is not None else ""
+    output.info(f"wrote {out} ({len(entries)} entries{merged_note}); geometric-mean speed-up over the defaults: "
                 + (f"{speedup:.3f}x" if speedup else "n/a"))
     if regret["geomean"] is not None:
         output.info(f"before this tune, calls of these keys ran {regret['geomean']:.3f}x the tuned time in geometric "

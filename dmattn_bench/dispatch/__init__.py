@@ -24,6 +24,7 @@ from dmattn_bench.dispatch.table import (
     Validation,
     dump_table,
     load_table,
+    merged,
     new_table,
     restamp,
     table_from_dict,
@@ -33,5 +34,5 @@ from dmattn_bench.dispatch.table import (
 __all__ = [
     "DISPATCHER", "ENV_VAR", "MAX_TABLE_BYTES", "SCHEMA_VERSION", "Choice", "DispatchWarning", "Dispatcher",
     "Entry", "Table", "TableError", "Timing", "Validation", "choose", "clear_cache", "dump_table", "load_table",
-    "nearest", "new_table", "restamp", "table_from_dict", "table_to_dict", "use_table",
+    "merged", "nearest", "new_table", "restamp", "table_from_dict", "table_to_dict", "use_table",
 ]

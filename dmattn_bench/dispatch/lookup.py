@@ -39,8 +39,8 @@ import torch
 import dmattn_bench
 from dmattn_bench.dispatch.table import Entry, Table, TableError, load_table
 from dmattn_bench.hardware import DeviceFingerprint, device_fingerprint
-from dmattn_bench.registry import default_configs, kernel_source_hash
-from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
+from dmattn_bench.registry import decode_config, default_configs, kernel_source_hash
+from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey
 
 ENV_VAR = "DMATTN_BENCH_TABLE"
 _READ_ENV = object()  # sentinel: choose() reads the environment itself
@@ -68,12 +68,12 @@ class Choice:
 
     Attributes:
         backend: a name of `registry.BACKEND_NAMES`.
-        config: FwdConfig or BwdConfig, matching the key's direction.
+        config: FwdConfig, BwdConfig or DecodeConfig, matching the key's direction.
         source: "table:<path>" or "default".
     """
 
     backend: str
-    config: FwdConfig | BwdConfig
+    config: FwdConfig | BwdConfig | DecodeConfig
     source: str
 
 
@@ -292,6 +292,8 @@ class Dispatcher:
     def _default(key: TableKey, device) -> Choice:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if key.direction == "decode":
+            return Choice(DEFAULT_BACKEND, decode_config(key.head_dim, device), "default")
         fwd, bwd = default_configs(key.head_dim, device, dtype=key.dtype, bias=key.bias)
         return Choice(DEFAULT_BACKEND, fwd if key.direction == "fwd" else bwd, "default")
 

@@ -47,7 +47,7 @@ import yaml
 from dmattn_bench.hardware import DeviceFingerprint, software_versions
 from dmattn_bench.registry import BACKEND_NAMES, kernel_source_hash
 from dmattn_bench import space
-from dmattn_bench.space import CONFIG_CLASSES, DIRECTIONS, OPERAND_KINDS, BwdConfig, FwdConfig, TableKey
+from dmattn_bench.space import CONFIG_CLASSES, OPERAND_KINDS, TUNED_DIRECTIONS, BwdConfig, DecodeConfig, FwdConfig, TableKey
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # 1: one `kernel_hashes` map, converted on load (module docstring)
@@ -95,14 +95,14 @@ class Entry:
     Attributes:
         key: the categorical key and the sequence-length buckets it was tuned at.
         backend: a name of `registry.BACKEND_NAMES`.
-        config: FwdConfig or BwdConfig, as `key.direction` says.
+        config: FwdConfig, BwdConfig or DecodeConfig, as `key.direction` says.
         evidence: measurements behind the choice (median_ms, tflops, speedup_vs_default, ...).
         timed: the kernel sources and date of those measurements (None until `new_table` stamps it).
     """
 
     key: TableKey
     backend: str
-    config: FwdConfig | BwdConfig
+    config: FwdConfig | BwdConfig | DecodeConfig
     evidence: dict
     timed: Timing | None = None
 
@@ -220,7 +220,7 @@ def _device(doc: Any) -> DeviceFingerprint:
 
 def _key(doc: Any, where: str) -> TableKey:
     doc = _mapping(doc, where, KEY_KEYS)
-    direction = _str(doc["direction"], f"{where}.direction", DIRECTIONS)
+    direction = _str(doc["direction"], f"{where}.direction", TUNED_DIRECTIONS)
     bias = _str(doc["bias"], f"{where}.bias")
     base = bias.removesuffix(GRAD_SUFFIX)
     if base not in OPERAND_KINDS:
@@ -277,8 +277,10 @@ def _entry(doc: Any, where: str, v1_stamp: dict[str, Timing] | None) -> Entry:
     key = _key(doc["key"], f"{where}.key")
     cls = CONFIG_CLASSES[key.direction]
     # Every tunable is written out: a table must not depend on this version's dataclass defaults.
-    config = _mapping(doc["config"], f"{where}.config", tuple(f.name for f in fields(cls)))
-    values = {name: _int(value, f"{where}.config.{name}") for name, value in config.items()}
+    tunables = {f.name: f for f in fields(cls)}
+    config = _mapping(doc["config"], f"{where}.config", tuple(tunables))
+    values = {name: _int(value, f"{where}.config.{name}", tunables[name].metadata.get("minimum", 1))
+              for name, value in config.items()}
     backend = _str(doc["backend"], f"{where}.backend", BACKEND_NAMES)
     return Entry(
         key=key,
@@ -490,6 +492,40 @@ def new_table(entries, device: DeviceFingerprint, interpreter: bool, suite: str 
         interpreter=bool(interpreter),
         entries=entries,
     )
+
+
+def merged(kept: Table, tuned: Table) -> Table:
+    """`tuned` plus the entries of `kept` whose keys it does not hold (a tune of some keys added
+    to a table of others: `dmattn-bench tune --merge`).
+
+    A backend and dtype with entries from both keeps the weaker validation of the two: `kept`'s
+    when it was on other kernel sources (its entries, and the new ones with them, then wait for
+    `verify --restamp`), else the `quick` one, else the older; so a merge never records entries
+    as more validated than they were.
+
+    Raises:
+        TableError: the two tables are of different devices, or one is an interpreter table.
+    """
+    if kept.device != tuned.device or kept.interpreter != tuned.interpreter:
+        raise TableError(f"cannot merge a table of {kept.device.name}{' (interpreter)' if kept.interpreter else ''} "
+                         f"into one of {tuned.device.name}{' (interpreter)' if tuned.interpreter else ''}")
+    tuned_keys = {entry.key for entry in tuned.entries}
+    carried = tuple(entry for entry in kept.entries if entry.key not in tuned_keys)
+    validated = {backend: dict(per_dtype) for backend, per_dtype in tuned.validated.items()}
+    for entry in carried:
+        old = kept.validated.get(entry.backend, {}).get(entry.key.dtype)
+        new = validated.setdefault(entry.backend, {}).get(entry.key.dtype)
+        if old is None:
+            continue  # an unvalidated entry: its backend and dtype lose their record below
+        if new is None or new.kernel_hash != old.kernel_hash:
+            weaker = old
+        else:
+            weaker = min(old, new, key=lambda v: (v.suite == "full", v.date))
+        validated[entry.backend][entry.key.dtype] = weaker
+    for entry in carried:
+        if entry.key.dtype not in kept.validated.get(entry.backend, {}):
+            validated[entry.backend].pop(entry.key.dtype, None)
+    return replace(tuned, entries=tuned.entries + carried, validated=validated)
 
 
 def _choices(entries, backend: str, dtype: str) -> set[tuple]:

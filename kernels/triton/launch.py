@@ -26,7 +26,7 @@ import triton
 from triton import knobs
 
 from dmattn_bench.plan import PlanCache
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
+from dmattn_bench.space import AttentionShape, BwdConfig, DecodeConfig, FwdConfig
 from dmattn_kernels.triton.activity import CELL, WORD_BYTES, block_list_kernel, tile_activity_kernel
 from dmattn_kernels.triton.flash_bwd import (
     flash_bwd_dkdv_kernel,
@@ -98,7 +98,7 @@ def _check_block(name: str, value: int) -> str | None:
     return None
 
 
-def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | None:
+def is_supported(config: FwdConfig | BwdConfig | DecodeConfig, shape: AttentionShape) -> str | None:
     """The reason `config` cannot run `shape`, or None when it can.
 
     Only structural limits live here; shared-memory and register fit per arch are pruned by
@@ -108,7 +108,14 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
         return f"head_dim={shape.head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
     if shape.num_heads % shape.num_heads_kv:
         return f"num_heads={shape.num_heads} is not a multiple of num_heads_kv={shape.num_heads_kv}"
-    blocks = ["block_m", "block_n"] + (["block_m_dq", "block_n_dq"] if isinstance(config, BwdConfig) else [])
+    if isinstance(config, DecodeConfig):
+        from dmattn_kernels.triton.decode_launch import MAX_SPLITS  # that module imports this one
+
+        if config.num_splits > MAX_SPLITS:
+            return f"num_splits={config.num_splits} is above {MAX_SPLITS}"
+        blocks = ["block_n"]
+    else:
+        blocks = ["block_m", "block_n"] + (["block_m_dq", "block_n_dq"] if isinstance(config, BwdConfig) else [])
     for name in blocks:
         reason = _check_block(name, getattr(config, name))
         if reason:
