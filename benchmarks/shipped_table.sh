@@ -5,6 +5,8 @@
 #                 journal back there; stopped with SIGINT after $TUNE_SECONDS (default 540), the
 #                 journal keeps every finished trial. A finished tune writes
 #                 results/tables/<this GPU's slug>.yaml.
+#   decode        the `shipped` grid of configs/workloads/decode.yaml (KV-cache shapes: the
+#                 short-query forward's keys), merged into this GPU's table (`tune --merge`).
 #   verify-bf16   `verify --suite full --restamp` of that table in bf16 (and verify-fp16).
 #   learn-defaults  configs/defaults.yaml learned again from the journals and validated tables
 #                 benchmarks/learn_defaults.py lists (the H100's), so a verified H100 table's
@@ -20,7 +22,7 @@
 set -u
 name=$1; mkdir -p "$2"; out=$(realpath "$2"); shift 2
 for step in "$@"; do
-  case $step in tune|verify-bf16|verify-fp16|learn-defaults|held_out*) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+  case $step in tune|decode|verify-bf16|verify-fp16|learn-defaults|held_out*) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
 done
 cd "$(dirname "$0")/.."
 tune_seconds=${TUNE_SECONDS:-540}
@@ -41,6 +43,12 @@ for step in "$@"; do
       cp "$work/table.yaml.trials.jsonl" "$journal"
       cp "$journal" "$out/"
       if [ $status -eq 0 ]; then cp "$work/table.yaml" "$table"; cp "$table" "$out/"; fi ;;
+    decode)
+      python3 -m dmattn_bench tune --workloads configs/workloads/decode.yaml --grid shipped --merge "$table" \
+          --out "$work/decode.yaml" --format json > "$out/decode-tune.json" 2> "$out/decode-tune.log"
+      status=$?
+      cp "$work/decode.yaml.trials.jsonl" "$out/$name-decode.trials.jsonl"
+      if [ $status -eq 0 ]; then cp "$work/decode.yaml" "$table"; cp "$table" "$out/"; fi ;;
     verify-bf16|verify-fp16)
       python3 -m dmattn_bench verify --table "$table" --suite full --dtype "${step#verify-}" --restamp \
           > "$out/$step.txt" 2> "$out/$step.log"
