@@ -1,7 +1,8 @@
 """`dmattn-bench bench`: our dispatch-selected kernel against its peers, same run, same GPU.
 
-For each workload of `configs/workloads/peers.yaml` and each peer (`dmattn_bench.peers`), the
-forward and the forward+backward are timed with `timing.time_kernel` (warm-up, L2 flushed,
+For each workload of `configs/workloads/peers.yaml` (prefill: forward and forward+backward) or
+`peers-decode.yaml` (decode steps: forward only, no gradient) and each peer
+(`dmattn_bench.peers`), every direction is timed with `timing.time_kernel` (warm-up, L2 flushed,
 median and spread) and `timing.eager_wall_ms`. Reported per row:
 
 - ms (median, p20-p80 spread) of GPU time, and beside it the host's own time to enqueue one call
@@ -11,8 +12,11 @@ median and spread) and `timing.eager_wall_ms`. Reported per row:
   (query, key) pairs the causal rule leaves (2 GEMMs forward, 5 backward; FlashAttention's count);
 - the floor: max(FLOPs / tensor-core peak, bytes that must move / HBM bandwidth) for this GPU
   (`hardware.device_peaks`), and the fraction of it reached;
+- in a decode step, the K/V bytes it must read over its GPU time as a fraction of a device
+  copy's rate measured in the same run (`copy_rate`): how close to HBM speed the step streams;
 - ours / peer on GPU time and on eager wall time (below 1: we are faster);
-- for peers computing the same function, max |out - ours| as a check that they do.
+- for our own forward, its error against the reference over the DESIGN §2 bound (over 1: the
+  row fails); for peers computing the same function, max |out - ours| as a check that they do.
 
 A peer that fails (not installed, out of resources, unsupported, needs a GPU) is a row with its
 error; `failed_rows_of_ours` tells the command whether our own kernel failed.
@@ -28,15 +32,22 @@ from pathlib import Path
 import torch
 
 from dmattn_bench import hardware, output
-from dmattn_bench.peers import OURS, PEERS, BenchInputs, Prepared, unavailable_reason
-from dmattn_bench.space import DTYPES, load_yaml
+from dmattn_bench.peers import OURS, OURS_PEERS, PEERS, BenchInputs, DecodeOperands, Prepared, unavailable_reason
+from dmattn_bench.reference import PAGE_MULTIPLE, attention
+from dmattn_bench.space import DTYPES, MAX_DECODE_QUERIES, is_valid_head_dim, load_yaml
 from dmattn_bench.timing import eager_wall_ms, time_kernel
+from dmattn_bench.validator import TensorCheck, compare
 from dmattn_bench.workloads import Workload
 
 DIRECTIONS = ("fwd", "fwd+bwd")
 _MASK_KINDS = ("full", "kv_head")
 _BIAS_KINDS = ("full", "kv_head", "per_key")
-_WORKLOAD_KEYS = {"name", "batch", "heads", "heads_kv", "seqlen", "head_dim", "causal", "dtype", "bias", "mask"}
+_SHAPE_KEYS = {"name", "batch", "heads", "heads_kv", "head_dim", "dtype"}
+_PREFILL_KEYS = _SHAPE_KEYS | {"seqlen", "causal", "bias", "mask"}
+_DECODE_KEYS = _SHAPE_KEYS | {"seqlen_q", "seqlen_k", "filled", "lengths"}  # and `page` with the paged variant
+# How ours is told each sequence's length in a decode step (`configs/workloads/peers-decode.yaml`)
+LENGTH_VARIANTS = ("none", "mask", "cache_seqlens", "paged")
+COPY_BYTES = 1 << 30  # the device copy behind the bandwidth fraction: far past any L2, so it streams HBM
 # The eager loop behind `wall ms`, (calls per loop, loops). In the interpreter a call takes up to
 # a second and its times rank nothing: one loop of 2 calls fills the column end to end, where
 # 5 x 20 would make a CPU bench run about five times longer.
@@ -50,22 +61,70 @@ def eager_loop(device: torch.device | str) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class DecodeCache:
+    """A decode workload's KV cache: how many of its keys hold data, and how ours is told."""
+
+    lengths: str  # one of LENGTH_VARIANTS
+    filled: int  # keys of each sequence that hold data (all Lk with "none"); the rest is unused tail
+    page: int | None  # keys per page with "paged"
+
+
+@dataclass(frozen=True)
 class PeerWorkload:
     """One bench problem: the shape and features, plus how its dynamic mask is chosen."""
 
     name: str
     workload: Workload
     keep: tuple[str, float] | None  # ("top_fraction", f) or ("top_k", n); None without a mask
+    decode: DecodeCache | None = None  # a decode step: forward only, no gradient
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        return ("fwd",) if self.decode is not None else DIRECTIONS
+
+    @property
+    def keys_read(self) -> int:
+        """Keys per sequence a forward must read: a decode step never needs its cache's tail."""
+        return self.workload.seqlen_k if self.decode is None else self.decode.filled
 
     def describe(self) -> str:
         keep = "" if self.keep is None else f" keep {self.keep[0]}={self.keep[1]:g}"
+        cache = self.decode
+        if cache is not None and cache.lengths != "none":
+            page = f" in pages of {cache.page}" if cache.page is not None else ""
+            keep = f"; {cache.filled} of {self.workload.seqlen_k} keys filled, told by {cache.lengths}{page}"
         return f"{self.name}: {self.workload.label}{keep}"
 
 
-def _parse(entry: dict, where: str, dtype_override: str | None) -> PeerWorkload:
-    if not isinstance(entry, dict) or set(entry) != _WORKLOAD_KEYS:
-        keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise ValueError(f"{where}: expected keys {sorted(_WORKLOAD_KEYS)}, got {keys}")
+def _positive(entry: dict, key: str, where: str) -> int:
+    value = entry[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}.{key}: got {value!r}, expected a positive integer")
+    return value
+
+
+def _dtype_and_heads(entry: dict, where: str, dtype_override: str | None) -> tuple[str, int, int]:
+    dtype = dtype_override or entry["dtype"]
+    if dtype not in DTYPES:
+        raise ValueError(f"{where}.dtype: got {dtype!r}, expected one of {tuple(DTYPES)}")
+    heads, heads_kv = _positive(entry, "heads", where), _positive(entry, "heads_kv", where)
+    if heads % heads_kv:
+        raise ValueError(f"{where}: heads_kv={heads_kv} does not divide heads={heads}")
+    return dtype, heads, heads_kv
+
+
+def _parse(entry, where: str, dtype_override: str | None) -> list[PeerWorkload]:
+    """A prefill entry's workload, or one decode workload per length variant of a decode entry."""
+    if isinstance(entry, dict) and set(entry) == _PREFILL_KEYS:
+        return [_parse_prefill(entry, where, dtype_override)]
+    if isinstance(entry, dict) and set(entry) - {"page"} == _DECODE_KEYS:
+        return _parse_decode(entry, where, dtype_override)
+    keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+    raise ValueError(f"{where}: expected keys {sorted(_PREFILL_KEYS)} (prefill) or {sorted(_DECODE_KEYS)} "
+                     f"and page with the paged variant (decode), got {keys}")
+
+
+def _parse_prefill(entry: dict, where: str, dtype_override: str | None) -> PeerWorkload:
     bias, mask = entry["bias"], entry["mask"]
     bias_kind = "none" if bias == "none" else bias.get("kind")
     mask_kind = "none" if mask == "none" else mask.get("kind")
@@ -81,19 +140,52 @@ def _parse(entry: dict, where: str, dtype_override: str | None) -> PeerWorkload:
         if bias_kind == "none":
             raise ValueError(f"{where}.mask: the keep rule ranks keys by bias, so the workload needs a bias")
         keep = next(iter(rule.items()))
-    dtype = dtype_override or entry["dtype"]
-    if dtype not in DTYPES:
-        raise ValueError(f"{where}.dtype: got {dtype!r}, expected one of {tuple(DTYPES)}")
-    heads, heads_kv = int(entry["heads"]), int(entry["heads_kv"])
-    if heads % heads_kv:
-        raise ValueError(f"{where}: heads_kv={heads_kv} does not divide heads={heads}")
+    dtype, heads, heads_kv = _dtype_and_heads(entry, where, dtype_override)
     workload = Workload(
-        batch=int(entry["batch"]), heads=heads, heads_kv=heads_kv, seqlen_q=int(entry["seqlen"]),
-        seqlen_k=int(entry["seqlen"]), head_dim=int(entry["head_dim"]), causal=bool(entry["causal"]),
+        batch=_positive(entry, "batch", where), heads=heads, heads_kv=heads_kv,
+        seqlen_q=_positive(entry, "seqlen", where), seqlen_k=entry["seqlen"],
+        head_dim=_positive(entry, "head_dim", where), causal=bool(entry["causal"]),
         mask=mask_kind, bias=bias_kind, bias_grad=bias_kind != "none" and bool(bias.get("grad", False)),
         dtype=dtype,
     )
     return PeerWorkload(str(entry["name"]), workload, keep)
+
+
+def _parse_decode(entry: dict, where: str, dtype_override: str | None) -> list[PeerWorkload]:
+    dtype, heads, heads_kv = _dtype_and_heads(entry, where, dtype_override)
+    batch, seqlen_q, seqlen_k = (_positive(entry, key, where) for key in ("batch", "seqlen_q", "seqlen_k"))
+    if seqlen_q > MAX_DECODE_QUERIES:
+        raise ValueError(f"{where}.seqlen_q: got {seqlen_q}, expected at most {MAX_DECODE_QUERIES} (the "
+                         "short-query forward's query rows; a longer query is a prefill workload)")
+    head_dim = _positive(entry, "head_dim", where)
+    if not is_valid_head_dim(head_dim):
+        raise ValueError(f"{where}.head_dim: got {head_dim}, expected a multiple of 8 in [8, 256]")
+    filled = entry["filled"]
+    if isinstance(filled, bool) or not isinstance(filled, (int, float)) or not 0 < filled <= 1:
+        raise ValueError(f"{where}.filled: got {filled!r}, expected the fraction in (0, 1] of each sequence's "
+                         "keys that hold data")
+    lengths = entry["lengths"]
+    if (not isinstance(lengths, list) or not lengths or len(set(map(str, lengths))) != len(lengths)
+            or any(variant not in LENGTH_VARIANTS for variant in lengths)):
+        raise ValueError(f"{where}.lengths: got {lengths!r}, expected a list of distinct variants from "
+                         f"{', '.join(LENGTH_VARIANTS)}")
+    page = entry.get("page")
+    if ("paged" in lengths) != ("page" in entry):
+        raise ValueError(f"{where}.page: " + ("the paged variant needs the keys per page" if "paged" in lengths
+                                              else "given without the paged variant in lengths"))
+    if page is not None and (isinstance(page, bool) or not isinstance(page, int) or page < 1
+                             or page % PAGE_MULTIPLE or seqlen_k % page):
+        raise ValueError(f"{where}.page: got {page!r}, expected a multiple of {PAGE_MULTIPLE} that divides "
+                         f"seqlen_k={seqlen_k}")
+    workloads = []
+    for variant in lengths:
+        workload = Workload(
+            batch=batch, heads=heads, heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
+            causal=False, mask="per_key" if variant == "mask" else "none", bias="none", bias_grad=False, dtype=dtype)
+        cache = DecodeCache(variant, seqlen_k if variant == "none" else math.ceil(filled * seqlen_k),
+                            page if variant == "paged" else None)
+        workloads.append(PeerWorkload(f"{entry['name']} {variant}", workload, None, cache))
+    return workloads
 
 
 def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[str] | None = None) -> list[PeerWorkload]:
@@ -106,7 +198,8 @@ def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[
     document = load_yaml(path)
     if not isinstance(document, dict) or not isinstance(document.get("workloads"), list):
         raise ValueError(f"{path}: expected a mapping with a `workloads:` list")
-    workloads = [_parse(entry, f"{path}:workloads[{i}]", dtype) for i, entry in enumerate(document["workloads"])]
+    workloads = [workload for i, entry in enumerate(document["workloads"])
+                 for workload in _parse(entry, f"{path}:workloads[{i}]", dtype)]
     if names:
         workloads = [w for w in workloads if any(w.name.startswith(n) for n in names)]
         if not workloads:
@@ -136,7 +229,8 @@ def _keep_top_of_causal_prefix(bias_rows: torch.Tensor, keep: tuple[str, float],
 
 
 def build_bench_inputs(pw: PeerWorkload, device: torch.device | str, seed: int = 0) -> BenchInputs:
-    """Seeded inputs for a bench workload; the mask is built slice by slice from the bias."""
+    """Seeded inputs for a bench workload; the mask is built slice by slice from the bias, or in a
+    decode step from the cache's lengths."""
     w = pw.workload
     dtype = DTYPES[w.dtype]
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -147,6 +241,8 @@ def build_bench_inputs(pw: PeerWorkload, device: torch.device | str, seed: int =
     q = randn((w.batch, w.seqlen_q, w.heads, w.head_dim))
     k = randn((w.batch, w.seqlen_k, w.heads_kv, w.head_dim))
     v = randn((w.batch, w.seqlen_k, w.heads_kv, w.head_dim))
+    if pw.decode is not None:
+        return _decode_inputs(pw.decode, q, k, v, generator)
     bias = None
     if w.bias != "none":
         bias = randn(w.operand_dims("bias")).requires_grad_(w.bias_grad)
@@ -163,6 +259,31 @@ def build_bench_inputs(pw: PeerWorkload, device: torch.device | str, seed: int =
     return BenchInputs(q, k, v, mask, bias, w.causal)
 
 
+def _decode_inputs(cache: DecodeCache, q, k, v, generator: torch.Generator) -> BenchInputs:
+    """A decode step: each sequence's first `cache.filled` keys hold data. The peers and the
+    reference read k, v and the padding mask; ours reads what `cache.lengths` says: the same
+    mask, or `cache_seqlens` over a copy whose tail holds NaN (never to be read), as it is or in
+    pages shuffled through a pool with a block table."""
+    batch, seqlen_k = k.shape[:2]
+    if cache.lengths == "none":
+        return BenchInputs(q, k, v, None, None, False, DecodeOperands(k, v, None, None, None))
+    padding = (torch.arange(seqlen_k, device=k.device) < cache.filled).expand(batch, 1, 1, seqlen_k).contiguous()
+    if cache.lengths == "mask":
+        return BenchInputs(q, k, v, padding, None, False, DecodeOperands(k, v, padding, None, None))
+    seqlens = torch.full((batch,), cache.filled, dtype=torch.int32, device=k.device)
+    k_cache, v_cache = (t.clone() for t in (k, v))
+    k_cache[:, cache.filled:], v_cache[:, cache.filled:] = float("nan"), float("nan")
+    block_table = None
+    if cache.lengths == "paged":
+        pages = seqlen_k // cache.page
+        # pool page p holds page order[p] of the cache (sequence-major); the table inverts it
+        order = torch.randperm(batch * pages, device=k.device, generator=generator)
+        block_table = torch.empty_like(order).scatter_(0, order, torch.arange(batch * pages, device=k.device))
+        block_table = block_table.view(batch, pages).to(torch.int32)
+        k_cache, v_cache = (t.view(batch * pages, cache.page, *t.shape[2:])[order] for t in (k_cache, v_cache))
+    return BenchInputs(q, k, v, padding, None, False, DecodeOperands(k_cache, v_cache, None, seqlens, block_table))
+
+
 # -- what the floor is --------------------------------------------------------------------------
 
 
@@ -176,30 +297,70 @@ def _operand_bytes(w: Workload, which: str, itemsize: int) -> float:
     return math.prod(dims) * itemsize * fraction
 
 
-def bytes_needed(w: Workload, direction: str) -> float:
+def kv_bytes(pw: PeerWorkload) -> float:
+    """Bytes of K and V a forward must read: `keys_read` keys of each sequence."""
+    w = pw.workload
+    return 2.0 * w.batch * pw.keys_read * w.heads_kv * w.head_dim * DTYPES[w.dtype].itemsize
+
+
+def bytes_needed(pw: PeerWorkload, direction: str) -> float:
     """Bytes that must cross HBM: q, k, v, out (+lse), mask and bias over the causal part;
     the backward also reads dout and them again and writes dq, dk, dv and dbias."""
+    w = pw.workload
     item = DTYPES[w.dtype].itemsize
     qo = w.batch * w.seqlen_q * w.heads * w.head_dim * item
-    kv = w.batch * w.seqlen_k * w.heads_kv * w.head_dim * item
+    kv = kv_bytes(pw)
     lse = w.batch * w.heads * w.seqlen_q * 4
     bias_bytes = _operand_bytes(w, "bias", item)
     operands = _operand_bytes(w, "mask", 1) + bias_bytes
-    forward = qo + 2 * kv + qo + lse + operands
+    forward = qo + kv + qo + lse + operands
     if direction == "fwd":
         return forward
-    backward = 3 * qo + 2 * kv + lse + operands + qo + 2 * kv + (bias_bytes if w.bias_grad else 0.0)
+    backward = 3 * qo + kv + lse + operands + qo + kv + (bias_bytes if w.bias_grad else 0.0)
     return forward + backward
 
 
-def flops_needed(w: Workload, direction: str) -> float:
-    return w.flops("fwd") + (w.flops("bwd") if direction == "fwd+bwd" else 0.0)
+def flops_needed(pw: PeerWorkload, direction: str) -> float:
+    """The workload's FLOPs (`Workload.flops`) over the keys it must read: a decode step's
+    unfilled tail needs none."""
+    w = pw.workload
+    flops = w.flops("fwd") + (w.flops("bwd") if direction == "fwd+bwd" else 0.0)
+    return flops * pw.keys_read / w.seqlen_k
 
 
-def floor_ms(w: Workload, direction: str, peaks: hardware.DevicePeaks | None) -> float | None:
+def floor_ms(pw: PeerWorkload, direction: str, peaks: hardware.DevicePeaks | None) -> float | None:
     if peaks is None:
         return None
-    return 1e3 * max(flops_needed(w, direction) / peaks.tensor_flops, bytes_needed(w, direction) / peaks.hbm_bytes_per_s)
+    return 1e3 * max(flops_needed(pw, direction) / peaks.tensor_flops,
+                     bytes_needed(pw, direction) / peaks.hbm_bytes_per_s)
+
+
+def copy_rate(device: torch.device | str) -> float:
+    """Bytes per second, read and write counted, of a `COPY_BYTES` device-to-device copy: what a
+    streaming kernel can get from this GPU's memory, measured rather than read off a datasheet."""
+    source = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    timing = time_kernel(lambda: target.copy_(source), device, repeats=20)
+    return 2 * COPY_BYTES / (timing.median_ms * 1e-3)
+
+
+def kv_bandwidth_fraction(pw: PeerWorkload, median_ms: float, copy_bytes_per_s: float | None) -> float | None:
+    """A decode step's K/V bytes (`kv_bytes`) over its GPU time, as a fraction of the copy rate;
+    None for a prefill workload (bound by compute) or without a copy rate."""
+    if pw.decode is None or copy_bytes_per_s is None:
+        return None
+    return kv_bytes(pw) / (median_ms * 1e-3) / copy_bytes_per_s
+
+
+def check_against_reference(out: torch.Tensor, inputs: BenchInputs) -> TensorCheck:
+    """Our forward's `out` by DESIGN §2 (`validator.compare`): against the reference of the
+    workload's function (`BenchInputs` as the peers take it), its bound from the same reference
+    run in the inputs' dtype. Not finite anywhere: ratio inf."""
+    args = (inputs.q, inputs.k, inputs.v, inputs.mask, inputs.bias, inputs.is_causal)
+    with torch.no_grad():
+        high = attention(*args)
+        low = attention(*args, compute_dtype=inputs.q.dtype)
+    return compare("out", out, high, low, inputs.q.dtype)
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -223,9 +384,11 @@ class Row:
     tflops: float | None = None
     floor_ms: float | None = None
     floor_fraction: float | None = None
+    kv_bandwidth_fraction: float | None = None  # decode steps (`kv_bandwidth_fraction`)
     ours_over_peer_gpu: float | None = None  # our median_ms over this row's
     ours_over_peer_wall: float | None = None  # our wall_ms over this row's
     max_abs_diff_vs_ours: float | None = None
+    error_over_bound: float | None = None  # our forward's (`check_against_reference`), when finite
     setup_ms: float | None = None
     note: str = ""
 
@@ -277,9 +440,20 @@ def _as_blhd(out: torch.Tensor, layout: str) -> torch.Tensor:
     return out.transpose(1, 2) if layout == "bhld" else out
 
 
-def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str | None, device,
-                  repeats: int, peaks, ours_out: torch.Tensor | None, advance) -> tuple[list[Row], torch.Tensor | None]:
-    w = pw.workload
+class _Mismatch(Exception):
+    """Our forward failed its check against the reference; the reason is already one line."""
+
+
+def _mismatch_reason(check: TensorCheck) -> str:
+    if not check.finite:
+        return f"out: {check.detail}, where the reference has none"
+    return (f"out differs from the reference: error {check.error:.3g} over the bound {check.bound:.3g} "
+            f"({check.ratio:.3g}x), {check.detail}")
+
+
+def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str | None, device, repeats: int,
+                  peaks, copy_bytes_per_s: float | None, ours_out: torch.Tensor | None,
+                  advance) -> tuple[list[Row], torch.Tensor | None]:
     rows: list[Row] = []
     out = None
     try:
@@ -289,36 +463,44 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
         prepared = PEERS[peer](inputs, table)
     except Exception as exc:  # a peer that cannot even be set up is data
         error = str(exc) if isinstance(exc, _Unavailable) else _one_line(exc)
-        for direction in DIRECTIONS:
+        for direction in pw.directions:
             rows.append(Row(pw.name, peer, direction, "error", error=error))
             advance(f"{pw.name} {peer} {direction}: error")
         return rows, None
     calls, loops = eager_loop(device)  # time_kernel's warm-up serves the eager loop too
     with prepared.context():  # the peer's own set-up for every call (SDPA's kernel choice)
-        for direction in DIRECTIONS:
+        for direction in pw.directions:
             row = Row(pw.name, peer, direction, "ok", setup_ms=prepared.setup_ms, note=prepared.note)
             try:
                 if direction == "fwd":
                     with torch.no_grad():
                         out = _as_blhd(prepared.forward(), prepared.layout).detach()
-                        timing = time_kernel(lambda: prepared.forward(), device, repeats=repeats)
-                        wall_ms = eager_wall_ms(lambda: prepared.forward(), device, calls, loops, warmup=0)
+                        if peer in OURS_PEERS:  # a wrong answer's speed is no result
+                            check = check_against_reference(out, inputs)
+                            row.error_over_bound = check.ratio if check.finite else None
+                            if not check.passed:
+                                raise _Mismatch(_mismatch_reason(check))
+                        timing = time_kernel(prepared.forward, device, repeats=repeats)
+                        wall_ms = eager_wall_ms(prepared.forward, device, calls, loops, warmup=0)
                         if ours_out is not None and prepared.semantic:
                             row.max_abs_diff_vs_ours = (out.float() - ours_out.float()).abs().max().item()
                 else:
-                    grad_out = torch.ones_like(prepared.forward().detach()) / math.sqrt(w.head_dim)
+                    grad_out = torch.ones_like(prepared.forward().detach()) / math.sqrt(pw.workload.head_dim)
                     timing = time_kernel(_fwd_bwd(prepared, grad_out), device, repeats=repeats)
                     wall_ms = eager_wall_ms(_fwd_bwd(prepared, grad_out), device, calls, loops, warmup=0)
+            except _Mismatch as exc:
+                row.status, row.error = "error", str(exc)
             except Exception as exc:  # a failing peer is a row, whatever failed
                 row.status, row.error = "error", _one_line(exc)
             else:
                 row.median_ms, row.p20_ms, row.p80_ms, row.spread, row.host_ms = (
                     timing.median_ms, timing.p20_ms, timing.p80_ms, timing.spread, timing.host_ms)
                 row.wall_ms = wall_ms
-                row.tflops = flops_needed(w, direction) / (timing.median_ms * 1e-3) / 1e12
-                row.floor_ms = floor_ms(w, direction, peaks)
+                row.tflops = flops_needed(pw, direction) / (timing.median_ms * 1e-3) / 1e12
+                row.floor_ms = floor_ms(pw, direction, peaks)
                 if row.floor_ms is not None:
                     row.floor_fraction = row.floor_ms / timing.median_ms
+                row.kv_bandwidth_fraction = kv_bandwidth_fraction(pw, timing.median_ms, copy_bytes_per_s)
             rows.append(row)
             advance(f"{pw.name} {peer} {direction}: {row.status}")
     del prepared
@@ -326,19 +508,21 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
 
 
 def run_bench(workloads: list[PeerWorkload], peers: list[str], device, table: str | None = None,
-              repeats: int = 20) -> list[Row]:
+              repeats: int = 20, copy_bytes_per_s: float | None = None) -> list[Row]:
     """Every (workload, peer, direction); ours first in each workload so ratios can be filled.
-    The eager wall time runs `eager_loop(device)` calls."""
+    The eager wall time runs `eager_loop(device)` calls; decode rows get their bandwidth
+    fraction of `copy_bytes_per_s` (`copy_rate`) when it is given."""
     device = torch.device(device)
     peaks = hardware.device_peaks(device)
     rows: list[Row] = []
-    with output.progress("bench", total=len(workloads) * len(peers) * len(DIRECTIONS)) as advance:
+    with output.progress("bench", total=sum(len(pw.directions) for pw in workloads) * len(peers)) as advance:
         for pw in workloads:
             output.info(f"workload {pw.describe()}")
             inputs = build_bench_inputs(pw, device)
             ours_out = None
             for peer in peers:
-                peer_rows, out = _measure_peer(pw, peer, inputs, table, device, repeats, peaks, ours_out, advance)
+                peer_rows, out = _measure_peer(pw, peer, inputs, table, device, repeats, peaks, copy_bytes_per_s,
+                                               ours_out, advance)
                 if peer == OURS:
                     ours_out = out
                 rows.extend(peer_rows)
@@ -367,102 +551,3 @@ def fill_ratios(rows: list[Row]) -> None:
 def failed_rows_of_ours(rows: list[Row]) -> list[Row]:
     """Our own rows (peer `dmattn`) that ended in an error: the run failed at its one job."""
     return [row for row in rows if row.peer == OURS and row.status != "ok"]
-
-
-# -- reports ------------------------------------------------------------------------------------
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-COLUMNS = ("workload", "direction", "peer", "status", "gpu ms", "spread", "host ms", "wall ms", "TFLOP/s",
-           "floor ms", "of floor", "ours/peer gpu", "ours/peer wall", "max|diff|", "setup ms")
-
-
-def row_cells(row: Row) -> list[str]:
-    """One cell per `COLUMNS` entry."""
-    status = row.status if row.status == "ok" else f"error: {row.error}"
-    return [row.workload, row.direction, row.peer, status, _fmt(row.median_ms, ".3f"),
-            _fmt(None if row.spread is None else 100 * row.spread, ".1f") + ("%" if row.spread is not None else ""),
-            _fmt(row.host_ms, ".3f"), _fmt(row.wall_ms, ".3f"), _fmt(row.tflops, ".1f"), _fmt(row.floor_ms, ".3f"),
-            _fmt(None if row.floor_fraction is None else 100 * row.floor_fraction, ".0f") + ("%" if row.floor_fraction else ""),
-            _fmt(row.ours_over_peer_gpu, ".2f"), _fmt(row.ours_over_peer_wall, ".2f"),
-            _fmt(row.max_abs_diff_vs_ours, ".2e"), _fmt(row.setup_ms, ".0f")]
-
-
-def markdown(document: dict) -> str:
-    """The report as a markdown document (header, one table, per-peer notes)."""
-    lines = [f"# dmattn-bench bench on {document['device']}", "",
-             f"Command: `{document['command']}`", ""]
-    if document.get("timings_meaningful") is False:
-        lines += ["**Timings are not meaningful**: the Triton interpreter ran our kernel on the CPU.", ""]
-    loop = document.get("eager_loop")
-    wall = ("not measured in this report" if loop is None else
-            f"{loop['calls']} back-to-back calls, no spin, no flush, one sync at the end; median of {loop['loops']} "
-            + ("loop" if loop["loops"] == 1 else "loops"))
-    lines += [f"Software: {', '.join(f'{k} {v}' for k, v in document['software'].items())}. "
-              f"gpu ms = median of {document['repeats']} repeats of GPU time, L2 flushed before each and the host's "
-              "launch work hidden behind a GPU spin (what a CUDA-graph user sees); spread = (p80 - p20) / median; "
-              "host ms = the host's own time to enqueue one call (median, no sync; '-' in reports from before it "
-              f"was measured); wall ms = eager wall time per call ({wall}). "
-              "TFLOP/s over the causal pairs (fwd 2 GEMMs, bwd 5) in gpu ms. Floor = max(FLOPs / tensor peak, "
-              "needed bytes / HBM bandwidth) with "
-              f"{document['peaks'] or 'no known peaks for this device'}. ours/peer gpu and ours/peer wall: our "
-              "gpu ms and wall ms over the peer's; < 1: ours is faster.", ""]
-    lines.append("| " + " | ".join(c.replace("|", "\\|") for c in COLUMNS) + " |")  # max|diff| is one cell
-    lines.append("|" + "---|" * len(COLUMNS))
-    for data in document["rows"]:
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in row_cells(Row.from_dict(data))) + " |")
-    lines += ["", "Workloads:", ""] + [f"- {text}" for text in document["workloads"]]
-    notes = {(r["peer"], r["note"]) for r in document["rows"] if r["note"]}
-    lines += ["", "Peer notes:", ""] + [f"- {peer}: {note}" for peer, note in sorted(notes)]
-    return "\n".join(lines) + "\n"
-
-
-# The plot's panel rows: what each bar is, and its axis label
-PLOT_TIMES = (("median_ms", "gpu ms (log)"), ("wall_ms", "eager wall ms per call (log)"))
-
-
-def plot(document: dict, path: str | Path) -> None:
-    """Bar charts (log scale) of the GPU medians and, below, the eager wall times per call: one
-    panel per direction, one group per workload; a failed row is marked "failed" where its bar
-    would be. A report from before the wall time has the GPU panels only.
-
-    Raises:
-        ModuleNotFoundError: matplotlib is missing (the `plot` extra).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = document["rows"]
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    peers = list(dict.fromkeys(r["peer"] for r in rows))
-    times = [(key, label) for key, label in PLOT_TIMES if any(r.get(key) is not None for r in rows)] or PLOT_TIMES[:1]
-    figure, axes = plt.subplots(len(times), len(DIRECTIONS), figsize=(7 * len(DIRECTIONS), 4.5 * len(times)),
-                                squeeze=False)
-    width = 0.8 / max(1, len(peers))
-    for panels, (key, label) in zip(axes, times):
-        for axis, direction in zip(panels, DIRECTIONS):
-            for index, peer in enumerate(peers):
-                positions = [i + index * width for i in range(len(workloads))]
-                values = []
-                for position, workload in zip(positions, workloads):
-                    match = [r for r in rows if (r["workload"], r["peer"], r["direction"]) == (workload, peer, direction)]
-                    ok = bool(match) and match[0]["status"] == "ok"
-                    value = match[0].get(key) if ok else None
-                    values.append(float("nan") if value is None else value)
-                    if match and not ok:
-                        axis.annotate("failed", (position, 0.02), xycoords=("data", "axes fraction"),
-                                      rotation=90, ha="center", fontsize="x-small")
-                axis.bar(positions, values, width, label=peer)
-            axis.set_xticks([i + width * (len(peers) - 1) / 2 for i in range(len(workloads))], workloads)
-            axis.set_yscale("log")
-            axis.set_ylabel(label)
-            axis.set_title(f"{direction} on {document['device']}")
-    axes[0][0].legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)

@@ -8,6 +8,11 @@ Peers computing the same function as ours (FlexAttention, SDPA with a float mask
 get the same mask and bias; the dense-causal speed references (SDPA flash, SDPA cuDNN) get only
 q, k, v and the causal rule. A peer that cannot run on this device says why before any of its
 work is done (`unavailable_reason`).
+
+In a decode step (`BenchInputs.decode`) ours reads the KV cache the way the workload tells it
+(a padding mask, `cache_seqlens` over a cache whose tail holds NaN, or pages and a block table)
+and runs without gradient; the peers read a clean copy of the cache with the same lengths as a
+padding mask (`BenchInputs.mask`).
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ import torch
 
 from dmattn_bench import plan
 from dmattn_bench.api import flash_dmattn_func
+from dmattn_bench.registry import decode_config
 from dmattn_bench.space import as_4d, config_label
 
 OURS = "dmattn"
+# ours and each bundled backend of ours: their forward rows are checked against the reference
+OURS_PEERS = (OURS, "ours-triton", "ours-cuda")
 
 
 @dataclass
@@ -43,8 +51,20 @@ class Prepared:
 
 
 @dataclass(frozen=True)
+class DecodeOperands:
+    """What ours reads in a decode step besides q, as the workload tells it each sequence's length."""
+
+    k: torch.Tensor  # (B, Lk, Hkv, D), or a page pool (pages, page, Hkv, D) read through `block_table`
+    v: torch.Tensor
+    mask: torch.Tensor | None  # the padding mask (B, 1, 1, Lk) when it says the lengths
+    cache_seqlens: torch.Tensor | None  # (B,) int32 when they do; K/V past them hold NaN
+    block_table: torch.Tensor | None  # (B, Lk / page) int32 over the pool
+
+
+@dataclass(frozen=True)
 class BenchInputs:
-    """A workload's tensors in the contract's layout (q (B, L, H, D), k/v (B, L, Hkv, D))."""
+    """A workload's tensors in the contract's layout (q (B, L, H, D), k/v (B, L, Hkv, D)): the
+    workload's function, as the reference and the peers take it."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -52,6 +72,7 @@ class BenchInputs:
     mask: torch.Tensor | None  # bool, 4-D
     bias: torch.Tensor | None  # 4-D, requires grad when the workload's bias is learnable
     is_causal: bool
+    decode: DecodeOperands | None = None  # a decode step (forward only): what ours reads instead
 
 
 def _leaf(t: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
@@ -72,22 +93,46 @@ def _grad_leaves(q, k, v, bias) -> list[torch.Tensor]:
     return [q, k, v] + ([bias] if bias is not None and bias.requires_grad else [])
 
 
+def _chosen(direction: str, q, k, mask, bias, is_causal: bool, backend: str, table: str | None) -> str:
+    """"<backend> <direction> <config>" of what the dispatch runs `direction` with."""
+    learnable = bias is not None and bias.requires_grad
+    chosen_backend, config = plan.select(direction, q, k, as_4d(mask), as_4d(bias), is_causal, backend, table, None,
+                                         learnable)
+    return f"{chosen_backend.name} {direction} {config_label(config)}"
+
+
 def _ours(inputs: BenchInputs, table: str | None, backend: str = "auto") -> Prepared:
     """Our kernels as the dispatch picks them ("auto": the table, else the defaults), or one
     backend's with its defaults."""
+    if inputs.decode is not None:
+        return _ours_decoding(inputs, table, backend)
     q, k, v = (_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
     bias = _bias_leaf(inputs)
-    learnable = bias is not None and bias.requires_grad
-    chosen = {direction: plan.select(direction, q, k, as_4d(inputs.mask), as_4d(bias), inputs.is_causal, backend,
-                                     table, None, learnable)
-              for direction in ("fwd", "bwd")}
 
     def forward():
         return flash_dmattn_func(q, k, v, inputs.mask, bias, is_causal=inputs.is_causal, backend=backend, table=table)
 
     # a table tuned over both backends may pick a different one per direction
-    note = ", ".join(f"{chosen[d][0].name} {d} {config_label(chosen[d][1])}" for d in ("fwd", "bwd"))
+    note = ", ".join(_chosen(d, q, k, inputs.mask, bias, inputs.is_causal, backend, table) for d in ("fwd", "bwd"))
     return Prepared(forward, _grad_leaves(q, k, v, bias), note=note)
+
+
+def _ours_decoding(inputs: BenchInputs, table: str | None, backend: str) -> Prepared:
+    """One decode step of ours: no gradient, the cache read as `inputs.decode` says."""
+    q, step = inputs.q, inputs.decode
+
+    def forward():
+        return flash_dmattn_func(q, step.k, step.v, step.mask, inputs.bias, is_causal=inputs.is_causal,
+                                 backend=backend, table=table, cache_seqlens=step.cache_seqlens,
+                                 block_table=step.block_table)
+
+    # a call without gradient and with at most MAX_DECODE_QUERIES query rows (a decode workload
+    # has no more) runs the short-query forward on "auto" and "triton" (`flash_dmattn_func`)
+    if backend in ("auto", "triton"):
+        note = f"triton short-query fwd {config_label(decode_config(q.shape[-1], q.device))}"
+    else:
+        note = _chosen("fwd", q, step.k, step.mask, inputs.bias, inputs.is_causal, backend, table)
+    return Prepared(forward, [], note=note)
 
 
 def _index(operand: torch.Tensor, b, h, q_idx, kv_idx, group_div: int):
@@ -127,8 +172,11 @@ def _flex(inputs: BenchInputs, kernel_options: dict | None) -> Prepared:
     # (20 ms instead of 0.4 ms on W3, H100, 2026-11-21)
     torch._dynamo.reset()
     begin = time.perf_counter()
-    block_mask = create_block_mask(mask_mod, batch if mask is not None else None,
-                                   heads if mask is not None else None, seqlen_q, seqlen_k, device=q.device)
+    # a mask that broadcasts over batch or heads (a decode step's padding mask is (B, 1, 1, Lk))
+    # gets a block mask that broadcasts too: built once per distinct row, not per query head
+    block_mask = create_block_mask(mask_mod, batch if mask is not None and mask.shape[0] > 1 else None,
+                                   heads if mask is not None and mask.shape[1] > 1 else None, seqlen_q, seqlen_k,
+                                   device=q.device)
     if q.is_cuda:
         torch.cuda.synchronize()
     setup_ms = (time.perf_counter() - begin) * 1e3
@@ -167,6 +215,12 @@ def _repeat_heads(operand: torch.Tensor, heads: int) -> torch.Tensor:
     return operand.repeat_interleave(heads // operand.shape[1], dim=1)
 
 
+# SDPA kernels that take GQA K/V as they are (`enable_gqa`); the others get K/V repeated to H
+# heads. Repeating costs the flash kernel H / Hkv times the K/V reads, which are the whole of a
+# decode step's work (issue #27).
+SDPA_NATIVE_GQA = ("flash",)
+
+
 def _sdpa(inputs: BenchInputs, kernel: str, dense: bool) -> Prepared:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -175,20 +229,26 @@ def _sdpa(inputs: BenchInputs, kernel: str, dense: bool) -> Prepared:
     q, k, v = (_bhld_leaf(t) for t in (inputs.q, inputs.k, inputs.v))
     heads, heads_kv = q.shape[1], k.shape[1]
     float_mask = None
-    note = "dense causal speed reference: no mask, no bias" if dense else "float mask = bias or -inf, built once; no dbias"
+    note = (f"dense {'causal ' if inputs.is_causal else ''}speed reference: no mask, no bias" if dense
+            else "float mask = bias or -inf, built once; no dbias")
     if not dense and (inputs.mask is not None or inputs.bias is not None):
         float_mask = _float_mask(inputs, heads)
     causal = inputs.is_causal and float_mask is None
-    if heads != heads_kv:
-        # the fused SDPA kernels take GQA only through enable_gqa, which not all of them accept:
-        # repeat K/V to H heads once, outside the timed call
+    gqa = heads != heads_kv and kernel in SDPA_NATIVE_GQA
+    if heads != heads_kv and not gqa:
+        # repeated once, outside the timed call
         k, v = (_leaf(t.detach().repeat_interleave(heads // heads_kv, dim=1)) for t in (k, v))
         note += f"; K/V repeated to {heads} heads"
+    elif gqa:
+        note += "; GQA through enable_gqa"
 
     def forward():
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=float_mask, is_causal=causal)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=float_mask, is_causal=causal,
+                                                                enable_gqa=gqa)
 
-    return Prepared(forward, [q, k, v], note=note, layout="bhld", semantic=not dense,
+    # a dense reference computes the workload's own function when it has no mask and no bias
+    semantic = not dense or (inputs.mask is None and inputs.bias is None)
+    return Prepared(forward, [q, k, v], note=note, layout="bhld", semantic=semantic,
                     context=lambda: sdpa_kernel(backend))
 
 
@@ -250,6 +310,9 @@ def unavailable_reason(peer: str, device: torch.device | str) -> str | None:
 
 # What `bench` runs without --peers (issue #5's list); sdpa-math is opt-in.
 DEFAULT_PEERS = ("flex", "flex-small-bwd", "sdpa-efficient", "sdpa-flash-dense", "sdpa-cudnn-dense", "flash-dmattn")
+# ... and on decode workloads (issue #27's list): SDPA flash takes no mask, the memory-efficient
+# kernel takes the padding as a float mask, FlexAttention as a mask_mod
+DECODE_PEERS = ("sdpa-flash-dense", "sdpa-efficient", "flex")
 # Group names (DESIGN §4 writes `--peers flex,sdpa,...`).
 PEER_GROUPS = {"sdpa": ("sdpa-efficient", "sdpa-flash-dense", "sdpa-cudnn-dense"),
                "flex-all": ("flex", "flex-small-bwd")}

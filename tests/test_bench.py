@@ -1,8 +1,10 @@
-"""`dmattn-bench bench` on the CPU (interpreter): workload files, the dynamic-mask rule, the floor
-arithmetic, failed peers kept as rows, the ratios, the report formats and the exit codes."""
+"""`dmattn-bench bench` on the CPU (interpreter): workload files (prefill and decode), the
+dynamic-mask rule, the decode caches, the floor and bandwidth arithmetic, the reference check,
+failed peers kept as rows, the ratios, the report formats and the exit codes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -14,18 +16,17 @@ from click.testing import CliRunner
 
 from dmattn_bench import peers
 from dmattn_bench.bench import (
-    COLUMNS,
     Row,
     build_bench_inputs,
     bytes_needed,
     fill_ratios,
     floor_ms,
+    kv_bandwidth_fraction,
+    kv_bytes,
     load_peer_workloads,
-    markdown,
-    row_cells,
     run_bench,
 )
-from dmattn_bench.cli.bench import DEFAULT_WORKLOADS, bench
+from dmattn_bench.cli.bench import COLUMNS, DEFAULT_WORKLOADS, bench, markdown, row_cells
 from dmattn_bench.hardware import DevicePeaks
 from dmattn_bench.peers import parse_peers, unavailable_reason
 
@@ -36,6 +37,14 @@ TINY = {
 }
 TINY_GQA = dict(TINY, name="T2 gqa", heads=4, heads_kv=2, bias={"kind": "per_key", "grad": True},
                 mask={"kind": "kv_head", "keep": {"top_k": 8}})
+
+
+# a decode cache of 48 keys, 36 of them filled (3 pages of 16 hold data, the last is tail)
+TINY_DECODE = {
+    "name": "T3 decode", "batch": 2, "heads": 4, "heads_kv": 2, "seqlen_q": 1, "seqlen_k": 48, "head_dim": 16,
+    "dtype": "fp32", "filled": 0.75, "lengths": ["none", "mask", "cache_seqlens", "paged"], "page": 16,
+}
+DECODE_VARIANTS = ["none", "mask", "cache_seqlens", "paged"]
 
 
 def _write(tmp_path, *entries) -> str:
@@ -67,6 +76,141 @@ def test_malformed_peer_workloads_are_rejected_by_name(tmp_path, change, message
         load_peer_workloads(_write(tmp_path, dict(TINY, **change)))
 
 
+def test_shipped_decode_workloads_span_the_issue_grid():
+    """B 1-64, Lk 2k-32k, GQA 4 and 8, each shape with no length, a padding mask, cache_seqlens and
+    a paged cache; forward only. The CPU file has the same variants at interpreter size in fp32."""
+    workloads = load_peer_workloads(DEFAULT_WORKLOADS.with_name("peers-decode.yaml"))
+    shapes = {(w.workload.batch, w.workload.seqlen_k, w.workload.heads // w.workload.heads_kv) for w in workloads}
+    assert {b for b, _, _ in shapes} >= {1, 8, 32, 64} and {lk for _, lk, _ in shapes} >= {2048, 32768}
+    assert {gqa for _, _, gqa in shapes} == {4, 8}
+    assert len(workloads) == 4 * len(shapes)
+    assert all(w.directions == ("fwd",) and w.workload.seqlen_q == 1 and w.workload.dtype == "bf16" for w in workloads)
+    d3 = {w.decode.lengths: w for w in workloads if w.name.startswith("D3 ")}
+    assert sorted(d3) == sorted(DECODE_VARIANTS)
+    assert (d3["none"].keys_read, d3["mask"].keys_read, d3["paged"].decode.page) == (4096, 3584, 256)
+    assert (d3["mask"].workload.mask, d3["cache_seqlens"].workload.mask) == ("per_key", "none")
+    cpu = load_peer_workloads(DEFAULT_WORKLOADS.with_name("peers-decode-cpu.yaml"))
+    assert {w.decode.lengths for w in cpu} == set(DECODE_VARIANTS) and {w.workload.dtype for w in cpu} == {"fp32"}
+    assert max(w.workload.seqlen_k * w.workload.batch for w in cpu) <= 256
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seqlen_q": 65}, "seqlen_q: got 65, expected at most 64"),
+    ({"seqlen_k": 0}, "seqlen_k: got 0, expected a positive integer"),
+    ({"head_dim": 12}, "head_dim: got 12, expected a multiple of 8"),
+    ({"filled": 1.5}, "filled: got 1.5, expected the fraction in (0, 1]"),
+    ({"filled": "most"}, "filled: got 'most'"),
+    ({"lengths": ["none", "ragged"]}, "lengths: got ['none', 'ragged'], expected a list of distinct variants"),
+    ({"lengths": ["mask", "mask"]}, "lengths: got ['mask', 'mask']"),
+    ({"lengths": []}, "lengths: got []"),
+    ({"page": 24}, "page: got 24, expected a multiple of 16 that divides seqlen_k=48"),
+    ({"page": 32}, "page: got 32, expected a multiple of 16 that divides seqlen_k=48"),
+    ({"lengths": ["none", "mask"]}, "page: given without the paged variant"),
+    ({"dtype": "bf8"}, "dtype: got 'bf8'"),
+    ({"heads_kv": 3}, "heads_kv=3 does not divide heads=4"),
+])
+def test_malformed_decode_workloads_are_rejected_in_one_line_naming_file_and_field(tmp_path, change, message):
+    path = _write(tmp_path, dict(TINY_DECODE, **change))
+    with pytest.raises(ValueError) as raised:
+        load_peer_workloads(path)
+    text = str(raised.value)
+    assert text.startswith(f"{path}:workloads[0]") and message in text and "\n" not in text, text
+
+
+def test_a_decode_entry_without_its_page_or_with_a_prefill_key_names_what_is_expected(tmp_path):
+    no_page = {key: value for key, value in TINY_DECODE.items() if key != "page"}
+    with pytest.raises(ValueError, match=r"workloads\[0\]\.page: the paged variant needs the keys per page"):
+        load_peer_workloads(_write(tmp_path, no_page))
+    with pytest.raises(ValueError, match=r"expected keys .* \(prefill\) or .*'seqlen_q'.* \(decode\), got"):
+        load_peer_workloads(_write(tmp_path, dict(TINY_DECODE, causal=True)))
+
+
+def test_decode_inputs_give_ours_the_lengths_its_variant_names_and_the_peers_a_padding_mask(tmp_path):
+    by_variant = {pw.decode.lengths: pw for pw in load_peer_workloads(_write(tmp_path, TINY_DECODE))}
+    filled = 36
+    for variant, pw in by_variant.items():
+        inputs = build_bench_inputs(pw, "cpu")
+        ours = inputs.decode
+        assert torch.isfinite(inputs.k).all() and torch.isfinite(inputs.v).all()  # the peers' copy is clean
+        if variant == "none":
+            assert inputs.mask is None and ours.mask is None and ours.cache_seqlens is None
+            continue
+        assert inputs.mask.shape == (2, 1, 1, 48)
+        assert inputs.mask[..., :filled].all() and not inputs.mask[..., filled:].any()
+        if variant == "mask":
+            assert ours.mask is inputs.mask and ours.cache_seqlens is None and ours.k is inputs.k
+            continue
+        assert ours.mask is None and ours.cache_seqlens.tolist() == [filled, filled]
+        if variant == "paged":
+            assert ours.k.shape == (2 * 3, 16, 2, 16) and ours.block_table.shape == (2, 3)
+            assert sorted(ours.block_table.flatten().tolist()) == list(range(6))
+            k_cache, v_cache = (pool[ours.block_table.long()].flatten(1, 2) for pool in (ours.k, ours.v))
+        else:
+            k_cache, v_cache = ours.k, ours.v
+        assert torch.equal(k_cache[:, :filled], inputs.k[:, :filled])
+        assert torch.equal(v_cache[:, :filled], inputs.v[:, :filled])
+        assert k_cache[:, filled:].isnan().all() and v_cache[:, filled:].isnan().all()  # a tail never to be read
+
+
+def test_kv_bandwidth_fraction_is_the_kv_bytes_over_gpu_time_over_the_copy_rate(tmp_path):
+    by_variant = {pw.decode.lengths: pw for pw in load_peer_workloads(_write(tmp_path, dict(TINY_DECODE,
+                                                                                             dtype="fp16")))}
+    # K and V of B2 Hkv2 D16 in fp16 (2 bytes): all 48 keys with no length, the 36 filled ones otherwise
+    assert kv_bytes(by_variant["none"]) == 2 * 2 * 48 * 2 * 16 * 2 == 12288
+    assert kv_bytes(by_variant["mask"]) == kv_bytes(by_variant["paged"]) == 2 * 2 * 36 * 2 * 16 * 2 == 9216
+    # 9216 bytes in 0.5 ms is 18.432 MB/s: 18.432% of a 1e8 B/s copy
+    assert kv_bandwidth_fraction(by_variant["mask"], 0.5, 1e8) == pytest.approx(0.18432)
+    assert kv_bandwidth_fraction(by_variant["none"], 2.0, 1e7) == pytest.approx(12288 / 2e-3 / 1e7)
+    assert kv_bandwidth_fraction(by_variant["mask"], 0.5, None) is None  # no copy measured (the CPU)
+    prefill = load_peer_workloads(_write(tmp_path, TINY))[0]
+    assert kv_bandwidth_fraction(prefill, 0.5, 1e8) is None  # a prefill row is bound by compute
+    # the floor's bytes read the filled keys too, and the mask variant its (B, 1, 1, Lk) mask
+    q_out_lse = 2 * (2 * 1 * 4 * 16 * 2) + 2 * 4 * 1 * 4
+    assert bytes_needed(by_variant["none"], "fwd") == q_out_lse + 12288
+    assert bytes_needed(by_variant["mask"], "fwd") == q_out_lse + 9216 + 2 * 48
+
+
+def test_a_decode_bench_checks_every_variant_of_ours_against_the_reference(tmp_path):
+    workloads = load_peer_workloads(_write(tmp_path, TINY_DECODE))
+    rows = run_bench(workloads, ["dmattn", "sdpa-math"], "cpu", repeats=3, copy_bytes_per_s=1e9)
+    assert [(r.workload, r.peer, r.direction) for r in rows] == [
+        (f"T3 decode {variant}", peer, "fwd") for variant in DECODE_VARIANTS for peer in ("dmattn", "sdpa-math")]
+    ours = {r.workload.split()[-1]: r for r in rows if r.peer == "dmattn"}
+    assert all(r.status == "ok" for r in rows), [r.error for r in rows]
+    assert all(0 <= r.error_over_bound <= 1 for r in ours.values()), {v: r.error_over_bound for v, r in ours.items()}
+    assert all(r.note.startswith("triton short-query fwd ") for r in ours.values())
+    for pw in workloads:
+        row = ours[pw.decode.lengths]
+        assert row.kv_bandwidth_fraction == pytest.approx(kv_bytes(pw) / (row.median_ms * 1e-3) / 1e9)
+    # SDPA with the padding as a float mask computes what ours does, from the clean cache
+    assert all(r.max_abs_diff_vs_ours < 1e-5 for r in rows if r.peer == "sdpa-math")
+
+
+def test_the_reference_check_fails_ours_when_it_reads_keys_past_the_lengths(tmp_path, monkeypatch):
+    """Ours told nothing (no mask, no cache_seqlens) reads the whole cache: its clean tail
+    changes the answer, its NaN tail makes it non-finite. Either fails the row, untimed."""
+    def told_nothing(inputs, table):
+        blind = dataclasses.replace(inputs.decode, mask=None, cache_seqlens=None, block_table=None)
+        if inputs.decode.block_table is not None:  # the pool's pages in table order: the NaN-tailed cache
+            pool = inputs.decode.block_table.long()
+            blind = dataclasses.replace(blind, k=inputs.decode.k[pool].flatten(1, 2),
+                                        v=inputs.decode.v[pool].flatten(1, 2))
+        return peers._ours(dataclasses.replace(inputs, decode=blind), table)
+
+    monkeypatch.setitem(peers.PEERS, "dmattn", told_nothing)
+    rows = run_bench(load_peer_workloads(_write(tmp_path, TINY_DECODE)), ["dmattn"], "cpu", repeats=3)
+    by_variant = {r.workload.split()[-1]: r for r in rows}
+    assert by_variant["none"].status == "ok"  # nothing to be told: the same call
+    mask = by_variant["mask"]
+    assert mask.status == "error" and mask.error.startswith("out differs from the reference: error ")
+    assert mask.error_over_bound > 1 and mask.median_ms is None
+    for variant in ("cache_seqlens", "paged"):
+        row = by_variant[variant]
+        assert row.status == "error", variant
+        assert re.fullmatch(r"out: \d+ non-finite element\(s\), where the reference has none", row.error), row.error
+        assert row.error_over_bound is None and row.median_ms is None
+
+
 def test_keep_rules_select_the_highest_bias_keys_of_each_causal_prefix(tmp_path):
     for entry, count_of_prefix in ((TINY, lambda n: math.ceil(0.5 * n)), (TINY_GQA, lambda n: min(8, n))):
         pw = load_peer_workloads(_write(tmp_path, entry))[0]
@@ -85,19 +229,20 @@ def test_keep_rules_select_the_highest_bias_keys_of_each_causal_prefix(tmp_path)
 
 
 def test_floor_is_the_larger_of_compute_and_memory():
-    w = load_peer_workloads(DEFAULT_WORKLOADS, names=["W3"])[0].workload
+    pw = load_peer_workloads(DEFAULT_WORKLOADS, names=["W3"])[0]
+    w = pw.workload
     qkvo = 4 * 2 * 4096 * 16 * 128 * 2  # q, k, v, out in bf16
     lse = 2 * 16 * 4096 * 4
-    assert bytes_needed(w, "fwd") == qkvo + lse
+    assert bytes_needed(pw, "fwd") == qkvo + lse
     compute_bound = DevicePeaks(tensor_flops=1e12, hbm_bytes_per_s=1e15)
     memory_bound = DevicePeaks(tensor_flops=1e18, hbm_bytes_per_s=1e9)
-    assert floor_ms(w, "fwd", compute_bound) == pytest.approx(1e3 * w.flops("fwd") / 1e12)
-    assert floor_ms(w, "fwd", memory_bound) == pytest.approx(1e3 * (qkvo + lse) / 1e9)
-    assert floor_ms(w, "fwd", None) is None
+    assert floor_ms(pw, "fwd", compute_bound) == pytest.approx(1e3 * w.flops("fwd") / 1e12)
+    assert floor_ms(pw, "fwd", memory_bound) == pytest.approx(1e3 * (qkvo + lse) / 1e9)
+    assert floor_ms(pw, "fwd", None) is None
     # W1: the mask (1 byte) and the bias (bf16) are needed over the causal part only; the
     # backward reads them again and writes dBias over the same part
-    w1 = load_peer_workloads(DEFAULT_WORKLOADS, names=["W1"])[0].workload
-    causal = w1.visible_pairs() / 4096**2
+    w1 = load_peer_workloads(DEFAULT_WORKLOADS, names=["W1"])[0]
+    causal = w1.workload.visible_pairs() / 4096**2
     operands = 2 * 16 * 4096**2 * (1 + 2) * causal
     assert bytes_needed(w1, "fwd") == pytest.approx(qkvo + lse + operands)
     backward = 2 * qkvo + lse + operands + 2 * 16 * 4096**2 * 2 * causal  # reads q k v out dout, writes dq dk dv dbias
@@ -164,6 +309,34 @@ def test_bench_command_json_then_markdown_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_decode_bench_command_defaults_to_the_decode_peers_and_renders_forward_rows(tmp_path):
+    entry = {key: value for key, value in TINY_DECODE.items() if key != "page"}
+    path = _write(tmp_path, dict(entry, lengths=["none", "cache_seqlens"]))
+    result = CliRunner().invoke(bench, ["--workloads", path, "--repeats", "3", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    rows = document["rows"]
+    assert [r["peer"] for r in rows[:4]] == ["dmattn", *peers.DECODE_PEERS]
+    assert {r["direction"] for r in rows} == {"fwd"} and len(rows) == 2 * 4
+    assert document["copy_bytes_per_s"] is None  # no copy rate off a GPU: the column stays empty
+    assert all(r["kv_bandwidth_fraction"] is None for r in rows)
+    # SDPA flash reads every key: the same function as ours only where nothing is padded
+    flash = {r["workload"]: r for r in rows if r["peer"] == "sdpa-flash-dense"}
+    assert flash["T3 decode none"]["max_abs_diff_vs_ours"] < 1e-5 and "enable_gqa" in flash["T3 decode none"]["note"]
+    assert flash["T3 decode cache_seqlens"]["max_abs_diff_vs_ours"] is None
+    report = tmp_path / "report.json"
+    report.write_text(result.stdout)
+    rendered = CliRunner().invoke(bench, ["--from-json", str(report), "--format", "markdown"])
+    assert rendered.exit_code == 0, rendered.output
+    assert "| T3 decode cache_seqlens | fwd | dmattn | ok |" in rendered.stdout and "fwd+bwd" not in rendered.stdout
+    assert "36 of 48 keys filled, told by cache_seqlens" in rendered.stdout
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    plotted = CliRunner().invoke(bench, ["--from-json", str(report), "--plot", str(png)])
+    assert plotted.exit_code == 0, plotted.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bench_without_a_gpu_runs_w1_to_w3_at_interpreter_size():
     result = CliRunner().invoke(bench, ["--only", "W2", "--peers", "sdpa-math", "--repeats", "3", "--format", "json"])
     assert result.exit_code == 0, result.output
@@ -221,7 +394,8 @@ def test_markdown_rows_have_as_many_cells_as_the_header():
     rows = [Row("W", "dmattn", "fwd", "ok", median_ms=0.5, spread=0.01, host_ms=0.3, wall_ms=0.8, tflops=100.0,
                 floor_ms=0.25, floor_fraction=0.5, ours_over_peer_gpu=1.0, ours_over_peer_wall=1.0),
             Row("W", "flex", "fwd", "error", error="a | b"),  # a pipe in an error must not split its cell
-            Row("W", "flex", "fwd+bwd", "ok", median_ms=0.5, max_abs_diff_vs_ours=1e-3, setup_ms=20.0)]
+            Row("W", "flex", "fwd+bwd", "ok", median_ms=0.5, max_abs_diff_vs_ours=1e-3, setup_ms=20.0),
+            Row("D", "dmattn", "fwd", "ok", median_ms=0.02, kv_bandwidth_fraction=0.853, error_over_bound=0.0412)]
     lines = markdown(_document(rows)).splitlines()
     header = lines.index(next(line for line in lines if line.startswith("| workload")))
     table = lines[header:header + 2 + len(rows)]
@@ -230,6 +404,8 @@ def test_markdown_rows_have_as_many_cells_as_the_header():
     assert all(len(_cells(line)) == len(COLUMNS) for line in table), table
     assert "| W | fwd | dmattn | ok | 0.500 | 1.0% | 0.300 | 0.800 |" in table[2]
     assert "20 back-to-back calls" in "\n".join(lines[:header])
+    decode = [cell.strip() for cell in _cells(table[-1])]
+    assert (decode[COLUMNS.index("K/V BW")], decode[COLUMNS.index("err/bound")]) == ("85%", "0.041")
 
 
 def test_reports_from_before_the_host_and_wall_times_render_them_as_unknown(tmp_path):
