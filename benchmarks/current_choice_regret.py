@@ -25,7 +25,7 @@ from pathlib import Path
 from dmattn_bench import defaults
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.dispatch.lookup import Choice, Dispatcher
-from dmattn_bench.registry import default_entries_for
+from dmattn_bench.registry import decode_config, default_entries_for
 from dmattn_bench.space import TableKey, bias_has_rows, config_label
 
 SOURCES = ("exact entry", "entry at other lengths", "similar entry", "default")
@@ -44,6 +44,8 @@ class OfflineDispatcher(Dispatcher):
         return self.device
 
     def _default(self, key: TableKey, device) -> Choice:
+        if key.direction == "decode":
+            return Choice("triton", decode_config(key.head_dim, "cuda"), "default")
         fwd, bwd = next((fwd, bwd) for low, high, fwd, bwd
                         in default_entries_for(self.arch, "triton", key.dtype, bias_rows=bias_has_rows(key.bias))
                         if low <= key.head_dim <= high)

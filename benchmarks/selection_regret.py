@@ -34,7 +34,7 @@ from dmattn_bench import defaults  # noqa: E402
 from dmattn_bench.dispatch import lookup  # noqa: E402
 from dmattn_bench.dispatch.table import Entry  # noqa: E402
 from dmattn_bench.registry import GPU_DEFAULTS  # noqa: E402
-from dmattn_bench.space import BwdConfig, FwdConfig, TableKey  # noqa: E402
+from dmattn_bench.space import CONFIG_CLASSES, TableKey  # noqa: E402
 
 def similarity_distance(a: dict, b: dict) -> float | None:
     """`lookup.similarity_distance` of two journal keys (dicts)."""
@@ -53,8 +53,7 @@ def read_keys(journals: list[Path]) -> dict[tuple, tuple[dict, dict[tuple, float
 def table_of(keys, held: tuple) -> list[Entry]:
     """The other keys of the held-out key's journal as table entries, each with its fastest
     config (what a table tuned on them would hold)."""
-    config_class = {"fwd": FwdConfig, "bwd": BwdConfig}
-    return [Entry(TableKey(**k), "triton", config_class[k["direction"]](**dict(min(t, key=t.get))), {})
+    return [Entry(TableKey(**k), "triton", CONFIG_CLASSES[k["direction"]](**dict(min(t, key=t.get))), {})
             for other, (k, t) in keys.items() if other != held and other[0] == held[0]]
 
 

@@ -247,14 +247,15 @@ def build_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Input
             v[index, length:] = float("nan")
     block_table = None
     if case.page:
-        k, v, block_table = _paged(k, v, case.page, generator, cache_seqlens)
+        k, v, block_table = paged_cache(k, v, case.page, generator, cache_seqlens)
     return Inputs(q, k, v, mask, bias, dout, cache_seqlens, block_table)
 
 
-def _paged(k, v, page: int, generator, cache_seqlens):
-    """k and v as a paged cache: (blocks, page, Hkv, D) with every sequence's pages scattered in a
-    shuffled pool of NaN-filled blocks, and the (B, pages) block table; a table entry whose keys
-    all lie past a sequence's cache length holds -1 (it must never be read)."""
+def paged_cache(k, v, page: int, generator, cache_seqlens=None):
+    """k and v (B, Lk, Hkv, D) as a paged cache: (blocks, page, Hkv, D) with every sequence's pages
+    scattered in a shuffled pool of NaN-filled blocks, and the (B, pages) int32 block table; with
+    `cache_seqlens`, a table entry whose keys all lie past a sequence's length holds -1 (it must
+    never be read)."""
     batch, seqlen_k, heads_kv, head_dim = k.shape
     pages = -(-seqlen_k // page)
     spare = 3  # blocks no sequence uses
@@ -360,10 +361,11 @@ def _cache_cases() -> list[Case]:
     ]
 
 
-def decode_cases(suite: str) -> list[Case]:
-    """The short-query forward's cases: those of `suite` with at most MAX_DECODE_QUERIES query rows
-    (tile-aware ones on 16 x 16 tiles: the kernel's smallest) and the KV-cache cases."""
-    cases = [case for case in adversarial_cases(suite, [(16, 16)]) if case.seqlen_q <= MAX_DECODE_QUERIES]
+def decode_cases(suite: str, block_n: int) -> list[Case]:
+    """The short-query forward's cases for a config of `block_n` key columns: those of `suite`
+    with at most MAX_DECODE_QUERIES query rows (tile-aware ones on its key tile, 16 query rows: a
+    KV group's rows share one tile) and the KV-cache cases."""
+    cases = [case for case in adversarial_cases(suite, [(16, block_n)]) if case.seqlen_q <= MAX_DECODE_QUERIES]
     return cases + [replace(case, batch=2 * case.batch) if suite == "full" else case for case in _cache_cases()]
 
 

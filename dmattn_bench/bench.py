@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from dmattn_bench import hardware, output
+from dmattn_bench.adversarial import paged_cache
 from dmattn_bench.peers import OURS, OURS_PEERS, PEERS, BenchInputs, DecodeOperands, Prepared, unavailable_reason
 from dmattn_bench.reference import PAGE_MULTIPLE, attention
 from dmattn_bench.space import DTYPES, MAX_DECODE_QUERIES, is_valid_head_dim, load_yaml
@@ -275,12 +276,7 @@ def _decode_inputs(cache: DecodeCache, q, k, v, generator: torch.Generator) -> B
     k_cache[:, cache.filled:], v_cache[:, cache.filled:] = float("nan"), float("nan")
     block_table = None
     if cache.lengths == "paged":
-        pages = seqlen_k // cache.page
-        # pool page p holds page order[p] of the cache (sequence-major); the table inverts it
-        order = torch.randperm(batch * pages, device=k.device, generator=generator)
-        block_table = torch.empty_like(order).scatter_(0, order, torch.arange(batch * pages, device=k.device))
-        block_table = block_table.view(batch, pages).to(torch.int32)
-        k_cache, v_cache = (t.view(batch * pages, cache.page, *t.shape[2:])[order] for t in (k_cache, v_cache))
+        k_cache, v_cache, block_table = paged_cache(k_cache, v_cache, cache.page, generator, seqlens)
     return BenchInputs(q, k, v, padding, None, False, DecodeOperands(k_cache, v_cache, None, seqlens, block_table))
 
 

@@ -27,7 +27,6 @@ import torch
 
 from dmattn_bench import plan
 from dmattn_bench.api import flash_dmattn_func
-from dmattn_bench.registry import decode_config
 from dmattn_bench.space import as_4d, config_label
 
 OURS = "dmattn"
@@ -129,7 +128,10 @@ def _ours_decoding(inputs: BenchInputs, table: str | None, backend: str) -> Prep
     # a call without gradient and with at most MAX_DECODE_QUERIES query rows (a decode workload
     # has no more) runs the short-query forward on "auto" and "triton" (`flash_dmattn_func`)
     if backend in ("auto", "triton"):
-        note = f"triton short-query fwd {config_label(decode_config(q.shape[-1], q.device))}"
+        seqlen_k = step.k.shape[1] * (1 if step.block_table is None else step.block_table.shape[1])
+        _, config = plan.select("decode", q, step.k, as_4d(step.mask), as_4d(inputs.bias), inputs.is_causal, backend,
+                                table, None, False, seqlen_k=seqlen_k)
+        note = f"triton short-query fwd {config_label(config)}"
     else:
         note = _chosen("fwd", q, step.k, step.mask, inputs.bias, inputs.is_causal, backend, table)
     return Prepared(forward, [], note=note)

@@ -80,13 +80,22 @@ def _choose(key: TableKey, device: torch.device, head_dim: int, backend: str, ta
     return get_backend(choice.backend), choice.config
 
 
+def direction_key(keys: tuple[TableKey, TableKey], direction: str) -> TableKey:
+    """The key of `direction` among a call's `table_keys`: the short-query forward ("decode")
+    runs under the forward's key in its own direction."""
+    if direction == "decode":
+        return replace(keys[0], direction="decode")
+    return keys[0 if direction == "fwd" else 1]
+
+
 def select(direction: str, query, key, mask4, bias4, is_causal: bool, backend: str, table: str | None,
-           explicit: FwdConfig | BwdConfig | None, bias_requires_grad: bool):
-    """(Backend, config) a call of these arguments runs `direction` with, before the fp32-bias fit."""
-    keys = table_keys(tuple(query.shape), key.shape[1], key.shape[2], query.dtype,
+           explicit: FwdConfig | BwdConfig | None, bias_requires_grad: bool, seqlen_k: int | None = None):
+    """(Backend, config) a call of these arguments runs `direction` with, before the fp32-bias fit.
+    `seqlen_k`: the logical key length where `key` is not (B, Lk, Hkv, D): a paged cache's."""
+    keys = table_keys(tuple(query.shape), key.shape[1] if seqlen_k is None else seqlen_k, key.shape[2], query.dtype,
                       None if mask4 is None else tuple(mask4.shape), None if bias4 is None else tuple(bias4.shape),
                       is_causal, bias_requires_grad)
-    return _choose(keys[0 if direction == "fwd" else 1], query.device, query.shape[-1], backend, table, explicit,
+    return _choose(direction_key(keys, direction), query.device, query.shape[-1], backend, table, explicit,
                    os.environ.get(dispatch.ENV_VAR))
 
 
@@ -169,10 +178,8 @@ class AttentionPlan:
 
     def _choose(self, direction: str, explicit):
         backend, table, _ = self._requested
-        key = self._keys[0 if direction == "fwd" else 1]
-        if direction == "decode":  # the forward's key in the short-query forward's direction
-            key = replace(key, direction="decode")
-        return _choose(key, self.device, self.out_shape[-1], backend, table, explicit, self._env)
+        return _choose(direction_key(self._keys, direction), self.device, self.out_shape[-1], backend, table, explicit,
+                       self._env)
 
     def bwd_choice(self):
         """The backward's (backend, config), chosen on first use: a call that never runs a backward

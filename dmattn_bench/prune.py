@@ -185,6 +185,8 @@ def estimate_shared_bytes(direction: str, config: Config, head_dim: int, dtype_b
         fwd:  (BLOCK_M + BLOCK_N * S) * D * b                     q once, k per stage
         bwd:  max((BLOCK_N + BLOCK_M * S) * D * b,                dK/dV: k once, q per stage
                   (BLOCK_M_DQ + BLOCK_N_DQ * S) * D * b)          dQ:    q once, k per stage
+        decode: BLOCK_N * S * D * b                               k per stage (the query tile's
+                                                                  rows follow the shape)
     v, dO, the bias tile and layout-conversion scratch come on top, so the real use is higher.
     Measured (Triton 3.9, bf16, D 64/128, sm80/sm90/sm120, the 336 candidates of
     configs/space, 2026-11): real / estimate is 1.33-3.75 fwd, 1.58-3.63 bwd. It bounds the

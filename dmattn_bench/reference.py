@@ -110,6 +110,9 @@ def check_inputs(
             raise TypeError(f"block_table: got dtype {block_table.dtype}, expected torch.int32")
         if block_table.dim() != 2 or block_table.shape[0] != B:
             raise ValueError(f"block_table: got shape {_shape(block_table)}, expected (B, pages) = ({B}, pages)")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:  # the kernel steps through a row by 1
+            raise ValueError(f"block_table: got strides {tuple(block_table.stride())}, expected stride 1 along "
+                             f"the pages (pass block_table.contiguous())")
         if Lk % PAGE_MULTIPLE or Lk == 0:
             raise ValueError(f"key: got shape {_shape(key)} with a block_table, expected (blocks, page, Hkv, D) "
                              f"with a page of a multiple of {PAGE_MULTIPLE} keys")
@@ -127,6 +130,9 @@ def check_inputs(
             raise TypeError(f"cache_seqlens: got dtype {cache_seqlens.dtype}, expected torch.int32")
         if tuple(cache_seqlens.shape) != (B,):
             raise ValueError(f"cache_seqlens: got shape {_shape(cache_seqlens)}, expected (B,) = ({B},)")
+        if B > 1 and cache_seqlens.stride(0) != 1:  # the kernel reads sequence b's length at offset b
+            raise ValueError(f"cache_seqlens: got stride {cache_seqlens.stride(0)}, expected 1 "
+                             f"(pass cache_seqlens.contiguous())")
     for name, t in (("key", key), ("value", value), ("attn_mask", attn_mask),
                     ("attn_bias", attn_bias), ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
         if t is not None and t.device != query.device:

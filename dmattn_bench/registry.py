@@ -102,7 +102,8 @@ def _triton_kernels(direction: str, config, shape: AttentionShape) -> tuple[tupl
     from dmattn_bench.prune import KERNELS, tile_constexprs
 
     if direction == "decode":  # the combine kernel reads no tunable (its split count varies by shape)
-        return (("flash_decode_kernel", config.block_n, config.num_warps, config.num_stages), ("decode_combine_kernel",))
+        return (("flash_decode_kernel", config.block_n, config.num_warps, config.num_stages),
+                ("decode_combine_kernel",))
     shared = (("tile_activity_kernel",),) if shape.has_mask else ()
     if direction == "bwd":
         shared += (("flash_bwd_preprocess_kernel",),)

@@ -116,7 +116,10 @@ class _Problem:
                 t.fill_(float("nan"))
 
     def checks(self, direction: str) -> dict:
-        names = ("out", "lse") if direction != "bwd" else ("dq", "dk", "dv") + (("dbias",) if self.dbias is not None else ())
+        if direction != "bwd":
+            names = ("out", "lse")
+        else:
+            names = ("dq", "dk", "dv") + (("dbias",) if self.dbias is not None else ())
         got = {"out": self.out, "lse": self.lse, "dq": self.dq, "dk": self.dk, "dv": self.dv, "dbias": self.dbias}
         if "dbias" in names:
             got["dbias"] = self.dbias.view(self.inputs.bias.shape)
@@ -201,7 +204,7 @@ def suite_job(backend_name: str, direction: str, config, dtype_name: str, suite:
 
 def suite_cases(direction: str, config, suite: str) -> list[Case]:
     if direction == "decode":
-        return decode_cases(suite)
+        return decode_cases(suite, config.block_n)
     return adversarial_cases(suite, config_tiles(*_alone(direction, config)))
 
 

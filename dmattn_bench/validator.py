@@ -357,7 +357,7 @@ def validate(backend_name: str, fwd_config: FwdConfig | None, bwd_config: BwdCon
         A `SuiteResult`; its `status` is "ok" only if every case passed.
     """
     if backend_name == DECODE:
-        cases = decode_cases(suite) if cases is None else cases
+        cases = decode_cases(suite, fwd_config.block_n) if cases is None else cases
         check = lambda case: check_decode_case(case, dtype, device, fwd_config)  # noqa: E731
     else:
         backend = get_backend(backend_name)
@@ -387,10 +387,10 @@ class PlannedSuite:
 def plan_decode(device: torch.device | str, suite: str) -> list[PlannedSuite]:
     """The short-query forward's config per head-dim class (`registry.decode_config`), each with
     the decode cases of its class: what every call without gradient of few query rows runs."""
-    planned, low, suite_cases = [], 8, decode_cases(suite)
+    planned, low = [], 8
     for high, _ in DECODE_DEFAULTS:
         config = decode_config(high, device)
-        cases = [case for case in suite_cases if low <= case.head_dim <= high]
+        cases = [case for case in decode_cases(suite, config.block_n) if low <= case.head_dim <= high]
         if cases:
             planned.append(PlannedSuite(f"{DECODE} D{low}-{high} (short-query forward)", DECODE, config, None, cases))
         low = high + 8
@@ -423,6 +423,8 @@ def entry_case(key, batch: int = 1) -> Case:
     scores = batch * 2 * key.gqa_ratio * key.seqlen_q_bucket * key.seqlen_k_bucket * fp32_bytes
     heads_kv = 2 if scores <= ENTRY_CASE_SCORE_BYTES else 1
     mask_shape = MASK_SHAPE_OF_KIND.get(key.mask, "full")
+    if key.mask == "shared" and key.seqlen_q_bucket == 1:
+        mask_shape = "key"  # one query row: a (B, 1, 1, Lk) padding mask's kind is "shared"
     bias = key.bias.removesuffix("+grad")
     if bias == "shared":
         bias = "full"
@@ -462,7 +464,8 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
         # head dim (whose tiles need more shared memory) can never reach it
         largest = max(e.key.head_dim for e in group)
         if backend == DECODE:
-            suite_cases, label = decode_cases(suite), f"{DECODE} {config_label(fwd)} ({len(group)} entries)"
+            suite_cases = decode_cases(suite, fwd.block_n)
+            label = f"{DECODE} {config_label(fwd)} ({len(group)} entries)"
         else:
             suite_cases = adversarial_cases(suite, config_tiles(fwd, bwd))
             label = f"{backend} fwd {config_label(fwd)} / bwd {config_label(bwd)} ({len(group)} entries)"

@@ -142,8 +142,9 @@ def test_decode_inputs_give_ours_the_lengths_its_variant_names_and_the_peers_a_p
             continue
         assert ours.mask is None and ours.cache_seqlens.tolist() == [filled, filled]
         if variant == "paged":
-            assert ours.k.shape == (2 * 3, 16, 2, 16) and ours.block_table.shape == (2, 3)
-            assert sorted(ours.block_table.flatten().tolist()) == list(range(6))
+            assert ours.k.shape[1:] == (16, 2, 16) and ours.block_table.shape == (2, 3)
+            blocks = ours.block_table.flatten().tolist()
+            assert len(set(blocks)) == 6 and all(0 <= block < ours.k.shape[0] for block in blocks)
             k_cache, v_cache = (pool[ours.block_table.long()].flatten(1, 2) for pool in (ours.k, ours.v))
         else:
             k_cache, v_cache = ours.k, ours.v

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dmattn_bench import flash_dmattn_func, plan
+from dmattn_bench.adversarial import paged_cache
 from dmattn_bench.reference import attention
 from dmattn_bench.registry import interpreter_enabled
 from dmattn_bench.space import DecodeConfig
@@ -128,19 +129,6 @@ def test_cache_seqlens_needs_a_short_query():
         flash_dmattn_func(q, k, v, cache_seqlens=torch.tensor([80], dtype=torch.int32))
 
 
-def _paged(k, v, page, generator):
-    """k and v as a shuffled pool of pages, and the block table that reads them back."""
-    batch, seqlen_k = k.shape[:2]
-    pages = seqlen_k // page
-    table = torch.randperm(batch * pages + 2, generator=generator)[:batch * pages].view(batch, pages).to(torch.int32)
-    pools = []
-    for t in (k, v):
-        pool = torch.full((batch * pages + 2, page, *t.shape[2:]), float("nan"), dtype=t.dtype)
-        pool[table.view(-1).long()] = t.reshape(batch * pages, page, *t.shape[2:])
-        pools.append(pool)
-    return pools[0], pools[1], table
-
-
 @pytest.mark.parametrize("page", [16, 48], ids=["page16", "page48"])
 def test_a_paged_cache_gives_the_contiguous_result(page):
     """The same keys through a block table over a shuffled NaN-filled pool: the same out and lse
@@ -148,7 +136,7 @@ def test_a_paged_cache_gives_the_contiguous_result(page):
     and within the bound of the reference."""
     q, k, v, mask, bias, seqlens = _case(8, 2, 2, 8, 2, 96, 32, F32, "key", "per_key", [96, 40])
     k, v = (torch.nan_to_num(t, nan=0.0) for t in (k, v))  # the contiguous copy: no NaN tail
-    k_pool, v_pool, table = _paged(k, v, page, torch.Generator().manual_seed(9))
+    k_pool, v_pool, table = paged_cache(k, v, page, torch.Generator().manual_seed(9))
     with torch.no_grad():
         # the interpreter's default runs 16-key tiles, which every page size takes: both calls run
         # the same tiles and splits in the same order
@@ -163,12 +151,23 @@ def test_a_paged_cache_gives_the_contiguous_result(page):
     (torch.zeros(1, 2, dtype=torch.int64), (4, 16, 2, 16), TypeError, "block_table: got dtype torch.int64"),
     (torch.zeros(2, 2, dtype=torch.int32), (4, 16, 2, 16), ValueError, r"block_table: got shape \(2, 2\), expected \(B, pages\) = \(1, pages\)"),
     (torch.zeros(1, 2, dtype=torch.int32), (4, 24, 2, 16), ValueError, "with a page of a multiple of 16 keys"),
+    # every other entry of a row: the kernel steps through a row by 1 and would read the others
+    (torch.zeros(1, 4, dtype=torch.int32)[:, ::2], (4, 16, 2, 16), ValueError,
+     r"block_table: got strides \(4, 2\), expected stride 1 along the pages"),
 ])
 def test_bad_block_tables_are_named(table, key_shape, error, match):
     q = torch.randn(1, 1, 4, 16)
     k = v = torch.randn(key_shape)
     with torch.no_grad(), pytest.raises(error, match=match):
         flash_dmattn_func(q, k, v, block_table=table)
+
+
+def test_strided_cache_seqlens_are_named():
+    """Sequence b's length is read at offset b: every other element of a longer tensor is refused."""
+    q, k = torch.randn(2, 1, 4, 16), torch.randn(2, 32, 2, 16)
+    lengths = torch.tensor([32, 0, 9, 0], dtype=torch.int32)[::2]
+    with torch.no_grad(), pytest.raises(ValueError, match="cache_seqlens: got stride 2, expected 1"):
+        flash_dmattn_func(q, k, k, cache_seqlens=lengths)
 
 
 def test_a_paged_call_with_a_gradient_is_rejected():

@@ -14,7 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from dmattn_bench import dispatch, flash_dmattn_func, plan
-from dmattn_bench.adversarial import build_inputs
+from dmattn_bench.adversarial import build_inputs, paged_cache
 from dmattn_bench.cli.show import show
 from dmattn_bench.cli.tune import parse_duration, tune_command
 from dmattn_bench.cli.verify import verify
@@ -608,8 +608,7 @@ def test_a_decode_config_reads_num_splits_zero_as_auto_and_rejects_negatives(tmp
         config_from_dict(DecodeConfig, {"num_splits": -1})
     with pytest.raises(ValueError, match=r"FwdConfig.block_m: expected a positive int, got 0"):
         config_from_dict(FwdConfig, {"block_m": 0})
-    decode_key = dataclasses.replace(load_workloads(_write(tmp_path / "w.yaml", {"default": _decode_grid()}))[0]
-                                     .key("decode"))
+    decode_key = load_workloads(_write(tmp_path / "w.yaml", {"default": _decode_grid()}))[0].key("decode")
     table = new_table([Entry(decode_key, "triton", DecodeConfig(32, 1, 1, 0), {"median_ms": 1.0})], CPU_FINGERPRINT,
                       interpreter=True)
     dump_table(table, tmp_path / "t.yaml")
@@ -618,6 +617,9 @@ def test_a_decode_config_reads_num_splits_zero_as_auto_and_rejects_negatives(tmp
     (tmp_path / "bad.yaml").write_text(text)
     with pytest.raises(TableError, match=r"config.num_splits: expected an int >= 0, got -1"):
         load_table(tmp_path / "bad.yaml")
+    (tmp_path / "cuda.yaml").write_text((tmp_path / "t.yaml").read_text().replace("backend: triton", "backend: cuda"))
+    with pytest.raises(TableError, match=r"backend: got 'cuda' for a decode entry, expected 'triton'"):
+        load_table(tmp_path / "cuda.yaml")
 
 
 def _validation(kernel_hash: str, date: str, suite: str) -> Validation:
@@ -652,8 +654,6 @@ def test_tuned_decode_keys_merged_into_a_table_are_verified_and_dispatched(tmp_p
     """`tune --merge` adds the decode winners to an existing table; `verify` runs their configs on
     the decode cases and on cases shaped like their keys; a call without gradient of such a shape
     runs the short-query forward with the tuned config."""
-    from dmattn_kernels.triton import decode_launch
-
     prefill_key = load_workloads("configs/ci.yaml")[0].key("fwd")
     prior = tmp_path / "prior.yaml"
     dump_table(new_table([Entry(prefill_key, "triton", CPU_FWD, {"median_ms": 1.0})], CPU_FINGERPRINT, True), prior)
@@ -680,12 +680,48 @@ def test_tuned_decode_keys_merged_into_a_table_are_verified_and_dispatched(tmp_p
     labels = [suite["configs"] for suite in json.loads(verified.stdout)["entries"]]
     assert f"triton-decode {config_label(decode_entry.config)} (1 entries)" in labels
 
-    built = []
-    original = decode_launch.DecodePlan.__init__
-    monkeypatch.setattr(decode_launch.DecodePlan, "__init__",
-                        lambda self, *a, **k: original(self, *a, **k) or built.append(k["config"]))
+    built = _decode_configs_built(monkeypatch)
     dispatch.use_table(out)
+    assert dispatch.choose(decode_entry.key, "cpu").source == f"table:{out}"
     inputs = build_inputs(load_workloads(workloads)[0].case(), torch.float32, "cpu")
     with torch.no_grad():
         flash_dmattn_func(inputs.q, inputs.k, inputs.v)
     assert built == [decode_entry.config]
+
+
+def _decode_configs_built(monkeypatch) -> list:
+    """The configs of the short-query forward plans built from now on, in order."""
+    from dmattn_kernels.triton import decode_launch
+
+    built = []
+    original = decode_launch.DecodePlan.__init__
+    monkeypatch.setattr(decode_launch.DecodePlan, "__init__",
+                        lambda self, *a, **k: original(self, *a, **k) or built.append(k["config"]))
+    return built
+
+
+@pytest.mark.parametrize("variant", ["none", "padding mask", "cache_seqlens", "paged"])
+def test_a_call_without_gradient_runs_the_decode_entry_of_its_workloads_key(tmp_path, monkeypatch, variant):
+    """The runtime derives a decode call's key as the tuner derives its workload's (a padding mask
+    at one query row is `shared`; `cache_seqlens` and a paged cache keep the cache's logical
+    length) and runs that entry's config, one no default has."""
+    mask = "per_key" if variant == "padding mask" else "none"
+    workload = load_workloads(_write(tmp_path / "w.yaml", {"default": _decode_grid(
+        variants=[{"mask": mask, "bias": "none"}])}))[0]
+    tuned = DecodeConfig(32, 1, 1, 2)
+    table = tmp_path / "t.yaml"
+    dump_table(new_table([Entry(workload.key("decode"), "triton", tuned, {"median_ms": 1.0})], CPU_FINGERPRINT, True),
+               table)
+    built = _decode_configs_built(monkeypatch)
+    dispatch.use_table(table)
+    inputs = build_inputs(workload.case(), torch.float32, "cpu")
+    k, v, options = inputs.k, inputs.v, {}
+    if variant == "padding mask":
+        options["attn_mask"] = inputs.mask
+    if variant in ("cache_seqlens", "paged"):
+        options["cache_seqlens"] = torch.full((workload.batch,), workload.seqlen_k - 5, dtype=torch.int32)
+    if variant == "paged":
+        k, v, options["block_table"] = paged_cache(k, v, 16, torch.Generator().manual_seed(0), options["cache_seqlens"])
+    with torch.no_grad():
+        out = flash_dmattn_func(inputs.q, k, v, **options)
+    assert built == [tuned] and torch.isfinite(out).all()

@@ -71,6 +71,9 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[st
         else:
             direction = document.get("direction")
             spaces[direction] = load_space(path, backend, direction, section)
+    if "decode" in spaces and backend != "triton":
+        raise click.BadParameter(f"a decode space is the Triton backend's (the short-query forward), not {backend}'s",
+                                 param_hint="--space")
     missing = {"fwd", "bwd"} - set(spaces)
     if missing:
         raise click.BadParameter(f"no search space given for {sorted(missing)}", param_hint="--space")

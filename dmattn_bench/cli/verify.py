@@ -92,8 +92,8 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
 
 
 def _decode(backend: str | None, device: str, suite: str) -> list:
-    """The short-query forward's suites, which every Triton call without gradient of few query rows
-    runs (whatever the table holds); none when verifying another backend."""
+    """The short-query forward's default configs' suites (what its calls run where the table has no
+    decode entry near their key); none when verifying another backend."""
     return plan_decode(device, suite) if backend in (None, "triton") else []
 
 

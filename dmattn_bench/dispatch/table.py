@@ -47,7 +47,8 @@ import yaml
 from dmattn_bench.hardware import DeviceFingerprint, software_versions
 from dmattn_bench.registry import BACKEND_NAMES, kernel_source_hash
 from dmattn_bench import space
-from dmattn_bench.space import CONFIG_CLASSES, OPERAND_KINDS, TUNED_DIRECTIONS, BwdConfig, DecodeConfig, FwdConfig, TableKey
+from dmattn_bench.space import (CONFIG_CLASSES, OPERAND_KINDS, TUNED_DIRECTIONS, BwdConfig, DecodeConfig, FwdConfig,
+                                TableKey)
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # 1: one `kernel_hashes` map, converted on load (module docstring)
@@ -157,7 +158,7 @@ def _mapping(value: Any, where: str, required: tuple[str, ...] | None) -> dict:
 def _int(value: Any, where: str, minimum: int = 1) -> int:
     # bool is an int subclass; `causal: true` in an int slot is a mistake, not 1.
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        kind = "a positive int" if minimum == 1 else "an int >= 0"
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise _Bad(where, f"expected {kind}, got {_show(value)}")
     return value
 
@@ -282,6 +283,9 @@ def _entry(doc: Any, where: str, v1_stamp: dict[str, Timing] | None) -> Entry:
     values = {name: _int(value, f"{where}.config.{name}", tunables[name].metadata.get("minimum", 1))
               for name, value in config.items()}
     backend = _str(doc["backend"], f"{where}.backend", BACKEND_NAMES)
+    if key.direction == "decode" and backend != "triton":
+        raise _Bad(f"{where}.backend", f"got {backend!r} for a decode entry, expected 'triton' (the short-query "
+                                       f"forward is a Triton kernel)")
     return Entry(
         key=key,
         backend=backend,
