@@ -29,23 +29,24 @@ from dmattn_bench.hardware import ArchLimits, parse_arch, search_section
 from dmattn_bench.space import (
     ARCH_FAMILIES,
     CONFIG_CLASSES,
-    DIRECTIONS,
     TUNED_DIRECTIONS,
     AttentionShape,
     BwdConfig,
+    DecodeConfig,
     FwdConfig,
     expand_grid,
     load_yaml,
 )
 from dmattn_bench.workers import abandon_pool, ignore_interrupts
 
-Config = FwdConfig | BwdConfig
+Config = FwdConfig | BwdConfig | DecodeConfig
 
 STATUSES = ("fits", "unsupported", "compile_error")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # The kernels of a direction that have tunables (the bwd preprocess kernel has a fixed tile).
 KERNELS = {"fwd": ("flash_fwd_kernel",),
-           "bwd": ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "flash_bwd_dq_from_ds_kernel")}
+           "bwd": ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "flash_bwd_dq_from_ds_kernel"),
+           "decode": ("flash_decode_kernel",)}
 # The feature variants a config must serve, compiled for each candidate (the fit is the max over
 # them). Causal + bias (+ dBias with query rows) carry the most tiles; softcap adds none; GROUP
 # alone only changes head arithmetic. Both mask settings are compiled: with a mask the loops walk
@@ -53,16 +54,21 @@ KERNELS = {"fwd": ("flash_fwd_kernel",),
 # registers differ between the two. The dK/dV kernel's group mode (a GQA dBias with
 # query rows) holds one more fp32 tile, so it is a variant of its own; a variant is compiled only
 # for the kernels that take every flag it changes (`_serves`). A per-key bias (BIAS_PER_KEY) reads a
-# key vector where a full bias reads a tile, so the full bias is the worst case.
+# key vector where a full bias reads a tile, so the full bias is the worst case. The short-query
+# forward reads a mask and bias row per query row unless every row of a program shares one
+# (MASK_SHARED, BIAS_SHARED), and its key tiles through a block table when the cache is paged: it
+# is compiled paged and contiguous.
 WORST_CASE_FEATURES = dict(
     IS_CAUSAL=True, HAS_MASK=True, HAS_BIAS=True, HAS_SOFTCAP=False,
     HAS_DBIAS=True, DBIAS_ROWS=True, GROUP=1, HEADS_PER_PROGRAM=1, BIAS_PER_KEY=False,
+    HAS_SEQLENS=True, MASK_SHARED=False, BIAS_SHARED=False, PAGED=True, PAGE_SIZE=256,
 )
 FEATURE_VARIANTS = (
     WORST_CASE_FEATURES,
     dict(WORST_CASE_FEATURES, HAS_MASK=False),
     dict(WORST_CASE_FEATURES, GROUP=4, HEADS_PER_PROGRAM=4),
     dict(WORST_CASE_FEATURES, GROUP=4, HEADS_PER_PROGRAM=4, HAS_MASK=False),
+    dict(WORST_CASE_FEATURES, PAGED=False, PAGE_SIZE=0),
 )
 # Strides that are 1 in a contiguous launch: Triton specializes an int argument equal to 1 into a
 # constexpr, which enables vectorized loads (and so changes shared-memory use).
@@ -80,7 +86,7 @@ BIAS_POINTERS = ("bias_ptr",)  # the input dtype or fp32 (DESIGN §1)
 # monotone in shared memory: fp32 bias is larger per tile, but 16-bit bias tiles get pipelined.
 SPECIALIZATIONS = tuple(dict(ints_aligned=aligned, bias_fp32=fp32) for aligned in (False, True) for fp32 in (False, True))
 U8_POINTERS = ("mask_ptr",)  # bool masks are launched as a uint8 view
-I32_POINTERS = ("blocks_ptr",)  # the block lists of `launch.block_lists`
+I32_POINTERS = ("blocks_ptr", "seqlens_ptr", "block_table_ptr")  # block lists, cache lengths, a paged cache's table
 KV_DESCRIPTORS = ("k_desc", "v_desc")  # the forward's K/V: TMA descriptors where `launch.kv_by_tma`, else pointers
 FP32_SCALARS = ("softmax_scale", "softcap")
 WARP_SIZE = 32
@@ -251,9 +257,10 @@ def precheck(direction: str, config: Config, limits: ArchLimits, head_dim: int, 
 # -- cross-compilation --------------------------------------------------------------------------
 
 def _kernel_functions(direction: str) -> list:
-    from dmattn_kernels.triton import flash_bwd, flash_fwd
+    from dmattn_kernels.triton import flash_bwd, flash_decode, flash_fwd
 
-    return [getattr(flash_fwd if direction == "fwd" else flash_bwd, name) for name in KERNELS[direction]]
+    module = {"fwd": flash_fwd, "bwd": flash_bwd, "decode": flash_decode}[direction]
+    return [getattr(module, name) for name in KERNELS[direction]]
 
 
 def _kernels_compilable() -> bool:
@@ -264,9 +271,14 @@ def _kernels_compilable() -> bool:
 
 
 def tile_constexprs(kernel_name: str, config: Config) -> dict[str, int]:
-    """The tile sizes the launcher gives kernel `kernel_name` of `KERNELS` from `config`."""
+    """The tile sizes the launcher gives kernel `kernel_name` of `KERNELS` from `config` (the
+    short-query forward's rows: the most `decode_launch` packs into one tile)."""
     if kernel_name in ("flash_bwd_dq_kernel", "flash_bwd_dq_from_ds_kernel"):
         return {"BLOCK_M": config.block_m_dq, "BLOCK_N": config.block_n_dq}
+    if kernel_name == "flash_decode_kernel":
+        from dmattn_kernels.triton.decode_launch import MAX_BLOCK_M
+
+        return {"BLOCK_M": MAX_BLOCK_M, "BLOCK_N": config.block_n}
     return {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
 
 
@@ -465,7 +477,7 @@ def compile_candidate(direction: str, config: Config, arch: str, head_dim: int, 
         worker.
     """
     if direction not in KERNELS:
-        raise ValueError(f"direction: got {direction!r}, expected one of {DIRECTIONS}")
+        raise ValueError(f"direction: got {direction!r}, expected one of {TUNED_DIRECTIONS}")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype: got {dtype!r}, expected one of {sorted(DTYPE_BYTES)}")
     if _kernels_compilable():
@@ -495,7 +507,7 @@ def _configs_for(spaces: Spaces, section: str) -> list[tuple[str, Config]]:
         pairs = []
         for direction, configs in spaces.items():
             if direction not in CONFIG_CLASSES:
-                raise ValueError(f"direction: got {direction!r}, expected one of {DIRECTIONS}")
+                raise ValueError(f"direction: got {direction!r}, expected one of {TUNED_DIRECTIONS}")
             cls = CONFIG_CLASSES[direction]
             for config in configs:
                 if not isinstance(config, cls):
@@ -506,8 +518,8 @@ def _configs_for(spaces: Spaces, section: str) -> list[tuple[str, Config]]:
     for path in spaces:
         data = read_yaml_mapping(path)
         direction = data.get("direction")
-        if direction not in DIRECTIONS:
-            raise ValueError(f"{path}: direction is {direction!r}, expected one of {DIRECTIONS}")
+        if direction not in TUNED_DIRECTIONS:
+            raise ValueError(f"{path}: direction is {direction!r}, expected one of {TUNED_DIRECTIONS}")
         pairs += [(direction, c) for c in load_space(path, "triton", direction, section)]
     return pairs
 

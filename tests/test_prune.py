@@ -26,23 +26,23 @@ from dmattn_bench.prune import (
     load_ci_space,
     load_space,
 )
-from dmattn_bench.space import ARCH_FAMILIES, BwdConfig, FwdConfig
+from dmattn_bench.space import ARCH_FAMILIES, CONFIG_CLASSES, BwdConfig, DecodeConfig, FwdConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_DIR = ROOT / "configs" / "space"
 SMALL_FWD = FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd", "decode"])
 @pytest.mark.parametrize("section", ARCH_FAMILIES)
 def test_shipped_spaces_load(direction, section):
     configs = load_space(SPACE_DIR / f"triton-{direction}.yaml", "triton", direction, section)
     assert configs
-    assert all(isinstance(c, FwdConfig if direction == "fwd" else BwdConfig) for c in configs)
+    assert all(isinstance(c, CONFIG_CLASSES[direction]) for c in configs)
     assert len(set(configs)) == len(configs)
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd", "decode"])
 def test_ci_space_loads(direction):
     assert load_ci_space(ROOT / "configs" / "ci.yaml", "triton", direction)
 
@@ -99,6 +99,17 @@ def test_cross_compile_backward_in_every_mode():
     candidate = compile_candidate("bwd", config, "sm90", 64, "bf16")
     assert candidate.status == "fits", candidate.reason
     assert 0 < candidate.shared_bytes <= ARCH_LIMITS["sm90"].shared_memory_per_block
+
+
+def test_the_short_query_forward_cross_compiles_paged_and_contiguous_for_sm80_and_sm120():
+    """compile-check covers the decode space: the short-query forward's kernel in the variants
+    it serves (paged and contiguous, with and without a mask; not the backward's group mode)."""
+    decode_variants = [v for v in prune.FEATURE_VARIANTS if prune._serves(prune._kernel_functions("decode")[0], v)]
+    assert {(v["PAGED"], v["HAS_MASK"]) for v in decode_variants} == {(True, True), (True, False), (False, True)}
+    results = check_space({"decode": [DecodeConfig(64, 4, 2, 0)]}, ["sm80", "sm120"], [128], "bf16", jobs=2)
+    for candidate in results:
+        assert candidate.status == "fits", candidate.reason
+        assert 0 < candidate.shared_bytes <= ARCH_LIMITS[candidate.arch].shared_memory_per_block
 
 
 def test_real_shared_memory_over_limit_is_data():

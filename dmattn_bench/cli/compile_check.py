@@ -11,7 +11,7 @@ from dmattn_bench import output
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import ARCH_LIMITS, parse_arch, search_section
 from dmattn_bench.prune import DTYPE_BYTES, STATUSES, Candidate, check_space, load_space, plan_space, space_path
-from dmattn_bench.space import CONFIGS_DIR, DIRECTIONS
+from dmattn_bench.space import CONFIGS_DIR, TUNED_DIRECTIONS
 
 TOP_REASONS = 3
 # What each deciding check means, for the summary's reasons column.
@@ -50,7 +50,7 @@ def _arch_list(ctx, param, value: str) -> list[str]:
 def _summary(candidates: list[Candidate], archs: list[str]) -> list[dict]:
     rows = []
     for arch in archs:
-        for direction in DIRECTIONS:
+        for direction in TUNED_DIRECTIONS:
             group = [c for c in candidates if c.arch == arch and c.direction == direction]
             if not group:
                 continue
@@ -113,13 +113,14 @@ def compile_check(archs: list[str], backend: str, head_dims: list[int], dtype: s
 
 
 def _check_triton(archs: list[str], head_dims: list[int], dtype: str, space_dir: str, jobs: int | None):
-    paths = [space_path(space_dir, "triton", direction) for direction in DIRECTIONS]
+    paths = [space_path(space_dir, "triton", direction) for direction in TUNED_DIRECTIONS]
     for path in paths:
         if not path.exists():
             output.warn(f"no search space {path}: its direction is skipped")
     paths = [path for path in paths if path.exists()]
     if not paths:
-        raise click.BadParameter(f"no triton-fwd.yaml or triton-bwd.yaml in {space_dir}", param_hint="--space-dir")
+        raise click.BadParameter(f"no triton-fwd.yaml, triton-bwd.yaml or triton-decode.yaml in {space_dir}",
+                                 param_hint="--space-dir")
     try:
         # Loading every section up front reports a malformed space before any compiling.
         total = len(plan_space(paths, archs, head_dims))
