@@ -38,7 +38,7 @@ from dmattn_bench.reference import PAGE_MULTIPLE, attention
 from dmattn_bench.space import DTYPES, MAX_DECODE_QUERIES, is_valid_head_dim, load_yaml
 from dmattn_bench.timing import eager_wall_ms, time_kernel
 from dmattn_bench.validator import TensorCheck, compare
-from dmattn_bench.workloads import Workload
+from dmattn_bench.workloads import Workload, positive_int
 
 DIRECTIONS = ("fwd", "fwd+bwd")
 _MASK_KINDS = ("full", "kv_head")
@@ -98,10 +98,7 @@ class PeerWorkload:
 
 
 def _positive(entry: dict, key: str, where: str) -> int:
-    value = entry[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}.{key}: got {value!r}, expected a positive integer")
-    return value
+    return positive_int(entry[key], f"{where}.{key}")
 
 
 def _dtype_and_heads(entry: dict, where: str, dtype_override: str | None) -> tuple[str, int, int]:
@@ -440,13 +437,6 @@ class _Mismatch(Exception):
     """Our forward failed its check against the reference; the reason is already one line."""
 
 
-def _mismatch_reason(check: TensorCheck) -> str:
-    if not check.finite:
-        return f"out: {check.detail}, where the reference has none"
-    return (f"out differs from the reference: error {check.error:.3g} over the bound {check.bound:.3g} "
-            f"({check.ratio:.3g}x), {check.detail}")
-
-
 def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str | None, device, repeats: int,
                   peaks, copy_bytes_per_s: float | None, ours_out: torch.Tensor | None,
                   advance) -> tuple[list[Row], torch.Tensor | None]:
@@ -475,7 +465,7 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
                             check = check_against_reference(out, inputs)
                             row.error_over_bound = check.ratio if check.finite else None
                             if not check.passed:
-                                raise _Mismatch(_mismatch_reason(check))
+                                raise _Mismatch(f"against the reference, {check.failure()}")
                         timing = time_kernel(prepared.forward, device, repeats=repeats)
                         wall_ms = eager_wall_ms(prepared.forward, device, calls, loops, warmup=0)
                         if ours_out is not None and prepared.semantic:

@@ -128,9 +128,8 @@ def _ours_decoding(inputs: BenchInputs, table: str | None, backend: str) -> Prep
     # a call without gradient and with at most MAX_DECODE_QUERIES query rows (a decode workload
     # has no more) runs the short-query forward on "auto" and "triton" (`flash_dmattn_func`)
     if backend in ("auto", "triton"):
-        seqlen_k = step.k.shape[1] * (1 if step.block_table is None else step.block_table.shape[1])
         _, config = plan.select("decode", q, step.k, as_4d(step.mask), as_4d(inputs.bias), inputs.is_causal, backend,
-                                table, None, False, seqlen_k=seqlen_k)
+                                table, None, False, block_table=step.block_table)
         note = f"triton short-query fwd {config_label(config)}"
     else:
         note = _chosen("fwd", q, step.k, step.mask, inputs.bias, inputs.is_causal, backend, table)

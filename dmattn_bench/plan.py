@@ -26,6 +26,7 @@ import torch
 
 from dmattn_bench import dispatch, registry
 from dmattn_bench.registry import decode_config, default_configs, get_backend
+from dmattn_bench.reference import cache_length
 from dmattn_bench.space import (DTYPE_NAMES, MAX_DECODE_QUERIES, BwdConfig, FwdConfig, TableKey, as_4d, operand_kind,
                                 seqlen_bucket)
 
@@ -89,10 +90,10 @@ def direction_key(keys: tuple[TableKey, TableKey], direction: str) -> TableKey:
 
 
 def select(direction: str, query, key, mask4, bias4, is_causal: bool, backend: str, table: str | None,
-           explicit: FwdConfig | BwdConfig | None, bias_requires_grad: bool, seqlen_k: int | None = None):
-    """(Backend, config) a call of these arguments runs `direction` with, before the fp32-bias fit.
-    `seqlen_k`: the logical key length where `key` is not (B, Lk, Hkv, D): a paged cache's."""
-    keys = table_keys(tuple(query.shape), key.shape[1] if seqlen_k is None else seqlen_k, key.shape[2], query.dtype,
+           explicit: FwdConfig | BwdConfig | None, bias_requires_grad: bool, block_table=None):
+    """(Backend, config) a call of these arguments runs `direction` with, before the fp32-bias fit
+    (`block_table`: `key` is a paged cache's pool)."""
+    keys = table_keys(tuple(query.shape), cache_length(key, block_table), key.shape[2], query.dtype,
                       None if mask4 is None else tuple(mask4.shape), None if bias4 is None else tuple(bias4.shape),
                       is_causal, bias_requires_grad)
     return _choose(direction_key(keys, direction), query.device, query.shape[-1], backend, table, explicit,
@@ -126,7 +127,7 @@ class AttentionPlan:
                  block_table: torch.Tensor | None = None):
         batch, seqlen_q, num_heads, _ = q.shape
         # a paged cache is (blocks, page, Hkv, D): its logical length is the table's pages x page
-        seqlen_k = k.shape[1] if block_table is None else block_table.shape[1] * k.shape[1]
+        seqlen_k = cache_length(k, block_table)
         self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap)
         self.device, self.dtype = q.device, q.dtype
         self.out_shape, self.lse_shape = tuple(q.shape), (batch, num_heads, seqlen_q)

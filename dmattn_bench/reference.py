@@ -116,7 +116,7 @@ def check_inputs(
         if Lk % PAGE_MULTIPLE or Lk == 0:
             raise ValueError(f"key: got shape {_shape(key)} with a block_table, expected (blocks, page, Hkv, D) "
                              f"with a page of a multiple of {PAGE_MULTIPLE} keys")
-        Lk = block_table.shape[1] * Lk  # the logical length the mask and bias broadcast over
+        Lk = cache_length(key, block_table)  # the logical length the mask and bias broadcast over
     if (block_table is None and key.shape[0] != B) or key.shape[3] != D:
         layout = f"(B={B}, Lk, Hkv, D={D})" if block_table is None else f"(blocks, page, Hkv, D={D})"
         raise ValueError(f"key: got shape {_shape(key)}, expected {layout} to match query {_shape(query)}")
@@ -162,6 +162,11 @@ def _expand_scores_like(
     if dims[1] == Hkv and Hkv != H:
         t = t.repeat_interleave(H // Hkv, dim=1)  # query head h reads KV head h // group
     return t.expand(B, H, Lq, Lk)
+
+
+def cache_length(key: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """The keys per sequence a call's key covers: Lk, or a paged cache's pages * page."""
+    return key.shape[1] * (1 if block_table is None else block_table.shape[1])
 
 
 def _gather_pages(key, value, block_table, cache_seqlens):

@@ -56,6 +56,12 @@ class TensorCheck:
     def passed(self) -> bool:
         return self.finite and self.error <= self.bound
 
+    def failure(self) -> str:
+        """Why it failed, one line: its non-finite elements, else its error over the bound."""
+        if not self.finite:
+            return f"{self.name}: {self.detail}"
+        return f"{self.name}: error {self.error:.3g} > bound {self.bound:.3g} (x{self.ratio:.2f}), {self.detail}"
+
 
 @dataclass
 class CaseResult:
@@ -315,11 +321,10 @@ def _verdict(case: Case, first, second, high, low, dtype: torch.dtype) -> CaseRe
     failed = [c for c in checks.values() if not c.passed]
     if any(not c.finite for c in failed):
         bad = next(c for c in failed if not c.finite)
-        return CaseResult(case.name, "nonfinite", f"{bad.name}: {bad.detail}", checks)
+        return CaseResult(case.name, "nonfinite", bad.failure(), checks)
     if failed:
         bad = max(failed, key=lambda c: c.ratio)
-        reason = f"{bad.name}: error {bad.error:.3g} > bound {bad.bound:.3g} (x{bad.ratio:.2f}), {bad.detail}"
-        return CaseResult(case.name, "mismatch", reason, checks)
+        return CaseResult(case.name, "mismatch", bad.failure(), checks)
     for name in first:
         if not torch.equal(first[name], second[name]):
             return CaseResult(case.name, "mismatch", f"{name}: a repeat run differs bitwise (non-deterministic)", checks)

@@ -110,7 +110,7 @@ def _axis(grid: dict, name: str, where: str) -> list:
     return values
 
 
-def _positive_int(value, where: str) -> int:
+def positive_int(value, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{where}: got {value!r}, expected a positive integer")
     return value
@@ -118,15 +118,15 @@ def _positive_int(value, where: str) -> int:
 
 def _checked_axes(grid: dict, where: str) -> list[list]:
     """The head_dim, seqlen, causal, gqa_ratio and variants axes, each value checked."""
-    head_dims = [_positive_int(d, f"{where}.head_dim") for d in _axis(grid, "head_dim", where)]
+    head_dims = [positive_int(d, f"{where}.head_dim") for d in _axis(grid, "head_dim", where)]
     for head_dim in head_dims:
         if not is_valid_head_dim(head_dim):
             raise ValueError(f"{where}.head_dim: got {head_dim}, expected a multiple of 8 in [8, 256]")
-    seqlens = [_positive_int(n, f"{where}.seqlen") for n in _axis(grid, "seqlen", where)]
+    seqlens = [positive_int(n, f"{where}.seqlen") for n in _axis(grid, "seqlen", where)]
     causals = _axis(grid, "causal", where)
     if any(not isinstance(c, bool) for c in causals):
         raise ValueError(f"{where}.causal: got {causals}, expected true/false values")
-    gqa_ratios = [_positive_int(g, f"{where}.gqa_ratio") for g in _axis(grid, "gqa_ratio", where)]
+    gqa_ratios = [positive_int(g, f"{where}.gqa_ratio") for g in _axis(grid, "gqa_ratio", where)]
     variants = _axis(grid, "variants", where)
     if any(not isinstance(v, dict) for v in variants):
         raise ValueError(f"{where}.variants: expected mappings like {{mask: full, bias: per_key, bias_grad: true}}")
@@ -140,12 +140,12 @@ def _expand(grid: dict, where: str, dtypes: list[str] | None) -> list[Workload]:
     missing = sorted(GRID_KEYS - set(grid))
     if unknown or missing:
         raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
-    tokens, heads = _positive_int(grid["tokens"], f"{where}.tokens"), _positive_int(grid["heads"], f"{where}.heads")
+    tokens, heads = positive_int(grid["tokens"], f"{where}.tokens"), positive_int(grid["heads"], f"{where}.heads")
     workloads = []
     axes = _checked_axes(grid, where)
     query_lengths = None
     if "seqlen_q" in grid:
-        query_lengths = [_positive_int(n, f"{where}.seqlen_q") for n in _axis(grid, "seqlen_q", where)]
+        query_lengths = [positive_int(n, f"{where}.seqlen_q") for n in _axis(grid, "seqlen_q", where)]
     for dtype in dtypes or _axis(grid, "dtype", where):
         if dtype not in DTYPES:
             raise ValueError(f"{where}.dtype: got {dtype!r}, expected one of {tuple(DTYPES)}")

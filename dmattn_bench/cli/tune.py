@@ -67,7 +67,8 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[st
         document = read_yaml_mapping(path)
         if "space" in document:
             given = (document["space"] or {}).get(backend) or {}
-            spaces.update({d: load_ci_space(path, backend, d) for d in TUNED_DIRECTIONS if d in given or d != "decode"})
+            directions = ("fwd", "bwd") + (("decode",) if "decode" in given else ())
+            spaces.update({d: load_ci_space(path, backend, d) for d in directions})
         else:
             direction = document.get("direction")
             spaces[direction] = load_space(path, backend, direction, section)

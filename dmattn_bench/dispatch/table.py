@@ -516,19 +516,16 @@ def merged(kept: Table, tuned: Table) -> Table:
     tuned_keys = {entry.key for entry in tuned.entries}
     carried = tuple(entry for entry in kept.entries if entry.key not in tuned_keys)
     validated = {backend: dict(per_dtype) for backend, per_dtype in tuned.validated.items()}
-    for entry in carried:
-        old = kept.validated.get(entry.backend, {}).get(entry.key.dtype)
-        new = validated.setdefault(entry.backend, {}).get(entry.key.dtype)
-        if old is None:
-            continue  # an unvalidated entry: its backend and dtype lose their record below
-        if new is None or new.kernel_hash != old.kernel_hash:
-            weaker = old
+    for backend, dtype in {(entry.backend, entry.key.dtype) for entry in carried}:
+        old = kept.validated.get(backend, {}).get(dtype)
+        per_dtype = validated.setdefault(backend, {})
+        new = per_dtype.get(dtype)
+        if old is None:  # an unvalidated entry leaves its backend and dtype unvalidated
+            per_dtype.pop(dtype, None)
+        elif new is None or new.kernel_hash != old.kernel_hash:
+            per_dtype[dtype] = old
         else:
-            weaker = min(old, new, key=lambda v: (v.suite == "full", v.date))
-        validated[entry.backend][entry.key.dtype] = weaker
-    for entry in carried:
-        if entry.key.dtype not in kept.validated.get(entry.backend, {}):
-            validated[entry.backend].pop(entry.key.dtype, None)
+            per_dtype[dtype] = min(old, new, key=lambda v: (v.suite == "full", v.date))
     return replace(tuned, entries=tuned.entries + carried, validated=validated)
 
 
