@@ -84,32 +84,41 @@ def pieces(device) -> list[tuple[str, float]]:
 
 
 def ab(device) -> list[tuple[str, float]]:
-    """Our launches through the C launcher and through Triton's `CompiledKernel.run`, in one
-    process: medians of interleaved rounds of the small step (forward without and with a
-    gradient, forward+backward)."""
+    """Our launch paths in one process: one native call per run (`native.py`), the C launcher
+    per kernel (`handles.DirectLaunch`) and Triton's `CompiledKernel.run`; medians of
+    interleaved rounds of the small step (forward without and with a gradient, forward+backward)
+    and of a decode step (B1 Lk8192, padding mask)."""
+    from contextlib import nullcontext
+
     from dmattn_bench import plan as plans
+    from dmattn_bench import native
     from dmattn_kernels.triton import launch
 
     shape = next(s for n, s in host_overhead._scenarios(device).items() if n.startswith("small"))
     q, k, v, mask, bias, causal, leaves = host_overhead._inputs(shape, device, True)
     grad_out = torch.randn_like(q)
+    dq, dk, dv, dmask, _ = _decode_inputs(1, 8192, True, device)
     calls = {
         "fwd, no grad": lambda: flash_dmattn_func(q.detach(), k.detach(), v.detach(), mask, bias.detach(),
                                                   is_causal=causal),
         "fwd": lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=causal),
         "fwd+bwd": lambda: torch.autograd.grad(flash_dmattn_func(q, k, v, mask, bias, is_causal=causal), leaves,
                                                grad_out),
+        "decode B1 Lk8192, padding mask": lambda: flash_dmattn_func(dq, dk, dv, dmask),
     }
     direct = launch.direct_launch
-    ways = {"C launcher (handles.DirectLaunch)": direct, "Triton's CompiledKernel.run": lambda *a: None}
+    ways = {"native call (native.Program)": (direct, nullcontext),
+            "C launcher (handles.DirectLaunch)": (direct, native.switched_off),
+            "Triton's CompiledKernel.run": (lambda *a: None, native.switched_off)}
     samples: dict[str, list[float]] = {}
     for _ in range(5):
-        for way, launcher in ways.items():
+        for way, (launcher, context) in ways.items():
             launch.direct_launch = launcher
-            plans.clear()
-            launch.clear_plans()
-            for name, fn in calls.items():
-                samples.setdefault(f"{name}, {way}", []).append(host_us(fn, n=30))
+            with context():
+                plans.clear()
+                launch.clear_plans()
+                for name, fn in calls.items():
+                    samples.setdefault(f"{name}, {way}", []).append(host_us(fn, n=30))
     launch.direct_launch = direct
     return [(name, statistics.median(values)) for name, values in samples.items()]
 

@@ -245,6 +245,15 @@ class AttentionPlan:
         device = self.device
         if dout.stride(-1) != 1:
             dout = dout.contiguous()  # a copy of the incoming gradient, never of an input
+        # the incoming gradients' layouts vary between callers (an expanded dout, an lse gradient)
+        layout = (dout.stride(), dout.data_ptr() & 15, None if dlse is None else (dlse.stride(), dlse.data_ptr() & 15),
+                  bias_requires_grad)
+        launch = self._bwd_launches.get(layout)
+        if launch is not None:  # a Triton plan: once compiled, it allocates and launches in one native call
+            grads = launch.allocate_and_run(dout, q, k, v, out, lse, mask, bias, activity, dlse)
+            if grads is not None:
+                dq, dk, dv, dbias = grads
+                return dq, dk, dv, None if dbias is None else dbias.view(self.bias_shape)
         dq, dk, dv = (torch.empty_like(t) if contiguous else torch.empty(t.shape, dtype=self.dtype, device=device)
                       for t, contiguous in zip((q, k, v), self.contiguous))
         dbias = torch.empty(self.bias4_shape, dtype=self.bias_dtype, device=device) if bias_requires_grad else None
@@ -262,10 +271,6 @@ class AttentionPlan:
             backend.backward(dout, q, k, v, out, lse, as_4d(mask), as_4d(bias), config=config, dq=dq, dk=dk, dv=dv,
                              dbias=dbias, **self.options, **extra)
             return dq, dk, dv, grad_bias
-        # the incoming gradients' layouts vary between callers (an expanded dout, an lse gradient)
-        layout = (dout.stride(), dout.data_ptr() & 15, None if dlse is None else (dlse.stride(), dlse.data_ptr() & 15),
-                  bias_requires_grad)
-        launch = self._bwd_launches.get(layout)
         if launch is None:
             launch = self._bwd_launches[layout] = backend.backward_plan(
                 dout, q, k, v, out, lse, as_4d(mask), as_4d(bias), config=config, dq=dq, dk=dk, dv=dv, dbias=dbias,
@@ -281,13 +286,27 @@ def _tensor_signature(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
 
 
+def python_tensor_layouts(*tensors) -> tuple:
+    return tuple(None if t is None else _tensor_signature(t) for t in tensors)
+
+
+# the tensors' part of a plan key: `python_tensor_layouts`, or the native launch path's equivalent once a
+# GPU plan has loaded it (`use_tensor_layouts`)
+_layouts: Callable[..., object] = python_tensor_layouts
+
+
+def use_tensor_layouts(layouts: Callable[..., object]) -> None:
+    """Keys plans by `layouts(q, k, v, mask, bias, cache_seqlens, block_table)` from now on: a
+    value that equals another exactly when the tensors' shapes, strides, dtypes, devices and
+    16-byte alignments do, raising TypeError on a non-tensor. Plans keyed before stay unused."""
+    global _layouts
+    _layouts = layouts
+
+
 def signature(q, k, v, mask, bias, cache_seqlens, block_table, *options) -> tuple:
-    """The plan key of a call (module docstring). Raises AttributeError on a non-tensor, which the
-    caller answers by validating the call."""
-    return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v),
-            None if mask is None else _tensor_signature(mask), None if bias is None else _tensor_signature(bias),
-            None if cache_seqlens is None else _tensor_signature(cache_seqlens),
-            None if block_table is None else _tensor_signature(block_table),
+    """The plan key of a call (module docstring). Raises AttributeError or TypeError on a
+    non-tensor, which the caller answers by validating the call."""
+    return (_layouts(q, k, v, mask, bias, cache_seqlens, block_table),
             os.environ.get(dispatch.ENV_VAR), dispatch.DISPATCHER.generation, registry.overrides, *options)
 
 

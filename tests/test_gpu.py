@@ -163,7 +163,7 @@ def test_later_calls_through_the_compiled_launchers_repeat_the_first_bitwise(mon
     launchers and hand the kernels their scratch buffers (delta, block lists, GQA shares, dBias
     partials) by address. Every output of three later calls equals the first call's bitwise, and
     the later backward runs did take the by-address path."""
-    from dmattn_bench import plan
+    from dmattn_bench import native, plan
     from dmattn_kernels.triton import launch
 
     plan.clear()  # the first call below builds the plan and runs it through the JIT
@@ -180,7 +180,13 @@ def test_later_calls_through_the_compiled_launchers_repeat_the_first_bitwise(mon
         out, lse = flash_dmattn_func(*leaves, inputs.mask, bias_leaf, is_causal=True, return_lse=True)
         grads = torch.autograd.grad(out, leaves + ([bias_leaf] if bias_leaf is not None else []), inputs.dout)
         runs.append((out, lse, *grads))
-    assert len(by_address) == 3
+    # the second backward runs from Python by address and builds its native program (with the
+    # path on, except for a group-mode union of the mask's activity); the later ones then allocate
+    # and launch in C++
+    (backward,) = [launch for built in plan.PLANS._plans.values() for launch in built._bwd_launches.values()]
+    goes_native = native.loaded() is not None and not backward.group_union
+    assert (backward.native is not None) == goes_native
+    assert len(by_address) == (1 if goes_native else 3)
     assert not any(t.isnan().any() for t in runs[0])  # a row the mask empties has lse -inf
     for later in runs[1:]:
         assert all(torch.equal(first, again) for first, again in zip(runs[0], later))
@@ -262,3 +268,65 @@ def test_decode_steps_in_a_cuda_graph_with_changing_lengths(dtype):
         check = compare("out", out, high, low, dtype)
         assert check.passed, f"lengths {values}: {check}"
         k.copy_(k_cache), v.copy_(v_cache)
+
+
+NATIVE_CALLS = ["dense-tma", "mask-bias", "mask-bias-grad", "decode-one-split", "decode-splits-mask",
+                "decode-seqlens", "decode-paged"]
+
+
+@pytest.mark.parametrize("call", NATIVE_CALLS)
+def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch, call):
+    """Once a plan's kernels are compiled, its later eager calls (forward, decode, backward) run
+    as one native call each (`dmattn_bench/native.py`): the same kernels on the same inputs give
+    the same bits, and so do copies at new addresses (new K/V addresses: TMA descriptors encoded
+    again)."""
+    from dmattn_bench import plan
+    from dmattn_bench.adversarial import paged_cache
+    from dmattn_bench import native
+
+    if native.module() is None:
+        pytest.fail("the native launch path did not build")
+    plan.clear()
+    native_runs = []
+    run = native.Program.__call__
+    monkeypatch.setattr(native.Program, "__call__", lambda self, *args: native_runs.append(1) or run(self, *args))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    decode = call.startswith("decode")
+    batch, seqlen_q, seqlen_k = (4, 1, 3000) if decode else (2, 300, 300)
+    heads, heads_kv, head_dim = (32, 8, 128) if decode else (8, 2, 64)
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    mask = bias = lengths = table = None
+    if call in ("mask-bias", "mask-bias-grad"):
+        mask = torch.rand(batch, heads_kv, seqlen_q, seqlen_k, device="cuda", generator=g) > 0.3
+        bias = torch.randn(batch, heads_kv, 1, seqlen_k, device="cuda", dtype=torch.bfloat16, generator=g)
+    if call == "decode-splits-mask":
+        mask = (torch.arange(seqlen_k, device="cuda") < seqlen_k - 100).expand(batch, 1, 1, seqlen_k)
+    if call in ("decode-seqlens", "decode-paged"):
+        lengths = torch.tensor([3000, 1, 1700, 0], dtype=torch.int32, device="cuda")
+    if call == "decode-paged":
+        k, v, table = paged_cache(k, v, 64, torch.Generator(device="cuda").manual_seed(4), lengths)
+    if call == "decode-one-split":
+        k, v = k[:, :64].contiguous(), v[:, :64].contiguous()  # the clones below keep the layout
+    grad = call == "mask-bias-grad"
+
+    def step(q, k, v, bias):
+        leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+        bias_leaf = None if bias is None else bias.detach().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            out, lse = flash_dmattn_func(*leaves, mask, bias_leaf, is_causal=not decode, return_lse=True,
+                                         cache_seqlens=lengths, block_table=table)
+        if not grad:
+            return out, lse
+        return out, lse, *torch.autograd.grad(out, leaves + [bias_leaf], torch.ones_like(out))
+
+    first = step(q, k, v, bias)
+    later = [step(q, k, v, bias), step(q, k, v, bias),
+             step(q.clone(), k.clone(), v.clone(), None if bias is None else bias.clone())]
+    # a forward (and a backward) plan runs through the JIT, then from Python, building its
+    # program; decode's first run is already from Python
+    assert len(native_runs) == (3 if decode else 4 if grad else 2)
+    assert not any(t.isnan().any() for t in first)
+    for again in later:
+        assert all(torch.equal(a, b) for a, b in zip(first, again))

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 import triton
 
+from dmattn_bench import native
 from dmattn_bench.space import DecodeConfig
+from dmattn_kernels.triton import launch
 from dmattn_kernels.triton.flash_decode import decode_combine_kernel, flash_decode_kernel
 from dmattn_kernels.triton.launch import _Launch, _Workspace, head_block, launch_stream
 from dmattn_kernels.triton.layouts import broadcast_layout, contiguous_strides
@@ -102,6 +104,8 @@ class DecodePlan:
                 num_warps=COMBINE_NUM_WARPS,
             )
         self.compiled = False
+        self.native = None  # `allocate_and_run`'s runs as one `native.Program`, once the kernels are compiled
+        self.native_tried = False
 
     def __call__(self, q, k, v, mask, bias, seqlens, block_table, out, lse) -> None:
         """Runs into the given out and lse (the validator's poisoned buffers)."""
@@ -109,9 +113,36 @@ class DecodePlan:
 
     def allocate_and_run(self, q, k, v, mask, bias, seqlens, block_table) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs into new outputs: (out, lse), in two allocations (out, and lse with the partials)."""
+        stream = launch_stream()
+        if self.native is not None and stream is not None and not launch.LAUNCH_OBSERVERS:
+            return self.native(stream, q, k, v, mask, bias, seqlens, block_table)
         out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.out_dtype,
                                                                        device=q.device)
-        return out, self._run(q, k, v, mask, bias, seqlens, block_table, out, None)
+        lse = self._run(q, k, v, mask, bias, seqlens, block_table, out, None)
+        if not self.native_tried and stream is not None and self.decode.launcher is not None and (
+                self.combine is None or self.combine.launcher is not None):
+            self.native_tried = True
+            self.native = self._native_program(q.device, mask, bias, seqlens, block_table)
+        return out, lse
+
+    def _native_program(self, device, mask, bias, seqlens, block_table):
+        """`allocate_and_run` as one native call (`native.program`): out, then the scratch buffer
+        with lse (returned as its view) and the partials."""
+        q, k, v, *optional = (native.given(i) for i in range(7))
+        extra = [source if given is not None else q  # q: an unused pointer
+                 for source, given in zip(optional, (mask, bias, seqlens, block_table))]
+        offset = {name: layout[0] for name, layout in self.outputs.layout.items()}
+        allocations = [(self.out_shape, self.out_dtype), ((self.outputs.nbytes,), torch.uint8)]
+        _, lse_shape, _, _ = self.outputs.layout["lse"]
+        views = [(1, offset["lse"] // 4, lse_shape, torch.float32)]
+        out, lse = native.allocated(0), native.allocated(1, offset["lse"])
+        if self.combine is None:
+            kernels = [(self.decode, [q, k, v, *extra, out, lse])]
+        else:
+            partial_out, partial_lse = (native.allocated(1, offset[name]) for name in ("partial_out", "partial_lse"))
+            kernels = [(self.decode, [q, k, v, *extra, partial_out, partial_lse]),
+                       (self.combine, [partial_out, partial_lse, out, lse])]
+        return native.program(device, 7, allocations, views, kernels, (0, 2))
 
     def _run(self, q, k, v, mask, bias, seqlens, block_table, out, lse) -> torch.Tensor:
         """The launches, lse (None: a view of the scratch buffer) and the splits' partials in one

@@ -11,6 +11,10 @@ Triton's wrappers would have handed it.
 the one with two K/V descriptors included): 40.8 µs per call through the C launcher against
 66.5 µs through `run`.
 
+A runtime plan goes one step further once its kernels are compiled: `dmattn_bench.native` runs
+a whole call (its allocations and every launch) as one C++ call, from the compiled kernels that
+`DirectLaunch` keeps (`compiled`) and the descriptors it encodes.
+
 Two calling conventions exist. Triton 3.6 builds one launcher module per kernel signature and
 calls it with the kernel's arguments flat; 3.7 to 3.9 share one launcher that takes them as a
 list, with the signature's annotations. `direct_launch` answers None for whatever it does not
@@ -56,15 +60,18 @@ class DirectLaunch:
     tensors read through descriptors: copies of the `TensorDescriptor` templates given for them,
     encoded once per combination of their base addresses."""
 
-    __slots__ = ("launcher", "grid", "rest", "tail", "flat", "first_descriptor", "templates", "encode", "encoded")
+    __slots__ = ("launcher", "grid", "rest", "tail", "flat", "first_descriptor", "templates", "encode", "encoded",
+                 "compiled")
     cache_size = 64  # descriptor base addresses kept per kernel: a loop cycles through a few buffers
 
-    def __init__(self, launcher, grid: tuple, rest: tuple, flat: bool, tail: tuple, templates: list, encode):
+    def __init__(self, launcher, grid: tuple, rest: tuple, flat: bool, tail: tuple, templates: list, encode,
+                 compiled=None):
         self.launcher, self.grid, self.rest, self.flat, self.tail = launcher, grid, rest, flat, tail
         self.templates = templates
         self.first_descriptor = -len(templates) if templates else None
         self.encode = encode
         self.encoded: dict[tuple, tuple] = {}
+        self.compiled = compiled  # what the JIT returned (`native.kernel_spec` reads its signature)
 
     def _descriptors(self, args) -> tuple:
         """The launcher's arguments for the descriptor tensors at the end of `args`."""
@@ -124,7 +131,7 @@ def direct_launch(compiled, grid: tuple, num_args: int, tail: tuple, descriptors
             wrapped(*grid, 0, *rest, kernel_args)
             return list(captured[0])
 
-        return DirectLaunch(launcher, grid, rest, False, tail, templates, encode)
+        return DirectLaunch(launcher, grid, rest, False, tail, templates, encode, compiled)
     base = getattr(nvidia, "_BASE_ARGS_FORMAT_LEN", None)
     if base != 13:  # 3.6: gridX..Z, stream, function, cooperative, pdl, 2 scratch, metadata, 3 hook args
         return None
@@ -136,4 +143,4 @@ def direct_launch(compiled, grid: tuple, num_args: int, tail: tuple, descriptors
         wrapped(*grid, 0, *rest, *kernel_args)
         return list(captured[0])
 
-    return DirectLaunch(launcher, grid, rest, True, tail, templates, encode_flat)
+    return DirectLaunch(launcher, grid, rest, True, tail, templates, encode_flat, compiled)

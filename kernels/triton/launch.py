@@ -25,6 +25,7 @@ import torch
 import triton
 from triton import knobs
 
+from dmattn_bench import native
 from dmattn_bench.plan import PlanCache
 from dmattn_bench.space import AttentionShape, BwdConfig, DecodeConfig, FwdConfig
 from dmattn_kernels.triton.activity import CELL, WORD_BYTES, block_list_kernel, tile_activity_kernel
@@ -410,7 +411,8 @@ class ForwardPlan:
             self.activity = _ActivityPass(mask, seqlen_q, seqlen_k, is_causal)
             self.lists = _BlockLists(self.activity.shape, config.block_m, config.block_n, key_major=False)
             blocks_strides = self.lists.strides
-            self.workspace = _Workspace({"activity": (self.activity.shape, torch.int8),
+            self.workspace = _Workspace({"lse": (self.lse_shape, torch.float32),
+                                         "activity": (self.activity.shape, torch.int8),
                                          "blocks": (self.lists.shape, torch.int32)})
         self.use_tma = kv_by_tma(k, v)
         descriptors = None  # the kernel's k_desc and v_desc (arguments 8 and 9: `_forward_tensors`)
@@ -427,6 +429,8 @@ class ForwardPlan:
                  USE_TMA=self.use_tma, BIAS_PER_KEY=bias_per_key(bias_strides, bias)),
             descriptors, num_warps=config.num_warps, num_stages=config.num_stages,
         )
+        self.has_mask, self.has_bias = mask is not None, bias is not None
+        self.native: dict[bool, object] = {}  # keep_activity -> its `native.Program` (None: not native)
 
     def __call__(self, q, k, v, mask, bias, out, lse, activity=None) -> None:
         stream = launch_stream()
@@ -448,26 +452,60 @@ class ForwardPlan:
         allocations saved. Without a gradient the schedule's scratch is one buffer, passed by
         address."""
         stream = launch_stream()
+        program = self.native.get(keep_activity)
+        if program is not None and stream is not None and not LAUNCH_OBSERVERS:
+            return program(stream, q, k, v, mask, bias)
         out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.out_dtype,
                                                                        device=q.device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.activity is None or keep_activity:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.activity is None:
             self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, q))
+            self._go_native(stream, q.device, keep_activity)
             return out, lse, None
         if keep_activity:
             activity = torch.empty(self.activity.shape, dtype=torch.int8, device=q.device)
             blocks = torch.empty(self.lists.shape, dtype=torch.int32, device=q.device)
         else:
             # addresses once the kernels are compiled (the forward is the last); views for the JIT
-            # (the first run, a profiler)
+            # (the first run, a profiler). lse is returned as its view of the buffer.
             by_address = stream is not None and self.forward.launcher is not None
             buffer = self.workspace.allocate(q.device)
+            lse = self.workspace.tensor(buffer, "lse")
             activity = self.workspace.part(buffer, "activity", by_address)
             blocks = self.workspace.part(buffer, "blocks", by_address)
         self.activity.launch.run(stream, mask, activity)
         self.lists.launch.run(stream, activity, blocks)
         self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, blocks))
+        self._go_native(stream, q.device, keep_activity)
         return out, lse, activity if keep_activity else None
+
+    def _go_native(self, stream: int | None, device: torch.device, keep_activity: bool) -> None:
+        """Once every kernel is compiled, `allocate_and_run`'s later runs of `keep_activity` as one
+        native call (`native.program`): the same allocations, launches and outputs."""
+        launches = [self.forward] if self.activity is None else [self.activity.launch, self.lists.launch, self.forward]
+        if keep_activity in self.native or stream is None or any(launch.launcher is None for launch in launches):
+            return
+        q, k, v, mask, bias = (native.given(i) for i in range(5))
+        mask, bias = (mask if self.has_mask else q), (bias if self.has_bias else q)  # q: an unused pointer
+        allocations, views = [(self.out_shape, self.out_dtype)], []
+        kernels, blocks, returns = [], q, (0, 1, -1)
+        if self.activity is None or keep_activity:
+            allocations.append((self.lse_shape, torch.float32))
+            lse = native.allocated(1)
+        if self.activity is not None and keep_activity:
+            allocations += [(self.activity.shape, torch.int8), (self.lists.shape, torch.int32)]
+            activity, blocks, returns = native.allocated(2), native.allocated(3), (0, 1, 2)
+        elif self.activity is not None:  # one scratch buffer, lse returned as its view
+            offset = {name: layout[0] for name, layout in self.workspace.layout.items()}
+            allocations.append(((self.workspace.nbytes,), torch.uint8))
+            views.append((1, offset["lse"] // 4, self.lse_shape, torch.float32))
+            lse, activity, blocks = (native.allocated(1, offset[name]) for name in ("lse", "activity", "blocks"))
+            returns = (0, 2, -1)
+        if self.activity is not None:
+            kernels += [(self.activity.launch, [mask, activity]), (self.lists.launch, [activity, blocks])]
+        kernels.append((self.forward, [q, k, v, mask, bias, native.allocated(0), lse, blocks, k, v]))
+        self.native[keep_activity] = native.program(device, 5, allocations, views, kernels, returns)
 
     def _forward_tensors(self, q, k, v, mask, bias, out, lse, blocks) -> tuple:
         """The forward kernel's tensor arguments; q stands in for an absent mask, bias or block list
@@ -675,6 +713,54 @@ class BackwardPlan:
         self.workspace = _Workspace(parts)
         self.launches = [launch for launch in (self.preprocess, self.dkdv, self.dq, self.reduce) if launch is not None]
         self.compiled = False  # every launch has its compiled launcher (after the first run)
+        self.native = None  # `allocate_and_run`'s `native.Program`, once the kernels are compiled
+        self.native_tried = False
+
+    def allocate_and_run(self, dout, q, k, v, out, lse, mask, bias, activity, dlse) -> tuple | None:
+        """(dq, dk, dv, dbias or None) in new tensors (dbias 4-D) as one native call, once a run
+        from Python compiled the kernels; None before that (the caller allocates and calls the
+        plan) and where the path is off."""
+        if self.native is None:
+            return None
+        stream = launch_stream()
+        if stream is None or LAUNCH_OBSERVERS:
+            return None
+        return self.native(stream, dout, q, k, v, out, lse, mask, bias, activity, dlse)
+
+    def _go_native(self, device, mask, bias, dq, dk, dv, dbias, activity, dlse) -> None:
+        """`allocate_and_run`'s program: the gradients (shapes and dtypes of this run's), one
+        scratch buffer, the launches of `__call__` with the same arguments. A group-mode union of
+        the mask's activity (a torch op) or a mask without the forward's activity stays in Python."""
+        self.native_tried = True
+        if self.group_union or (mask is not None and activity is None):
+            return
+        dout, q, k, v, out, lse, mask_in, bias_in, activity_in, dlse_in = (native.given(i) for i in range(10))
+        allocations = [(tuple(t.shape), t.dtype) for t in (dq, dk, dv)]
+        if dbias is not None:
+            allocations.append((tuple(dbias.shape), dbias.dtype))
+        scratch_index = len(allocations)
+        allocations.append(((self.workspace.nbytes,), torch.uint8))
+        scratch = {name: native.allocated(scratch_index, layout[0]) for name, layout in self.workspace.layout.items()}
+        dq_out, dk_out, dv_out = native.allocated(0), native.allocated(1), native.allocated(2)
+        dbias_out = native.allocated(3) if dbias is not None else q
+        delta = scratch["delta"]
+        active = kv_blocks = q_blocks = q
+        if mask is not None:
+            active, kv_blocks, q_blocks = activity_in, scratch["kv_blocks"], scratch["q_blocks"]
+        mask_arg, bias_arg = (mask_in if mask is not None else q), (bias_in if bias is not None else q)
+        partial = q if dbias is None else scratch.get("partial", dbias_out)
+        dk_share, dv_share = scratch.get("dk_share", dk_out), scratch.get("dv_share", dv_out)
+        kernels = [(self.preprocess, [out, dout, delta, lse, lse if dlse is None else dlse_in, active, kv_blocks,
+                                      active, q_blocks]),
+                   (self.dkdv, [q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks])]
+        if self.dq_from_ds:
+            kernels.append((self.dq, [dbias_out, k, dq_out, q_blocks]))
+        else:
+            kernels.append((self.dq, [q, k, v, mask_arg, bias_arg, dout, lse, delta, dq_out, q_blocks]))
+        if self.reduce is not None:
+            kernels.append((self.reduce, [dk_share, dv_share, dk_out, dv_out, partial, dbias_out]))
+        self.native = native.program(device, 10, allocations, [], kernels,
+                                     (0, 1, 2, 3 if dbias is not None else -1))
 
     def __call__(self, dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity=None, dlse=None) -> None:
         stream = launch_stream()
@@ -705,6 +791,8 @@ class BackwardPlan:
             self.reduce.run(stream, dk_share, dv_share, dk, dv, partial, q if dbias is None else dbias)
         if not self.compiled:
             self.compiled = all(launch.launcher is not None for launch in self.launches)
+        elif not self.native_tried and stream is not None:
+            self._go_native(q.device, mask, bias, dq, dk, dv, dbias, activity, dlse)
 
 
 # -- the backend interface: plans cached by signature ----------------------------------------------

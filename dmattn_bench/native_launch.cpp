@@ -1,0 +1,571 @@
+// The native launch path of a launch plan (native.py): a run's allocations and kernel launches in
+// one call from Python, and the tensor part of a call's plan signature.
+//
+// A `Program` is built once per plan from plain data: the allocations (shape, dtype), contiguous
+// views into them, and per kernel its CUfunction, grid, block, shared memory and a parameter
+// template in which the run fills tensor addresses and TMA descriptors. The parameter layout is
+// that of Triton's launchers: each non-constexpr argument of the expanded signature, then the
+// global and profile scratch pointers (both null: native.py declines kernels that need scratch).
+//
+// No CUDA header is needed to build this file: the two driver entry points are declared here
+// and found in libcuda when the first program runs, so a CPU machine builds and tests it too.
+
+#include <Python.h>
+#include <dlfcn.h>
+
+#include <ATen/ops/empty.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <array>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace {
+
+using CUresult = int;
+using CUfunction = void*;
+using CUstream = void*;
+using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                    CUstream, void**, void**);
+using ErrorStringFn = CUresult (*)(CUresult, const char**);
+
+LaunchKernelFn launch_kernel = nullptr;
+ErrorStringFn error_string = nullptr;
+
+constexpr size_t kDescriptorBytes = 128;      // sizeof(CUtensorMap)
+constexpr size_t kMaxParamBytes = 4096;       // far above any kernel of ours (the TMA forward: ~700)
+constexpr size_t kMaxParams = 256;
+constexpr size_t kMaxInputs = 16;
+constexpr size_t kDescriptorCacheSize = 64;   // base addresses kept per kernel: a loop cycles through a few
+
+bool load_driver() {
+  if (launch_kernel != nullptr) return true;
+  void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "native launch: libcuda.so.1 could not be loaded");
+    return false;
+  }
+  error_string = reinterpret_cast<ErrorStringFn>(dlsym(handle, "cuGetErrorString"));
+  launch_kernel = reinterpret_cast<LaunchKernelFn>(dlsym(handle, "cuLaunchKernel"));
+  if (launch_kernel == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "native launch: libcuda has no cuLaunchKernel");
+    return false;
+  }
+  return true;
+}
+
+// Where a tensor address in a kernel's parameters comes from.
+enum Source : int { kInput = 0, kAllocation = 1 };
+
+struct PointerSlot {
+  size_t offset;  // in the parameter template
+  int source;
+  int index;      // input or allocation
+  int64_t add;    // bytes past the tensor's address (a part of a workspace)
+};
+
+struct DescriptorSlot {
+  size_t offset;
+  int input;      // the tensor the descriptor reads
+};
+
+struct Kernel {
+  CUfunction function = nullptr;
+  unsigned grid[3] = {1, 1, 1};
+  unsigned block = 32;
+  unsigned shared = 0;
+  std::vector<char> params;     // the template: scalars in place
+  std::vector<size_t> offsets;  // of each parameter
+  std::vector<PointerSlot> pointers;
+  std::vector<DescriptorSlot> descriptors;
+  PyObject* encode = nullptr;   // inputs -> a CUtensorMap object per descriptor slot, on an address miss
+  std::vector<std::pair<std::vector<uint64_t>, std::vector<char>>> encoded;  // addresses -> descriptors
+};
+
+struct Allocation {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+};
+
+struct View {  // a contiguous view of an allocation
+  int allocation;
+  int64_t offset;  // in elements of `dtype`
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  at::ScalarType dtype;
+};
+
+struct Program {
+  int device = 0;
+  size_t num_inputs = 0;
+  std::vector<Allocation> allocations;
+  std::vector<View> views;
+  std::vector<Kernel> kernels;
+  std::vector<int> returns;  // indices into allocations then views; -1: None
+  ~Program() {
+    for (Kernel& kernel : kernels) Py_XDECREF(kernel.encode);
+  }
+};
+
+constexpr const char* kCapsuleName = "dmattn_native.Program";
+
+// -- reading Python values ---------------------------------------------------------------------
+
+bool as_int64_list(PyObject* obj, std::vector<int64_t>& out) {
+  PyObject* fast = PySequence_Fast(obj, "expected a sequence of ints");
+  if (fast == nullptr) return false;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+  }
+  Py_DECREF(fast);
+  return !PyErr_Occurred();
+}
+
+bool as_dtype(PyObject* obj, at::ScalarType& out) {
+  if (!THPDtype_Check(obj)) {
+    PyErr_SetString(PyExc_TypeError, "native launch: expected a torch.dtype");
+    return false;
+  }
+  out = reinterpret_cast<THPDtype*>(obj)->scalar_type;
+  return true;
+}
+
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size());
+  int64_t stride = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape[i] > 1 ? shape[i] : 1;
+  }
+  return strides;
+}
+
+// The 128 bytes of a Triton `PyCUtensorMap`: its PyObject head, then the map at a 128-byte
+// alignment (driver.c's PyCUtensorMapObject), so the map is the last 128 bytes of the object.
+bool descriptor_bytes(PyObject* obj, char* out) {
+  PyTypeObject* type = Py_TYPE(obj);
+  if (std::strcmp(type->tp_name, "triton.backends.nvidia.PyCUtensorMap") != 0 ||
+      type->tp_basicsize != 2 * static_cast<Py_ssize_t>(kDescriptorBytes)) {
+    PyErr_Format(PyExc_TypeError, "native launch: expected Triton's PyCUtensorMap, got %s", type->tp_name);
+    return false;
+  }
+  std::memcpy(out, reinterpret_cast<char*>(obj) + kDescriptorBytes, kDescriptorBytes);
+  return true;
+}
+
+// -- building a program --------------------------------------------------------------------------
+
+// kernel: (function, (gx, gy, gz), block, shared, params bytes, offsets, pointer slots
+//          [(offset, source, index, add)], descriptor slots [(offset, input)], encode or None)
+bool read_kernel(PyObject* spec, Kernel& kernel) {
+  unsigned long long function;
+  unsigned gx, gy, gz, block, shared;
+  PyObject *params, *offsets, *pointers, *descriptors, *encode;
+  if (!PyArg_ParseTuple(spec, "K(III)IIOOOOO", &function, &gx, &gy, &gz, &block, &shared, &params, &offsets,
+                        &pointers, &descriptors, &encode)) {
+    return false;
+  }
+  kernel.function = reinterpret_cast<CUfunction>(function);
+  kernel.grid[0] = gx, kernel.grid[1] = gy, kernel.grid[2] = gz;
+  kernel.block = block, kernel.shared = shared;
+  char* data;
+  Py_ssize_t size;
+  if (PyBytes_AsStringAndSize(params, &data, &size) != 0) return false;
+  if (static_cast<size_t>(size) > kMaxParamBytes) {
+    PyErr_SetString(PyExc_ValueError, "native launch: parameters over kMaxParamBytes");
+    return false;
+  }
+  kernel.params.assign(data, data + size);
+  std::vector<int64_t> values;
+  if (!as_int64_list(offsets, values)) return false;
+  if (values.size() > kMaxParams) {
+    PyErr_SetString(PyExc_ValueError, "native launch: more parameters than kMaxParams");
+    return false;
+  }
+  for (int64_t offset : values) {
+    if (offset < 0 || static_cast<Py_ssize_t>(offset) > size) {
+      PyErr_SetString(PyExc_ValueError, "native launch: a parameter offset outside the template");
+      return false;
+    }
+    kernel.offsets.push_back(static_cast<size_t>(offset));
+  }
+  PyObject* fast = PySequence_Fast(pointers, "pointer slots");
+  if (fast == nullptr) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    PointerSlot slot;
+    long long offset, add;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "LiiL", &offset, &slot.source, &slot.index, &add)) {
+      Py_DECREF(fast);
+      return false;
+    }
+    if (offset < 0 || offset + 8 > size) {
+      Py_DECREF(fast);
+      PyErr_SetString(PyExc_ValueError, "native launch: a pointer slot outside the template");
+      return false;
+    }
+    slot.offset = static_cast<size_t>(offset), slot.add = add;
+    kernel.pointers.push_back(slot);
+  }
+  Py_DECREF(fast);
+  fast = PySequence_Fast(descriptors, "descriptor slots");
+  if (fast == nullptr) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    DescriptorSlot slot;
+    long long offset;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "Li", &offset, &slot.input)) {
+      Py_DECREF(fast);
+      return false;
+    }
+    if (offset < 0 || offset + static_cast<long long>(kDescriptorBytes) > size) {
+      Py_DECREF(fast);
+      PyErr_SetString(PyExc_ValueError, "native launch: a descriptor slot outside the template");
+      return false;
+    }
+    slot.offset = static_cast<size_t>(offset);
+    kernel.descriptors.push_back(slot);
+  }
+  Py_DECREF(fast);
+  if (!kernel.descriptors.empty()) {
+    if (!PyCallable_Check(encode)) {
+      PyErr_SetString(PyExc_TypeError, "native launch: descriptor slots need an encode callable");
+      return false;
+    }
+    Py_INCREF(encode);
+    kernel.encode = encode;
+  }
+  return true;
+}
+
+void free_program(PyObject* capsule) {
+  delete static_cast<Program*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+}
+
+// program(device, num_inputs, allocations [(shape, dtype)], views [(allocation, offset, shape,
+//         dtype)], kernels [...], returns [index]) -> capsule
+PyObject* program(PyObject*, PyObject* args) {
+  int device;
+  Py_ssize_t num_inputs;
+  PyObject *allocations, *views, *kernels, *returns;
+  if (!PyArg_ParseTuple(args, "inOOOO", &device, &num_inputs, &allocations, &views, &kernels, &returns)) {
+    return nullptr;
+  }
+  auto* built = new Program();
+  built->device = device;
+  built->num_inputs = static_cast<size_t>(num_inputs);
+  bool ok = built->num_inputs <= kMaxInputs;
+  if (!ok) PyErr_SetString(PyExc_ValueError, "native launch: more inputs than kMaxInputs");
+  PyObject* fast = ok ? PySequence_Fast(allocations, "allocations") : nullptr;
+  ok = fast != nullptr;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    PyObject *shape, *dtype;
+    Allocation allocation;
+    ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OO", &shape, &dtype) &&
+         as_int64_list(shape, allocation.shape) && as_dtype(dtype, allocation.dtype);
+    if (ok) built->allocations.push_back(std::move(allocation));
+  }
+  Py_XDECREF(fast);
+  fast = ok ? PySequence_Fast(views, "views") : nullptr;
+  ok = ok && fast != nullptr;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    PyObject *shape, *dtype;
+    View view;
+    long long offset;
+    ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iLOO", &view.allocation, &offset, &shape, &dtype) &&
+         as_int64_list(shape, view.shape) && as_dtype(dtype, view.dtype);
+    if (ok && (view.allocation < 0 || static_cast<size_t>(view.allocation) >= built->allocations.size())) {
+      PyErr_SetString(PyExc_ValueError, "native launch: a view of no allocation");
+      ok = false;
+    }
+    if (ok) {
+      view.offset = offset;
+      view.strides = contiguous_strides(view.shape);
+      built->views.push_back(std::move(view));
+    }
+  }
+  Py_XDECREF(fast);
+  fast = ok ? PySequence_Fast(kernels, "kernels") : nullptr;
+  ok = ok && fast != nullptr;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    built->kernels.emplace_back();
+    ok = read_kernel(PySequence_Fast_GET_ITEM(fast, i), built->kernels.back());
+    for (const PointerSlot& slot : ok ? built->kernels.back().pointers : std::vector<PointerSlot>{}) {
+      size_t limit = slot.source == kInput ? built->num_inputs : built->allocations.size();
+      if ((slot.source != kInput && slot.source != kAllocation) || slot.index < 0 ||
+          static_cast<size_t>(slot.index) >= limit) {
+        PyErr_SetString(PyExc_ValueError, "native launch: a pointer slot reads no input or allocation");
+        ok = false;
+      }
+    }
+    for (const DescriptorSlot& slot : ok ? built->kernels.back().descriptors : std::vector<DescriptorSlot>{}) {
+      if (slot.input < 0 || static_cast<size_t>(slot.input) >= built->num_inputs) {
+        PyErr_SetString(PyExc_ValueError, "native launch: a descriptor slot reads no input");
+        ok = false;
+      }
+    }
+  }
+  Py_XDECREF(fast);
+  std::vector<int64_t> indices;
+  ok = ok && as_int64_list(returns, indices);
+  for (int64_t index : ok ? indices : std::vector<int64_t>{}) {
+    if (index < -1 || index >= static_cast<int64_t>(built->allocations.size() + built->views.size())) {
+      PyErr_SetString(PyExc_ValueError, "native launch: a return of no allocation or view");
+      ok = false;
+    }
+    built->returns.push_back(static_cast<int>(index));
+  }
+  if (!ok) {
+    delete built;
+    return nullptr;
+  }
+  PyObject* capsule = PyCapsule_New(built, kCapsuleName, free_program);
+  if (capsule == nullptr) delete built;
+  return capsule;
+}
+
+// -- running a program ---------------------------------------------------------------------------
+
+// The kernel's descriptors for these inputs' addresses: cached, else encoded by Python.
+const char* descriptors_for(Kernel& kernel, PyObject* const* inputs, size_t num_inputs,
+                            const std::array<uint64_t, kMaxInputs>& addresses) {
+  std::vector<uint64_t> key;
+  key.reserve(kernel.descriptors.size());
+  for (const DescriptorSlot& slot : kernel.descriptors) key.push_back(addresses[slot.input]);
+  for (const auto& entry : kernel.encoded) {
+    if (entry.first == key) return entry.second.data();
+  }
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(num_inputs));
+  if (tuple == nullptr) return nullptr;
+  for (size_t i = 0; i < num_inputs; ++i) {
+    Py_INCREF(inputs[i]);
+    PyTuple_SET_ITEM(tuple, i, inputs[i]);
+  }
+  PyObject* maps = PyObject_CallOneArg(kernel.encode, tuple);
+  Py_DECREF(tuple);
+  if (maps == nullptr) return nullptr;
+  PyObject* fast = PySequence_Fast(maps, "encode must return a sequence");
+  Py_DECREF(maps);
+  if (fast == nullptr) return nullptr;
+  if (PySequence_Fast_GET_SIZE(fast) != static_cast<Py_ssize_t>(kernel.descriptors.size())) {
+    Py_DECREF(fast);
+    PyErr_SetString(PyExc_ValueError, "native launch: encode returned the wrong number of descriptors");
+    return nullptr;
+  }
+  std::vector<char> bytes(kernel.descriptors.size() * kDescriptorBytes);
+  for (size_t i = 0; i < kernel.descriptors.size(); ++i) {
+    if (!descriptor_bytes(PySequence_Fast_GET_ITEM(fast, i), bytes.data() + i * kDescriptorBytes)) {
+      Py_DECREF(fast);
+      return nullptr;
+    }
+  }
+  Py_DECREF(fast);
+  if (kernel.encoded.size() >= kDescriptorCacheSize) kernel.encoded.clear();
+  kernel.encoded.emplace_back(std::move(key), std::move(bytes));
+  return kernel.encoded.back().second.data();
+}
+
+// Fills `storage` with `kernel`'s parameters for this run; `params` points at each.
+bool fill_params(Kernel& kernel, PyObject* const* inputs, size_t num_inputs,
+                 const std::array<uint64_t, kMaxInputs>& addresses, const std::vector<at::Tensor>& allocated,
+                 char* storage, void** params) {
+  std::memcpy(storage, kernel.params.data(), kernel.params.size());
+  for (const PointerSlot& slot : kernel.pointers) {
+    uint64_t address;
+    if (slot.source == kInput) {
+      address = addresses[slot.index];
+      if (address == 0 && inputs[slot.index] == Py_None) {
+        PyErr_Format(PyExc_TypeError, "native launch: input %d is None where the kernel reads a tensor", slot.index);
+        return false;
+      }
+    } else {
+      address = reinterpret_cast<uint64_t>(allocated[slot.index].data_ptr());
+    }
+    address += static_cast<uint64_t>(slot.add);
+    std::memcpy(storage + slot.offset, &address, sizeof(address));
+  }
+  if (!kernel.descriptors.empty()) {
+    const char* maps = descriptors_for(kernel, inputs, num_inputs, addresses);
+    if (maps == nullptr) return false;
+    for (size_t i = 0; i < kernel.descriptors.size(); ++i) {
+      std::memcpy(storage + kernel.descriptors[i].offset, maps + i * kDescriptorBytes, kDescriptorBytes);
+    }
+  }
+  for (size_t i = 0; i < kernel.offsets.size(); ++i) params[i] = storage + kernel.offsets[i];
+  return true;
+}
+
+bool read_inputs(PyObject* const* inputs, size_t num_inputs, std::array<uint64_t, kMaxInputs>& addresses) {
+  for (size_t i = 0; i < num_inputs; ++i) {
+    if (inputs[i] == Py_None) {
+      addresses[i] = 0;
+    } else if (THPVariable_Check(inputs[i])) {
+      addresses[i] = reinterpret_cast<uint64_t>(THPVariable_Unpack(inputs[i]).data_ptr());
+    } else {
+      PyErr_Format(PyExc_TypeError, "native launch: input %zu is a %s, expected a tensor or None", i,
+                   Py_TYPE(inputs[i])->tp_name);
+      return false;
+    }
+  }
+  return true;
+}
+
+PyObject* returned(const Program& built, const std::vector<at::Tensor>& allocated) {
+  PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(built.returns.size()));
+  if (result == nullptr) return nullptr;
+  for (size_t i = 0; i < built.returns.size(); ++i) {
+    int index = built.returns[i];
+    PyObject* item;
+    if (index < 0) {
+      Py_INCREF(Py_None);
+      item = Py_None;
+    } else if (static_cast<size_t>(index) < allocated.size()) {
+      item = THPVariable_Wrap(allocated[index]);
+    } else {
+      const View& view = built.views[index - allocated.size()];
+      item = THPVariable_Wrap(allocated[view.allocation].view(view.dtype).as_strided(view.shape, view.strides,
+                                                                                        view.offset));
+    }
+    if (item == nullptr) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(result, i, item);
+  }
+  return result;
+}
+
+// run(program, stream, *inputs) -> the program's returns; `pack` (a test's) instead returns each
+// kernel's filled parameter bytes, launching nothing.
+PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch) {
+  if (nargs < 2) {
+    PyErr_SetString(PyExc_TypeError, "native launch: run(program, stream, *inputs)");
+    return nullptr;
+  }
+  auto* built = static_cast<Program*>(PyCapsule_GetPointer(args[0], kCapsuleName));
+  if (built == nullptr) return nullptr;
+  unsigned long long stream = PyLong_AsUnsignedLongLong(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  PyObject* const* inputs = args + 2;
+  size_t num_inputs = static_cast<size_t>(nargs - 2);
+  if (num_inputs != built->num_inputs) {
+    PyErr_Format(PyExc_TypeError, "native launch: got %zu inputs, the program takes %zu", num_inputs,
+                 built->num_inputs);
+    return nullptr;
+  }
+  if (launch && !load_driver()) return nullptr;
+  try {
+    std::array<uint64_t, kMaxInputs> addresses{};
+    if (!read_inputs(inputs, num_inputs, addresses)) return nullptr;
+    std::vector<at::Tensor> allocated;
+    allocated.reserve(built->allocations.size());
+    auto options = at::TensorOptions().device(at::Device(launch ? at::kCUDA : at::kCPU,
+                                                         launch ? built->device : -1));
+    for (const Allocation& allocation : built->allocations) {
+      allocated.push_back(at::empty(allocation.shape, options.dtype(allocation.dtype)));
+    }
+    PyObject* packed = launch ? nullptr : PyList_New(0);
+    alignas(kDescriptorBytes) char storage[kMaxParamBytes];
+    void* params[kMaxParams];
+    for (Kernel& kernel : built->kernels) {
+      if (!fill_params(kernel, inputs, num_inputs, addresses, allocated, storage, params)) {
+        Py_XDECREF(packed);
+        return nullptr;
+      }
+      if (!launch) {
+        PyObject* bytes = PyBytes_FromStringAndSize(storage, static_cast<Py_ssize_t>(kernel.params.size()));
+        if (bytes == nullptr || PyList_Append(packed, bytes) != 0) {
+          Py_XDECREF(bytes);
+          Py_DECREF(packed);
+          return nullptr;
+        }
+        Py_DECREF(bytes);
+        continue;
+      }
+      if (kernel.grid[0] * kernel.grid[1] * kernel.grid[2] == 0) continue;
+      CUresult status = launch_kernel(kernel.function, kernel.grid[0], kernel.grid[1], kernel.grid[2], kernel.block,
+                                      1, 1, kernel.shared, reinterpret_cast<CUstream>(stream), params, nullptr);
+      if (status != 0) {
+        const char* text = nullptr;
+        if (error_string != nullptr) error_string(status, &text);
+        PyErr_Format(PyExc_RuntimeError, "native launch: cuLaunchKernel failed: %s (%d)", text ? text : "?", status);
+        return nullptr;
+      }
+    }
+    if (!launch) {
+      PyObject* result = Py_BuildValue("(NN)", returned(*built, allocated), packed);
+      return result;
+    }
+    return returned(*built, allocated);
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+}
+
+PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return execute(args, nargs, true); }
+
+PyObject* pack(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return execute(args, nargs, false); }
+
+// -- the plan signature ----------------------------------------------------------------------------
+
+// signature(*tensors) -> bytes: per tensor its dims, sizes, strides, dtype, device and address
+// modulo 16 (what Triton specializes on); per None one marker. A non-tensor raises TypeError.
+PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  std::array<int64_t, 256> words;
+  size_t used = 0;
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    if (args[i] == Py_None) {
+      if (used + 1 > words.size()) break;
+      words[used++] = -1;
+      continue;
+    }
+    if (!THPVariable_Check(args[i])) {
+      PyErr_Format(PyExc_TypeError, "signature: argument %zd is a %s, expected a tensor or None", i,
+                   Py_TYPE(args[i])->tp_name);
+      return nullptr;
+    }
+    try {
+      const at::Tensor& tensor = THPVariable_Unpack(args[i]);
+      size_t dims = static_cast<size_t>(tensor.dim());
+      if (used + 2 * dims + 5 > words.size()) {
+        PyErr_SetString(PyExc_ValueError, "signature: too many dims");
+        return nullptr;
+      }
+      words[used++] = static_cast<int64_t>(dims);
+      for (int64_t size : tensor.sizes()) words[used++] = size;
+      for (int64_t stride : tensor.strides()) words[used++] = stride;
+      words[used++] = static_cast<int64_t>(tensor.scalar_type());
+      words[used++] = static_cast<int64_t>(tensor.device().type()) * 65536 + tensor.device().index();
+      words[used++] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(tensor.data_ptr()) & 15);
+    } catch (const std::exception& error) {
+      PyErr_SetString(PyExc_TypeError, error.what());
+      return nullptr;
+    }
+  }
+  if (used == words.size()) {
+    PyErr_SetString(PyExc_ValueError, "signature: too many tensors");
+    return nullptr;
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(words.data()),
+                                   static_cast<Py_ssize_t>(used * sizeof(int64_t)));
+}
+
+PyMethodDef methods[] = {
+    {"program", program, METH_VARARGS, "A launch program from plain data (native.py)."},
+    {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(run)), METH_FASTCALL,
+     "run(program, stream, *inputs): allocate and launch; the program's returns."},
+    {"pack", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pack)), METH_FASTCALL,
+     "pack(program, stream, *inputs): (returns, each kernel's parameter bytes), on the CPU, nothing launched."},
+    {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(signature)), METH_FASTCALL,
+     "signature(*tensors): the tensors' layouts as bytes (a plan key)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "dmattn_native", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_dmattn_native() { return PyModule_Create(&module_def); }

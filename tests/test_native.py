@@ -1,0 +1,122 @@
+"""The native launch path (`dmattn_bench/native.py`, `native_launch.cpp`) on the CPU: the module
+builds against the installed torch, keys tensors as exactly as the Python plan key does, and puts
+each parameter of a compiled kernel where Triton's launchers put it (`pack` runs a program
+without launching: each kernel's filled parameter bytes). The GPU tier launches real kernels
+through it and compares them bitwise with the Python launches."""
+
+import shutil
+import struct
+import types
+
+import pytest
+import torch
+
+from dmattn_bench import native
+from dmattn_kernels.triton import handles
+
+nvidia = pytest.importorskip("triton.backends.nvidia.driver")
+
+
+@pytest.fixture(scope="module")
+def module(tmp_path_factory):
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    return native._load(native.build())
+
+
+def test_the_key_tells_apart_what_the_python_key_tells_apart(module):
+    storage = torch.zeros(2 * 8 * 4 * 16 + 8, dtype=torch.float16)
+    base = storage[:1024].view(2, 8, 4, 16)
+    same = [torch.ones_like(base), storage[8:1032].view(2, 8, 4, 16)]  # 16 bytes on: the same alignment
+    others = [base.float(), base.transpose(1, 2), base[:, :4], storage[1:1025].view(2, 8, 4, 16),
+              base[:1].expand(2, 8, 4, 16), base.view(2, 8, 64)]
+    key = module.signature(base, None)
+    assert all(module.signature(t, None) == key for t in same)
+    keys = {module.signature(t, None) for t in others}
+    assert len(keys) == len(others) and key not in keys
+    assert module.signature(None, base) != key
+    with pytest.raises(TypeError, match="argument 1"):
+        module.signature(base, 3)
+
+
+def _compiled(signature: dict, num_warps: int = 4, shared: int = 2048):
+    run = object.__new__(nvidia.CudaLauncher)
+    run.launch = lambda *args: None
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.launch_cooperative_grid = run.launch_pdl = False
+    run.gsan_enabled = False
+    if not hasattr(nvidia, "_BASE_ARGS_FORMAT_LEN"):
+        run.arg_annotations, run.kernel_signature = ("annotations",), b"signature"
+    meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [1, 32, 1, 64], "fp4_padded": False}
+            for ty in signature.values() if ty.startswith("tensordesc")]
+    return types.SimpleNamespace(run=run, src=types.SimpleNamespace(signature=signature), function=4321,
+                                 metadata=types.SimpleNamespace(tensordesc_meta=meta or None, num_warps=num_warps,
+                                                                shared=shared, num_ctas=1),
+                                 packed_metadata=(num_warps, 1, shared))
+
+
+def _launch(compiled, num_tensors: int, tail: tuple, descriptors: dict | None = None):
+    direct = handles.DirectLaunch(None, (3, 2, 1), (), True, tail, [], None, compiled)
+    return types.SimpleNamespace(launcher=direct, descriptors=descriptors or {}, grid=(3, 2, 1))
+
+
+# three tensors, then an int, a float, a constexpr and a 64-bit int, as our kernels order them
+SIGNATURE = {"x": "*fp16", "y": "*i8", "out": "*fp32", "n": "i32", "scale": "fp32", "BLOCK": "constexpr",
+             "stride": "i64"}
+
+
+def test_a_program_fills_addresses_and_scalars_where_triton_puts_them(module):
+    launch = _launch(_compiled(SIGNATURE), 3, (7, 0.5, 64, 1 << 40))
+    spec = native.kernel_spec(launch, [native.given(0), native.given(1), native.allocated(1, 512)])
+    assert spec is not None
+    function, grid, block, shared, params, offsets, pointers, descriptors, encode = spec
+    assert (function, grid, block, shared) == (4321, (3, 2, 1), 128, 2048)
+    # x, y, out, n, scale, stride, then the two scratch pointers (the constexpr has no parameter)
+    assert offsets == [0, 8, 16, 24, 28, 32, 40, 48] and len(params) == 56
+    assert descriptors == [] and encode is None
+    handle = module.program(0, 2, [((4, 5), torch.float16), ((1024,), torch.uint8)],
+                            [(1, 128, (3, 7), torch.float32)], [spec], [0, 2, -1])
+    x, y = torch.randn(6, dtype=torch.float16), torch.zeros(9, dtype=torch.int8)
+    (out, view, nothing), (filled,) = module.pack(handle, 0, x, y)
+    assert out.shape == (4, 5) and out.dtype == torch.float16 and nothing is None
+    assert view.shape == (3, 7) and view.dtype == torch.float32 and view.is_contiguous()
+    values = struct.unpack_from("<QQQifqQQ", filled)
+    assert values == (x.data_ptr(), y.data_ptr(), view.data_ptr(), 7, 0.5, 1 << 40, 0, 0)
+    (_, view_again, _), (again,) = module.pack(handle, 0, x, torch.zeros(9, dtype=torch.int8))
+    assert struct.unpack_from("<Q", again, 8) != struct.unpack_from("<Q", filled, 8)  # each run's own addresses
+
+
+def test_descriptors_take_an_aligned_map_then_their_shape_and_strides():
+    signature = {"q": "*bf16", "k_desc": "tensordesc<bf16[1, 32, 1, 64]>", "n": "i32"}
+    k = torch.zeros(2, 40, 2, 64, dtype=torch.bfloat16)
+    template = handles.descriptor_template(k, [1, 32, 1, 64])
+    spec = native.kernel_spec(_launch(_compiled(signature), 2, (40,), {1: template}),
+                              [native.given(0), native.given(1)])
+    _, _, _, _, params, offsets, pointers, descriptors, encode = spec
+    # q; the map at 128; its four i32 sizes and four i64 strides; n; the scratch pointers
+    assert offsets[:2] == [0, 128] and descriptors == [(128, 1)] and pointers == [(0, native.INPUT, 0, 0)]
+    sizes = struct.unpack_from("<4i", params, offsets[2])
+    strides = struct.unpack_from("<4q", params, offsets[6])
+    assert sizes == tuple(k.shape) and strides == k.stride()
+    assert struct.unpack_from("<i", params, offsets[10]) == (40,) and callable(encode)
+
+
+@pytest.mark.parametrize("change", ["scratch", "cluster", "shared", "tuple", "pointer_in_tail"])
+def test_kernels_the_path_does_not_take_are_declined(change):
+    signature = dict(SIGNATURE)
+    compiled = _compiled(signature)
+    sources = [native.given(0), native.given(1), native.given(0)]
+    tail = (7, 0.5, 64, 3)
+    if change == "scratch":
+        compiled.run.global_scratch_size = 64
+    elif change == "cluster":
+        compiled.metadata.num_ctas = 2
+    elif change == "shared":
+        compiled.metadata.shared = native.MAX_SHARED_BYTES + 1
+    elif change == "tuple":
+        signature["pair"] = ("i32", "i32")
+        tail = tail + ((1, 2),)
+    else:
+        sources = sources[:2]  # `out` would be a pointer among the scalars
+        tail = (None, 7, 0.5, 64, 3)
+    assert native.kernel_spec(_launch(compiled, len(sources), tail), sources) is None
