@@ -102,8 +102,10 @@ def _check_mask_values(attn_mask: torch.Tensor) -> None:
 def _traced(query) -> bool:
     """Meta and fake tensors (shape propagation, tracing) take the custom op, whose fake kernel
     answers them; the eager path would try to launch on them. A plain tensor (not a subclass, not
-    a functional wrapper) is asked `is_meta` alone: `is_fake` costs a call 1 µs of host time."""
-    if type(query) is torch.Tensor and not torch._is_functional_tensor(query):
+    a functional or functorch wrapper) is asked `is_meta` alone: `is_fake` costs a call 1 µs of
+    host time."""
+    if (type(query) is torch.Tensor and not torch._is_functional_tensor(query)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(query)):
         return query.is_meta
     return isinstance(query, torch.Tensor) and (query.is_meta or is_fake(query))
 
@@ -238,7 +240,7 @@ def flash_dmattn_func(
         if needs_grad:
             out, lse = _Attention.apply(plan, query, key, value, attn_mask, attn_bias)
         else:
-            out, lse = plan.infer(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table)
+            out, lse = plan.infer(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table, return_lse)
         return (out, lse) if return_lse else out
 
     softmax_scale = _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,

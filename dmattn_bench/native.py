@@ -8,21 +8,22 @@ the compiled function, grid and a parameter template whose tensor addresses and 
 the run fills in. `native_launch.cpp` then runs a call as one Python-to-C++ call, and gives
 the plan cache its key's tensor part (`signature`).
 
-The parameter layout is Triton's own (3.6 to 3.9): each non-constexpr argument of the signature
-with host tensor descriptors expanded into (CUtensorMap, shape as i32, strides as i64), then the
-global and profile scratch pointers. `program` answers None for anything else: a kernel that
-needs scratch memory, clusters, cooperative or programmatic launch, an unknown argument type,
-a launcher `handles.direct_launch` did not build. The caller keeps its Python launches then.
+The parameter layout is Triton's own (3.6 to 3.9, `SUPPORTED_TRITON`): each non-constexpr
+argument of the signature with host tensor descriptors expanded into (CUtensorMap, shape as i32,
+strides as i64), then the global and profile scratch pointers. `program` answers None for
+anything else: another Triton, a kernel that needs scratch memory, clusters, cooperative or
+programmatic launch, an unknown argument type, a launcher `handles.direct_launch` did not build.
+The caller keeps its Python launches then.
 
 The module is compiled with the system C++ compiler against the installed torch on the first
 GPU plan (about 10 s, once per torch and Python version: cached under $DMATTN_BENCH_CACHE or
 ~/.cache/dmattn_bench/native). `DMATTN_BENCH_NATIVE=0` turns the path off; a failed build warns
-once and leaves it off.
+once and leaves it off, and later processes do not try again until its record
+(`build.failed` beside the module) is deleted.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import os
@@ -47,6 +48,9 @@ BUILD_TIMEOUT_S = 300
 INPUT, ALLOCATION = 0, 1  # where a kernel's tensor argument comes from (native_launch.cpp's Source)
 DESCRIPTOR_BYTES = 128  # sizeof(CUtensorMap), also its alignment in the parameter buffer
 MAX_SHARED_BYTES = 228 * 1024  # above this Triton launches with an attribute cuLaunchKernel cannot set
+# Triton versions whose launchers lay kernel parameters out as `kernel_spec` does (read in 3.6's
+# and 3.9's nvidia driver; 3.7 and 3.8 lie between them)
+SUPPORTED_TRITON = ((3, 6), (3, 7), (3, 8), (3, 9))
 SCALAR_FORMATS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "q", "u1": "B", "u8": "B", "u16": "H",
                   "u32": "I", "u64": "Q", "fp16": "e", "fp32": "f", "f32": "f", "fp64": "d"}
 
@@ -91,30 +95,43 @@ def build() -> Path:
     Raises:
         RuntimeError: no C++ compiler, or it failed (its first error line) or timed out.
     """
+    import fcntl
+
     target = module_path()
     if target.exists():
         return target
+    failed = target.parent / "build.failed"
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():  # built while this process waited
             return target
-        command = _compile_command(target)
-        if shutil.which(command[0]) is None:
-            raise RuntimeError(f"no C++ compiler ({command[0]}; set CXX)")
-        print("dmattn-bench: building the native launch path (once per torch and Python version, about 10 s)",
-              file=sys.stderr)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            output = Path(scratch) / target.name
-            command[command.index(str(target))] = str(output)
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"the C++ compiler timed out after {BUILD_TIMEOUT_S} s") from None
-            if done.returncode != 0:
-                errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
-                raise RuntimeError(f"the C++ compiler failed: {errors[0] if errors else done.returncode}")
-            os.replace(output, target)
+        if failed.exists():
+            raise RuntimeError(f"{failed.read_text().strip()} (an earlier build; delete {failed} to try again)")
+        try:
+            return _compile(target)
+        except RuntimeError as error:
+            failed.write_text(str(error))
+            raise
+
+
+def _compile(target: Path) -> Path:
+    command = _compile_command(target)
+    if shutil.which(command[0]) is None:
+        raise RuntimeError(f"no C++ compiler ({command[0]}; set CXX)")
+    print("dmattn-bench: building the native launch path (once per torch and Python version, about 15 s)",
+          file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        output = Path(scratch) / target.name
+        command[command.index(str(target))] = str(output)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the C++ compiler timed out after {BUILD_TIMEOUT_S} s") from None
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+            raise RuntimeError(f"the C++ compiler failed: {errors[0] if errors else done.returncode}")
+        os.replace(output, target)
     return target
 
 
@@ -173,12 +190,13 @@ def switched_off():
 
 class Program:
     """`program(stream, *inputs)` runs a plan's allocations and launches on the inputs (tensors
-    or None, in the plan's order) and returns the plan's outputs."""
+    or None, in the plan's order) and returns the plan's outputs. It keeps its compiled kernels
+    alive: the program launches their functions, which unloading a kernel would free."""
 
-    __slots__ = ("run", "handle")
+    __slots__ = ("run", "handle", "kernels")
 
-    def __init__(self, run, handle):
-        self.run, self.handle = run, handle
+    def __init__(self, run, handle, kernels: list):
+        self.run, self.handle, self.kernels = run, handle, kernels
 
     def __call__(self, stream: int, *inputs):
         return self.run(self.handle, stream, *inputs)
@@ -191,6 +209,12 @@ def _expanded_types(compiled) -> list | None:
     if any(isinstance(ty, tuple) for ty in types):
         return None
     return types
+
+
+def _triton_version() -> tuple[int, int]:
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
 def _descriptor_encoder(launch, sources: list[tuple[int, int, int]]):
@@ -215,7 +239,7 @@ def kernel_spec(launch, sources: list[tuple[int, int, int]]) -> tuple | None:
     from dmattn_kernels.triton.handles import DirectLaunch
 
     direct = launch.launcher
-    if not isinstance(direct, DirectLaunch) or direct.compiled is None:
+    if not isinstance(direct, DirectLaunch) or direct.compiled is None or _triton_version() not in SUPPORTED_TRITON:
         return None
     compiled = direct.compiled
     run, metadata = compiled.run, compiled.metadata
@@ -280,6 +304,9 @@ def program(device: torch.device, num_inputs: int, allocations: list, views: lis
     specs = [kernel_spec(launch, sources) for launch, sources in kernels]
     if any(spec is None for spec in specs):
         return None
-    handle = native.program(device.index if device.index is not None else torch.cuda.current_device(),
-                            num_inputs, allocations, views, specs, list(returns))
-    return Program(native.run, handle)
+    try:
+        handle = native.program(device.index if device.index is not None else torch.cuda.current_device(),
+                                num_inputs, allocations, views, specs, list(returns))
+    except (ValueError, TypeError):  # past the module's limits (parameters, kernels, inputs)
+        return None
+    return Program(native.run, handle, [launch.launcher.compiled for launch, _ in kernels])

@@ -15,12 +15,12 @@
 
 #include <ATen/ops/empty.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <array>
 #include <cstring>
-#include <exception>
-#include <string>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -28,16 +28,27 @@ namespace {
 using CUresult = int;
 using CUfunction = void*;
 using CUstream = void*;
+using CUcontext = void*;
+using CUdevice = int;
 using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                     CUstream, void**, void**);
 using ErrorStringFn = CUresult (*)(CUresult, const char**);
+using CtxGetCurrentFn = CUresult (*)(CUcontext*);
+using DeviceGetFn = CUresult (*)(CUdevice*, int);
+using PrimaryCtxRetainFn = CUresult (*)(CUcontext*, CUdevice);
+using CtxSetCurrentFn = CUresult (*)(CUcontext);
 
 LaunchKernelFn launch_kernel = nullptr;
 ErrorStringFn error_string = nullptr;
+CtxGetCurrentFn ctx_get_current = nullptr;
+DeviceGetFn device_get = nullptr;
+PrimaryCtxRetainFn primary_ctx_retain = nullptr;
+CtxSetCurrentFn ctx_set_current = nullptr;
 
 constexpr size_t kDescriptorBytes = 128;      // sizeof(CUtensorMap)
-constexpr size_t kMaxParamBytes = 4096;       // far above any kernel of ours (the TMA forward: ~700)
-constexpr size_t kMaxParams = 256;
+constexpr size_t kMaxParamBytes = 2048;       // far above any kernel of ours (the TMA forward: ~700)
+constexpr size_t kMaxParams = 128;            // the widest of ours: about 70
+constexpr size_t kMaxKernels = 8;             // a run launches up to 4
 constexpr size_t kMaxInputs = 16;
 constexpr size_t kDescriptorCacheSize = 64;   // base addresses kept per kernel: a loop cycles through a few
 
@@ -49,12 +60,30 @@ bool load_driver() {
     return false;
   }
   error_string = reinterpret_cast<ErrorStringFn>(dlsym(handle, "cuGetErrorString"));
-  launch_kernel = reinterpret_cast<LaunchKernelFn>(dlsym(handle, "cuLaunchKernel"));
-  if (launch_kernel == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "native launch: libcuda has no cuLaunchKernel");
+  ctx_get_current = reinterpret_cast<CtxGetCurrentFn>(dlsym(handle, "cuCtxGetCurrent"));
+  device_get = reinterpret_cast<DeviceGetFn>(dlsym(handle, "cuDeviceGet"));
+  primary_ctx_retain = reinterpret_cast<PrimaryCtxRetainFn>(dlsym(handle, "cuDevicePrimaryCtxRetain"));
+  ctx_set_current = reinterpret_cast<CtxSetCurrentFn>(dlsym(handle, "cuCtxSetCurrent"));
+  auto launch = reinterpret_cast<LaunchKernelFn>(dlsym(handle, "cuLaunchKernel"));
+  if (launch == nullptr || ctx_get_current == nullptr || device_get == nullptr || primary_ctx_retain == nullptr ||
+      ctx_set_current == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "native launch: libcuda lacks a driver entry point this path calls");
     return false;
   }
+  launch_kernel = launch;
   return true;
+}
+
+// The calling thread's context, made the device's primary one where the thread has none yet (as
+// Triton's launchers do before each launch: a thread's first CUDA work may be this launch).
+CUresult ensure_context(int device) {
+  CUcontext context = nullptr;
+  CUresult status = ctx_get_current(&context);
+  if (status != 0 || context != nullptr) return status;
+  CUdevice handle;
+  if ((status = device_get(&handle, device)) != 0) return status;
+  if ((status = primary_ctx_retain(&context, handle)) != 0) return status;
+  return ctx_set_current(context);
 }
 
 // Where a tensor address in a kernel's parameters comes from.
@@ -121,6 +150,7 @@ bool as_int64_list(PyObject* obj, std::vector<int64_t>& out) {
   out.resize(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
     out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (out[i] == -1 && PyErr_Occurred()) break;
   }
   Py_DECREF(fast);
   return !PyErr_Occurred();
@@ -188,7 +218,7 @@ bool read_kernel(PyObject* spec, Kernel& kernel) {
     return false;
   }
   for (int64_t offset : values) {
-    if (offset < 0 || static_cast<Py_ssize_t>(offset) > size) {
+    if (offset < 0 || static_cast<Py_ssize_t>(offset) >= size) {
       PyErr_SetString(PyExc_ValueError, "native launch: a parameter offset outside the template");
       return false;
     }
@@ -248,13 +278,14 @@ void free_program(PyObject* capsule) {
 // program(device, num_inputs, allocations [(shape, dtype)], views [(allocation, offset, shape,
 //         dtype)], kernels [...], returns [index]) -> capsule
 PyObject* program(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
   int device;
   Py_ssize_t num_inputs;
   PyObject *allocations, *views, *kernels, *returns;
   if (!PyArg_ParseTuple(args, "inOOOO", &device, &num_inputs, &allocations, &views, &kernels, &returns)) {
     return nullptr;
   }
-  auto* built = new Program();
+  auto built = std::make_unique<Program>();
   built->device = device;
   built->num_inputs = static_cast<size_t>(num_inputs);
   bool ok = built->num_inputs <= kMaxInputs;
@@ -290,6 +321,10 @@ PyObject* program(PyObject*, PyObject* args) {
   Py_XDECREF(fast);
   fast = ok ? PySequence_Fast(kernels, "kernels") : nullptr;
   ok = ok && fast != nullptr;
+  if (ok && static_cast<size_t>(PySequence_Fast_GET_SIZE(fast)) > kMaxKernels) {
+    PyErr_SetString(PyExc_ValueError, "native launch: more kernels than kMaxKernels");
+    ok = false;
+  }
   for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
     built->kernels.emplace_back();
     ok = read_kernel(PySequence_Fast_GET_ITEM(fast, i), built->kernels.back());
@@ -318,13 +353,11 @@ PyObject* program(PyObject*, PyObject* args) {
     }
     built->returns.push_back(static_cast<int>(index));
   }
-  if (!ok) {
-    delete built;
-    return nullptr;
-  }
-  PyObject* capsule = PyCapsule_New(built, kCapsuleName, free_program);
-  if (capsule == nullptr) delete built;
+  if (!ok) return nullptr;
+  PyObject* capsule = PyCapsule_New(built.get(), kCapsuleName, free_program);
+  if (capsule != nullptr) built.release();  // the capsule owns it now
   return capsule;
+  END_HANDLE_TH_ERRORS
 }
 
 // -- running a program ---------------------------------------------------------------------------
@@ -414,20 +447,28 @@ bool read_inputs(PyObject* const* inputs, size_t num_inputs, std::array<uint64_t
 }
 
 PyObject* returned(const Program& built, const std::vector<at::Tensor>& allocated) {
-  PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(built.returns.size()));
-  if (result == nullptr) return nullptr;
-  for (size_t i = 0; i < built.returns.size(); ++i) {
-    int index = built.returns[i];
-    PyObject* item;
+  std::vector<at::Tensor> results;  // built first: a throwing view leaves nothing half-made
+  results.reserve(built.returns.size());
+  for (int index : built.returns) {
     if (index < 0) {
-      Py_INCREF(Py_None);
-      item = Py_None;
+      results.emplace_back();
     } else if (static_cast<size_t>(index) < allocated.size()) {
-      item = THPVariable_Wrap(allocated[index]);
+      results.push_back(allocated[index]);
     } else {
       const View& view = built.views[index - allocated.size()];
-      item = THPVariable_Wrap(allocated[view.allocation].view(view.dtype).as_strided(view.shape, view.strides,
-                                                                                        view.offset));
+      results.push_back(allocated[view.allocation].view(view.dtype).as_strided(view.shape, view.strides,
+                                                                                 view.offset));
+    }
+  }
+  PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(results.size()));
+  if (result == nullptr) return nullptr;
+  for (size_t i = 0; i < results.size(); ++i) {
+    PyObject* item;
+    if (results[i].defined()) {
+      item = THPVariable_Wrap(std::move(results[i]));
+    } else {
+      Py_INCREF(Py_None);
+      item = Py_None;
     }
     if (item == nullptr) {
       Py_DECREF(result);
@@ -438,9 +479,10 @@ PyObject* returned(const Program& built, const std::vector<at::Tensor>& allocate
   return result;
 }
 
-// run(program, stream, *inputs) -> the program's returns; `pack` (a test's) instead returns each
-// kernel's filled parameter bytes, launching nothing.
+// run(program, stream, *inputs) -> the program's returns; `pack` (a test's) instead returns
+// (the returns, each kernel's filled parameter bytes), on the CPU, launching nothing.
 PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch) {
+  HANDLE_TH_ERRORS
   if (nargs < 2) {
     PyErr_SetString(PyExc_TypeError, "native launch: run(program, stream, *inputs)");
     return nullptr;
@@ -457,53 +499,55 @@ PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch) {
     return nullptr;
   }
   if (launch && !load_driver()) return nullptr;
-  try {
-    std::array<uint64_t, kMaxInputs> addresses{};
-    if (!read_inputs(inputs, num_inputs, addresses)) return nullptr;
-    std::vector<at::Tensor> allocated;
-    allocated.reserve(built->allocations.size());
-    auto options = at::TensorOptions().device(at::Device(launch ? at::kCUDA : at::kCPU,
-                                                         launch ? built->device : -1));
-    for (const Allocation& allocation : built->allocations) {
-      allocated.push_back(at::empty(allocation.shape, options.dtype(allocation.dtype)));
+  std::array<uint64_t, kMaxInputs> addresses{};
+  if (!read_inputs(inputs, num_inputs, addresses)) return nullptr;
+  std::vector<at::Tensor> allocated;
+  allocated.reserve(built->allocations.size());
+  auto options = at::TensorOptions().device(launch ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(built->device))
+                                                   : at::Device(at::kCPU));
+  for (const Allocation& allocation : built->allocations) {
+    allocated.push_back(at::empty(allocation.shape, options.dtype(allocation.dtype)));
+  }
+  alignas(kDescriptorBytes) char storage[kMaxKernels][kMaxParamBytes];
+  void* params[kMaxKernels][kMaxParams];
+  size_t count = built->kernels.size();
+  for (size_t i = 0; i < count; ++i) {
+    if (!fill_params(built->kernels[i], inputs, num_inputs, addresses, allocated, storage[i], params[i])) {
+      return nullptr;
     }
-    PyObject* packed = launch ? nullptr : PyList_New(0);
-    alignas(kDescriptorBytes) char storage[kMaxParamBytes];
-    void* params[kMaxParams];
-    for (Kernel& kernel : built->kernels) {
-      if (!fill_params(kernel, inputs, num_inputs, addresses, allocated, storage, params)) {
-        Py_XDECREF(packed);
+  }
+  if (!launch) {
+    PyObject* packed = PyList_New(static_cast<Py_ssize_t>(count));
+    if (packed == nullptr) return nullptr;
+    for (size_t i = 0; i < count; ++i) {
+      PyObject* bytes = PyBytes_FromStringAndSize(storage[i], static_cast<Py_ssize_t>(built->kernels[i].params.size()));
+      if (bytes == nullptr) {
+        Py_DECREF(packed);
         return nullptr;
       }
-      if (!launch) {
-        PyObject* bytes = PyBytes_FromStringAndSize(storage, static_cast<Py_ssize_t>(kernel.params.size()));
-        if (bytes == nullptr || PyList_Append(packed, bytes) != 0) {
-          Py_XDECREF(bytes);
-          Py_DECREF(packed);
-          return nullptr;
-        }
-        Py_DECREF(bytes);
-        continue;
-      }
-      if (kernel.grid[0] * kernel.grid[1] * kernel.grid[2] == 0) continue;
-      CUresult status = launch_kernel(kernel.function, kernel.grid[0], kernel.grid[1], kernel.grid[2], kernel.block,
-                                      1, 1, kernel.shared, reinterpret_cast<CUstream>(stream), params, nullptr);
-      if (status != 0) {
-        const char* text = nullptr;
-        if (error_string != nullptr) error_string(status, &text);
-        PyErr_Format(PyExc_RuntimeError, "native launch: cuLaunchKernel failed: %s (%d)", text ? text : "?", status);
-        return nullptr;
-      }
+      PyList_SET_ITEM(packed, i, bytes);
     }
-    if (!launch) {
-      PyObject* result = Py_BuildValue("(NN)", returned(*built, allocated), packed);
-      return result;
-    }
-    return returned(*built, allocated);
-  } catch (const std::exception& error) {
-    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return Py_BuildValue("(NN)", returned(*built, allocated), packed);
+  }
+  // the launches need no Python: other threads run meanwhile (a full launch queue blocks here)
+  CUresult status = 0;
+  Py_BEGIN_ALLOW_THREADS
+  status = ensure_context(built->device);
+  for (size_t i = 0; status == 0 && i < count; ++i) {
+    const Kernel& kernel = built->kernels[i];
+    if (kernel.grid[0] * kernel.grid[1] * kernel.grid[2] == 0) continue;
+    status = launch_kernel(kernel.function, kernel.grid[0], kernel.grid[1], kernel.grid[2], kernel.block, 1, 1,
+                           kernel.shared, reinterpret_cast<CUstream>(stream), params[i], nullptr);
+  }
+  Py_END_ALLOW_THREADS
+  if (status != 0) {
+    const char* text = nullptr;
+    if (error_string != nullptr) error_string(status, &text);
+    PyErr_Format(PyExc_RuntimeError, "native launch: %s (CUDA error %d)", text ? text : "?", status);
     return nullptr;
   }
+  return returned(*built, allocated);
+  END_HANDLE_TH_ERRORS
 }
 
 PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return execute(args, nargs, true); }

@@ -191,13 +191,14 @@ class AttentionPlan:
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def forward(self, q, k, v, mask, bias, keep_activity: bool = True) -> tuple:
+    def forward(self, q, k, v, mask, bias, keep_activity: bool = True, keep_lse: bool = True) -> tuple:
         """out, lse and, if `keep_activity` and the forward fills one (`fills_activity`), the mask's
         tile activity for the backward (`activity_shape`), else None.
-        The mask and bias as the caller passed them (broadcastable, any dims up to 4)."""
+        The mask and bias as the caller passed them (broadcastable, any dims up to 4).
+        `keep_lse=False`: the caller drops lse, which may then be a view of the run's scratch."""
         launch = self._fwd_launch
         if launch is not None:  # every call after the first of a Triton forward
-            return launch.allocate_and_run(q, k, v, mask, bias, keep_activity)
+            return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse)
         device = self.device
         out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
@@ -219,11 +220,13 @@ class AttentionPlan:
         launch(q, k, v, mask, bias, out, lse, activity)
         return out, lse, activity
 
-    def infer(self, q, k, v, mask, bias, cache_seqlens=None, block_table=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def infer(self, q, k, v, mask, bias, cache_seqlens=None, block_table=None,
+              keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of a call that needs no gradient: the short-query forward where `decodes`,
-        else `forward`'s (its tile activity unused)."""
+        else `forward`'s (its tile activity unused). `keep_lse=False`: the caller drops lse, which
+        may then be a view of the run's scratch buffer (a kept one would keep the buffer alive)."""
         if not self.decodes:
-            out, lse, _ = self.forward(q, k, v, mask, bias, keep_activity=False)
+            out, lse, _ = self.forward(q, k, v, mask, bias, keep_activity=False, keep_lse=keep_lse)
             return out, lse
         launch = self._decode_launch
         if launch is None:
@@ -235,7 +238,7 @@ class AttentionPlan:
             launch = self._decode_launch = DecodePlan(
                 q, k, v, as_4d(mask), as_4d(bias), cache_seqlens, block_table, **self.options,
                 config=config, out=out, lse=lse, num_sms=sm_count(self.device))
-        return launch.allocate_and_run(q, k, v, mask, bias, cache_seqlens, block_table)
+        return launch.allocate_and_run(q, k, v, mask, bias, cache_seqlens, block_table, keep_lse)
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -275,7 +278,7 @@ class AttentionPlan:
             launch = self._bwd_launches[layout] = backend.backward_plan(
                 dout, q, k, v, out, lse, as_4d(mask), as_4d(bias), config=config, dq=dq, dk=dk, dv=dv, dbias=dbias,
                 dlse=dlse, **self.options)
-        launch(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
+        launch.run_and_prepare(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
         return dq, dk, dv, grad_bias
 
 

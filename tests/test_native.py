@@ -120,3 +120,29 @@ def test_kernels_the_path_does_not_take_are_declined(change):
         sources = sources[:2]  # `out` would be a pointer among the scalars
         tail = (None, 7, 0.5, 64, 3)
     assert native.kernel_spec(_launch(compiled, len(sources), tail), sources) is None
+
+
+def test_a_triton_whose_launcher_layout_is_unread_is_declined(monkeypatch):
+    launch = _launch(_compiled(SIGNATURE), 3, (7, 0.5, 64, 3))
+    sources = [native.given(0), native.given(1), native.given(0)]
+    assert native.kernel_spec(launch, sources) is not None
+    monkeypatch.setattr(native, "_triton_version", lambda: (3, 10))
+    assert native.kernel_spec(launch, sources) is None
+
+
+def test_a_failed_build_is_recorded_and_not_retried_by_later_processes(monkeypatch, tmp_path):
+    """A compiler that fails leaves a record beside the module: the next build (another process
+    of a job) reports it at once instead of compiling again, until the record is deleted."""
+    monkeypatch.setenv("DMATTN_BENCH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # runs and fails
+    with pytest.raises(RuntimeError, match=r"compiler failed: 1$"):
+        native.build()
+    record = native.module_path().parent / "build.failed"
+    assert record.exists()
+    monkeypatch.setenv("CXX", "c++")
+    with pytest.raises(RuntimeError, match=r"compiler failed: 1 \(an earlier build; delete"):
+        native.build()
+    record.unlink()
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match=r"compiler failed: 1$"):  # it compiled again
+        native.build()

@@ -119,6 +119,24 @@ def test_launches_and_allocations_per_call(counted, name, shape, fwd_launches, f
     assert (launches, allocations, other) == (bwd_launches, bwd_allocations, bwd_other)
 
 
+@pytest.mark.parametrize("seqlen_q", [80, 1], ids=["prefill", "decode"])
+def test_an_lse_the_caller_keeps_is_a_tensor_of_its_own(counted, seqlen_q):
+    """Asked for lse (`return_lse`), a call without gradient returns it as a tensor of its own,
+    not as a view of the run's scratch buffer (the mask's schedule, decode's split partials),
+    which a kept view would keep alive; one allocation more than a call that drops it."""
+    q, k, v, mask, bias = _inputs(3, seqlen=80, mask="kv_head", bias="per_key")
+    q, mask = q[:, :seqlen_q].contiguous(), mask[:, :, :seqlen_q]
+    for return_lse in (True, False):
+        flash_dmattn_func(q, k, v, mask, bias, return_lse=return_lse)  # builds the plan and compiles
+    _, kept, _ = counted(lambda: flash_dmattn_func(q, k, v, mask, bias, return_lse=True))
+    _, dropped, _ = counted(lambda: flash_dmattn_func(q, k, v, mask, bias))
+    assert kept == dropped + 1
+    out, lse = flash_dmattn_func(q, k, v, mask, bias, return_lse=True)
+    assert lse._base is None and lse.untyped_storage().nbytes() == lse.numel() * lse.element_size()
+    reference_out, reference_lse = flash_dmattn_func(q, k, v, mask, bias, return_lse=True, backend="reference")
+    torch.testing.assert_close(lse, reference_lse, rtol=1e-4, atol=1e-4)
+
+
 def test_inference_forward_keeps_its_schedule_in_one_buffer(counted):
     """Without a gradient (and more query rows than a decode takes) lse, the mask's activity and
     the block lists share one allocation beside out."""

@@ -74,7 +74,7 @@ class DecodePlan:
 
         # -- where the split kernel writes: out and lse themselves, or per-split fp32 partials --
         out_strides, lse_strides = (0, *out.stride()), (0, *lse.stride())
-        self.out_shape, self.out_dtype = tuple(out.shape), out.dtype
+        self.out_shape, self.out_dtype, self.lse_shape = tuple(out.shape), out.dtype, tuple(lse.shape)
         self.out_like_q = q.is_contiguous() and q.dtype == out.dtype  # `empty_like(q)` costs the host less
         # what a run allocates beside out: lse, and the partials of the splits
         outputs = {"lse": (tuple(lse.shape), torch.float32)}
@@ -104,45 +104,55 @@ class DecodePlan:
                 num_warps=COMBINE_NUM_WARPS,
             )
         self.compiled = False
-        self.native = None  # `allocate_and_run`'s runs as one `native.Program`, once the kernels are compiled
-        self.native_tried = False
+        # keep_lse -> `allocate_and_run`'s runs as one `native.Program` (None: not native), once the
+        # kernels are compiled
+        self.native: dict[bool, object] = {}
 
     def __call__(self, q, k, v, mask, bias, seqlens, block_table, out, lse) -> None:
         """Runs into the given out and lse (the validator's poisoned buffers)."""
         self._run(q, k, v, mask, bias, seqlens, block_table, out, lse)
 
-    def allocate_and_run(self, q, k, v, mask, bias, seqlens, block_table) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs into new outputs: (out, lse), in two allocations (out, and lse with the partials)."""
+    def allocate_and_run(self, q, k, v, mask, bias, seqlens, block_table,
+                         keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs into new outputs: (out, lse). lse is a view of the scratch buffer that holds the
+        splits' partials, or its own tensor when the caller keeps it (`keep_lse`: a kept view
+        would keep the partials alive)."""
         stream = launch_stream()
-        if self.native is not None and stream is not None and not launch.LAUNCH_OBSERVERS:
-            return self.native(stream, q, k, v, mask, bias, seqlens, block_table)
+        program = self.native.get(keep_lse)
+        if program is not None and stream is not None and not launch.LAUNCH_OBSERVERS:
+            return program(stream, q, k, v, mask, bias, seqlens, block_table)
         out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.out_dtype,
                                                                        device=q.device)
-        lse = self._run(q, k, v, mask, bias, seqlens, block_table, out, None)
-        if not self.native_tried and stream is not None and self.decode.launcher is not None and (
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if keep_lse else None
+        lse = self._run(q, k, v, mask, bias, seqlens, block_table, out, lse)
+        if keep_lse not in self.native and stream is not None and self.decode.launcher is not None and (
                 self.combine is None or self.combine.launcher is not None):
-            self.native_tried = True
-            self.native = self._native_program(q.device, mask, bias, seqlens, block_table)
+            self.native[keep_lse] = self._native_program(q.device, mask, bias, seqlens, block_table, keep_lse)
         return out, lse
 
-    def _native_program(self, device, mask, bias, seqlens, block_table):
-        """`allocate_and_run` as one native call (`native.program`): out, then the scratch buffer
-        with lse (returned as its view) and the partials."""
+    def _native_program(self, device, mask, bias, seqlens, block_table, keep_lse: bool):
+        """`allocate_and_run` as one native call (`native.program`): out, lse where the caller keeps
+        it, then the scratch buffer with the partials (and lse, returned as its view, where not)."""
         q, k, v, *optional = (native.given(i) for i in range(7))
         extra = [source if given is not None else q  # q: an unused pointer
                  for source, given in zip(optional, (mask, bias, seqlens, block_table))]
         offset = {name: layout[0] for name, layout in self.outputs.layout.items()}
-        allocations = [(self.out_shape, self.out_dtype), ((self.outputs.nbytes,), torch.uint8)]
-        _, lse_shape, _, _ = self.outputs.layout["lse"]
-        views = [(1, offset["lse"] // 4, lse_shape, torch.float32)]
-        out, lse = native.allocated(0), native.allocated(1, offset["lse"])
+        allocations, views = [(self.out_shape, self.out_dtype)], []
+        if keep_lse:
+            allocations.append((self.lse_shape, torch.float32))
+        scratch = len(allocations)
+        allocations.append(((self.outputs.nbytes,), torch.uint8))
+        out, lse, returns = native.allocated(0), native.allocated(1), (0, 1)
+        if not keep_lse:
+            views.append((scratch, offset["lse"] // 4, self.lse_shape, torch.float32))
+            lse, returns = native.allocated(scratch, offset["lse"]), (0, scratch + 1)
         if self.combine is None:
             kernels = [(self.decode, [q, k, v, *extra, out, lse])]
         else:
-            partial_out, partial_lse = (native.allocated(1, offset[name]) for name in ("partial_out", "partial_lse"))
+            partial_out, partial_lse = (native.allocated(scratch, offset[name]) for name in ("partial_out", "partial_lse"))
             kernels = [(self.decode, [q, k, v, *extra, partial_out, partial_lse]),
                        (self.combine, [partial_out, partial_lse, out, lse])]
-        return native.program(device, 7, allocations, views, kernels, (0, 2))
+        return native.program(device, 7, allocations, views, kernels, returns)
 
     def _run(self, q, k, v, mask, bias, seqlens, block_table, out, lse) -> torch.Tensor:
         """The launches, lse (None: a view of the scratch buffer) and the splits' partials in one

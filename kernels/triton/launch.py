@@ -430,7 +430,8 @@ class ForwardPlan:
             descriptors, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         self.has_mask, self.has_bias = mask is not None, bias is not None
-        self.native: dict[bool, object] = {}  # keep_activity -> its `native.Program` (None: not native)
+        # (keep_activity, lse in the scratch buffer) -> that run's `native.Program` (None: not native)
+        self.native: dict[tuple[bool, bool], object] = {}
 
     def __call__(self, q, k, v, mask, bias, out, lse, activity=None) -> None:
         stream = launch_stream()
@@ -443,69 +444,75 @@ class ForwardPlan:
             self.lists.launch.run(stream, activity, blocks)
         self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, blocks))
 
-    def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool) -> tuple:
+    def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool, keep_lse: bool = True) -> tuple:
         """Runs into new outputs: (out, lse, the mask's tile activity if `keep_activity` and there
         is a mask, else None).
 
         Outputs (and the activity a backward keeps) are tensors of their own: as views of one
         buffer, autograd's handling of views cost an eager training step more host time than the
         allocations saved. Without a gradient the schedule's scratch is one buffer, passed by
-        address."""
+        address, and lse a view of it unless the caller keeps lse (`keep_lse`: a kept view would
+        keep the whole buffer alive)."""
         stream = launch_stream()
-        program = self.native.get(keep_activity)
+        lse_in_scratch = self.activity is not None and not keep_activity and not keep_lse
+        program = self.native.get((keep_activity, lse_in_scratch))
         if program is not None and stream is not None and not LAUNCH_OBSERVERS:
             return program(stream, q, k, v, mask, bias)
         out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.out_dtype,
                                                                        device=q.device)
-        if self.activity is None or keep_activity:
+        if not lse_in_scratch:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.activity is None:
             self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, q))
-            self._go_native(stream, q.device, keep_activity)
+            self._go_native(stream, q.device, keep_activity, lse_in_scratch)
             return out, lse, None
         if keep_activity:
             activity = torch.empty(self.activity.shape, dtype=torch.int8, device=q.device)
             blocks = torch.empty(self.lists.shape, dtype=torch.int32, device=q.device)
         else:
             # addresses once the kernels are compiled (the forward is the last); views for the JIT
-            # (the first run, a profiler). lse is returned as its view of the buffer.
+            # (the first run, a profiler)
             by_address = stream is not None and self.forward.launcher is not None
             buffer = self.workspace.allocate(q.device)
-            lse = self.workspace.tensor(buffer, "lse")
+            if lse_in_scratch:
+                lse = self.workspace.tensor(buffer, "lse")
             activity = self.workspace.part(buffer, "activity", by_address)
             blocks = self.workspace.part(buffer, "blocks", by_address)
         self.activity.launch.run(stream, mask, activity)
         self.lists.launch.run(stream, activity, blocks)
         self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, blocks))
-        self._go_native(stream, q.device, keep_activity)
+        self._go_native(stream, q.device, keep_activity, lse_in_scratch)
         return out, lse, activity if keep_activity else None
 
-    def _go_native(self, stream: int | None, device: torch.device, keep_activity: bool) -> None:
-        """Once every kernel is compiled, `allocate_and_run`'s later runs of `keep_activity` as one
-        native call (`native.program`): the same allocations, launches and outputs."""
+    def _go_native(self, stream: int | None, device: torch.device, keep_activity: bool, lse_in_scratch: bool) -> None:
+        """Once every kernel is compiled, `allocate_and_run`'s later runs of this kind as one native
+        call (`native.program`): the same allocations, launches and outputs."""
         launches = [self.forward] if self.activity is None else [self.activity.launch, self.lists.launch, self.forward]
-        if keep_activity in self.native or stream is None or any(launch.launcher is None for launch in launches):
+        kind = (keep_activity, lse_in_scratch)
+        if kind in self.native or stream is None or any(launch.launcher is None for launch in launches):
             return
         q, k, v, mask, bias = (native.given(i) for i in range(5))
         mask, bias = (mask if self.has_mask else q), (bias if self.has_bias else q)  # q: an unused pointer
         allocations, views = [(self.out_shape, self.out_dtype)], []
         kernels, blocks, returns = [], q, (0, 1, -1)
-        if self.activity is None or keep_activity:
+        if not lse_in_scratch:
             allocations.append((self.lse_shape, torch.float32))
             lse = native.allocated(1)
         if self.activity is not None and keep_activity:
             allocations += [(self.activity.shape, torch.int8), (self.lists.shape, torch.int32)]
             activity, blocks, returns = native.allocated(2), native.allocated(3), (0, 1, 2)
-        elif self.activity is not None:  # one scratch buffer, lse returned as its view
+        elif self.activity is not None:  # the schedule in one scratch buffer
+            scratch = len(allocations)
             offset = {name: layout[0] for name, layout in self.workspace.layout.items()}
             allocations.append(((self.workspace.nbytes,), torch.uint8))
-            views.append((1, offset["lse"] // 4, self.lse_shape, torch.float32))
-            lse, activity, blocks = (native.allocated(1, offset[name]) for name in ("lse", "activity", "blocks"))
-            returns = (0, 2, -1)
+            activity, blocks = (native.allocated(scratch, offset[name]) for name in ("activity", "blocks"))
+            if lse_in_scratch:  # returned as its view
+                views.append((scratch, offset["lse"] // 4, self.lse_shape, torch.float32))
+                lse, returns = native.allocated(scratch, offset["lse"]), (0, 2, -1)
         if self.activity is not None:
             kernels += [(self.activity.launch, [mask, activity]), (self.lists.launch, [activity, blocks])]
         kernels.append((self.forward, [q, k, v, mask, bias, native.allocated(0), lse, blocks, k, v]))
-        self.native[keep_activity] = native.program(device, 5, allocations, views, kernels, returns)
+        self.native[kind] = native.program(device, 5, allocations, views, kernels, returns)
 
     def _forward_tensors(self, q, k, v, mask, bias, out, lse, blocks) -> tuple:
         """The forward kernel's tensor arguments; q stands in for an absent mask, bias or block list
@@ -791,7 +798,13 @@ class BackwardPlan:
             self.reduce.run(stream, dk_share, dv_share, dk, dv, partial, q if dbias is None else dbias)
         if not self.compiled:
             self.compiled = all(launch.launcher is not None for launch in self.launches)
-        elif not self.native_tried and stream is not None:
+
+    def run_and_prepare(self, dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity=None,
+                        dlse=None) -> None:
+        """`__call__` for the runtime: once the kernels are compiled it also builds the program
+        of its later runs (`allocate_and_run`; the validator's and tuner's plans build none)."""
+        self(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
+        if self.compiled and not self.native_tried and launch_stream() is not None:
             self._go_native(q.device, mask, bias, dq, dk, dv, dbias, activity, dlse)
 
 
