@@ -16,7 +16,7 @@ programmatic launch, an unknown argument type, a launcher `handles.direct_launch
 The caller keeps its Python launches then.
 
 The module is compiled with the system C++ compiler against the installed torch on the first
-GPU plan (about 10 s, once per torch and Python version: cached under $DMATTN_BENCH_CACHE or
+GPU plan (about 15 s, once per torch and Python version: cached under $DMATTN_BENCH_CACHE or
 ~/.cache/dmattn_bench/native). `DMATTN_BENCH_NATIVE=0` turns the path off; a failed build warns
 once and leaves it off, and later processes do not try again until its record
 (`build.failed` beside the module) is deleted.
@@ -202,15 +202,6 @@ class Program:
         return self.run(self.handle, stream, *inputs)
 
 
-def _expanded_types(compiled) -> list | None:
-    """The compiled kernel's argument types, host tensor descriptors as (descriptor, its metadata);
-    None for a signature this path does not take (tuples)."""
-    types = list(compiled.src.signature.values())
-    if any(isinstance(ty, tuple) for ty in types):
-        return None
-    return types
-
-
 def _triton_version() -> tuple[int, int]:
     import triton
 
@@ -247,9 +238,9 @@ def kernel_spec(launch, sources: list[tuple[int, int, int]]) -> tuple | None:
             or getattr(run, "gsan_enabled", False) or getattr(metadata, "num_ctas", 1) != 1
             or metadata.shared > MAX_SHARED_BYTES):
         return None
-    types = _expanded_types(compiled)
+    types = list(compiled.src.signature.values())
     values = [None] * len(sources) + list(direct.tail)
-    if types is None or len(types) != len(values):
+    if len(types) != len(values) or any(isinstance(ty, tuple) for ty in types):  # tuple arguments: none of ours
         return None
     descriptor_meta = list(getattr(metadata, "tensordesc_meta", None) or [])
     params, offsets, pointers, descriptors = bytearray(), [], [], []

@@ -562,37 +562,33 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::array<int64_t, 256> words;
   size_t used = 0;
   for (Py_ssize_t i = 0; i < nargs; ++i) {
-    if (args[i] == Py_None) {
-      if (used + 1 > words.size()) break;
-      words[used++] = -1;
-      continue;
-    }
-    if (!THPVariable_Check(args[i])) {
+    bool none = args[i] == Py_None;
+    if (!none && !THPVariable_Check(args[i])) {
       PyErr_Format(PyExc_TypeError, "signature: argument %zd is a %s, expected a tensor or None", i,
                    Py_TYPE(args[i])->tp_name);
       return nullptr;
     }
     try {
-      const at::Tensor& tensor = THPVariable_Unpack(args[i]);
-      size_t dims = static_cast<size_t>(tensor.dim());
-      if (used + 2 * dims + 5 > words.size()) {
-        PyErr_SetString(PyExc_ValueError, "signature: too many dims");
+      const at::Tensor* tensor = none ? nullptr : &THPVariable_Unpack(args[i]);
+      size_t dims = none ? 0 : static_cast<size_t>(tensor->dim());
+      if (used + (none ? 1 : 2 * dims + 5) > words.size()) {
+        PyErr_SetString(PyExc_ValueError, "signature: too many tensors or dims");
         return nullptr;
       }
+      if (none) {
+        words[used++] = -1;
+        continue;
+      }
       words[used++] = static_cast<int64_t>(dims);
-      for (int64_t size : tensor.sizes()) words[used++] = size;
-      for (int64_t stride : tensor.strides()) words[used++] = stride;
-      words[used++] = static_cast<int64_t>(tensor.scalar_type());
-      words[used++] = static_cast<int64_t>(tensor.device().type()) * 65536 + tensor.device().index();
-      words[used++] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(tensor.data_ptr()) & 15);
+      for (int64_t size : tensor->sizes()) words[used++] = size;
+      for (int64_t stride : tensor->strides()) words[used++] = stride;
+      words[used++] = static_cast<int64_t>(tensor->scalar_type());
+      words[used++] = static_cast<int64_t>(tensor->device().type()) * 65536 + tensor->device().index();
+      words[used++] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(tensor->data_ptr()) & 15);
     } catch (const std::exception& error) {
       PyErr_SetString(PyExc_TypeError, error.what());
       return nullptr;
     }
-  }
-  if (used == words.size()) {
-    PyErr_SetString(PyExc_ValueError, "signature: too many tensors");
-    return nullptr;
   }
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(words.data()),
                                    static_cast<Py_ssize_t>(used * sizeof(int64_t)));

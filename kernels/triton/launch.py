@@ -454,6 +454,7 @@ class ForwardPlan:
         address, and lse a view of it unless the caller keeps lse (`keep_lse`: a kept view would
         keep the whole buffer alive)."""
         stream = launch_stream()
+        keep_activity = keep_activity and self.activity is not None  # without a mask there is none to keep
         lse_in_scratch = self.activity is not None and not keep_activity and not keep_lse
         program = self.native.get((keep_activity, lse_in_scratch))
         if program is not None and stream is not None and not LAUNCH_OBSERVERS:
