@@ -123,15 +123,52 @@ def ab(device) -> list[tuple[str, float]]:
     return [(name, statistics.median(values)) for name, values in samples.items()]
 
 
+def breakdown(device) -> list[tuple[str, float]]:
+    """Where a masked forward's host time goes (no gradient, W1 and W2 shapes): the whole call,
+    the plan's run, its native program, programs of fewer kernels and none, and SDPA's
+    memory-efficient call beside it."""
+    from dmattn_bench import native
+    from dmattn_bench import plan as plans
+    from dmattn_kernels.triton import launch
+
+    rows = []
+    for name in ("W2", "W1", "W3"):
+        shape = next(s for n, s in host_overhead._scenarios(device).items() if n.startswith(name))
+        q, k, v, mask, bias, causal, _ = host_overhead._inputs(shape, device, False)
+        call = lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=causal)
+        rows.append((f"{name}: flash_dmattn_func", host_us(call)))
+        plan = list(plans.PLANS._plans.values())[-1]  # the call's: the last built
+        forward = plan._fwd_launch
+        rows.append((f"{name}: plan.infer", host_us(lambda: plan.infer(q, k, v, mask, bias, None, None, False))))
+        rows.append((f"{name}: plan lookup (signature + get)", host_us(lambda: plans.PLANS.get(plans.signature(
+            q, k, v, mask, bias, None, None, bool, causal, type(None), None, float, 0.0, "auto", None, None, None,
+            False)))))
+        stream = launch.launch_stream()
+        for kind, program in forward.native.items():
+            rows.append((f"{name}: native program {kind}", host_us(lambda: program(stream, q, k, v, mask, bias))))
+        allocations = [(forward.out_shape, forward.out_dtype), (forward.lse_shape, torch.float32)]
+        empty = native.program(q.device, 5, allocations, [], [], (0, 1))
+        rows.append((f"{name}: native, 2 allocations, no kernel", host_us(lambda: empty(stream, q, k, v, mask, bias))))
+        bare = native.program(q.device, 5, [], [], [], ())
+        rows.append((f"{name}: native, nothing", host_us(lambda: bare(stream, q, k, v, mask, bias))))
+        fn, context = host_overhead._sdpa(shape, device, False)
+        with context, torch.no_grad():
+            rows.append((f"{name}: SDPA", host_us(fn)))
+        del q, k, v, mask, bias, fn
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default="ours")
     parser.add_argument("--pieces", action="store_true", help="also time the operations a call is made of")
     parser.add_argument("--ab", action="store_true", help="only compare the two launch paths, in one process")
+    parser.add_argument("--breakdown", action="store_true", help="only where a masked forward's host time goes")
     args = parser.parse_args()
     device = torch.device("cuda")
-    if args.ab:
-        for name, value in ab(device):
+    if args.ab or args.breakdown:
+        for name, value in (ab(device) if args.ab else breakdown(device)):
             print(f"| {name} | {value:.1f} |")
         return
     rows = pieces(device) if args.pieces else []
