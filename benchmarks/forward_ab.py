@@ -13,6 +13,7 @@ Prints one markdown table (stdout): GPU ms (`timing.time_kernel`), host µs per 
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -61,7 +62,7 @@ def main():
     parser.add_argument("--compare")
     args = parser.parse_args()
     device = torch.device("cuda")
-    configs = json.load(open(args.read_configs)) if args.read_configs else {}
+    configs = json.loads(Path(args.read_configs).read_text()) if args.read_configs else {}
     earlier = torch.load(args.compare) if args.compare else {}
     outputs, rows = {}, []
     for name, (q, k, v, mask, bias, causal) in workloads(device):
@@ -77,7 +78,7 @@ def main():
         rows.append((name, config, gpu, host_us(call), diff))
         print(rows[-1], flush=True)
     if args.write_configs:
-        json.dump(configs, open(args.write_configs, "w"))
+        Path(args.write_configs).write_text(json.dumps(configs))
     if args.save:
         torch.save(outputs, args.save)
     print(f"| workload | config | {args.label}: GPU ms | host us | max diff |\n|---|---|---|---|---|")

@@ -52,13 +52,20 @@ def _decode_inputs(batch, seqlen_k, padded, device):
     return q, k, v, mask, lengths
 
 
+def _plan_key(q, k, v, mask, bias, causal) -> tuple:
+    """The plan key `flash_dmattn_func` builds for a call with these tensors and default options."""
+    from dmattn_bench import plan as plans
+
+    return plans.signature(q, k, v, mask, bias, None, None, bool, causal, type(None), None, float, 0.0, "auto", None,
+                           None, None, False)
+
+
 def pieces(device) -> list[tuple[str, float]]:
     """Host cost of the operations a call is made of (the current checkout's only)."""
     from torch._subclasses.fake_tensor import is_fake
 
     from dmattn_bench import api
     from dmattn_kernels.triton import launch
-    from dmattn_bench import plan as plans
 
     q, k, v, mask, bias, causal, _ = host_overhead._inputs(next(iter(host_overhead._scenarios(device).values())),
                                                             device, False)
@@ -78,8 +85,7 @@ def pieces(device) -> list[tuple[str, float]]:
         ("torch.compiler.is_compiling", host_us(torch.compiler.is_compiling)),
         ("is_fake", host_us(lambda: is_fake(q))),
         ("api._needs_grad", host_us(lambda: api._needs_grad(q, k, v, bias))),
-        ("plan.signature", host_us(lambda: plans.signature(q, k, v, mask, bias, None, bool, causal, type(None), None,
-                                                           float, 0.0, "auto", None, None, None, False))),
+        ("plan.signature", host_us(lambda: _plan_key(q, k, v, mask, bias, causal))),
     ]
 
 
@@ -124,9 +130,9 @@ def ab(device) -> list[tuple[str, float]]:
 
 
 def breakdown(device) -> list[tuple[str, float]]:
-    """Where a masked forward's host time goes (no gradient, W1 and W2 shapes): the whole call,
-    the plan's run, its native program, programs of fewer kernels and none, and SDPA's
-    memory-efficient call beside it."""
+    """Where a forward's host time goes (no gradient; W1 and W2 masked, W3 dense): the whole call,
+    the plan's run, its lookup, its native program, a native program of the allocations alone and
+    an empty one, and SDPA beside it (memory-efficient with the float mask; W3: flash)."""
     from dmattn_bench import native
     from dmattn_bench import plan as plans
     from dmattn_kernels.triton import launch
@@ -140,9 +146,8 @@ def breakdown(device) -> list[tuple[str, float]]:
         plan = list(plans.PLANS._plans.values())[-1]  # the call's: the last built
         forward = plan._fwd_launch
         rows.append((f"{name}: plan.infer", host_us(lambda: plan.infer(q, k, v, mask, bias, None, None, False))))
-        rows.append((f"{name}: plan lookup (signature + get)", host_us(lambda: plans.PLANS.get(plans.signature(
-            q, k, v, mask, bias, None, None, bool, causal, type(None), None, float, 0.0, "auto", None, None, None,
-            False)))))
+        rows.append((f"{name}: plan lookup (signature + get)",
+                     host_us(lambda: plans.PLANS.get(_plan_key(q, k, v, mask, bias, causal)))))
         stream = launch.launch_stream()
         for kind, program in forward.native.items():
             rows.append((f"{name}: native program {kind}", host_us(lambda: program(stream, q, k, v, mask, bias))))
