@@ -208,6 +208,13 @@ def flash_dmattn_func(
             shape received and the shape expected; a non-bool `is_causal`; an integer mask
             holding values other than 0 and 1 (checked on every call: prefer a bool mask).
     """
+    entry = native.ENTRY
+    if entry is not None and not torch.compiler.is_compiling():
+        # a call without gradient whose arguments ran before: one C++ call (`native.learn` below)
+        result = entry(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, return_lse, backend,
+                       cache_seqlens, block_table, table, fwd_config, bwd_config)
+        if result is not None:
+            return result
     if backend != "reference" and not torch.compiler.is_compiling() and not _traced(query):
         if _NATIVE_PENDING and getattr(query, "is_cuda", False):
             _load_native()
@@ -241,6 +248,10 @@ def flash_dmattn_func(
             out, lse = _Attention.apply(plan, query, key, value, attn_mask, attn_bias)
         else:
             out, lse = plan.infer(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table, return_lse)
+            if entry is not None:
+                native.learn(plan.native_program(return_lse), query, key, value, attn_mask, attn_bias, is_causal,
+                             softmax_scale, softcap, return_lse, backend, cache_seqlens, block_table, table,
+                             fwd_config, bwd_config)
         return (out, lse) if return_lse else out
 
     softmax_scale = _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, backend,

@@ -69,6 +69,10 @@ def allocated(index: int, offset: int = 0) -> tuple[int, int, int]:
 
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "module": the loaded module, or None after a failed or disabled build
+# The eager entry of the loaded module (`native_launch.cpp`): `ENTRY(*flash_dmattn_func's arguments)`
+# runs a call without gradient whose arguments ran before (`learn`) as one C++ call, or answers None.
+# None while no module is loaded or the path is switched off.
+ENTRY = None
 
 
 def _compile_command(output: Path) -> list[str]:
@@ -145,6 +149,7 @@ def _load(path: Path):
 def module():
     """The native module, built on first use; None when `DMATTN_BENCH_NATIVE=0` or its build
     failed (warned once)."""
+    global ENTRY
     if "module" in _STATE:
         return _STATE["module"]
     with _LOCK:
@@ -153,9 +158,12 @@ def module():
             if os.environ.get(ENV_VAR, "1") != "0":
                 try:
                     loaded = _load(build())
-                    from dmattn_bench import plan
+                    from dmattn_bench import dispatch, plan, registry
+                    from dmattn_kernels.triton import launch
 
                     plan.use_tensor_layouts(loaded.signature)
+                    loaded.configure(dispatch.DISPATCHER, registry, launch, launch.launch_stream, dispatch.ENV_VAR)
+                    ENTRY = loaded.entry
                 except (RuntimeError, OSError, ImportError) as error:
                     warnings.warn(f"dmattn-bench: the native launch path is off ({error}); kernels launch "
                                   f"through Triton's launchers", RuntimeWarning, stacklevel=2)
@@ -168,19 +176,34 @@ def loaded():
     return _STATE.get("module")
 
 
+def learn(program, *arguments) -> bool:
+    """Has the entry run `program` (a `Program`, or None: nothing to learn) for later calls keyed
+    as `arguments` (`flash_dmattn_func`'s, in order); whether it will."""
+    loaded = _STATE.get("module")
+    return program is not None and loaded is not None and loaded.learn(program, *arguments)
+
+
+def forget() -> None:
+    """The entry serves no call until it learns again (`plan.clear`)."""
+    loaded = _STATE.get("module")
+    if loaded is not None:
+        loaded.forget()
+
+
 @contextmanager
 def switched_off():
     """Plans built inside launch from Python and key calls as Python does (an in-process A/B of
     the two paths; `plan.clear()` first so that no plan built outside is reused)."""
+    global ENTRY
     from dmattn_bench import plan
 
-    before = module()
-    _STATE["module"] = None
+    before, entry = module(), ENTRY
+    _STATE["module"], ENTRY = None, None
     plan.use_tensor_layouts(plan.python_tensor_layouts)
     try:
         yield
     finally:
-        _STATE["module"] = before
+        _STATE["module"], ENTRY = before, entry
         if before is not None:
             plan.use_tensor_layouts(before.signature)
 

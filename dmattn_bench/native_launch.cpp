@@ -14,13 +14,18 @@
 #include <dlfcn.h>
 
 #include <ATen/ops/empty.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -556,10 +561,30 @@ PyObject* pack(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return exec
 
 // -- the plan signature ----------------------------------------------------------------------------
 
+using LayoutWords = std::array<int64_t, 256>;
+
+// Appends a tensor's layout (dims, sizes, strides, dtype, device, address modulo 16) or None's
+// marker to `words`; false where they would not fit.
+bool append_layout(const at::Tensor* tensor, LayoutWords& words, size_t& used) {
+  size_t dims = tensor == nullptr ? 0 : static_cast<size_t>(tensor->dim());
+  if (used + (tensor == nullptr ? 1 : 2 * dims + 5) > words.size()) return false;
+  if (tensor == nullptr) {
+    words[used++] = -1;
+    return true;
+  }
+  words[used++] = static_cast<int64_t>(dims);
+  for (int64_t size : tensor->sizes()) words[used++] = size;
+  for (int64_t stride : tensor->strides()) words[used++] = stride;
+  words[used++] = static_cast<int64_t>(tensor->scalar_type());
+  words[used++] = static_cast<int64_t>(tensor->device().type()) * 65536 + tensor->device().index();
+  words[used++] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(tensor->data_ptr()) & 15);
+  return true;
+}
+
 // signature(*tensors) -> bytes: per tensor its dims, sizes, strides, dtype, device and address
 // modulo 16 (what Triton specializes on); per None one marker. A non-tensor raises TypeError.
 PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  std::array<int64_t, 256> words;
+  LayoutWords words;
   size_t used = 0;
   for (Py_ssize_t i = 0; i < nargs; ++i) {
     bool none = args[i] == Py_None;
@@ -569,22 +594,10 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return nullptr;
     }
     try {
-      const at::Tensor* tensor = none ? nullptr : &THPVariable_Unpack(args[i]);
-      size_t dims = none ? 0 : static_cast<size_t>(tensor->dim());
-      if (used + (none ? 1 : 2 * dims + 5) > words.size()) {
+      if (!append_layout(none ? nullptr : &THPVariable_Unpack(args[i]), words, used)) {
         PyErr_SetString(PyExc_ValueError, "signature: too many tensors or dims");
         return nullptr;
       }
-      if (none) {
-        words[used++] = -1;
-        continue;
-      }
-      words[used++] = static_cast<int64_t>(dims);
-      for (int64_t size : tensor->sizes()) words[used++] = size;
-      for (int64_t stride : tensor->strides()) words[used++] = stride;
-      words[used++] = static_cast<int64_t>(tensor->scalar_type());
-      words[used++] = static_cast<int64_t>(tensor->device().type()) * 65536 + tensor->device().index();
-      words[used++] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(tensor->data_ptr()) & 15);
     } catch (const std::exception& error) {
       PyErr_SetString(PyExc_TypeError, error.what());
       return nullptr;
@@ -592,6 +605,257 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(words.data()),
                                    static_cast<Py_ssize_t>(used * sizeof(int64_t)));
+}
+
+// -- the eager entry -------------------------------------------------------------------------------
+//
+// A call without gradient whose arguments `flash_dmattn_func` has already run once, validated and
+// planned goes from the public function straight to its program: `entry(*arguments)` keys the
+// call as below and runs the program `learn` stored under that key, or answers None, and the
+// Python path runs (and learns) it. A key holds the tensors' layouts and every option by value,
+// so it is only ever met by a call that would build the same plan. What Python state decides a
+// plan besides (the dispatch generation, the backend overrides, the table the environment names)
+// is recorded with each program and compared on every call.
+
+// flash_dmattn_func's parameters, in order
+enum Argument : int {
+  kQuery, kKey, kValue, kMask, kBias, kIsCausal, kScale, kSoftcap, kReturnLse, kBackend, kCacheSeqlens,
+  kBlockTable, kTable, kFwdConfig, kBwdConfig, kNumArguments
+};
+constexpr int kTensorArguments[] = {kQuery, kKey, kValue, kMask, kBias, kCacheSeqlens, kBlockTable};  // program order
+constexpr size_t kMaxEntries = 1024;  // a loop repeats a few signatures; past this all are dropped
+
+struct Entry {
+  PyObject* program = nullptr;  // the native.Program, kept alive with its kernels
+  Program* built = nullptr;
+  PyObject* handle = nullptr;
+  bool return_lse = false;
+  long generation = 0;
+  long overrides = 0;
+  bool env_set = false;
+  std::string env;
+};
+
+struct EntryContext {  // `configure`'s Python objects
+  PyObject* dispatcher = nullptr;    // dispatch.DISPATCHER: its `generation`
+  PyObject* registry = nullptr;      // the registry module: its `overrides`
+  PyObject* launch_module = nullptr; // its `LAUNCH_OBSERVERS`: a call they watch takes the Python path
+  PyObject* launch_stream = nullptr; // launch.launch_stream(): None where launches must take the JIT
+  std::string env_name;
+};
+
+EntryContext context;
+std::unordered_map<std::string, Entry> entries;
+
+void drop_entries() {
+  for (auto& item : entries) Py_DECREF(item.second.program);
+  entries.clear();
+}
+
+// Tensors the entry serves: plain CUDA tensors, strided, not wrapped by a tracing or transform
+// layer (fake, functional, functorch); anything else goes the Python way.
+bool plain_cuda(PyObject* obj) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  const at::Tensor& tensor = THPVariable_Unpack(obj);
+  static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                            c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                            c10::DispatchKey::FuncTorchGradWrapper});
+  return tensor.defined() && tensor.is_cuda() && tensor.layout() == at::kStrided &&
+         !tensor.key_set().has_any(wrapped);
+}
+
+void append_bytes(std::string& key, const void* data, size_t size) {
+  key.append(static_cast<const char*>(data), size);
+}
+
+bool append_string(std::string& key, PyObject* obj) {
+  Py_ssize_t size = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(obj, &size);
+  if (text == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  append_bytes(key, &size, sizeof(size));
+  key.append(text, static_cast<size_t>(size));
+  return true;
+}
+
+// The call's key, or false where the entry does not serve it: a gradient is needed, an option is
+// not of the plain type the Python path keys it by, explicit configs (a tuning-time call), an
+// integer mask (its values are checked on every call).
+bool entry_key(PyObject* const* args, std::string& key) {
+  for (int index : kTensorArguments) {
+    if (args[index] != Py_None && !plain_cuda(args[index])) return false;
+    if (index <= kValue && args[index] == Py_None) return false;
+  }
+  if (args[kFwdConfig] != Py_None || args[kBwdConfig] != Py_None) return false;
+  if (!PyBool_Check(args[kIsCausal]) || !PyBool_Check(args[kReturnLse])) return false;
+  if (args[kScale] != Py_None && !PyFloat_CheckExact(args[kScale])) return false;
+  if (!PyFloat_CheckExact(args[kSoftcap]) || !PyUnicode_CheckExact(args[kBackend])) return false;
+  if (args[kTable] != Py_None && !PyUnicode_CheckExact(args[kTable])) return false;
+  if (args[kMask] != Py_None && THPVariable_Unpack(args[kMask]).scalar_type() != at::kBool) return false;
+  if (c10::GradMode::is_enabled()) {
+    for (int index : {kQuery, kKey, kValue, kBias}) {
+      if (args[index] != Py_None && THPVariable_Unpack(args[index]).requires_grad()) return false;
+    }
+  }
+  LayoutWords words;
+  size_t used = 0;
+  for (int index : kTensorArguments) {
+    if (!append_layout(args[index] == Py_None ? nullptr : &THPVariable_Unpack(args[index]), words, used)) return false;
+  }
+  key.reserve(used * sizeof(int64_t) + 64);
+  append_bytes(key, words.data(), used * sizeof(int64_t));
+  double scale = args[kScale] == Py_None ? -1.0 : PyFloat_AS_DOUBLE(args[kScale]);  // a scale is > 0
+  double softcap = PyFloat_AS_DOUBLE(args[kSoftcap]);
+  append_bytes(key, &scale, sizeof(scale));
+  append_bytes(key, &softcap, sizeof(softcap));
+  key.push_back(args[kIsCausal] == Py_True ? 'c' : 'n');
+  key.push_back(args[kReturnLse] == Py_True ? 'l' : 'o');
+  if (!append_string(key, args[kBackend])) return false;
+  if (args[kTable] == Py_None) {
+    key.push_back('-');
+  } else if (!append_string(key, args[kTable])) {
+    return false;
+  }
+  return true;
+}
+
+// The integer attribute `name` of `owner`; false (no error set) where it is missing or not an int.
+bool read_long(PyObject* owner, const char* name, long& value) {
+  PyObject* attribute = PyObject_GetAttrString(owner, name);
+  if (attribute == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  value = PyLong_AsLong(attribute);
+  Py_DECREF(attribute);
+  if (value == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// The Python state a stored program was planned under, read now.
+bool current_state(Entry& state) {
+  if (context.dispatcher == nullptr) return false;
+  if (!read_long(context.dispatcher, "generation", state.generation)) return false;
+  if (!read_long(context.registry, "overrides", state.overrides)) return false;
+  const char* env = std::getenv(context.env_name.c_str());
+  state.env_set = env != nullptr;
+  state.env = env != nullptr ? env : "";
+  return true;
+}
+
+// configure(dispatcher, registry, launch_module, launch_stream, env_name)
+PyObject* configure(PyObject*, PyObject* args) {
+  PyObject *dispatcher, *registry, *launch_module, *launch_stream;
+  const char* env_name;
+  if (!PyArg_ParseTuple(args, "OOOOs", &dispatcher, &registry, &launch_module, &launch_stream, &env_name)) {
+    return nullptr;
+  }
+  drop_entries();
+  for (PyObject* held : {context.dispatcher, context.registry, context.launch_module, context.launch_stream}) {
+    Py_XDECREF(held);
+  }
+  for (PyObject* kept : {dispatcher, registry, launch_module, launch_stream}) Py_INCREF(kept);
+  context = EntryContext{dispatcher, registry, launch_module, launch_stream, env_name};
+  Py_RETURN_NONE;
+}
+
+// learn(program, *arguments) -> whether the entry will serve calls keyed as these arguments.
+PyObject* learn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != kNumArguments + 1) {
+    PyErr_SetString(PyExc_TypeError, "learn(program, *flash_dmattn_func's arguments)");
+    return nullptr;
+  }
+  std::string key;
+  Entry stored;
+  if (!entry_key(args + 1, key) || !current_state(stored)) Py_RETURN_FALSE;
+  PyObject* handle = PyObject_GetAttrString(args[0], "handle");
+  if (handle == nullptr) return nullptr;
+  auto* built = static_cast<Program*>(PyCapsule_GetPointer(handle, kCapsuleName));
+  Py_DECREF(handle);  // the program holds it
+  if (built == nullptr) return nullptr;
+  // the program's inputs: the call's tensors in `kTensorArguments` order, the first five (a
+  // prefill forward) or all of them (the short-query forward)
+  if (built->num_inputs != 5 && built->num_inputs != std::size(kTensorArguments)) Py_RETURN_FALSE;
+  if (entries.size() >= kMaxEntries) drop_entries();
+  stored.program = args[0];
+  stored.built = built;
+  stored.handle = handle;
+  stored.return_lse = args[1 + kReturnLse] == Py_True;
+  Py_INCREF(stored.program);
+  auto found = entries.find(key);
+  if (found != entries.end()) {
+    Py_DECREF(found->second.program);
+    found->second = std::move(stored);
+  } else {
+    entries.emplace(std::move(key), std::move(stored));
+  }
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* forget(PyObject*, PyObject*) {
+  drop_entries();
+  Py_RETURN_NONE;
+}
+
+// entry(*flash_dmattn_func's arguments) -> its result, or None: not a call the entry has learned.
+PyObject* entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != kNumArguments) {
+    PyErr_SetString(PyExc_TypeError, "entry(*flash_dmattn_func's arguments)");
+    return nullptr;
+  }
+  std::string key;
+  if (entries.empty() || !entry_key(args, key)) Py_RETURN_NONE;
+  auto found = entries.find(key);
+  if (found == entries.end()) Py_RETURN_NONE;
+  const Entry& stored = found->second;
+  Entry now;
+  if (!current_state(now) || now.generation != stored.generation || now.overrides != stored.overrides ||
+      now.env_set != stored.env_set || now.env != stored.env) {
+    Py_RETURN_NONE;
+  }
+  PyObject* observers = PyObject_GetAttrString(context.launch_module, "LAUNCH_OBSERVERS");
+  if (observers == nullptr) return nullptr;
+  int watched = PyObject_IsTrue(observers);
+  Py_DECREF(observers);
+  if (watched != 0) {
+    if (watched < 0) return nullptr;
+    Py_RETURN_NONE;
+  }
+  PyObject* stream = PyObject_CallNoArgs(context.launch_stream);
+  if (stream == nullptr) return nullptr;
+  if (stream == Py_None) return stream;
+  // the run lets other threads in while it launches: they may `learn` or `forget` meanwhile, so
+  // the run holds its own reference to the program and copies of what it reads of the entry
+  PyObject* program = stored.program;
+  Py_INCREF(program);
+  bool return_lse = stored.return_lse;
+  size_t num_inputs = stored.built->num_inputs;
+  std::array<PyObject*, 2 + std::size(kTensorArguments)> run_args;
+  run_args[0] = stored.handle;
+  run_args[1] = stream;
+  for (size_t i = 0; i < num_inputs; ++i) run_args[2 + i] = args[kTensorArguments[i]];
+  PyObject* outputs = execute(run_args.data(), static_cast<Py_ssize_t>(2 + num_inputs), true);
+  Py_DECREF(stream);
+  Py_DECREF(program);
+  if (outputs == nullptr) return nullptr;
+  PyObject* result;
+  if (return_lse) {
+    result = PyTuple_Pack(2, PyTuple_GET_ITEM(outputs, 0), PyTuple_GET_ITEM(outputs, 1));
+  } else {
+    result = PyTuple_GET_ITEM(outputs, 0);
+    Py_INCREF(result);
+  }
+  Py_DECREF(outputs);
+  return result;
+  END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef methods[] = {
@@ -602,6 +866,13 @@ PyMethodDef methods[] = {
      "pack(program, stream, *inputs): (returns, each kernel's parameter bytes), on the CPU, nothing launched."},
     {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(signature)), METH_FASTCALL,
      "signature(*tensors): the tensors' layouts as bytes (a plan key)."},
+    {"configure", configure, METH_VARARGS,
+     "configure(dispatcher, registry, launch_module, launch_stream, env_name): the entry's Python state."},
+    {"learn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(learn)), METH_FASTCALL,
+     "learn(program, *arguments): the entry runs `program` for calls keyed as these arguments."},
+    {"forget", forget, METH_NOARGS, "forget(): the entry serves no call until it learns again."},
+    {"entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(entry)), METH_FASTCALL,
+     "entry(*arguments): a learned call's result, else None."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "dmattn_native", nullptr, -1, methods};

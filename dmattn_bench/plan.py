@@ -240,6 +240,17 @@ class AttentionPlan:
                 config=config, out=out, lse=lse, num_sms=sm_count(self.device))
         return launch.allocate_and_run(q, k, v, mask, bias, cache_seqlens, block_table, keep_lse)
 
+    def native_program(self, keep_lse: bool):
+        """The native program `infer(..., keep_lse)` now runs for this signature, None while there
+        is none (before its kernels are compiled, a plan without the native path)."""
+        if self.decodes:
+            return None if self._decode_launch is None else self._decode_launch.native.get(keep_lse)
+        launch = self._fwd_launch
+        if launch is None or not hasattr(launch, "native"):
+            return None
+        # (keep_activity, lse in the schedule's scratch buffer): `ForwardPlan.allocate_and_run`'s kinds
+        return launch.native.get((False, launch.activity is not None and not keep_lse))
+
     # -- backward --------------------------------------------------------------------------------
 
     def backward(self, dout, q, k, v, out, lse, mask, bias, activity, dlse, bias_requires_grad: bool):
@@ -348,5 +359,9 @@ PLANS = PlanCache(1024)  # the runtime's plans (a training or serving loop repea
 
 
 def clear() -> None:
-    """Forgets every plan (tests; a process that edits its kernels' configs at run time)."""
+    """Forgets every plan (tests; a process that edits its kernels' configs at run time), and the
+    programs the native entry runs for them."""
+    from dmattn_bench import native
+
     PLANS.clear()
+    native.forget()

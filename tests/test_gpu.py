@@ -270,6 +270,72 @@ def test_decode_steps_in_a_cuda_graph_with_changing_lengths(dtype):
         k.copy_(k_cache), v.copy_(v_cache)
 
 
+def _counted_entry(entry, served: list):
+    """`native.ENTRY` that appends to `served` whether it ran each call."""
+    def counted(*arguments):
+        result = entry(*arguments)
+        served.append(result is not None)
+        return result
+
+    return counted
+
+
+def test_the_eager_entry_serves_a_repeated_call_until_its_plan_would_change(monkeypatch):
+    """The eager entry runs a call without gradient whose arguments ran before, with the bits of
+    the Python path; it declines what that path checks or plans anew: an integer mask (its values
+    are checked every call), a gradient, explicit configs, watched launches, another dispatch
+    state (a table chosen in the process or named by the environment)."""
+    from dmattn_bench import dispatch, native, plan
+    from dmattn_kernels.triton import launch
+
+    if native.module() is None:
+        pytest.fail("the native launch path did not build")
+    plan.clear()
+    served = []
+    monkeypatch.setattr(native, "ENTRY", _counted_entry(native.ENTRY, served))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    mask = torch.rand(2, 1, 200, 200, device="cuda", generator=g) > 0.4
+    bias = torch.randn(2, 4, 1, 200, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def call(**options):
+        return flash_dmattn_func(q, k, v, options.pop("mask", mask), bias, is_causal=True, return_lse=True, **options)
+
+    with monkeypatch.context() as watched:  # the Python path, launches watched: the reference bits
+        watched.setattr(launch, "LAUNCH_OBSERVERS", [lambda name: None])
+        expected = call()
+    served.clear()
+    results = [call() for _ in range(3)]  # Python (learns), then the entry
+    assert served == [False, True, True]
+    assert all(torch.equal(a, b) for result in results for a, b in zip(result, expected))
+
+    def served_calls(run) -> list[bool]:
+        served.clear()
+        run()
+        return list(served)
+
+    leaf = v.detach().requires_grad_()
+    with monkeypatch.context() as watched:
+        watched.setattr(launch, "LAUNCH_OBSERVERS", [lambda name: None])
+        watched_calls = served_calls(call)
+    declined = {
+        "integer mask": served_calls(lambda: [call(mask=mask.to(torch.uint8)) for _ in range(2)]),
+        "explicit config": served_calls(lambda: [call(fwd_config=FwdConfig(64, 32, 4, 2)) for _ in range(2)]),
+        "gradient": served_calls(lambda: flash_dmattn_func(q, k, leaf, mask, bias, is_causal=True)),
+        "watched": watched_calls,
+    }
+    assert declined == {"integer mask": [False, False], "explicit config": [False, False], "gradient": [False],
+                        "watched": [False]}
+
+    # a new dispatch generation; the environment naming a table (empty here: the same choice)
+    for change in (lambda: dispatch.DISPATCHER.use_table(None), lambda: monkeypatch.setenv(dispatch.ENV_VAR, "")):
+        change()
+        results = []
+        # planned again (its first run compiles through the JIT, the second builds its program), then served
+        assert served_calls(lambda: results.extend([call(), call(), call()])) == [False, False, True]
+        assert all(torch.equal(a, b) for result in results for a, b in zip(result, expected))
+
+
 NATIVE_CALLS = ["dense-tma", "mask-bias", "mask-bias-grad", "decode-one-split", "decode-splits-mask",
                 "decode-seqlens", "decode-paged"]
 
@@ -287,9 +353,10 @@ def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch,
     if native.module() is None:
         pytest.fail("the native launch path did not build")
     plan.clear()
-    native_runs = []
+    native_runs, served = [], []
     run = native.Program.__call__
     monkeypatch.setattr(native.Program, "__call__", lambda self, *args: native_runs.append(1) or run(self, *args))
+    monkeypatch.setattr(native, "ENTRY", _counted_entry(native.ENTRY, served))
     g = torch.Generator(device="cuda").manual_seed(3)
     decode = call.startswith("decode")
     batch, seqlen_q, seqlen_k = (4, 1, 3000) if decode else (2, 300, 300)
@@ -325,8 +392,9 @@ def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch,
     later = [step(q, k, v, bias), step(q, k, v, bias),
              step(q.clone(), k.clone(), v.clone(), None if bias is None else bias.clone())]
     # a forward plan runs through the JIT, then from Python, building its program; decode's and
-    # the backward's first runs build theirs
-    assert len(native_runs) == (3 if decode else 5 if grad else 2)
+    # the backward's first runs build theirs. A call without gradient whose program exists runs
+    # through the eager entry (one C++ call from `flash_dmattn_func`), the others from Python.
+    assert (len(native_runs), served.count(True)) == ((0, 3) if decode else (5, 0) if grad else (0, 2))
     assert not any(t.isnan().any() for t in first)
     for again in later:
         assert all(torch.equal(a, b) for a, b in zip(first, again))

@@ -146,3 +146,15 @@ def test_a_failed_build_is_recorded_and_not_retried_by_later_processes(monkeypat
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match=r"compiler failed: 1$"):  # it compiled again
         native.build()
+
+
+def test_the_eager_entry_learns_only_calls_it_can_serve(module):
+    """The eager entry (`native.ENTRY`) serves plain CUDA tensors only: a CPU call is neither
+    learned nor served, and a call of the wrong arity is a TypeError, not a silent None."""
+    q = k = v = torch.zeros(1, 16, 1, 16)
+    arguments = (q, k, v, None, None, False, None, 0.0, False, "auto", None, None, None, None, None)
+    assert module.learn(object(), *arguments) is False
+    assert module.entry(*arguments) is None
+    with pytest.raises(TypeError):
+        module.entry(*arguments[:-1])
+    module.forget()
