@@ -17,7 +17,9 @@ The caller keeps its Python launches then.
 
 The module is compiled with the system C++ compiler against the installed torch on the first
 GPU plan (about 15 s, once per torch and Python version: cached under $DMATTN_BENCH_CACHE or
-~/.cache/dmattn_bench/native). `DMATTN_BENCH_NATIVE=0` turns the path off; a failed build warns
+~/.cache/dmattn_bench/native). A run of several kernels is one CUDA graph launch, its nodes'
+parameters replaced per run (not while the stream is being captured; `DMATTN_BENCH_LAUNCH_GRAPHS=0`
+launches each kernel on its own). `DMATTN_BENCH_NATIVE=0` turns the path off; a failed build warns
 once and leaves it off, and later processes do not try again until its record
 (`build.failed` beside the module) is deleted.
 """

@@ -7,7 +7,7 @@
 // that of Triton's launchers: each non-constexpr argument of the expanded signature, then the
 // global and profile scratch pointers (both null: native.py declines kernels that need scratch).
 //
-// No CUDA header is needed to build this file: the two driver entry points are declared here
+// No CUDA header is needed to build this file: the driver entry points it calls are declared here
 // and found in libcuda when the first program runs, so a CPU machine builds and tests it too.
 
 #include <Python.h>
@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -42,6 +43,25 @@ using CtxGetCurrentFn = CUresult (*)(CUcontext*);
 using DeviceGetFn = CUresult (*)(CUdevice*, int);
 using PrimaryCtxRetainFn = CUresult (*)(CUcontext*, CUdevice);
 using CtxSetCurrentFn = CUresult (*)(CUcontext);
+using CUgraph = void*;
+using CUgraphNode = void*;
+using CUgraphExec = void*;
+struct KernelNodeParams {  // CUDA_KERNEL_NODE_PARAMS (v1), what the unversioned entry points take
+  CUfunction func;
+  unsigned grid_x, grid_y, grid_z;
+  unsigned block_x, block_y, block_z;
+  unsigned shared;
+  void** params;
+  void** extra;
+};
+using GraphCreateFn = CUresult (*)(CUgraph*, unsigned);
+using GraphAddKernelNodeFn = CUresult (*)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t, const KernelNodeParams*);
+using GraphInstantiateFn = CUresult (*)(CUgraphExec*, CUgraph, unsigned long long);
+using GraphExecSetParamsFn = CUresult (*)(CUgraphExec, CUgraphNode, const KernelNodeParams*);
+using GraphLaunchFn = CUresult (*)(CUgraphExec, CUstream);
+using GraphDestroyFn = CUresult (*)(CUgraph);
+using GraphExecDestroyFn = CUresult (*)(CUgraphExec);
+using StreamIsCapturingFn = CUresult (*)(CUstream, int*);
 
 LaunchKernelFn launch_kernel = nullptr;
 ErrorStringFn error_string = nullptr;
@@ -49,6 +69,15 @@ CtxGetCurrentFn ctx_get_current = nullptr;
 DeviceGetFn device_get = nullptr;
 PrimaryCtxRetainFn primary_ctx_retain = nullptr;
 CtxSetCurrentFn ctx_set_current = nullptr;
+GraphCreateFn graph_create = nullptr;
+GraphAddKernelNodeFn graph_add_kernel_node = nullptr;
+GraphInstantiateFn graph_instantiate = nullptr;
+GraphExecSetParamsFn graph_exec_set_params = nullptr;
+GraphLaunchFn graph_launch = nullptr;
+GraphDestroyFn graph_destroy = nullptr;
+GraphExecDestroyFn graph_exec_destroy = nullptr;
+StreamIsCapturingFn stream_is_capturing = nullptr;
+bool graphs_enabled = false;  // a run of several kernels as one graph launch (`run_as_graph`)
 
 constexpr size_t kDescriptorBytes = 128;      // sizeof(CUtensorMap)
 constexpr size_t kMaxParamBytes = 2048;       // far above any kernel of ours (the TMA forward: ~700)
@@ -75,6 +104,18 @@ bool load_driver() {
     PyErr_SetString(PyExc_RuntimeError, "native launch: libcuda lacks a driver entry point this path calls");
     return false;
   }
+  graph_create = reinterpret_cast<GraphCreateFn>(dlsym(handle, "cuGraphCreate"));
+  graph_add_kernel_node = reinterpret_cast<GraphAddKernelNodeFn>(dlsym(handle, "cuGraphAddKernelNode"));
+  graph_instantiate = reinterpret_cast<GraphInstantiateFn>(dlsym(handle, "cuGraphInstantiateWithFlags"));
+  graph_exec_set_params = reinterpret_cast<GraphExecSetParamsFn>(dlsym(handle, "cuGraphExecKernelNodeSetParams"));
+  graph_launch = reinterpret_cast<GraphLaunchFn>(dlsym(handle, "cuGraphLaunch"));
+  graph_destroy = reinterpret_cast<GraphDestroyFn>(dlsym(handle, "cuGraphDestroy"));
+  graph_exec_destroy = reinterpret_cast<GraphExecDestroyFn>(dlsym(handle, "cuGraphExecDestroy"));
+  stream_is_capturing = reinterpret_cast<StreamIsCapturingFn>(dlsym(handle, "cuStreamIsCapturing"));
+  const char* graphs = std::getenv("DMATTN_BENCH_LAUNCH_GRAPHS");  // "0": each kernel launched on its own
+  graphs_enabled = (graphs == nullptr || std::strcmp(graphs, "0") != 0) && graph_create && graph_add_kernel_node &&
+                   graph_instantiate && graph_exec_set_params && graph_launch && graph_destroy &&
+                   graph_exec_destroy && stream_is_capturing;
   launch_kernel = launch;
   return true;
 }
@@ -133,6 +174,13 @@ struct View {  // a contiguous view of an allocation
 };
 
 struct Program {
+  // a run of several kernels as one graph launch: built by the first, its nodes' parameters
+  // replaced by each later one under the lock (the launches let other threads in)
+  std::mutex graph_lock;
+  CUgraph graph = nullptr;
+  CUgraphExec graph_exec = nullptr;
+  std::vector<CUgraphNode> nodes;
+  bool graph_failed = false;
   int device = 0;
   size_t num_inputs = 0;
   std::vector<Allocation> allocations;
@@ -140,6 +188,8 @@ struct Program {
   std::vector<Kernel> kernels;
   std::vector<int> returns;  // indices into allocations then views; -1: None
   ~Program() {
+    if (graph_exec != nullptr) graph_exec_destroy(graph_exec);
+    if (graph != nullptr) graph_destroy(graph);
     for (Kernel& kernel : kernels) Py_XDECREF(kernel.encode);
   }
 };
@@ -484,6 +534,55 @@ PyObject* returned(const Program& built, const std::vector<at::Tensor>& allocate
   return result;
 }
 
+KernelNodeParams node_params(const Kernel& kernel, void** params) {
+  return KernelNodeParams{kernel.function, kernel.grid[0], kernel.grid[1], kernel.grid[2], kernel.block, 1, 1,
+                          kernel.shared, params, nullptr};
+}
+
+// The run's kernels as one graph launch; -1 where this program does not take that way (one
+// kernel, a capturing stream, a graph that failed to build): the caller launches them one by one.
+// A launch costs the host about as much as a graph launch, and replacing a node's parameters much
+// less: a masked forward (three kernels) took 13 against 28 us of warm host time (H100 host,
+// benchmarks/host_probe.py). Launches of one graph are ordered among themselves, so one program's
+// runs on two streams no longer overlap.
+CUresult run_as_graph(Program& built, CUstream stream, void* (*params)[kMaxParams]) {
+  size_t launched = 0;
+  for (const Kernel& kernel : built.kernels) launched += kernel.grid[0] * kernel.grid[1] * kernel.grid[2] != 0;
+  if (!graphs_enabled || launched < 2 || built.graph_failed) return -1;
+  int capturing = 0;
+  if (stream_is_capturing(stream, &capturing) != 0 || capturing != 0) return -1;
+  std::lock_guard<std::mutex> hold(built.graph_lock);
+  CUresult status = 0;
+  if (built.graph_exec == nullptr) {
+    status = graph_create(&built.graph, 0);
+    CUgraphNode previous = nullptr;
+    for (size_t i = 0; status == 0 && i < built.kernels.size(); ++i) {
+      const Kernel& kernel = built.kernels[i];
+      if (kernel.grid[0] * kernel.grid[1] * kernel.grid[2] == 0) continue;
+      KernelNodeParams node = node_params(kernel, params[i]);
+      CUgraphNode added = nullptr;
+      status = graph_add_kernel_node(&added, built.graph, previous ? &previous : nullptr, previous ? 1 : 0, &node);
+      built.nodes.push_back(added);
+      previous = added;
+    }
+    if (status == 0) status = graph_instantiate(&built.graph_exec, built.graph, 0);
+    if (status != 0) {
+      built.graph_failed = true;
+      built.nodes.clear();
+      return -1;
+    }
+  } else {
+    size_t node = 0;
+    for (size_t i = 0; status == 0 && i < built.kernels.size(); ++i) {
+      const Kernel& kernel = built.kernels[i];
+      if (kernel.grid[0] * kernel.grid[1] * kernel.grid[2] == 0) continue;
+      KernelNodeParams update = node_params(kernel, params[i]);
+      status = graph_exec_set_params(built.graph_exec, built.nodes[node++], &update);
+    }
+  }
+  return status == 0 ? graph_launch(built.graph_exec, stream) : status;
+}
+
 // run(program, stream, *inputs) -> the program's returns; `pack` (a test's) instead returns
 // (the returns, each kernel's filled parameter bytes), on the CPU, launching nothing.
 PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch) {
@@ -538,6 +637,11 @@ PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch) {
   CUresult status = 0;
   Py_BEGIN_ALLOW_THREADS
   status = ensure_context(built->device);
+  CUresult graphed = status == 0 ? run_as_graph(*built, reinterpret_cast<CUstream>(stream), params) : -1;
+  if (graphed != -1) {
+    status = graphed;
+    count = 0;
+  }
   for (size_t i = 0; status == 0 && i < count; ++i) {
     const Kernel& kernel = built->kernels[i];
     if (kernel.grid[0] * kernel.grid[1] * kernel.grid[2] == 0) continue;

@@ -336,6 +336,34 @@ def test_the_eager_entry_serves_a_repeated_call_until_its_plan_would_change(monk
         assert all(torch.equal(a, b) for result in results for a, b in zip(result, expected))
 
 
+def test_one_program_run_from_two_threads_gives_each_run_its_own_inputs_result():
+    """A native program's run of several kernels is one graph launch whose nodes' parameters it
+    replaces first, under the program's lock (`native_launch.cpp`, `run_as_graph`): two threads
+    running one signature on different inputs each get their own inputs' result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dmattn_bench import native, plan
+
+    if native.module() is None:
+        pytest.fail("the native launch path did not build")
+    plan.clear()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    calls = []
+    for _ in range(2):
+        q, k, v = (torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        mask = torch.rand(2, 1, 256, 256, device="cuda", generator=g) > 0.5
+        calls.append((q, k, v, mask))
+    expected = [[flash_dmattn_func(*inputs, is_causal=True) for _ in range(3)][-1] for inputs in calls]
+
+    def run(index: int) -> list[torch.Tensor]:
+        return [flash_dmattn_func(*calls[index], is_causal=True) for _ in range(50)]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, [0, 1, 0, 1]))
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, expected[index % 2]) for index, outs in enumerate(results) for out in outs)
+
+
 NATIVE_CALLS = ["dense-tma", "mask-bias", "mask-bias-grad", "decode-one-split", "decode-splits-mask",
                 "decode-seqlens", "decode-paged"]
 
