@@ -186,6 +186,7 @@ struct Program {
   std::vector<Allocation> allocations;
   std::vector<View> views;
   std::vector<Kernel> kernels;
+  std::vector<size_t> launched;  // the kernels a run launches: those of a non-empty grid, in order
   std::vector<int> returns;  // indices into allocations then views; -1: None
   ~Program() {
     if (graph_exec != nullptr) graph_exec_destroy(graph_exec);
@@ -399,6 +400,10 @@ PyObject* program(PyObject*, PyObject* args) {
     }
   }
   Py_XDECREF(fast);
+  for (size_t i = 0; ok && i < built->kernels.size(); ++i) {
+    const unsigned* grid = built->kernels[i].grid;
+    if (grid[0] * grid[1] * grid[2] != 0) built->launched.push_back(i);
+  }
   std::vector<int64_t> indices;
   ok = ok && as_int64_list(returns, indices);
   for (int64_t index : ok ? indices : std::vector<int64_t>{}) {
@@ -546,9 +551,7 @@ KernelNodeParams node_params(const Kernel& kernel, void** params) {
 // benchmarks/host_probe.py). Launches of one graph are ordered among themselves, so one program's
 // runs on two streams no longer overlap.
 CUresult run_as_graph(Program& built, CUstream stream, void* (*params)[kMaxParams]) {
-  size_t launched = 0;
-  for (const Kernel& kernel : built.kernels) launched += kernel.grid[0] * kernel.grid[1] * kernel.grid[2] != 0;
-  if (!graphs_enabled || launched < 2 || built.graph_failed) return -1;
+  if (!graphs_enabled || built.launched.size() < 2 || built.graph_failed) return -1;
   int capturing = 0;
   if (stream_is_capturing(stream, &capturing) != 0 || capturing != 0) return -1;
   std::lock_guard<std::mutex> hold(built.graph_lock);
@@ -556,10 +559,9 @@ CUresult run_as_graph(Program& built, CUstream stream, void* (*params)[kMaxParam
   if (built.graph_exec == nullptr) {
     status = graph_create(&built.graph, 0);
     CUgraphNode previous = nullptr;
-    for (size_t i = 0; status == 0 && i < built.kernels.size(); ++i) {
-      const Kernel& kernel = built.kernels[i];
-      if (kernel.grid[0] * kernel.grid[1] * kernel.grid[2] == 0) continue;
-      KernelNodeParams node = node_params(kernel, params[i]);
+    for (size_t j = 0; status == 0 && j < built.launched.size(); ++j) {
+      size_t i = built.launched[j];
+      KernelNodeParams node = node_params(built.kernels[i], params[i]);
       CUgraphNode added = nullptr;
       status = graph_add_kernel_node(&added, built.graph, previous ? &previous : nullptr, previous ? 1 : 0, &node);
       built.nodes.push_back(added);
@@ -572,12 +574,10 @@ CUresult run_as_graph(Program& built, CUstream stream, void* (*params)[kMaxParam
       return -1;
     }
   } else {
-    size_t node = 0;
-    for (size_t i = 0; status == 0 && i < built.kernels.size(); ++i) {
-      const Kernel& kernel = built.kernels[i];
-      if (kernel.grid[0] * kernel.grid[1] * kernel.grid[2] == 0) continue;
-      KernelNodeParams update = node_params(kernel, params[i]);
-      status = graph_exec_set_params(built.graph_exec, built.nodes[node++], &update);
+    for (size_t j = 0; status == 0 && j < built.launched.size(); ++j) {
+      size_t i = built.launched[j];
+      KernelNodeParams update = node_params(built.kernels[i], params[i]);
+      status = graph_exec_set_params(built.graph_exec, built.nodes[j], &update);
     }
   }
   return status == 0 ? graph_launch(built.graph_exec, stream) : status;
@@ -638,13 +638,10 @@ PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch) {
   Py_BEGIN_ALLOW_THREADS
   status = ensure_context(built->device);
   CUresult graphed = status == 0 ? run_as_graph(*built, reinterpret_cast<CUstream>(stream), params) : -1;
-  if (graphed != -1) {
-    status = graphed;
-    count = 0;
-  }
-  for (size_t i = 0; status == 0 && i < count; ++i) {
+  if (graphed != -1) status = graphed;
+  for (size_t j = 0; graphed == -1 && status == 0 && j < built->launched.size(); ++j) {
+    size_t i = built->launched[j];
     const Kernel& kernel = built->kernels[i];
-    if (kernel.grid[0] * kernel.grid[1] * kernel.grid[2] == 0) continue;
     status = launch_kernel(kernel.function, kernel.grid[0], kernel.grid[1], kernel.grid[2], kernel.block, 1, 1,
                            kernel.shared, reinterpret_cast<CUstream>(stream), params[i], nullptr);
   }
@@ -731,8 +728,8 @@ constexpr size_t kMaxEntries = 1024;  // a loop repeats a few signatures; past t
 
 struct Entry {
   PyObject* program = nullptr;  // the native.Program, kept alive with its kernels
-  Program* built = nullptr;
-  PyObject* handle = nullptr;
+  PyObject* handle = nullptr;   // its capsule, which `execute` takes
+  size_t num_inputs = 0;
   bool return_lse = false;
   long generation = 0;
   long overrides = 0;
@@ -888,8 +885,8 @@ PyObject* learn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (built->num_inputs != 5 && built->num_inputs != std::size(kTensorArguments)) Py_RETURN_FALSE;
   if (entries.size() >= kMaxEntries) drop_entries();
   stored.program = args[0];
-  stored.built = built;
   stored.handle = handle;
+  stored.num_inputs = built->num_inputs;
   stored.return_lse = args[1 + kReturnLse] == Py_True;
   Py_INCREF(stored.program);
   auto found = entries.find(key);
@@ -941,7 +938,7 @@ PyObject* entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* program = stored.program;
   Py_INCREF(program);
   bool return_lse = stored.return_lse;
-  size_t num_inputs = stored.built->num_inputs;
+  size_t num_inputs = stored.num_inputs;
   std::array<PyObject*, 2 + std::size(kTensorArguments)> run_args;
   run_args[0] = stored.handle;
   run_args[1] = stream;
