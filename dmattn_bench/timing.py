@@ -1,8 +1,9 @@
 """Kernel timing: warm-up, repeats, medians and spread, L2 flushed between repeats.
 
 On a GPU each repeat is bracketed by CUDA events and preceded by a write over a buffer twice the
-L2 size, so no repeat finds its inputs in cache, and before that by a GPU spin (`_HostLead`)
-long enough for the host to enqueue the whole call while the GPU is still busy. Without the
+L2 size, so no repeat finds its inputs in cache, then a read of another such buffer, so that no
+dirty line is left for the repeat to write back (`_L2Flusher`); before both, by a GPU spin
+(`_HostLead`) long enough for the host to enqueue the whole call while the GPU is still busy. Without the
 spin, host work of the call beyond the flush's 40 us (Python wrapper, dispatch, launches) left
 the GPU idle inside the measured interval: our W3 forward takes 0.25 ms of host time per call
 against 0.31 ms on the GPU, and a host hiccup showed as GPU time (W3 rows of `dmattn-bench bench`
@@ -87,13 +88,22 @@ class _HostLead:
 
 
 class _L2Flusher:
+    """Evicts the timed call's inputs from L2 and leaves it clean: a write over one buffer pushes
+    everything else out, then a read of another pushes the written lines out. After the write
+    alone, the L2 held tens of MB of dirty lines that the timed call paid to write back as its
+    own reads evicted them, about 9 us on a short decode step."""
+
     def __init__(self, device: torch.device):
         props = torch.cuda.get_device_properties(device)
         l2_bytes = getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES
-        self.buffer = torch.empty(FLUSH_FACTOR * l2_bytes // 4, dtype=torch.int32, device=device)
+        words = FLUSH_FACTOR * l2_bytes // 4
+        self.written = torch.empty(words, dtype=torch.int32, device=device)
+        self.read = torch.ones(words, dtype=torch.int32, device=device)
+        self.total = torch.empty((), dtype=torch.int64, device=device)
 
     def __call__(self) -> None:
-        self.buffer.zero_()
+        self.written.zero_()
+        torch.sum(self.read, 0, out=self.total)
 
 
 def time_kernel(fn: Callable[[], None], device: torch.device | str, warmup: int = 3, repeats: int = 20) -> Timing:

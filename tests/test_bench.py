@@ -78,12 +78,20 @@ def test_malformed_peer_workloads_are_rejected_by_name(tmp_path, change, message
 
 def test_shipped_decode_workloads_span_the_issue_grid():
     """B 1-64, Lk 2k-32k, GQA 4 and 8, each shape with no length, a padding mask, cache_seqlens and
-    a paged cache; forward only. The CPU file has the same variants at interpreter size in fp32."""
+    a paged cache, 7/8 of the cache filled, and a preallocated cache filled to 1/8; forward only.
+    The CPU file has the same variants at interpreter size in fp32."""
     workloads = load_peer_workloads(DEFAULT_WORKLOADS.with_name("peers-decode.yaml"))
     shapes = {(w.workload.batch, w.workload.seqlen_k, w.workload.heads // w.workload.heads_kv) for w in workloads}
     assert {b for b, _, _ in shapes} >= {1, 8, 32, 64} and {lk for _, lk, _ in shapes} >= {2048, 32768}
     assert {gqa for _, _, gqa in shapes} == {4, 8}
-    assert len(workloads) == 4 * len(shapes)
+    variants, filled = {}, {}
+    for w in workloads:
+        entry = w.name.rsplit(" ", 1)[0]
+        variants.setdefault(entry, set()).add(w.decode.lengths)
+        filled[entry] = min(filled.get(entry, 1.0), w.keys_read / w.workload.seqlen_k)
+    assert set(filled.values()) == {0.875, 0.125}
+    assert all(found == set(DECODE_VARIANTS) - ({"none"} if filled[entry] == 0.125 else set())
+               for entry, found in variants.items())
     assert all(w.directions == ("fwd",) and w.workload.seqlen_q == 1 and w.workload.dtype == "bf16" for w in workloads)
     d3 = {w.decode.lengths: w for w in workloads if w.name.startswith("D3 ")}
     assert sorted(d3) == sorted(DECODE_VARIANTS)

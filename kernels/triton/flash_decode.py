@@ -17,7 +17,10 @@ tensor-core tile that one decode row alone would leave 1/16 full. Scores per row
            (not causal or j <= i_r + L_b - Lq)
 
 Split-KV: the keys are cut into `num_splits` ranges of `keys_per_split` (a multiple of BLOCK_N),
-one program each, so a short query still fills the GPU. Each program keeps the online softmax
+one program each, so a short query still fills the GPU; with `seqlens` the ranges cut each
+sequence's own L_b keys evenly (ceil(ceil(L_b / BLOCK_N) / num_splits) tiles each). A key that no
+row of a program may see (past L_b, or masked out for all its rows) is never loaded, so a padding
+mask's tail costs no K/V reads either. Each program keeps the online softmax
 over its range (natural units, fp32: m_r = running max, l_r = sum exp(s - m_r)) and, with one
 split, writes out and lse itself; with several it writes its partial o_rs = acc / l (0 if dead)
 and lse_rs = m + log l (-inf if dead), and `decode_combine_kernel` merges them in split order
@@ -102,12 +105,25 @@ def flash_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_SEQLENS:  # this sequence's own keys cut evenly, so no split waits on a longer one
+        keys_per_split = tl.cdiv(tl.cdiv(seqlen_b, BLOCK_N), tl.num_programs(0)) * BLOCK_N
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seqlen_b)
     for start_n in range(start, end, BLOCK_N):
-        # -- load k, v: keys at or past L_b and lanes past HEAD_DIM read as 0, never as memory --
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_in = offs_n < end
+        visible = row_in[:, None] & key_in[None, :] & (offs_n[None, :] <= last_key[:, None])
+        if HAS_MASK:
+            if MASK_SHARED:
+                keep = tl.load(mask_row + offs_n * stride_mn, mask=key_in, other=0) != 0
+                visible = visible & keep[None, :]
+                key_in = key_in & keep
+            else:
+                keep = tl.load(mask_rows[:, None] + offs_n[None, :] * stride_mn, mask=visible, other=0)
+                visible = visible & (keep != 0)
+                key_in = key_in & (tl.max(visible.to(tl.int32), 0) != 0)
+        # -- load k, v: keys no row sees (past L_b, masked out for every row) and lanes past
+        # HEAD_DIM read as 0, never as memory: a padding mask's tail costs no K/V bytes --
         kv_in = key_in[:, None] & (offs_d[None, :] < HEAD_DIM)
         rows = offs_n
         k_tile, v_tile = k_base, v_base
@@ -118,14 +134,6 @@ def flash_decode_kernel(
             v_tile = v_ptr + block * stride_vb + h_kv * stride_vh
         k = tl.load(k_tile + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
         v = tl.load(v_tile + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
-        visible = row_in[:, None] & key_in[None, :] & (offs_n[None, :] <= last_key[:, None])
-        if HAS_MASK:
-            if MASK_SHARED:
-                keep = tl.load(mask_row + offs_n * stride_mn, mask=key_in, other=0)
-                visible = visible & (keep[None, :] != 0)
-            else:
-                keep = tl.load(mask_rows[:, None] + offs_n[None, :] * stride_mn, mask=visible, other=0)
-                visible = visible & (keep != 0)
         # -- scores (fp32): scale, softcap, bias; excluded positions replaced, never added to --
         s = tl.dot(q, tl.trans(k)) * softmax_scale
         if HAS_SOFTCAP:
