@@ -19,23 +19,19 @@ from dmattn_kernels.triton.launch import _Launch, _Workspace, head_block, launch
 from dmattn_kernels.triton.layouts import broadcast_layout, contiguous_strides
 
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64  # packed rows per program: tl.dot's minimum, and a tile that stays in registers
-# The split count when a config leaves it to the plan: SPLIT_WAVES programs per SM, at most
-# AUTO_MAX_SPLITS ranges. Programs whose ranges hold no visible key (a padding mask's tail) finish
-# early, so many short ranges let the others share the GPU evenly; past 16 the partials' traffic
-# and the combine cost more than the balance gains. A tunable (`num_splits`).
-SPLIT_WAVES = 8
-AUTO_MAX_SPLITS = 16
+# programs aimed at per SM when splitting the keys, enough to hide one's tail. H200, bf16 H32 Hkv8
+# D128 with a padding mask, the default tiles, 1, 2, 4 or 8 waves (2026-11-26): 2 was the best
+# or within 3% of it at B1 Lk8192, B8 Lk4096 and B8 Lk32768 (1 wave: +18% at B8 Lk32768), but
+# 23% over a single split at B32 Lk4096; the runs spread about 15%. A tunable (`num_splits`).
+SPLIT_WAVES = 2
 MAX_SPLITS = 64  # the combine kernel holds one lse per split
-# keys of a padding mask a program scans per step for the span it keeps (`flash_decode.py`): a
-# vector of this many flags per program, few steps over a split's range
-MASK_SCAN_KEYS = 1024
 COMBINE_NUM_WARPS = 4
 
 
 def split_count(programs: int, key_tiles: int, num_sms: int) -> int:
     """Splits of the key range for `programs` programs per split on `num_sms` SMs: enough for
-    SPLIT_WAVES programs per SM, at most one per key tile and AUTO_MAX_SPLITS."""
-    return max(1, min(triton.cdiv(SPLIT_WAVES * num_sms, programs), key_tiles, AUTO_MAX_SPLITS))
+    SPLIT_WAVES programs per SM, at most one per key tile and MAX_SPLITS."""
+    return max(1, min(triton.cdiv(SPLIT_WAVES * num_sms, programs), key_tiles, MAX_SPLITS))
 
 
 def page_tile(block_n: int, page_size: int) -> int:
@@ -96,8 +92,7 @@ class DecodePlan:
             dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                  IS_CAUSAL=is_causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
                  HAS_SOFTCAP=softcap > 0, HAS_SEQLENS=seqlens is not None, MASK_SHARED=mask_shared,
-                 BIAS_SHARED=bias_shared, PAGED=block_table is not None, PAGE_SIZE=page_size,
-                 MASK_SCAN=MASK_SCAN_KEYS),
+                 BIAS_SHARED=bias_shared, PAGED=block_table is not None, PAGE_SIZE=page_size),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         self.combine = None
