@@ -309,10 +309,14 @@ def _run_case(case: Case, dtype: torch.dtype, device: torch.device, seed: int, l
         except Exception as exc:  # noqa: BLE001 - a failed candidate is data, not a crash
             return CaseResult(case.name, *classify_failure(exc))
         return _verdict(case, first, second, high, low, dtype)
-    except torch.cuda.OutOfMemoryError as exc:
-        # in the reference or the comparison too; other processes may hold the memory:
-        # `run_plan` runs such a case again on its own
-        return CaseResult(case.name, *classify_failure(exc))
+    except Exception as exc:  # noqa: BLE001 - only out of memory is data here
+        # in the inputs, the reference or the comparison; other processes may hold the memory:
+        # `run_plan` runs such a case again on its own. A CUDA call that fails to allocate (not
+        # the caching allocator) raises torch.AcceleratorError "CUDA error: out of memory".
+        status, reason = classify_failure(exc)
+        if status != "oom":
+            raise
+        return CaseResult(case.name, status, reason)
 
 
 def _verdict(case: Case, first, second, high, low, dtype: torch.dtype) -> CaseResult:

@@ -221,6 +221,29 @@ def test_a_reference_out_of_memory_is_an_oom_case_not_a_crash(monkeypatch):
     assert (result.status, result.reason.split(":")[0]) == ("oom", "OutOfMemoryError")
 
 
+def test_inputs_a_cuda_call_could_not_allocate_are_an_oom_case_not_a_crash(monkeypatch):
+    """Out of memory outside the caching allocator (a CUDA call failing to allocate, seen building
+    a paged cache's block table beside seven other verify workers on an H100) raises a plain
+    CUDA error, not OutOfMemoryError: still an `oom` case, which `run_plan` runs again alone."""
+    error = getattr(torch, "AcceleratorError", RuntimeError)
+
+    def out_of_memory(*args, **kwargs):
+        raise error("CUDA error: out of memory")
+
+    monkeypatch.setattr(validator, "build_inputs", out_of_memory)
+    result = _check(REFERENCE)
+    assert result.status == "oom" and "out of memory" in result.reason
+
+
+def test_other_failures_building_a_cases_inputs_still_raise(monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("a bug in the case builder")
+
+    monkeypatch.setattr(validator, "build_inputs", broken)
+    with pytest.raises(ValueError, match="case builder"):
+        _check(REFERENCE)
+
+
 def test_cases_out_of_memory_beside_other_workers_run_again_alone(monkeypatch):
     """`verify` runs its planned suites in parallel processes on one GPU: a case whose memory
     did not fit beside theirs runs again afterwards in the parent; the others keep their result
