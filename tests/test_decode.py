@@ -94,6 +94,53 @@ def test_a_forced_split_count_gives_the_same_result_within_the_bound(monkeypatch
         _check(q, k, v, mask, bias, seqlens, is_causal=True)
 
 
+def test_a_padding_masks_tail_is_never_read():
+    """K and V past the last key a padding mask keeps are not loaded (the kernel reads only the span
+    of kept keys): NaN there reaches neither out nor lse, which match the reference on a clean
+    cache; a sequence the mask keeps nothing of gives dead rows."""
+    batch, heads, heads_kv, seqlen_k = 3, 8, 2, 150
+    q, k, v, _, _, _ = _case(11, batch, 2, heads, heads_kv, seqlen_k, 32, F32)
+    lengths = torch.tensor([150, 70, 0])
+    mask = (torch.arange(seqlen_k) < lengths[:, None]).view(batch, 1, 1, seqlen_k)
+    tail = ~mask.view(batch, seqlen_k, 1, 1)
+    k_cache, v_cache = (t.masked_fill(tail, float("nan")) for t in (k, v))
+    with torch.no_grad():
+        out, lse = flash_dmattn_func(q, k_cache, v_cache, mask, return_lse=True)
+    high = attention(q, k, v, mask, return_lse=True)
+    low = attention(q, k, v, mask, return_lse=True, compute_dtype=q.dtype)
+    for name, got, ref, ref_low in (("out", out, high[0], low[0]), ("lse", lse, high[1], low[1])):
+        check = compare(name, got, ref, ref_low, q.dtype)
+        assert check.passed, f"{name}: {check}"
+    assert bool((out[2] == 0).all()) and bool((lse[2] == float("-inf")).all())
+
+
+def test_each_split_reads_only_the_span_a_padding_mask_keeps(monkeypatch):
+    """With a padding mask each split reads K and V only from the first key its range keeps to the
+    last: a window inside the cache, a hole of most of it, one last key. Keys outside the span are
+    never loaded (NaN there reaches neither out nor lse), keys inside it follow the mask, and every
+    split count gives the reference's result on a clean cache, with and without cache_seqlens."""
+    batch, heads, heads_kv, seqlen_k = 3, 8, 2, 150
+    q, k, v, _, _, _ = _case(12, batch, 1, heads, heads_kv, seqlen_k, 32, F32)
+    keys = torch.arange(seqlen_k)
+    mask = torch.stack([(keys >= 37) & (keys < 61), (keys < 9) | (keys == 140), keys == 149])
+    kept = [keys[row].tolist() for row in mask]
+    outside = torch.stack([(keys < kept_keys[0]) | (keys > kept_keys[-1]) for kept_keys in kept])
+    k_cache, v_cache = (t.masked_fill(outside.view(batch, seqlen_k, 1, 1), float("nan")) for t in (k, v))
+    mask = mask.view(batch, 1, 1, seqlen_k)
+    seqlens = torch.tensor([150, 141, 150], dtype=torch.int32)
+    for splits in (1, 4, 10):
+        monkeypatch.setattr(plan, "decode_config", lambda head_dim, device, splits=splits: DecodeConfig(16, 1, 1, splits))
+        plan.clear()
+        for lengths in (None, seqlens):
+            with torch.no_grad():
+                out, lse = flash_dmattn_func(q, k_cache, v_cache, mask, return_lse=True, cache_seqlens=lengths)
+            high = attention(q, k, v, mask, return_lse=True, cache_seqlens=lengths)
+            low = attention(q, k, v, mask, return_lse=True, cache_seqlens=lengths, compute_dtype=q.dtype)
+            for name, got, ref, ref_low in (("out", out, high[0], low[0]), ("lse", lse, high[1], low[1])):
+                check = compare(name, got, ref, ref_low, q.dtype)
+                assert check.passed, f"{splits} splits, cache_seqlens {lengths}: {name}: {check}"
+
+
 def test_new_lengths_reuse_the_plan():
     """What a CUDA graph replays: the lengths' values change, the plan (and its launches) stay."""
     plan.clear()

@@ -153,8 +153,8 @@ DECODE, COMBINE = "flash_decode_kernel", "decode_combine_kernel"
 # Lk = 40 in the interpreter (4 SMs): one split where B * Hkv programs fill SPLIT_WAVES per SM,
 # else split-KV into fp32 partials and a combine; lse and the partials share one allocation
 DECODE_CASES = [
-    ("one-split", 2, 4, None, None, None, [DECODE], 2),
-    ("one-split-mask-bias-seqlens", 2, 4, "per_key", "per_key", [40, 7], [DECODE], 2),
+    ("one-split", 8, 4, None, None, None, [DECODE], 2),
+    ("one-split-mask-bias-seqlens", 8, 4, "per_key", "per_key", [40, 7] * 4, [DECODE], 2),
     ("split-kv", 2, 2, None, None, None, [DECODE, COMBINE], 2),
     ("split-kv-mask-bias-seqlens", 2, 2, "kv_head", "per_key", [3, 40], [DECODE, COMBINE], 2),
 ]

@@ -19,19 +19,27 @@ from dmattn_kernels.triton.launch import _Launch, _Workspace, head_block, launch
 from dmattn_kernels.triton.layouts import broadcast_layout, contiguous_strides
 
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64  # packed rows per program: tl.dot's minimum, and a tile that stays in registers
-# programs aimed at per SM when splitting the keys, enough to hide one's tail. H200, bf16 H32 Hkv8
-# D128 with a padding mask, the default tiles, 1, 2, 4 or 8 waves (2026-11-26): 2 was the best
-# or within 3% of it at B1 Lk8192, B8 Lk4096 and B8 Lk32768 (1 wave: +18% at B8 Lk32768), but
-# 23% over a single split at B32 Lk4096; the runs spread about 15%. A tunable (`num_splits`).
-SPLIT_WAVES = 2
+# The split count when a config leaves it to the plan: SPLIT_WAVES programs per SM, at most
+# AUTO_MAX_SPLITS ranges. With a padding mask (a mask shared by a program's rows) programs whose
+# ranges hold no kept key finish early, so many short ranges let the others share the GPU evenly
+# (MASKED_*; past 16 splits the partials' traffic and the combine cost more than the balance
+# gains). Without one every range is full: more splits than two waves only add partials (H100,
+# B64 Lk2k-4k without a mask, 3 splits against 1: 5-10% slower). A tunable (`num_splits`).
+SPLIT_WAVES, AUTO_MAX_SPLITS = 2, 64
+MASKED_SPLIT_WAVES, MASKED_AUTO_MAX_SPLITS = 8, 16
 MAX_SPLITS = 64  # the combine kernel holds one lse per split
+# keys of a padding mask a program scans per step for the span it keeps (`flash_decode.py`): a
+# vector of this many flags per program, few steps over a split's range
+MASK_SCAN_KEYS = 1024
 COMBINE_NUM_WARPS = 4
 
 
-def split_count(programs: int, key_tiles: int, num_sms: int) -> int:
+def split_count(programs: int, key_tiles: int, num_sms: int, padding_mask: bool = False) -> int:
     """Splits of the key range for `programs` programs per split on `num_sms` SMs: enough for
-    SPLIT_WAVES programs per SM, at most one per key tile and MAX_SPLITS."""
-    return max(1, min(triton.cdiv(SPLIT_WAVES * num_sms, programs), key_tiles, MAX_SPLITS))
+    SPLIT_WAVES programs per SM (MASKED_SPLIT_WAVES under a padding mask), at most one per key
+    tile and AUTO_MAX_SPLITS (MASKED_AUTO_MAX_SPLITS)."""
+    waves, most = (MASKED_SPLIT_WAVES, MASKED_AUTO_MAX_SPLITS) if padding_mask else (SPLIT_WAVES, AUTO_MAX_SPLITS)
+    return max(1, min(triton.cdiv(waves * num_sms, programs), key_tiles, most))
 
 
 def page_tile(block_n: int, page_size: int) -> int:
@@ -59,10 +67,6 @@ class DecodePlan:
         block_m = min(max(MIN_BLOCK_M, triton.next_power_of_2(rows)), MAX_BLOCK_M)
         row_blocks = triton.cdiv(rows, block_m)
         key_tiles = triton.cdiv(seqlen_k, block_n)
-        splits = config.num_splits or split_count(batch * num_heads_kv * row_blocks, key_tiles, num_sms)
-        splits = min(splits, key_tiles, MAX_SPLITS)
-        keys_per_split = triton.cdiv(key_tiles, splits) * block_n
-        self.splits = triton.cdiv(seqlen_k, keys_per_split)  # no split left without keys
         self.device = q.device
         mask_strides, mask_head_div = broadcast_layout(mask, num_heads, group)
         bias_strides, bias_head_div = broadcast_layout(bias, num_heads, group)
@@ -71,6 +75,11 @@ class DecodePlan:
         mask_shared, bias_shared = (strides[2] == 0 and (strides[1] == 0 or head_div == group)
                                     for strides, head_div in ((mask_strides, mask_head_div),
                                                               (bias_strides, bias_head_div)))
+        splits = config.num_splits or split_count(batch * num_heads_kv * row_blocks, key_tiles, num_sms,
+                                                  padding_mask=mask is not None and mask_shared)
+        splits = min(splits, key_tiles, MAX_SPLITS)
+        keys_per_split = triton.cdiv(key_tiles, splits) * block_n
+        self.splits = triton.cdiv(seqlen_k, keys_per_split)  # no split left without keys
 
         # -- where the split kernel writes: out and lse themselves, or per-split fp32 partials --
         out_strides, lse_strides = (0, *out.stride()), (0, *lse.stride())
@@ -92,7 +101,8 @@ class DecodePlan:
             dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                  IS_CAUSAL=is_causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
                  HAS_SOFTCAP=softcap > 0, HAS_SEQLENS=seqlens is not None, MASK_SHARED=mask_shared,
-                 BIAS_SHARED=bias_shared, PAGED=block_table is not None, PAGE_SIZE=page_size),
+                 BIAS_SHARED=bias_shared, PAGED=block_table is not None, PAGE_SIZE=page_size,
+                 MASK_SCAN=MASK_SCAN_KEYS),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         self.combine = None

@@ -17,11 +17,16 @@ tensor-core tile that one decode row alone would leave 1/16 full. Scores per row
            (not causal or j <= i_r + L_b - Lq)
 
 Split-KV: the keys are cut into `num_splits` ranges of `keys_per_split` (a multiple of BLOCK_N),
-one program each, so a short query still fills the GPU. Each program keeps the online softmax
-over its range (natural units, fp32: m_r = running max, l_r = sum exp(s - m_r)) and, with one
-split, writes out and lse itself; with several it writes its partial o_rs = acc / l (0 if dead)
-and lse_rs = m + log l (-inf if dead), and `decode_combine_kernel` merges them in split order
-(deterministic):
+one program each, so a short query still fills the GPU; with `seqlens` the ranges cut each
+sequence's own L_b keys evenly (ceil(ceil(L_b / BLOCK_N) / num_splits) tiles each). With a mask
+shared by a program's rows (a padding mask), a program first scans its range of the mask,
+MASK_SCAN keys at a time, and reads K and V only from the first key kept to the last: a padding
+mask's tail (and head) is never read, as a tail past L_b is not.
+
+Each program keeps the online softmax over its range (natural units, fp32: m_r = running max,
+l_r = sum exp(s - m_r)) and, with one split, writes out and lse itself; with several it writes
+its partial o_rs = acc / l (0 if dead) and lse_rs = m + log l (-inf if dead), and
+`decode_combine_kernel` merges them in split order (deterministic):
 
     lse_r = M + log(sum_s exp(lse_rs - M)),  M = max_s lse_rs ;  out_r = sum_s exp(lse_rs - lse_r) o_rs
 
@@ -62,6 +67,7 @@ def flash_decode_kernel(
     BIAS_SHARED: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    MASK_SCAN: tl.constexpr,
 ):
     """Grid (num_splits, B * Hkv, ceil(Lq * GROUP / BLOCK_M)). MASK_SHARED / BIAS_SHARED: every
     row of a program reads the same mask / bias row (no query dim, one head per KV group or
@@ -102,12 +108,28 @@ def flash_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_SEQLENS:  # this sequence's own keys cut evenly, so no split waits on a longer one
+        keys_per_split = tl.cdiv(tl.cdiv(seqlen_b, BLOCK_N), tl.num_programs(0)) * BLOCK_N
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seqlen_b)
+    if HAS_MASK and MASK_SHARED:
+        # the range shrunk to the key tiles from the first key the mask keeps to the last: a
+        # padding mask's tail costs no K/V reads. The span is found first so that no K/V load
+        # waits on a mask load (which would stop the loop's loads being issued ahead).
+        first, last = end, start - 1
+        for scan in range(start, end, MASK_SCAN):
+            offs_scan = scan + tl.arange(0, MASK_SCAN)
+            keep = tl.load(mask_row + offs_scan * stride_mn, mask=offs_scan < end, other=0) != 0
+            first = tl.minimum(first, tl.min(tl.where(keep, offs_scan, end), 0))
+            last = tl.maximum(last, tl.max(tl.where(keep, offs_scan, start - 1), 0))
+        start = tl.maximum(start, first // BLOCK_N * BLOCK_N)  # on the tile grid (and a page's)
+        end = last + 1
     for start_n in range(start, end, BLOCK_N):
-        # -- load k, v: keys at or past L_b and lanes past HEAD_DIM read as 0, never as memory --
+        # -- load k, v: keys outside the range and lanes past HEAD_DIM read as 0, never as memory --
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_in = offs_n < end
+        if HAS_MASK and MASK_SHARED:
+            key_in = key_in & (offs_n >= first)  # nor the keys before the span in its first tile
         kv_in = key_in[:, None] & (offs_d[None, :] < HEAD_DIM)
         rows = offs_n
         k_tile, v_tile = k_base, v_base
