@@ -33,9 +33,12 @@ def _case(seed, batch, seqlen_q, heads, heads_kv, seqlen_k, head_dim, dtype, mas
     return q, k, v, mask, bias, seqlens
 
 
-def _check(q, k, v, mask, bias, seqlens, **options):
+def _check(q, k, v, mask, bias, seqlens, cache=None, **options):
+    """Ours against the reference by DESIGN §2; `cache`: the (k, v) ours reads instead of k and v
+    (NaN where it must never read), the reference reading the clean k and v."""
+    k_read, v_read = cache if cache is not None else (k, v)
     with torch.no_grad():
-        out, lse = flash_dmattn_func(q, k, v, mask, bias, return_lse=True, cache_seqlens=seqlens, **options)
+        out, lse = flash_dmattn_func(q, k_read, v_read, mask, bias, return_lse=True, cache_seqlens=seqlens, **options)
     high = attention(q, k, v, mask, bias, return_lse=True, cache_seqlens=seqlens, **options)
     low = attention(q, k, v, mask, bias, return_lse=True, cache_seqlens=seqlens, compute_dtype=q.dtype, **options)
     for name, got, ref, ref_low in (("out", out, high[0], low[0]), ("lse", lse, high[1], low[1])):
@@ -103,14 +106,8 @@ def test_a_padding_masks_tail_is_never_read():
     lengths = torch.tensor([150, 70, 0])
     mask = (torch.arange(seqlen_k) < lengths[:, None]).view(batch, 1, 1, seqlen_k)
     tail = ~mask.view(batch, seqlen_k, 1, 1)
-    k_cache, v_cache = (t.masked_fill(tail, float("nan")) for t in (k, v))
-    with torch.no_grad():
-        out, lse = flash_dmattn_func(q, k_cache, v_cache, mask, return_lse=True)
-    high = attention(q, k, v, mask, return_lse=True)
-    low = attention(q, k, v, mask, return_lse=True, compute_dtype=q.dtype)
-    for name, got, ref, ref_low in (("out", out, high[0], low[0]), ("lse", lse, high[1], low[1])):
-        check = compare(name, got, ref, ref_low, q.dtype)
-        assert check.passed, f"{name}: {check}"
+    cache = tuple(t.masked_fill(tail, float("nan")) for t in (k, v))
+    out, lse = _check(q, k, v, mask, None, None, cache=cache)
     assert bool((out[2] == 0).all()) and bool((lse[2] == float("-inf")).all())
 
 
@@ -125,20 +122,14 @@ def test_each_split_reads_only_the_span_a_padding_mask_keeps(monkeypatch):
     mask = torch.stack([(keys >= 37) & (keys < 61), (keys < 9) | (keys == 140), keys == 149])
     kept = [keys[row].tolist() for row in mask]
     outside = torch.stack([(keys < kept_keys[0]) | (keys > kept_keys[-1]) for kept_keys in kept])
-    k_cache, v_cache = (t.masked_fill(outside.view(batch, seqlen_k, 1, 1), float("nan")) for t in (k, v))
+    cache = tuple(t.masked_fill(outside.view(batch, seqlen_k, 1, 1), float("nan")) for t in (k, v))
     mask = mask.view(batch, 1, 1, seqlen_k)
     seqlens = torch.tensor([150, 141, 150], dtype=torch.int32)
     for splits in (1, 4, 10):
         monkeypatch.setattr(plan, "decode_config", lambda head_dim, device, splits=splits: DecodeConfig(16, 1, 1, splits))
         plan.clear()
         for lengths in (None, seqlens):
-            with torch.no_grad():
-                out, lse = flash_dmattn_func(q, k_cache, v_cache, mask, return_lse=True, cache_seqlens=lengths)
-            high = attention(q, k, v, mask, return_lse=True, cache_seqlens=lengths)
-            low = attention(q, k, v, mask, return_lse=True, cache_seqlens=lengths, compute_dtype=q.dtype)
-            for name, got, ref, ref_low in (("out", out, high[0], low[0]), ("lse", lse, high[1], low[1])):
-                check = compare(name, got, ref, ref_low, q.dtype)
-                assert check.passed, f"{splits} splits, cache_seqlens {lengths}: {name}: {check}"
+            _check(q, k, v, mask, None, lengths, cache=cache)
 
 
 def test_new_lengths_reuse_the_plan():

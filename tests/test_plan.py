@@ -150,8 +150,8 @@ DECODE, COMBINE = "flash_decode_kernel", "decode_combine_kernel"
 
 
 # (name, B, Hkv, mask, bias, cache lengths, launches, allocations) of a decode step, Lq = 1, H = 4,
-# Lk = 40 in the interpreter (4 SMs): one split where B * Hkv programs fill SPLIT_WAVES per SM,
-# else split-KV into fp32 partials and a combine; lse and the partials share one allocation
+# Lk = 40 in the interpreter (4 SMs): one split where B * Hkv programs fill SPLIT_WAVES per SM
+# (MASKED_SPLIT_WAVES under a padding mask, as the per-key one here), else split-KV into fp32 partials and a combine; lse and the partials share one allocation
 DECODE_CASES = [
     ("one-split", 8, 4, None, None, None, [DECODE], 2),
     ("one-split-mask-bias-seqlens", 8, 4, "per_key", "per_key", [40, 7] * 4, [DECODE], 2),
