@@ -7,6 +7,16 @@ PYTHONPATH to compare versions on one machine:
     cd benchmarks && python host_probe.py --label after
     PYTHONPATH=/path/to/old/packages python host_probe.py --label before
 
+`--decode` times the bench's B1 decode steps instead (`configs/workloads/peers-decode.yaml`, D1
+and D2, each length variant) as `dmattn-bench bench` does, with more eager loops: ours and SDPA
+flash, host µs, GPU µs and eager wall µs per call, and the wall over the GPU time. With
+`--native-source FILE` ours runs a native launch path built from another `native_launch.cpp`
+(an A/B of the host path alone, each in its own process):
+
+    python host_probe.py --decode --label after
+    git show HEAD~1:dmattn_bench/native_launch.cpp > /tmp/before.cpp
+    python host_probe.py --decode --label before --native-source /tmp/before.cpp
+
 Prints one markdown table (stdout).
 """
 
@@ -164,14 +174,56 @@ def breakdown(device) -> list[tuple[str, float]]:
     return rows
 
 
+DECODE_WORKLOADS = ("D1 ", "D2 ")
+DECODE_WALL_LOOPS = 21  # the bench's eager loop (20 calls) repeated more often than its 5
+
+
+def decode_steps(device) -> list[tuple[str, float, float, float]]:
+    """(row, host µs, GPU µs, eager wall µs) of ours and SDPA flash on the bench's B1 decode steps."""
+    from pathlib import Path
+
+    from dmattn_bench import bench, peers
+    from dmattn_bench.timing import eager_wall_ms, time_kernel
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "workloads" / "peers-decode.yaml"
+    rows = []
+    for workload in bench.load_peer_workloads(path, names=list(DECODE_WORKLOADS)):
+        inputs = bench.build_bench_inputs(workload, device)
+        for peer in (peers.OURS, "sdpa-flash-dense"):
+            if peer != peers.OURS and workload.decode.lengths != "none":
+                continue  # SDPA flash takes no lengths: one row per cache
+            prepared = peers.PEERS[peer](inputs, None)
+            with prepared.context(), torch.no_grad():
+                gpu_ms = time_kernel(prepared.forward, device).median_ms
+                host = host_us(prepared.forward)
+                wall_ms = eager_wall_ms(prepared.forward, device, bench.EAGER_LOOP_GPU[0], DECODE_WALL_LOOPS)
+            rows.append((f"{workload.name} {peer}", host, gpu_ms * 1e3, wall_ms * 1e3))
+        del inputs
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default="ours")
     parser.add_argument("--pieces", action="store_true", help="also time the operations a call is made of")
     parser.add_argument("--ab", action="store_true", help="only compare the two launch paths, in one process")
     parser.add_argument("--breakdown", action="store_true", help="only where a masked forward's host time goes")
+    parser.add_argument("--decode", action="store_true", help="only the bench's B1 decode steps, eager wall beside")
+    parser.add_argument("--native-source", help="build the native launch path from this native_launch.cpp")
     args = parser.parse_args()
     device = torch.device("cuda")
+    if args.native_source:
+        from pathlib import Path
+
+        from dmattn_bench import native
+
+        native.SOURCE = Path(args.native_source).resolve()
+    if args.decode:
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        print(f"| {args.label} | host µs | GPU µs | wall µs | wall / GPU |\n|---|---|---|---|---|")
+        for name, host, gpu, wall in decode_steps(device):
+            print(f"| {name} | {host:.1f} | {gpu:.1f} | {wall:.1f} | {wall / gpu:.2f} |")
+        return
     if args.ab or args.breakdown:
         for name, value in (ab(device) if args.ab else breakdown(device)):
             print(f"| {name} | {value:.1f} |")

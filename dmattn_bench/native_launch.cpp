@@ -20,7 +20,9 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -180,6 +182,7 @@ struct Program {
   CUgraph graph = nullptr;
   CUgraphExec graph_exec = nullptr;
   std::vector<CUgraphNode> nodes;
+  std::vector<std::vector<char>> node_bytes;  // each node's parameters, as last set
   bool graph_failed = false;
   int device = 0;
   size_t num_inputs = 0;
@@ -506,10 +509,13 @@ bool read_inputs(PyObject* const* inputs, size_t num_inputs, std::array<uint64_t
   return true;
 }
 
-PyObject* returned(const Program& built, const std::vector<at::Tensor>& allocated) {
+// The program's first `wanted` returns (at most all of them) as a tuple.
+PyObject* returned(const Program& built, const std::vector<at::Tensor>& allocated, size_t wanted) {
   std::vector<at::Tensor> results;  // built first: a throwing view leaves nothing half-made
-  results.reserve(built.returns.size());
-  for (int index : built.returns) {
+  size_t count = std::min(wanted, built.returns.size());
+  results.reserve(count);
+  for (size_t r = 0; r < count; ++r) {
+    int index = built.returns[r];
     if (index < 0) {
       results.emplace_back();
     } else if (static_cast<size_t>(index) < allocated.size()) {
@@ -550,7 +556,8 @@ KernelNodeParams node_params(const Kernel& kernel, void** params) {
 // less: a masked forward (three kernels) took 13 against 28 us of warm host time (H100 host,
 // benchmarks/host_probe.py). Launches of one graph are ordered among themselves, so one program's
 // runs on two streams no longer overlap.
-CUresult run_as_graph(Program& built, CUstream stream, void* (*params)[kMaxParams]) {
+CUresult run_as_graph(Program& built, CUstream stream, char (*storage)[kMaxParamBytes],
+                      void* (*params)[kMaxParams]) {
   if (!graphs_enabled || built.launched.size() < 2 || built.graph_failed) return -1;
   int capturing = 0;
   if (stream_is_capturing(stream, &capturing) != 0 || capturing != 0) return -1;
@@ -565,27 +572,35 @@ CUresult run_as_graph(Program& built, CUstream stream, void* (*params)[kMaxParam
       CUgraphNode added = nullptr;
       status = graph_add_kernel_node(&added, built.graph, previous ? &previous : nullptr, previous ? 1 : 0, &node);
       built.nodes.push_back(added);
+      built.node_bytes.emplace_back(storage[i], storage[i] + built.kernels[i].params.size());
       previous = added;
     }
     if (status == 0) status = graph_instantiate(&built.graph_exec, built.graph, 0);
     if (status != 0) {
       built.graph_failed = true;
       built.nodes.clear();
+      built.node_bytes.clear();
       return -1;
     }
   } else {
+    // a loop that reuses its buffers (the caching allocator hands a freed block back) repeats
+    // the last run's parameters: that node keeps them
     for (size_t j = 0; status == 0 && j < built.launched.size(); ++j) {
       size_t i = built.launched[j];
+      std::vector<char>& last = built.node_bytes[j];
+      if (std::memcmp(last.data(), storage[i], last.size()) == 0) continue;
       KernelNodeParams update = node_params(built.kernels[i], params[i]);
       status = graph_exec_set_params(built.graph_exec, built.nodes[j], &update);
+      if (status == 0) std::memcpy(last.data(), storage[i], last.size());
     }
   }
   return status == 0 ? graph_launch(built.graph_exec, stream) : status;
 }
 
 // run(program, stream, *inputs) -> the program's returns; `pack` (a test's) instead returns
-// (the returns, each kernel's filled parameter bytes), on the CPU, launching nothing.
-PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch) {
+// (the returns, each kernel's filled parameter bytes), on the CPU, launching nothing. Only the
+// first `wanted` returns are built (the entry's call without lse skips the lse view).
+PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch, size_t wanted = SIZE_MAX) {
   HANDLE_TH_ERRORS
   if (nargs < 2) {
     PyErr_SetString(PyExc_TypeError, "native launch: run(program, stream, *inputs)");
@@ -631,13 +646,13 @@ PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch) {
       }
       PyList_SET_ITEM(packed, i, bytes);
     }
-    return Py_BuildValue("(NN)", returned(*built, allocated), packed);
+    return Py_BuildValue("(NN)", returned(*built, allocated, wanted), packed);
   }
   // the launches need no Python: other threads run meanwhile (a full launch queue blocks here)
   CUresult status = 0;
   Py_BEGIN_ALLOW_THREADS
   status = ensure_context(built->device);
-  CUresult graphed = status == 0 ? run_as_graph(*built, reinterpret_cast<CUstream>(stream), params) : -1;
+  CUresult graphed = status == 0 ? run_as_graph(*built, reinterpret_cast<CUstream>(stream), storage, params) : -1;
   if (graphed != -1) status = graphed;
   for (size_t j = 0; graphed == -1 && status == 0 && j < built->launched.size(); ++j) {
     size_t i = built->launched[j];
@@ -652,7 +667,7 @@ PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch) {
     PyErr_Format(PyExc_RuntimeError, "native launch: %s (CUDA error %d)", text ? text : "?", status);
     return nullptr;
   }
-  return returned(*built, allocated);
+  return returned(*built, allocated, wanted);
   END_HANDLE_TH_ERRORS
 }
 
@@ -943,7 +958,7 @@ PyObject* entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   run_args[0] = stored.handle;
   run_args[1] = stream;
   for (size_t i = 0; i < num_inputs; ++i) run_args[2 + i] = args[kTensorArguments[i]];
-  PyObject* outputs = execute(run_args.data(), static_cast<Py_ssize_t>(2 + num_inputs), true);
+  PyObject* outputs = execute(run_args.data(), static_cast<Py_ssize_t>(2 + num_inputs), true, return_lse ? 2 : 1);
   Py_DECREF(stream);
   Py_DECREF(program);
   if (outputs == nullptr) return nullptr;
