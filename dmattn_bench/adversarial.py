@@ -337,6 +337,9 @@ def _full_cases() -> list[Case]:
 SUITES = {"quick": _quick_cases, "full": _full_cases}
 
 
+LONG_CACHE_KEYS = 16384 + 77
+
+
 def _cache_cases() -> list[Case]:
     """Decode over a KV cache: per-sequence lengths over NaN-filled tails, with the operands a
     serving step carries (a padding mask, a per-key bias, GQA groups packed in one tile)."""
@@ -358,6 +361,10 @@ def _cache_cases() -> list[Case]:
              mask="random", mask_shape="key", bias="per_key", cache_lengths=True),
         Case("paged_48_causal_lq4", batch=2, heads=4, heads_kv=1, seqlen_q=4, seqlen_k=144, page=48, causal=True,
              bias="kv_head"),
+        # a sliding window's last 300 keys of a cache long enough for the padding mask's span pass
+        # (`decode_launch.MASK_SPAN_MIN_KEYS`): the splits cut the window, not the cache
+        Case("sliding_window_long_cache", batch=2, heads=8, heads_kv=2, seqlen_q=1, seqlen_k=LONG_CACHE_KEYS,
+             head_dim=64, mask="window", window=300, mask_shape="key", bias="per_key", sliced=True),
     ]
 
 

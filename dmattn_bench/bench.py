@@ -49,10 +49,13 @@ _DECODE_KEYS = _SHAPE_KEYS | {"seqlen_q", "seqlen_k", "filled", "lengths"}  # an
 # How ours is told each sequence's length in a decode step (`configs/workloads/peers-decode.yaml`)
 LENGTH_VARIANTS = ("none", "mask", "cache_seqlens", "paged")
 COPY_BYTES = 1 << 30  # the device copy behind the bandwidth fraction: far past any L2, so it streams HBM
-# The eager loop behind `wall ms`, (calls per loop, loops). In the interpreter a call takes up to
-# a second and its times rank nothing: one loop of 2 calls fills the column end to end, where
-# 5 x 20 would make a CPU bench run about five times longer.
-EAGER_LOOP_GPU = (20, 5)
+# The eager loop behind `wall ms`, (calls per loop, loops). On a GPU 15 loops, not 5: five loops
+# of a decode step last about a millisecond, and one stall about that long made a row's median
+# (H100, D3 B8 Lk4k paged: 0.157 ms a call, against 0.055 ms of GPU time and 0.016 ms of host
+# time; 0.054 in the run before). In the interpreter a call takes up to a second and its
+# times rank nothing: one loop of 2 calls fills the column end to end, where 15 x 20 would make a
+# CPU bench run many times longer.
+EAGER_LOOP_GPU = (20, 15)
 EAGER_LOOP_CPU = (2, 1)
 
 

@@ -57,11 +57,13 @@ KERNELS = {"fwd": ("flash_fwd_kernel",),
 # key vector where a full bias reads a tile, so the full bias is the worst case. The short-query
 # forward reads a mask and bias row per query row unless every row of a program shares one
 # (MASK_SHARED, BIAS_SHARED), and its key tiles through a block table when the cache is paged: it
-# is compiled paged and contiguous.
+# is compiled paged and contiguous, and with a padding mask's span scan and span pass (MASK_SPANS,
+# the chunks of a 32k cache), which hold other registers than a tile of mask rows.
 WORST_CASE_FEATURES = dict(
     IS_CAUSAL=True, HAS_MASK=True, HAS_BIAS=True, HAS_SOFTCAP=False,
     HAS_DBIAS=True, DBIAS_ROWS=True, GROUP=1, HEADS_PER_PROGRAM=1, BIAS_PER_KEY=False,
     HAS_SEQLENS=True, MASK_SHARED=False, BIAS_SHARED=False, PAGED=True, PAGE_SIZE=256,
+    MASK_SPANS=False, SPAN_CHUNKS=1,
 )
 FEATURE_VARIANTS = (
     WORST_CASE_FEATURES,
@@ -69,6 +71,7 @@ FEATURE_VARIANTS = (
     dict(WORST_CASE_FEATURES, GROUP=4, HEADS_PER_PROGRAM=4),
     dict(WORST_CASE_FEATURES, GROUP=4, HEADS_PER_PROGRAM=4, HAS_MASK=False),
     dict(WORST_CASE_FEATURES, PAGED=False, PAGE_SIZE=0),
+    dict(WORST_CASE_FEATURES, MASK_SHARED=True, MASK_SPANS=True, SPAN_CHUNKS=16),
 )
 # Strides that are 1 in a contiguous launch: Triton specializes an int argument equal to 1 into a
 # constexpr, which enables vectorized loads (and so changes shared-memory use).
@@ -86,7 +89,7 @@ BIAS_POINTERS = ("bias_ptr",)  # the input dtype or fp32 (DESIGN §1)
 # monotone in shared memory: fp32 bias is larger per tile, but 16-bit bias tiles get pipelined.
 SPECIALIZATIONS = tuple(dict(ints_aligned=aligned, bias_fp32=fp32) for aligned in (False, True) for fp32 in (False, True))
 U8_POINTERS = ("mask_ptr",)  # bool masks are launched as a uint8 view
-I32_POINTERS = ("blocks_ptr", "seqlens_ptr", "block_table_ptr")  # block lists, cache lengths, a paged cache's table
+I32_POINTERS = ("blocks_ptr", "seqlens_ptr", "block_table_ptr", "spans_ptr")  # block lists, cache lengths, a paged cache's table, mask spans
 KV_DESCRIPTORS = ("k_desc", "v_desc")  # the forward's K/V: TMA descriptors where `launch.kv_by_tma`, else pointers
 FP32_SCALARS = ("softmax_scale", "softcap")
 WARP_SIZE = 32
@@ -276,9 +279,9 @@ def tile_constexprs(kernel_name: str, config: Config) -> dict[str, int]:
     if kernel_name in ("flash_bwd_dq_kernel", "flash_bwd_dq_from_ds_kernel"):
         return {"BLOCK_M": config.block_m_dq, "BLOCK_N": config.block_n_dq}
     if kernel_name == "flash_decode_kernel":
-        from dmattn_kernels.triton.decode_launch import MAX_BLOCK_M
+        from dmattn_kernels.triton.decode_launch import MASK_SCAN_KEYS, MAX_BLOCK_M
 
-        return {"BLOCK_M": MAX_BLOCK_M, "BLOCK_N": config.block_n}
+        return {"BLOCK_M": MAX_BLOCK_M, "BLOCK_N": config.block_n, "MASK_SCAN": MASK_SCAN_KEYS}
     return {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
 
 

@@ -101,9 +101,12 @@ def _triton_kernels(direction: str, config, shape: AttentionShape) -> tuple[tupl
     candidates need 8 dK/dV kernels and 8 of each dQ kernel, not 32 of each."""
     from dmattn_bench.prune import KERNELS, tile_constexprs
 
-    if direction == "decode":  # the combine kernel reads no tunable (its split count varies by shape)
-        return (("flash_decode_kernel", config.block_n, config.num_warps, config.num_stages),
-                ("decode_combine_kernel",))
+    if direction == "decode":  # the combine and span kernels read no tunable (both vary by shape)
+        from dmattn_kernels.triton.decode_launch import MASK_SPAN_MIN_KEYS
+
+        spans = (("decode_mask_span_kernel",),) if shape.has_mask and shape.seqlen_k >= MASK_SPAN_MIN_KEYS else ()
+        return spans + (("flash_decode_kernel", config.block_n, config.num_warps, config.num_stages),
+                        ("decode_combine_kernel",))
     shared = (("tile_activity_kernel",),) if shape.has_mask else ()
     if direction == "bwd":
         shared += (("flash_bwd_preprocess_kernel",),)

@@ -97,7 +97,22 @@ def test_a_forced_split_count_gives_the_same_result_within_the_bound(monkeypatch
         _check(q, k, v, mask, bias, seqlens, is_causal=True)
 
 
-def test_a_padding_masks_tail_is_never_read():
+@pytest.fixture(params=["own-range", "span-pass"])
+def span_pass(request, monkeypatch):
+    """How the splits find a padding mask's kept span: each scanning its own range of the cache,
+    or the span pass first (`decode_mask_span_kernel`, on from MASK_SPAN_MIN_KEYS keys: here on
+    every cache, in chunks of 32 keys so that a span crosses several) and the splits cutting the
+    span."""
+    from dmattn_kernels.triton import decode_launch
+
+    if request.param == "span-pass":
+        monkeypatch.setattr(decode_launch, "MASK_SPAN_MIN_KEYS", 0)
+        monkeypatch.setattr(decode_launch, "MASK_SPAN_CHUNK", 32)
+    plan.clear()
+    return request.param
+
+
+def test_a_padding_masks_tail_is_never_read(span_pass):
     """K and V past the last key a padding mask keeps are not loaded (the kernel reads only the span
     of kept keys): NaN there reaches neither out nor lse, which match the reference on a clean
     cache; a sequence the mask keeps nothing of gives dead rows."""
@@ -111,7 +126,7 @@ def test_a_padding_masks_tail_is_never_read():
     assert bool((out[2] == 0).all()) and bool((lse[2] == float("-inf")).all())
 
 
-def test_each_split_reads_only_the_span_a_padding_mask_keeps(monkeypatch):
+def test_each_split_reads_only_the_span_a_padding_mask_keeps(monkeypatch, span_pass):
     """With a padding mask each split reads K and V only from the first key its range keeps to the
     last: a window inside the cache, a hole of most of it, one last key. Keys outside the span are
     never loaded (NaN there reaches neither out nor lse), keys inside it follow the mask, and every
@@ -130,6 +145,35 @@ def test_each_split_reads_only_the_span_a_padding_mask_keeps(monkeypatch):
         plan.clear()
         for lengths in (None, seqlens):
             _check(q, k, v, mask, None, lengths, cache=cache)
+
+
+def test_the_span_pass_finds_each_rows_kept_span_across_chunks(monkeypatch):
+    """`decode_mask_span_kernel` writes each chunk's first kept key and one past its last (Lk and
+    0 where it keeps none), for the mask row a (batch, kv head)'s programs share: a per-key mask
+    read through one head, and a kv-head mask read per head."""
+    from dmattn_kernels.triton import decode_launch
+
+    monkeypatch.setattr(decode_launch, "MASK_SPAN_MIN_KEYS", 0)
+    monkeypatch.setattr(decode_launch, "MASK_SPAN_CHUNK", 32)
+    seqlen_k, heads, heads_kv = 100, 4, 2
+    keys = torch.arange(seqlen_k)
+    for mask in (torch.stack([(keys >= 30) & (keys < 70), keys == 99]).view(2, 1, 1, seqlen_k),
+                 torch.stack([keys < 5, (keys > 40) & (keys % 7 == 0), torch.zeros(seqlen_k, dtype=torch.bool),
+                              keys >= 64]).view(2, heads_kv, 1, seqlen_k)):
+        q, k, v, _, _, _ = _case(13, 2, 1, heads, heads_kv, seqlen_k, 16, F32)
+        launch = decode_launch.DecodePlan(q, k, v, mask, None, None, None, is_causal=False, softmax_scale=0.25,
+                                          softcap=0.0, config=DecodeConfig(16, 1, 1, 4), out=torch.empty_like(q),
+                                          lse=torch.empty(2, heads, 1), num_sms=4)
+        spans = torch.full((2 * heads_kv, 2, 4), -7, dtype=torch.int32)
+        launch.spans(mask, spans)
+        rows = mask.expand(2, heads_kv, 1, seqlen_k).reshape(2 * heads_kv, seqlen_k)
+        expected = torch.empty_like(spans)
+        for row, kept in enumerate(rows):
+            for chunk in range(4):
+                chunk_keys = keys[chunk * 32:(chunk + 1) * 32][kept[chunk * 32:(chunk + 1) * 32]]
+                expected[row, 0, chunk] = chunk_keys.min() if len(chunk_keys) else seqlen_k
+                expected[row, 1, chunk] = chunk_keys.max() + 1 if len(chunk_keys) else 0
+        assert torch.equal(spans, expected)
 
 
 def test_new_lengths_reuse_the_plan():
@@ -213,3 +257,22 @@ def test_a_paged_call_with_a_gradient_is_rejected():
     k = v = torch.randn(4, 16, 2, 16)
     with pytest.raises(ValueError, match="block_table: supported in calls that need no gradient"):
         flash_dmattn_func(q, k, v, block_table=torch.zeros(1, 2, dtype=torch.int32))
+
+
+def test_the_verify_suite_runs_the_span_pass_on_a_window_of_a_long_cache():
+    """`verify` covers the span pass: a KV-cache case whose padding mask (a sliding window) sits on
+    a cache at least MASK_SPAN_MIN_KEYS long, and that case matches the reference."""
+    from dataclasses import replace
+
+    from dmattn_bench.adversarial import _cache_cases, build_inputs
+    from dmattn_kernels.triton import decode_launch
+
+    long_cases = [case for case in _cache_cases()
+                  if case.seqlen_k >= decode_launch.MASK_SPAN_MIN_KEYS and case.mask_shape == "key"]
+    assert [case.name for case in long_cases] == ["sliding_window_long_cache"]
+    case = replace(long_cases[0], head_dim=16)  # the interpreter's size; the GPU runs it whole
+    inputs = build_inputs(case, torch.float32, "cpu")
+    plan.clear()
+    _check(inputs.q, inputs.k, inputs.v, inputs.mask, inputs.bias, None)
+    (built,) = plan.PLANS._plans.values()
+    assert built._decode_launch.spans is not None

@@ -3,7 +3,8 @@
 (`space.MAX_DECODE_QUERIES`), no gradient.
 
 One launch when the keys take one split (the kernel writes out and lse), else the split kernel
-into fp32 partials and `decode_combine_kernel`.
+into fp32 partials and `decode_combine_kernel`; before them, on a long cache under a padding mask,
+`decode_mask_span_kernel` (the splits then cut the span the mask keeps).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import triton
 from dmattn_bench import native
 from dmattn_bench.space import DecodeConfig
 from dmattn_kernels.triton import launch
-from dmattn_kernels.triton.flash_decode import decode_combine_kernel, flash_decode_kernel
+from dmattn_kernels.triton.flash_decode import decode_combine_kernel, decode_mask_span_kernel, flash_decode_kernel
 from dmattn_kernels.triton.launch import _Launch, _Workspace, head_block, launch_stream
 from dmattn_kernels.triton.layouts import broadcast_layout, contiguous_strides
 
@@ -31,6 +32,17 @@ MAX_SPLITS = 64  # the combine kernel holds one lse per split
 # keys of a padding mask a program scans per step for the span it keeps (`flash_decode.py`): a
 # vector of this many flags per program, few steps over a split's range
 MASK_SCAN_KEYS = 1024
+# From this cache length on, a padding mask's kept span is found by a pass of its own before the
+# split kernel, and the splits cut the span rather than the cache (then as balanced as with
+# cache_seqlens, so SPLIT_WAVES): a short window of a long cache would otherwise fall to the few
+# splits whose ranges hold it. H100, bf16, B8 Lk32k holding 4k keys (`dmattn-bench bench
+# --workloads configs/workloads/peers-decode.yaml`, D11, 2026-11-26): 0.078 -> 0.057 ms with the
+# pass, 0.053 with cache_seqlens; B64 Lk16k fully kept but for the tail: 1.293 -> 1.323 ms (the
+# pass reads every flag). Below it a step is short (B1: 13-20 us) and the extra launch would
+# cost more than the balance gains. MASK_SPAN_CHUNK: mask flags per program of the span pass.
+MASK_SPAN_MIN_KEYS = 16384
+MASK_SPAN_CHUNK = 2048
+SPAN_NUM_WARPS = 4
 COMBINE_NUM_WARPS = 4
 
 
@@ -75,11 +87,15 @@ class DecodePlan:
         mask_shared, bias_shared = (strides[2] == 0 and (strides[1] == 0 or head_div == group)
                                     for strides, head_div in ((mask_strides, mask_head_div),
                                                               (bias_strides, bias_head_div)))
+        padding_mask = mask is not None and mask_shared
+        mask_spans = padding_mask and seqlen_k >= MASK_SPAN_MIN_KEYS
         splits = config.num_splits or split_count(batch * num_heads_kv * row_blocks, key_tiles, num_sms,
-                                                  padding_mask=mask is not None and mask_shared)
+                                                  padding_mask=padding_mask and not mask_spans)
         splits = min(splits, key_tiles, MAX_SPLITS)
         keys_per_split = triton.cdiv(key_tiles, splits) * block_n
         self.splits = triton.cdiv(seqlen_k, keys_per_split)  # no split left without keys
+        mask_spans = mask_spans and self.splits > 1
+        span_chunks = triton.cdiv(seqlen_k, MASK_SPAN_CHUNK) if mask_spans else 0
 
         # -- where the split kernel writes: out and lse themselves, or per-split fp32 partials --
         out_strides, lse_strides = (0, *out.stride()), (0, *lse.stride())
@@ -87,22 +103,32 @@ class DecodePlan:
         self.out_like_q = q.is_contiguous() and q.dtype == out.dtype  # `empty_like(q)` costs the host less
         # what a run allocates beside out: lse, and the partials of the splits
         outputs = {"lse": (tuple(lse.shape), torch.float32)}
+        if mask_spans:
+            outputs["mask_spans"] = ((batch * num_heads_kv, 2, span_chunks), torch.int32)
         if self.splits > 1:
             partial_out, partial_lse = (self.splits, *out.shape), (self.splits, *lse.shape)
             out_strides, lse_strides = contiguous_strides(partial_out), contiguous_strides(partial_lse)
             outputs.update(partial_out=(partial_out, torch.float32), partial_lse=(partial_lse, torch.float32))
         self.outputs = _Workspace(outputs)
+        self.spans = None
+        if mask_spans:
+            self.spans = _Launch(
+                decode_mask_span_kernel, (batch * num_heads_kv, span_chunks),
+                (mask_strides[0], mask_strides[1], mask_strides[3], num_heads_kv, seqlen_k, mask_head_div, span_chunks),
+                dict(GROUP=group, CHUNK=MASK_SPAN_CHUNK), num_warps=SPAN_NUM_WARPS,
+            )
         self.decode = _Launch(
             flash_decode_kernel, (self.splits, batch * num_heads_kv, row_blocks),
             (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out_strides, *lse_strides,
              0 if block_table is None else block_table.stride(0),
-             num_heads_kv, seqlen_q, seqlen_k, keys_per_split, mask_head_div, bias_head_div,
+             num_heads_kv, seqlen_q, seqlen_k, keys_per_split, span_chunks, mask_head_div, bias_head_div,
              softmax_scale, softcap if softcap > 0 else 1.0),
             dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                  IS_CAUSAL=is_causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
                  HAS_SOFTCAP=softcap > 0, HAS_SEQLENS=seqlens is not None, MASK_SHARED=mask_shared,
                  BIAS_SHARED=bias_shared, PAGED=block_table is not None, PAGE_SIZE=page_size,
-                 MASK_SCAN=MASK_SCAN_KEYS),
+                 MASK_SCAN=MASK_SCAN_KEYS, MASK_SPANS=mask_spans,
+                 SPAN_CHUNKS=triton.next_power_of_2(max(span_chunks, 1))),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         self.combine = None
@@ -135,10 +161,13 @@ class DecodePlan:
                                                                        device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if keep_lse else None
         lse = self._run(q, k, v, mask, bias, seqlens, block_table, out, lse)
-        if keep_lse not in self.native and stream is not None and self.decode.launcher is not None and (
-                self.combine is None or self.combine.launcher is not None):
+        if keep_lse not in self.native and stream is not None and all(
+                launch.launcher is not None for launch in self._launches()):
             self.native[keep_lse] = self._native_program(q.device, mask, bias, seqlens, block_table, keep_lse)
         return out, lse
+
+    def _launches(self) -> list[_Launch]:
+        return [launch for launch in (self.spans, self.decode, self.combine) if launch is not None]
 
     def _native_program(self, device, mask, bias, seqlens, block_table, keep_lse: bool):
         """`allocate_and_run` as one native call (`native.program`): out, lse where the caller keeps
@@ -156,12 +185,17 @@ class DecodePlan:
         if not keep_lse:
             views.append((scratch, offset["lse"] // 4, self.lse_shape, torch.float32))
             lse, returns = native.allocated(scratch, offset["lse"]), (0, scratch + 1)
+        spans = q  # an unused pointer
+        kernels = []
+        if self.spans is not None:
+            spans = native.allocated(scratch, offset["mask_spans"])
+            kernels.append((self.spans, [extra[0], spans]))
         if self.combine is None:
-            kernels = [(self.decode, [q, k, v, *extra, out, lse])]
+            kernels.append((self.decode, [q, k, v, *extra, spans, out, lse]))
         else:
             partial_out, partial_lse = (native.allocated(scratch, offset[name]) for name in ("partial_out", "partial_lse"))
-            kernels = [(self.decode, [q, k, v, *extra, partial_out, partial_lse]),
-                       (self.combine, [partial_out, partial_lse, out, lse])]
+            kernels += [(self.decode, [q, k, v, *extra, spans, partial_out, partial_lse]),
+                        (self.combine, [partial_out, partial_lse, out, lse])]
         return native.program(device, 7, allocations, views, kernels, returns)
 
     def _run(self, q, k, v, mask, bias, seqlens, block_table, out, lse) -> torch.Tensor:
@@ -173,13 +207,17 @@ class DecodePlan:
             lse = self.outputs.tensor(buffer, "lse")
         extra = (q if mask is None else mask, q if bias is None else bias, q if seqlens is None else seqlens,
                  q if block_table is None else block_table)
-        if self.combine is None:
-            self.decode.run(stream, q, k, v, *extra, out, lse)
-            return lse
         by_address = stream is not None and self.compiled
-        partial_out = self.outputs.part(buffer, "partial_out", by_address)
-        partial_lse = self.outputs.part(buffer, "partial_lse", by_address)
-        self.decode.run(stream, q, k, v, *extra, partial_out, partial_lse)
-        self.combine.run(stream, partial_out, partial_lse, out, lse)
-        self.compiled = self.decode.launcher is not None and self.combine.launcher is not None
+        spans = q  # an unused pointer
+        if self.spans is not None:
+            spans = self.outputs.part(buffer, "mask_spans", by_address)
+            self.spans.run(stream, mask, spans)
+        if self.combine is None:
+            self.decode.run(stream, q, k, v, *extra, spans, out, lse)
+        else:
+            partial_out = self.outputs.part(buffer, "partial_out", by_address)
+            partial_lse = self.outputs.part(buffer, "partial_lse", by_address)
+            self.decode.run(stream, q, k, v, *extra, spans, partial_out, partial_lse)
+            self.combine.run(stream, partial_out, partial_lse, out, lse)
+        self.compiled = all(launch.launcher is not None for launch in self._launches())
         return lse

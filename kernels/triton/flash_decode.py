@@ -21,7 +21,11 @@ one program each, so a short query still fills the GPU; with `seqlens` the range
 sequence's own L_b keys evenly (ceil(ceil(L_b / BLOCK_N) / num_splits) tiles each). With a mask
 shared by a program's rows (a padding mask), a program first scans its range of the mask,
 MASK_SCAN keys at a time, and reads K and V only from the first key kept to the last: a padding
-mask's tail (and head) is never read, as a tail past L_b is not.
+mask's tail (and head) is never read, as a tail past L_b is not. MASK_SPANS: the kept span of
+each padding-mask row was found first (`decode_mask_span_kernel`, per chunk of keys), and the
+splits cut that span evenly, as they cut L_b: a short window of a long cache (a sliding window,
+a cache allocated far past its filled length) spreads over every split instead of the few whose
+ranges hold it.
 
 Each program keeps the online softmax over its range (natural units, fp32: m_r = running max,
 l_r = sum exp(s - m_r)) and, with one split, writes out and lse itself; with several it writes
@@ -41,7 +45,7 @@ from dmattn_kernels.triton.common import tanh
 
 @triton.jit
 def flash_decode_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, seqlens_ptr, block_table_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, seqlens_ptr, block_table_ptr, spans_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -50,7 +54,7 @@ def flash_decode_kernel(
     stride_os, stride_ob, stride_om, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lh, stride_lm,
     stride_tb,
-    num_heads_kv, seqlen_q, seqlen_k, keys_per_split,
+    num_heads_kv, seqlen_q, seqlen_k, keys_per_split, num_span_chunks,
     mask_head_div, bias_head_div,
     softmax_scale, softcap,
     GROUP: tl.constexpr,
@@ -68,13 +72,18 @@ def flash_decode_kernel(
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     MASK_SCAN: tl.constexpr,
+    MASK_SPANS: tl.constexpr,
+    SPAN_CHUNKS: tl.constexpr,
 ):
     """Grid (num_splits, B * Hkv, ceil(Lq * GROUP / BLOCK_M)). MASK_SHARED / BIAS_SHARED: every
     row of a program reads the same mask / bias row (no query dim, one head per KV group or
     none: a padding mask, a per-key bias), loaded once per key tile as a vector. `out`/`lse` are the final
     (B, Lq, H, D) / (B, H, Lq) tensors with one split (stride_os = stride_ls = 0), else the fp32
-    partials (splits, B, Lq, H, D) / (splits, B, H, Lq)."""
+    partials (splits, B, Lq, H, D) / (splits, B, H, Lq). MASK_SPANS (with MASK_SHARED): `spans`
+    holds `decode_mask_span_kernel`'s (B * Hkv, 2, num_span_chunks) chunk spans; SPAN_CHUNKS >=
+    num_span_chunks."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(not MASK_SPANS or (HAS_MASK and MASK_SHARED))
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(not PAGED or PAGE_SIZE % BLOCK_N == 0)
     split = tl.program_id(0)
@@ -112,6 +121,16 @@ def flash_decode_kernel(
         keys_per_split = tl.cdiv(tl.cdiv(seqlen_b, BLOCK_N), tl.num_programs(0)) * BLOCK_N
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seqlen_b)
+    if MASK_SPANS:  # the splits cut the span the mask keeps, on the tile grid, evenly
+        offs_c = tl.arange(0, SPAN_CHUNKS)
+        chunk_spans = spans_ptr + pid_bh.to(tl.int64) * 2 * num_span_chunks + offs_c
+        chunk_in = offs_c < num_span_chunks
+        span_start = tl.min(tl.load(chunk_spans, mask=chunk_in, other=seqlen_k), 0) // BLOCK_N * BLOCK_N
+        span_end = tl.maximum(tl.minimum(tl.max(tl.load(chunk_spans + num_span_chunks, mask=chunk_in, other=0), 0),
+                                         seqlen_b), span_start)
+        keys_per_split = tl.cdiv(tl.cdiv(span_end - span_start, BLOCK_N), tl.num_programs(0)) * BLOCK_N
+        start = span_start + split * keys_per_split
+        end = tl.minimum(start + keys_per_split, span_end)
     if HAS_MASK and MASK_SHARED:
         # the range shrunk to the key tiles from the first key the mask keeps to the last: a
         # padding mask's tail costs no K/V reads. The span is found first so that no K/V load
@@ -176,6 +195,30 @@ def flash_decode_kernel(
                 + offs_d[None, :] * stride_od)
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & (offs_d[None, :] < HEAD_DIM))
     tl.store(lse_ptr + split * stride_ls + b * stride_lb + head * stride_lh + query * stride_lm, lse, mask=row_in)
+
+
+@triton.jit
+def decode_mask_span_kernel(
+    mask_ptr, spans_ptr,
+    stride_mb, stride_mh, stride_mn,
+    num_heads_kv, seqlen_k, mask_head_div, num_chunks,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Grid (B * Hkv, num_chunks): the keys a padding-mask row (the one `flash_decode_kernel`'s
+    programs of that (batch, kv head) share) keeps in chunk c = keys [c * CHUNK, (c + 1) * CHUNK):
+    spans[bh, 0, c] = the first kept key (Lk if none), spans[bh, 1, c] = one past the last (0 if
+    none). Every element is written."""
+    pid_bh = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = (pid_bh // num_heads_kv).to(tl.int64)
+    h_kv = (pid_bh % num_heads_kv).to(tl.int64)
+    offs_n = chunk * CHUNK + tl.arange(0, CHUNK)
+    keep = tl.load(mask_ptr + b * stride_mb + (h_kv * GROUP // mask_head_div) * stride_mh + offs_n * stride_mn,
+                   mask=offs_n < seqlen_k, other=0) != 0
+    spans = spans_ptr + pid_bh.to(tl.int64) * 2 * num_chunks + chunk
+    tl.store(spans, tl.min(tl.where(keep, offs_n, seqlen_k), 0))
+    tl.store(spans + num_chunks, tl.max(tl.where(keep, offs_n + 1, 0), 0))
 
 
 @triton.jit
