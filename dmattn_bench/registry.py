@@ -101,7 +101,9 @@ def _triton_kernels(direction: str, config, shape: AttentionShape) -> tuple[tupl
     candidates need 8 dK/dV kernels and 8 of each dQ kernel, not 32 of each."""
     from dmattn_bench.prune import KERNELS, tile_constexprs
 
-    if direction == "decode":  # the combine and span kernels read no tunable (both vary by shape)
+    # the combine and span kernels read no tunable (both vary by shape; the span pass runs where a
+    # mask on a long cache is a padding mask, which the shape does not tell)
+    if direction == "decode":
         from dmattn_kernels.triton.decode_launch import MASK_SPAN_MIN_KEYS
 
         spans = (("decode_mask_span_kernel",),) if shape.has_mask and shape.seqlen_k >= MASK_SPAN_MIN_KEYS else ()
