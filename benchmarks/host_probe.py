@@ -174,7 +174,7 @@ def breakdown(device) -> list[tuple[str, float]]:
     return rows
 
 
-DECODE_WORKLOADS = ("D1 ", "D2 ")
+DECODE_WORKLOADS = ("D1 ", "D2 ")  # name prefixes: the space keeps D10 and D11 out
 DECODE_WALL_LOOPS = 21  # the bench's eager loop (20 calls) repeated more often than its 5
 
 

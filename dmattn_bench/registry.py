@@ -101,14 +101,9 @@ def _triton_kernels(direction: str, config, shape: AttentionShape) -> tuple[tupl
     candidates need 8 dK/dV kernels and 8 of each dQ kernel, not 32 of each."""
     from dmattn_bench.prune import KERNELS, tile_constexprs
 
-    # the combine and span kernels read no tunable (both vary by shape; the span pass runs where a
-    # mask on a long cache is a padding mask, which the shape does not tell)
-    if direction == "decode":
-        from dmattn_kernels.triton.decode_launch import MASK_SPAN_MIN_KEYS
-
-        spans = (("decode_mask_span_kernel",),) if shape.has_mask and shape.seqlen_k >= MASK_SPAN_MIN_KEYS else ()
-        return spans + (("flash_decode_kernel", config.block_n, config.num_warps, config.num_stages),
-                        ("decode_combine_kernel",))
+    if direction == "decode":  # the span pass and the combine read no tunable (and run by shape)
+        return (("decode_mask_span_kernel",), ("flash_decode_kernel", config.block_n, config.num_warps,
+                                               config.num_stages), ("decode_combine_kernel",))
     shared = (("tile_activity_kernel",),) if shape.has_mask else ()
     if direction == "bwd":
         shared += (("flash_bwd_preprocess_kernel",),)
