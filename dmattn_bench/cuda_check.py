@@ -53,7 +53,8 @@ def _judge(direction: str, config: FwdConfig | BwdConfig, arch: str, head_dim: i
             flags = launch.backward_variant(config, head_dim, element, bias_dtype, arch=limits.arch, group=group,
                                                 dbias=dbias, **features)
         try:
-            cubin = build.build(direction, limits.arch, flags)
+            source = launch.forward_kernel(config, head_dim, limits.arch) if direction == "fwd" else direction
+            cubin = build.build(source, limits.arch, flags)
         except build.CudaBuildError as exc:
             return verdict("compile_error", _one_line(exc), "compile")
         regs, spill = _resource_usage(Path(cubin).read_bytes())

@@ -243,8 +243,11 @@ def precheck(direction: str, config: Config, limits: ArchLimits, head_dim: int, 
     if threads > limits.max_threads_per_block:
         return unsupported("threads", f"{threads} threads > {limits.max_threads_per_block} per block on {limits.arch}")
     if backend == "cuda":
-        from dmattn_kernels.cuda.launch import shared_bytes
+        from dmattn_kernels.cuda.launch import arch_reason, shared_bytes
 
+        reason = arch_reason(config, head_dim, limits.arch)
+        if reason:
+            return unsupported("structure", reason)
         shared = shared_bytes(config, head_dim, limits.arch)
         if shared > limits.shared_memory_per_block:
             return unsupported("shared", f"shared memory {shared} B > {limits.shared_memory_per_block} B limit of "

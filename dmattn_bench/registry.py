@@ -238,10 +238,17 @@ CUDA_DEFAULTS = (
 # H200, same shapes and command (2026-11-22). Forward, TFLOP/s:
 # D64 64x128 w4 337, D128 128x128 w8 363, D256 128x64 w8 423; backward: D64 128x64 dq64x64 w4
 # 271, D128 64x64 dq64x64 w4 317. The D256 backward stays on mma.sync (WGMMA_BWD_MAX_HEAD_DIM).
+# Head dim 128 runs the warp-specialized forward (launch.warp_specialized: a head dim padded to
+# 128; 72-120 keep the class before): H200, the bench's W1-W3 forward (bf16 B2 H16 L4096 D128
+# causal; `python3 benchmarks/cuda/ws_probe.py`, 2026-11-26), 128x128 w12 s2 against 128x128 w8:
+# W3 0.290 / 0.392 ms, W1 (full mask and bias) 0.522 / 1.568, W2 (kv-head mask, per-key bias)
+# 0.408 / 1.071.
 CUDA_SM90_DEFAULTS = (
     (64, (FwdConfig(64, 128, 4, 2), FwdConfig(64, 64, 4, 2)),
      (BwdConfig(128, 64, 64, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2))),
-    (128, (FwdConfig(128, 128, 8, 2), FwdConfig(64, 64, 4, 2)),
+    (120, (FwdConfig(128, 128, 8, 2), FwdConfig(64, 64, 4, 2)),
+     (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
+    (128, (FwdConfig(128, 128, 12, 2), FwdConfig(128, 128, 8, 2)),
      (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
     (256, (FwdConfig(128, 64, 8, 2), FwdConfig(64, 32, 4, 2)),
      (BwdConfig(32, 64, 64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1))),

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,78 @@ def test_the_launcher_parameter_blocks_are_the_kernels(cubin_cache):
                                     is_causal=True, has_mask=True, softcap=0.0, group=2, dbias=(True, torch.float32))
     # the delta, dK/dV and dQ kernels all take BwdParams
     assert _parameter_sizes(build.build("bwd", "sm90", flags)) == [ctypes.sizeof(launch._BwdParams)] * 3 == [472] * 3
+
+
+@needs_nvcc
+def test_the_warp_specialized_forward_takes_its_tensor_maps_and_the_forward_s_parameters(cubin_cache):
+    """Five 128-byte tensor maps (128-byte aligned), then FwdParams, padded to a multiple of 128."""
+    flags = launch.variant(FwdConfig(128, 128, 12, 2), 128, torch.bfloat16, torch.bfloat16, arch="sm90",
+                           is_causal=True, has_mask=True, softcap=0.0)
+    assert _parameter_sizes(build.build("fwd_ws", "sm90", flags)) == [ctypes.sizeof(launch._WsParams)] == [1024]
+    assert launch._WsParams.forward.offset == 5 * 128
+
+
+def test_the_warp_specialized_forward_is_a_producer_warpgroup_beside_one_per_64_rows():
+    assert launch.warp_specialized(FwdConfig(128, 128, 12, 2), 128, "sm90")
+    assert launch.warp_specialized(FwdConfig(64, 64, 8, 2), 64, "sm90")
+    assert launch.warp_specialized(FwdConfig(128, 64, 12, 2), 120, "sm90")  # padded to 128
+    assert not launch.warp_specialized(FwdConfig(128, 128, 12, 2), 96, "sm90")  # not whole 128-byte lines
+    assert not launch.warp_specialized(FwdConfig(128, 128, 12, 2), 128, "sm80")  # TMA and wgmma: Hopper
+    assert not launch.warp_specialized(FwdConfig(128, 128, 8, 2), 128, "sm90")  # the wgmma forward's shape
+    assert launch.forward_kernel(FwdConfig(128, 128, 12, 2), 128, "sm90") == "fwd_ws"
+    assert launch.forward_kernel(FwdConfig(128, 128, 8, 2), 128, "sm90") == "fwd"
+    shape = AttentionShape(1, 16, 16, 2, 1, 128)
+    assert launch.is_supported(FwdConfig(128, 128, 12, 2), shape) is None
+    assert "block_n=16 is not one of" in launch.is_supported(FwdConfig(128, 16, 12, 2), shape)
+    assert "head_dim=96 does not pad to a multiple of 64" in launch.is_supported(
+        FwdConfig(128, 128, 12, 2), replace(shape, head_dim=96))
+    assert "sm90 only (here: sm80)" in launch.arch_reason(FwdConfig(128, 128, 12, 2), 128, "sm80")
+    assert launch.arch_reason(FwdConfig(128, 128, 12, 2), 128, "sm90") is None
+    assert launch.arch_reason(FwdConfig(128, 128, 8, 2), 128, "sm80") is None
+
+
+def test_masks_and_16_bit_biases_are_staged_where_tma_can_take_their_rows():
+    rows, keys, none = launch.TILES_OF_ROWS, launch.TILES_OF_KEYS, launch.NOT_STAGED
+    full = torch.zeros(2, 4, 64, 64, dtype=torch.uint8)
+    assert launch.staged_tiles(full, 64) == rows
+    assert launch.staged_tiles(torch.zeros(2, 1, 1, 64, dtype=torch.uint8), 64) == keys  # a padding mask
+    assert launch.staged_tiles(torch.zeros(1, 4, 64, 64, dtype=torch.bfloat16), 64) == rows
+    assert launch.staged_tiles(torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16), 64) == keys  # per-key bias
+    assert launch.staged_tiles(None, 64) == none
+    assert launch.staged_tiles(full.transpose(2, 3), 64) == none  # keys not contiguous
+    assert launch.staged_tiles(full[:, :1].expand(2, 4, 64, 64), 64) == none  # stride 0 over 4 heads
+    assert launch.staged_tiles(torch.zeros(2, 4, 64, 72, dtype=torch.uint8), 64) == none  # 72-byte rows
+    assert launch.staged_tiles(torch.zeros(2, 4, 64, 1, dtype=torch.uint8), 64) == none  # one key for all
+    assert launch.staged_tiles(torch.zeros(2, 4, 32, 64, dtype=torch.uint8), 64) == none  # neither Lq nor 1 row
+
+    def staging(bias_dtype, has_mask=True, mask_tiles=rows, bias_tiles=rows):
+        flags = launch.variant(FwdConfig(128, 64, 12, 2), 128, torch.bfloat16, bias_dtype, arch="sm90",
+                               is_causal=True, has_mask=has_mask, softcap=0.0, mask_tiles=mask_tiles,
+                               bias_tiles=bias_tiles)
+        return [flag for flag in flags if "TILES" in flag or "SCORE_STAGES" in flag]
+
+    assert staging(torch.bfloat16) == ["-DSCORE_STAGES=2", "-DMASK_TILES=1", "-DBIAS_TILES=1"]
+    assert staging(torch.float32) == ["-DSCORE_STAGES=2", "-DMASK_TILES=1", "-DBIAS_TILES=0"]  # fp32: global
+    assert staging(torch.float16, has_mask=False, bias_tiles=keys) == [
+        "-DSCORE_STAGES=2", "-DMASK_TILES=0", "-DBIAS_TILES=2"]
+    assert staging(None, has_mask=False) == ["-DSCORE_STAGES=0", "-DMASK_TILES=0", "-DBIAS_TILES=0"]
+
+
+def test_the_staged_ring_takes_what_is_left_beside_q_and_the_k_and_v_rings():
+    rows, keys = launch.TILES_OF_ROWS, launch.TILES_OF_KEYS
+    wide, narrow, deep = FwdConfig(128, 128, 12, 2), FwdConfig(128, 64, 12, 2), FwdConfig(128, 128, 12, 3)
+    base = (128 + 2 * 2 * 128) * 128 * 2 + 1024  # Q, two 2-stage rings of 128 x 128 tiles, alignment slack
+    assert launch.score_slot_bytes(wide, rows, rows) == 128 * 128 * 3  # a mask byte and a bf16 per position
+    assert launch.score_slot_bytes(wide, rows, keys) == 128 * 128 + 1024  # one 256-byte bias row, on 1 KiB
+    # a full mask and bias fit one slot beside 128-key rings, a full mask and per-key bias two
+    assert launch.score_stages(wide, 128, rows, rows) == 1
+    assert launch.forward_shared_bytes(wide, 128, "sm90", rows, rows) == base + 128 * 128 * 3
+    assert launch.score_stages(wide, 128, rows, keys) == 2
+    assert launch.score_stages(narrow, 128, rows, rows) == 2
+    assert launch.score_stages(deep, 128, keys, keys) == 0  # 3-stage 128-key rings leave no room
+    assert launch.forward_shared_bytes(wide, 128, "sm90", launch.NOT_STAGED, launch.NOT_STAGED) == base
+    for config in (wide, narrow, deep):  # the largest staging bounds what prune and compile-check see
+        assert launch.forward_shared_bytes(config, 128, "sm90") <= launch.SM90_SHARED_BYTES - launch.WS_STATIC_BYTES
 
 
 @needs_nvcc
@@ -135,8 +208,15 @@ def test_the_sm90_defaults_run_wgmma_where_it_pays_and_fit_hopper():
             assert launch.is_supported(config, shape) is None
         assert launch.shared_bytes(fwds[0], high, "sm90") <= limit
         assert launch.shared_bytes(bwds[0], high, "sm90") <= limit
-        assert launch.uses_wgmma(fwds[0], high, "sm90")
+        assert launch.uses_wgmma(fwds[0], high, "sm90") or launch.warp_specialized(fwds[0], high, "sm90")
         assert launch.uses_wgmma(bwds[0], high, "sm90") == (high <= launch.WGMMA_BWD_MAX_HEAD_DIM)
+    # a class's defaults run every head dim in it (the warp-specialized forward only 121-128)
+    low = 8
+    for high, fwds, bwds in CUDA_SM90_DEFAULTS:
+        for head_dim in range(low, high + 1, 8):
+            shape = AttentionShape(1, 16, 16, 2, 1, head_dim)
+            assert launch.is_supported(fwds[0], shape) is None and launch.arch_reason(fwds[0], head_dim, "sm90") is None
+        low = high + 8
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU reports")

@@ -100,6 +100,35 @@ def test_the_wgmma_forward_at_the_widest_head_dims(dtype, record_property):
                    record_property)
 
 
+# The warp-specialized forward's configs (flash_fwd_ws.cu): 128-key tiles (a mask tile is one
+# 128-byte swizzled line per row, one slot of staged tiles beside 2-stage K and V rings) and
+# 64-key tiles (64-byte mask lines, two slots).
+WS_CONFIGS = {"fwd128x128w12s2": FwdConfig(128, 128, 12, 2), "fwd128x64w12s3": FwdConfig(128, 64, 12, 3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", list(WS_CONFIGS), ids=list(WS_CONFIGS))
+def test_the_warp_specialized_forward_passes_the_full_suite(dtype, config, record_property):
+    """The forward alone, every case of the full suite at head dims 64, 120 and 128, and again at
+    128 with every key length rounded up to a multiple of 16: there a mask's rows and a 16-bit
+    bias's rows start on 16-byte boundaries, so TMA stages them (tiles of rows, or one row of keys
+    for a padding mask or per-key bias); at the suite's own odd lengths they are read from global
+    memory."""
+    from dmattn_kernels.cuda.launch import arch_of, warp_specialized
+
+    fwd = WS_CONFIGS[config]
+    if not warp_specialized(fwd, 128, arch_of(torch.device("cuda"))):
+        pytest.skip("the warp-specialized forward runs on SM90 only")
+    suite = adversarial_cases("full", config_tiles(fwd, None))
+    cases = [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
+             for case in suite for head_dim in (64, 120, 128) if case.head_dim < head_dim]
+    cases += [replace(case, name=f"{case.name}@d128,lk{-(-case.seqlen_k // 16) * 16}", head_dim=128,
+                      seqlen_k=-(-case.seqlen_k // 16) * 16)
+              for case in suite if case.head_dim <= 128 and case.seqlen_k % 16]
+    _assert_all_ok(cases, [check_case(get_backend("cuda"), case, dtype, "cuda", fwd, None) for case in cases],
+                   record_property)
+
+
 def _assert_all_ok(cases, results, record_property):
     worst = {}
     for result in results:

@@ -292,10 +292,16 @@ struct ScoreRule {
   // DESIGN §1: whether key `col` is visible from query `row`. Excluded positions never read
   // the bias, so NaN or inf stored there cannot reach a result.
   __device__ __forceinline__ bool visible(int row, int col) const {
-    bool allowed = row < seqlen_q && col < seqlen_k;
-    if (IS_CAUSAL) allowed = allowed && col <= row + offset;
+    bool allowed = reached(row, col);
     if (HAS_MASK && allowed) allowed = mask[row * mask_row + col * mask_col] != 0;
     return allowed;
+  }
+
+  // Inside both sequences and, when causal, at or left of the row's diagonal: visible but for
+  // the mask.
+  __device__ __forceinline__ bool reached(int row, int col) const {
+    const bool inside = row < seqlen_q && col < seqlen_k;
+    return IS_CAUSAL ? inside && col <= row + offset : inside;
   }
 
   // scale * dot, soft-capped (HAS_SOFTCAP), before the bias.

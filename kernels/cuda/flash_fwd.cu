@@ -45,7 +45,7 @@
 //
 // Compile-time parameters: those of common.cuh, and BLOCK_M and BLOCK_N.
 
-#include "common.cuh"
+#include "fwd_steps.cuh"
 
 constexpr int WARP_TILES = BLOCK_M / (WARP_ROWS * NUM_WARPS);  // m16 tiles per warp
 constexpr int WARP_M = WARP_ROWS * WARP_TILES;                 // query rows per warp
@@ -55,35 +55,6 @@ static_assert(WARP_TILES * WARP_ROWS * NUM_WARPS == BLOCK_M && (WARP_TILES == 1 
 static_assert(WARP_TILES == 1, "wgmma: 16 rows per warp");
 static_assert(is_wgmma_width(BLOCK_N), "wgmma: no m64nN product for this BLOCK_N");
 #endif
-
-struct FwdParams {  // `dmattn_kernels.cuda.launch._FwdParams` mirrors it
-  Inputs in;
-  elem_t* out;
-  float* lse;
-  int64_t out_stride[3];   // batch, row, head
-  int64_t lse_stride[3];   // batch, head, query
-};
-
-// S of one key tile -> scores, in place: -inf where excluded. CHECK == false is an interior
-// tile, where the caller knows every position is allowed: no bound, causal or mask test.
-// Fragment (mt, n, c) sits at row `warp_row0 + 16 mt + g + 8 (c / 2)`, column
-// `col0 + 8 n + 2 t + c % 2`.
-template <bool CHECK>
-__device__ __forceinline__ void scores(float (&s)[WARP_TILES][BLOCK_N / 8][4], const ScoreRule& rule, int warp_row0,
-                                       int col0, int g, int t) {
-#pragma unroll
-  for (int mt = 0; mt < WARP_TILES; ++mt) {
-#pragma unroll
-    for (int n = 0; n < BLOCK_N / 8; ++n) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = warp_row0 + mt * 16 + g + (c / 2) * 8, col = col0 + n * 8 + 2 * t + (c % 2);
-        const bool allowed = !CHECK || rule.visible(row, col);
-        s[mt][n][c] = allowed ? rule.score(rule.capped(s[mt][n][c]), row, col) : -INFINITY;
-      }
-    }
-  }
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const FwdParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -151,47 +122,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
         mma_abt(s, q_frag, k_tile, kk, lane);
       }
 #endif
+      const StagedScores none = {nullptr, nullptr, 0, 0};  // mask and bias read from global memory
       if (j < tiles.interior)
-        scores<false>(s, rule, warp_row0, j * BLOCK_N, g, t);
+        scores<false, 0, 0>(s, rule, none, warp_row0, j * BLOCK_N, g, t);
       else
-        scores<true>(s, rule, warp_row0, j * BLOCK_N, g, t);
+        scores<true, 0, 0>(s, rule, none, warp_row0, j * BLOCK_N, g, t);
 
-      // the online softmax; r = 0: row g (c = 0, 1), r = 1: row g + 8 (c = 2, 3) of tile mt
-#pragma unroll
-      for (int mt = 0; mt < WARP_TILES; ++mt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float tile_max = -INFINITY;
-#pragma unroll
-          for (int n = 0; n < BLOCK_N / 8; ++n) tile_max = fmaxf(tile_max, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
-          // An ulp up: the FFMA below takes the exact product S L, up to half an ulp above the
-          // rounded base; at |S| ~ 1e9 (a -1e9 fp32 bias on a whole row) P was 2^64, inf in fp16.
-          const float new_max = fmaxf(row_max[mt][r], above_by_an_ulp(tile_max));
-          // a row with nothing allowed yet keeps max -inf: subtract 0 so exp(-inf - -inf) never runs
-          const float shift = new_max == -INFINITY ? 0.f : new_max;
-          // Difference first, so an unchanged max rescales by exactly 1. exp2f(m L - round(m L))
-          // (one FFMA) is 2^delta with delta up to half an ulp of m L: applied once per key tile
-          // it weights early and late tiles apart, 0.6% over 64 tiles at a row max of -1e4.
-          const float rescale = exp2f((row_max[mt][r] - shift) * LOG2E);
-          const float base = shift * LOG2E;  // P = exp2(S L - base): the same base for every P of the tile
-          row_max[mt][r] = new_max;
-          float sum = 0.f;
-#pragma unroll
-          for (int n = 0; n < BLOCK_N / 8; ++n) {
-            s[mt][n][2 * r] = exp2f(fmaf(s[mt][n][2 * r], LOG2E, -base));
-            s[mt][n][2 * r + 1] = exp2f(fmaf(s[mt][n][2 * r + 1], LOG2E, -base));
-            sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
-          }
-          row_sum[mt][r] = row_sum[mt][r] * rescale + sum;
-#pragma unroll
-          for (int d = 0; d < BLOCK_D / 8; ++d) {
-            acc[mt][d][2 * r] *= rescale;
-            acc[mt][d][2 * r + 1] *= rescale;
-          }
-        }
-      }
+      online_softmax(s, row_max, row_sum, acc);
 
       // acc += P V: the S accumulators of two n8 tiles form one 16x16 A fragment
 #if WGMMA
@@ -218,28 +155,5 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
   }
   wait_group<0>();
 
-  // out = acc / l, lse = m + log l; rows with l == 0 saw no allowed key (dead rows)
-#pragma unroll
-  for (int mt = 0; mt < WARP_TILES; ++mt) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = row_sum[mt][r];
-      sum += __shfl_xor_sync(0xffffffff, sum, 1);
-      sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      const int row = warp_row0 + mt * 16 + r * 8 + g;
-      if (row >= in.seqlen_q) continue;
-      const bool dead = sum == 0.f;
-      const float inverse = dead ? 0.f : 1.f / sum;
-      elem_t* out = p.out + at.batch * p.out_stride[0] + row * p.out_stride[1] + at.head * p.out_stride[2];
-#pragma unroll
-      for (int d = 0; d < BLOCK_D / 8; ++d) {
-        const int col = d * 8 + 2 * t;
-        if (col < HEAD_DIM)  // HEAD_DIM is a multiple of 8: the pair is in or out together
-          store_pair(out + col, acc[mt][d][2 * r] * inverse, acc[mt][d][2 * r + 1] * inverse);
-      }
-      if (t == 0)
-        p.lse[at.batch * p.lse_stride[0] + at.head * p.lse_stride[1] + row * p.lse_stride[2]] =
-            dead ? -INFINITY : row_max[mt][r] + logf(sum);
-    }
-  }
+  store_rows(p, at, acc, row_max, row_sum, warp_row0, g, t);
 }

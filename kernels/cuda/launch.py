@@ -34,6 +34,9 @@ INNER_CHOICES = (16, 32, 64, 128)  # the tiles a CTA walks: fwd block_n, bwd blo
 MAX_STAGES = 4
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 WGMMA_TILES = (32, 64, 128)  # inner tiles with an m64nN wgmma product (sm90.cuh: is_wgmma_width)
+# Query rows of a warp-specialized forward CTA: 64 per consumer warpgroup, one or two consumers
+# (plus the producer: 8 or 12 warps)
+WS_BLOCK_M = (64, 128)
 WARPGROUP = 4  # warps that issue one wgmma together
 SWIZZLE_SLACK = 1024  # bytes a wgmma kernel may skip to align its tiles (sm90.cuh: SWIZZLE_ATOM)
 # Above it a dK/dV thread holds 2 x head_dim / 2 fp32 accumulators (192 or more registers) plus
@@ -45,6 +48,18 @@ WGMMA_BWD_MAX_HEAD_DIM = 128
 SHARED_PAD = 8  # elements per shared row beyond the padded head dim (common.cuh: ROW)
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+# cuTensorMapEncodeTiled's enums (cuda.h): element types, the 128-byte swizzle wgmma reads, L2
+# promotion of 256-byte lines, out-of-bounds elements filled with zeros
+_CU_TENSOR_MAP_DATA_TYPE = {torch.uint8: 0, torch.float16: 6, torch.bfloat16: 9}
+_CU_TENSOR_MAP_SWIZZLE = {0: 0, 64: 2, 128: 3}  # by the bytes of a swizzled line (0: none)
+_CU_TENSOR_MAP_L2_PROMOTION_256B = 3
+_TMA_LINE = 128  # bytes of a box's row: one swizzled line (flash_fwd_ws.cu)
+SM90_SHARED_BYTES = 232448  # opt-in shared memory per block on H100 and H200
+# Static shared memory of the warp-specialized forward beside its dynamic tiles: its barriers and
+# what ptxas reserves (cuobjdump -res-usage: 1088-1104 bytes), with room to spare
+WS_STATIC_BYTES = 2048
+# flash_fwd_ws.cu's MASK_TILES and BIAS_TILES: how a mask or bias reaches the scores
+NOT_STAGED, TILES_OF_ROWS, TILES_OF_KEYS = 0, 1, 2
 
 class OutOfResources(RuntimeError):
     """The config needs more shared memory than this GPU gives a block (a trial's `unsupported`)."""
@@ -72,6 +87,24 @@ class _FwdParams(ctypes.Structure):
     """flash_fwd.cu's FwdParams, field for field."""
 
     _fields_ = [("inputs", _Inputs)] + _pointers("out", "lse") + _strides("out_stride", "lse_stride")
+
+
+class _TensorMap(ctypes.Structure):
+    """cuda.h's CUtensorMap: 128 opaque bytes the driver fills (128-byte aligned in the kernel's
+    parameters, which `_WsParams` keeps by putting the maps first)."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+_MAPS = ("q_map", "k_map", "v_map", "mask_map", "bias_map")
+
+
+class _WsParams(ctypes.Structure):
+    """flash_fwd_ws.cu's WsParams, field for field, padded to its 128-byte multiple."""
+
+    _fields_ = ([(name, _TensorMap) for name in _MAPS] + [("forward", _FwdParams)]
+                + [("padding", ctypes.c_char * (-(len(_MAPS) * ctypes.sizeof(_TensorMap) + ctypes.sizeof(_FwdParams))
+                                                % 128))])
 
 
 class _BwdParams(ctypes.Structure):
@@ -130,6 +163,26 @@ class _Driver:
                 self.functions[(device, cubin, name)] = (function, shared_bytes)
             return function
 
+    def tensor_map(self, t: torch.Tensor, order: tuple[int, int, int, int], box_rows: int, line: int,
+                   swizzle: int) -> _TensorMap:
+        """A TMA map of the 4-D tensor `t` with its dims taken in `order` (fastest first; the
+        first is contiguous), whose boxes are `line` bytes by `box_rows` rows of one slice of the
+        last two, in the swizzle of `swizzle`-byte lines (0: none)."""
+        size = t.element_size()
+        dims = (ctypes.c_uint64 * 4)(*(t.shape[i] for i in order))
+        # a size-1 dim is only ever at coordinate 0: any stride the driver accepts will do
+        strides = (ctypes.c_uint64 * 3)(*(t.stride(i) * size if t.shape[i] > 1 else 16 for i in order[1:]))
+        box = (ctypes.c_uint32 * 4)(line // size, box_rows, 1, 1)
+        element_strides = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+        # the driver writes the map to a 64-byte aligned address; ctypes allocates on 16
+        scratch = ctypes.create_string_buffer(2 * ctypes.sizeof(_TensorMap))
+        address = -(-ctypes.addressof(scratch) // 128) * 128
+        self.check(self.lib.cuTensorMapEncodeTiled(
+            ctypes.c_void_p(address), _CU_TENSOR_MAP_DATA_TYPE[t.dtype], 4, ctypes.c_void_p(t.data_ptr()), dims,
+            strides, box, element_strides, 0, _CU_TENSOR_MAP_SWIZZLE[swizzle], _CU_TENSOR_MAP_L2_PROMOTION_256B, 0),
+            "cuTensorMapEncodeTiled")
+        return _TensorMap.from_buffer_copy(ctypes.string_at(address, ctypes.sizeof(_TensorMap)))
+
     def launch(self, function, grid: tuple[int, int], threads: int, shared_bytes: int, stream: int, params) -> None:
         arguments = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self.check(self.lib.cuLaunchKernel(function, grid[0], grid[1], 1, threads, 1, 1, shared_bytes,
@@ -171,6 +224,62 @@ def uses_wgmma(config: FwdConfig | BwdConfig, head_dim: int, arch: str | None) -
     return padded <= WGMMA_BWD_MAX_HEAD_DIM and config.block_m in WGMMA_TILES and config.block_n_dq in WGMMA_TILES
 
 
+def warp_specialized(config: FwdConfig, head_dim: int, arch: str | None) -> bool:
+    """Whether `config` names the SM90 warp-specialized forward (flash_fwd_ws.cu): a producer
+    warpgroup plus one consumer warpgroup per 64 query rows, so num_warps = block_m / 16 + 4, on
+    SM90 with a head dim padded to a multiple of 64 and a key tile wgmma has a width for."""
+    return (arch == "sm90" and padded_head_dim(head_dim) % 64 == 0 and config.block_m % 64 == 0
+            and config.num_warps == config.block_m // 16 + WARPGROUP and config.block_n in WGMMA_TILES)
+
+
+def _is_warp_specialized_shape(config: FwdConfig | BwdConfig) -> bool:
+    """The warp-specialized forward's tile shape, on any arch (`warp_specialized` adds the arch)."""
+    return (isinstance(config, FwdConfig) and config.block_m in WS_BLOCK_M
+            and config.num_warps == config.block_m // 16 + WARPGROUP)
+
+
+def arch_reason(config: FwdConfig | BwdConfig, head_dim: int, arch: str) -> str | None:
+    """The reason `config` cannot run on `arch` though its shape is supported, or None."""
+    if _is_warp_specialized_shape(config) and not warp_specialized(config, head_dim, arch):
+        return (f"{config.block_m} rows on {config.num_warps} warps is the warp-specialized forward, which runs "
+                f"on sm90 only (here: {arch})")
+    return None
+
+
+def forward_kernel(config: FwdConfig, head_dim: int, arch: str | None) -> str:
+    """The forward source `config` runs on `arch`: "fwd_ws" (flash_fwd_ws.cu) or "fwd" (flash_fwd.cu)."""
+    return "fwd_ws" if warp_specialized(config, head_dim, arch) else "fwd"
+
+
+def score_slot_bytes(config: FwdConfig, mask_tiles: int, bias_tiles: int) -> int:
+    """Bytes of one slot of the warp-specialized forward's staged mask and bias ring: each tile
+    (block_m rows, or one for TILES_OF_KEYS; a mask byte or a 16-bit bias per key) on 1 KiB
+    bounds (flash_fwd_ws.cu: SCORE_SLOT_BYTES)."""
+    def rows(tiles: int) -> int:
+        return {NOT_STAGED: 0, TILES_OF_ROWS: config.block_m, TILES_OF_KEYS: 1}[tiles]
+
+    def kib(size: int) -> int:
+        return -(-size // 1024) * 1024
+
+    return kib(rows(mask_tiles) * config.block_n) + kib(rows(bias_tiles) * config.block_n * 2)
+
+
+def score_stages(config: FwdConfig, head_dim: int, mask_tiles: int = TILES_OF_ROWS,
+                 bias_tiles: int = TILES_OF_ROWS) -> int:
+    """Slots of the warp-specialized forward's ring of staged mask and bias tiles: two where they
+    fit beside Q and the K and V rings in an SM90 block's shared memory, else one, else none (the
+    mask and bias are then read from global memory). Tiles of 64 or 128 keys only: one or two
+    128-byte lines per bias row."""
+    slot = score_slot_bytes(config, mask_tiles, bias_tiles)
+    if config.block_n not in (64, 128) or slot == 0:
+        return 0
+    base = _tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim, True)
+    for stages in (2, 1):
+        if base + stages * slot + WS_STATIC_BYTES <= SM90_SHARED_BYTES:
+            return stages
+    return 0
+
+
 def _tile_bytes(rows: int, head_dim: int, wgmma: bool) -> int:
     """Shared bytes of `rows` tile rows: padded rows for ldmatrix, or swizzled ones plus the
     alignment slack for wgmma (common.cuh: ROW)."""
@@ -179,12 +288,19 @@ def _tile_bytes(rows: int, head_dim: int, wgmma: bool) -> int:
     return rows * (padded_head_dim(head_dim) + SHARED_PAD) * 2
 
 
-def forward_shared_bytes(config: FwdConfig, head_dim: int, arch: str | None = None) -> int:
-    """flash_fwd.cu's dynamic shared memory on `arch`: Q, and K and V rings of num_stages tiles.
+def forward_shared_bytes(config: FwdConfig, head_dim: int, arch: str | None = None, mask_tiles: int = TILES_OF_ROWS,
+                         bias_tiles: int = TILES_OF_ROWS) -> int:
+    """The forward's dynamic shared memory on `arch`: Q, and K and V rings of num_stages tiles;
+    the warp-specialized forward's also its ring of staged mask and bias tiles (as the call's
+    operands are staged; by default the largest, a mask and a bias of rows).
 
     Without an arch, the mma.sync layout's: with at least 128 rows (64 query rows and two
     32-key tiles) it bounds the wgmma layout's too.
     """
+    if warp_specialized(config, head_dim, arch):  # and its ring of mask and bias tiles
+        return (_tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim, True)
+                + score_stages(config, head_dim, mask_tiles, bias_tiles)
+                * score_slot_bytes(config, mask_tiles, bias_tiles))
     return _tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim,
                        uses_wgmma(config, head_dim, arch))
 
@@ -217,6 +333,14 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
         return f"head_dim={shape.head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
     if shape.num_heads % shape.num_heads_kv:
         return f"num_heads={shape.num_heads} is not a multiple of num_heads_kv={shape.num_heads_kv}"
+    if _is_warp_specialized_shape(config):  # the SM90 warp-specialized forward (`warp_specialized`)
+        if config.block_n not in WGMMA_TILES:
+            return f"block_n={config.block_n} is not one of {WGMMA_TILES} (warp-specialized forward: wgmma widths)"
+        if padded_head_dim(shape.head_dim) % 64:
+            return f"head_dim={shape.head_dim} does not pad to a multiple of 64 (warp-specialized forward)"
+        if not 1 <= config.num_stages <= MAX_STAGES:
+            return f"num_stages={config.num_stages} is not in [1, {MAX_STAGES}]"
+        return None
     if config.num_warps not in WARP_CHOICES:
         return f"num_warps={config.num_warps} is not one of {WARP_CHOICES}"
     owned = ("block_m",) if isinstance(config, FwdConfig) else ("block_n", "block_m_dq")
@@ -259,11 +383,34 @@ def _features(bias_dtype: torch.dtype | None, is_causal: bool, has_mask: bool, s
 
 
 def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *, arch: str,
-            is_causal: bool, has_mask: bool, softcap: float) -> tuple[str, ...]:
-    """The -D list of the forward variant a call needs on `arch` ("sm90")."""
+            is_causal: bool, has_mask: bool, softcap: float, mask_tiles: int = TILES_OF_ROWS,
+            bias_tiles: int = TILES_OF_ROWS) -> tuple[str, ...]:
+    """The -D list of the forward variant a call needs on `arch` ("sm90"). The warp-specialized
+    forward stages the mask and a 16-bit bias in shared memory where there is room, as the call's
+    operands allow (`mask_tiles`, `bias_tiles`: `staged_tiles`)."""
+    own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    if warp_specialized(config, head_dim, arch):
+        mask_tiles = mask_tiles if has_mask else NOT_STAGED
+        bias_tiles = bias_tiles if bias_dtype in (torch.float16, torch.bfloat16) else NOT_STAGED
+        stages = score_stages(config, head_dim, mask_tiles, bias_tiles)
+        own.update(WGMMA=True, SCORE_STAGES=stages, MASK_TILES=mask_tiles if stages else NOT_STAGED,
+                   BIAS_TILES=bias_tiles if stages else NOT_STAGED)
+    else:
+        own.update(WGMMA=uses_wgmma(config, head_dim, arch))
     return defines(_element(dtype), head_dim, config.num_warps, config.num_stages,
-                   **_features(bias_dtype, is_causal, has_mask, softcap), BLOCK_M=config.block_m,
-                   BLOCK_N=config.block_n, WGMMA=uses_wgmma(config, head_dim, arch))
+                   **_features(bias_dtype, is_causal, has_mask, softcap), **own)
+
+
+def staged_tiles(t: torch.Tensor | None, seqlen_q: int) -> int:
+    """How the warp-specialized forward can stage the 4-D mask or bias `t` through TMA: its
+    (query, key) tiles (TILES_OF_ROWS), one row of keys per tile (TILES_OF_KEYS: no query dim),
+    or not at all (NOT_STAGED: no operand, a broadcast key dim, keys not contiguous, or rows and
+    slices off 16-byte boundaries)."""
+    if t is None or t.shape[2] not in (1, seqlen_q) or t.shape[3] == 1 or t.stride(3) != 1 or t.data_ptr() % 16:
+        return NOT_STAGED
+    if not all(t.shape[i] == 1 or (t.stride(i) > 0 and t.stride(i) * t.element_size() % 16 == 0) for i in range(3)):
+        return NOT_STAGED
+    return TILES_OF_KEYS if t.shape[2] == 1 else TILES_OF_ROWS
 
 
 def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
@@ -334,15 +481,45 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
     for name, t in (("query", q), ("key", k), ("value", v), ("out", out)):
         _check_aligned(name, t)
     arch = arch_of(q.device)
-    launcher = _Launcher("fwd", q.device, variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None,
-                                                  arch=arch, is_causal=is_causal, has_mask=mask is not None,
-                                                  softcap=softcap))
+    reason = arch_reason(config, head_dim, arch)
+    if reason:
+        raise ValueError(f"config: {reason}")
+    source = forward_kernel(config, head_dim, arch)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)  # same itemsize: a reinterpretation, not a copy
+    flags = variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None, arch=arch,
+                    is_causal=is_causal, has_mask=mask is not None, softcap=softcap,
+                    mask_tiles=staged_tiles(mask, seqlen_q), bias_tiles=staged_tiles(bias, seqlen_q))
+    launcher = _Launcher(source, q.device, flags)
     if is_compile_only():
         return
     params = _FwdParams(_inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), lse.data_ptr(),
                         out.stride()[:3], lse.stride())
-    launcher(b"dmattn_fwd_kernel", (batch * num_heads, triton.cdiv(seqlen_q, config.block_m)), config.num_warps,
-             forward_shared_bytes(config, head_dim, arch), params)
+    name = b"dmattn_fwd_kernel"
+    if source == "fwd_ws":
+        driver = _the_driver()
+        rows_of = (3, 1, 2, 0)  # (B, L, H, D) as (D, L, H, B)
+        maps = dict(q_map=driver.tensor_map(q, rows_of, config.block_m, _TMA_LINE, _TMA_LINE),
+                    k_map=driver.tensor_map(k, rows_of, config.block_n, _TMA_LINE, _TMA_LINE),
+                    v_map=driver.tensor_map(v, rows_of, config.block_n, _TMA_LINE, _TMA_LINE))
+        # (B, H, Lq, Lk) as (Lk, Lq, H, B): a mask box is block_n bytes wide, a bias box of rows
+        # one 128-byte line; a single row of keys is one box, not swizzled
+        staged = {name: int(flag.partition("=")[2]) for flag in flags for name in ("MASK_TILES", "BIAS_TILES")
+                  if flag.startswith(f"-D{name}=")}
+        if staged["MASK_TILES"]:
+            line = min(config.block_n, _TMA_LINE)
+            rows, swizzle = (config.block_m, line) if staged["MASK_TILES"] == TILES_OF_ROWS else (1, 0)
+            maps["mask_map"] = driver.tensor_map(mask, (3, 2, 1, 0), rows, line, swizzle)
+        if staged["BIAS_TILES"] == TILES_OF_ROWS:
+            maps["bias_map"] = driver.tensor_map(bias, (3, 2, 1, 0), config.block_m, _TMA_LINE, _TMA_LINE)
+        elif staged["BIAS_TILES"] == TILES_OF_KEYS:
+            maps["bias_map"] = driver.tensor_map(bias, (3, 2, 1, 0), 1, config.block_n * bias.element_size(), 0)
+        params = _WsParams(forward=params, **maps)
+        name = b"dmattn_fwd_ws_kernel"
+    shared = forward_shared_bytes(config, head_dim, arch)
+    if source == "fwd_ws":
+        shared = forward_shared_bytes(config, head_dim, arch, staged["MASK_TILES"], staged["BIAS_TILES"])
+    launcher(name, (batch * num_heads, triton.cdiv(seqlen_q, config.block_m)), config.num_warps, shared, params)
 
 
 def _dbias_layout(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int):

@@ -82,3 +82,49 @@ __device__ __forceinline__ void touch(float (&d)[N8][4]) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) asm volatile("" : "+f"(d[n][c])::"memory");
 }
+
+// -- warp specialization (flash_fwd_ws.cu): mbarriers, TMA copies, register reallocation --
+
+// An mbarrier completes a phase when `count` arrivals and the transaction bytes announced with
+// them have come; waiters name the phase by its parity.
+__device__ __forceinline__ void barrier_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(shared_address(bar)), "r"(count) : "memory");
+}
+
+// Makes initialized barriers visible to the async proxy (the TMA unit's complete_tx).
+__device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(shared_address(bar)) : "memory");
+}
+
+// One arrival that also announces `bytes` the copies signalling this barrier will bring.
+__device__ __forceinline__ void barrier_arrive_expecting(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+               :: "r"(shared_address(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n"
+      :: "r"(shared_address(bar)), "r"(parity) : "memory");
+}
+
+// A box of a 4-D tensor map at coordinates (c0 fastest) into shared memory, completing its bytes
+// on `bar`. Elements outside the tensor arrive as zeros.
+__device__ __forceinline__ void tma_load(void* dst, const void* map, int c0, int c1, int c2, int c3, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      :: "r"(shared_address(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+         "r"(shared_address(bar))
+      : "memory");
+}
+
+// A warpgroup gives back or takes registers (per thread; a multiple of 8 in [24, 256]).
+template <int N>
+__device__ __forceinline__ void registers_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N)); }
+template <int N>
+__device__ __forceinline__ void registers_claim() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N)); }

@@ -1,0 +1,226 @@
+// Flash dynamic-mask attention, forward, warp-specialized for SM90 (Hopper): FlashAttention-3's
+// division of labour. The math is flash_fwd.cu's (fwd_steps.cuh: the score rule, the online
+// softmax, the epilogue); what changes is who waits for what.
+//
+// A CTA owns BLOCK_M = 64 x CONSUMERS query rows of one (batch, head) and has CONSUMERS + 1
+// warpgroups:
+//   producer (warpgroup 0): one thread issues TMA bulk tensor copies, Q once, then each key
+//     tile's K and V into a ring of STAGES slots; a copy completes its bytes on the slot's
+//     `k_full` / `v_full` barrier (mbarrier). The warpgroup hands its registers to the
+//     consumers (setmaxnreg).
+//   consumers (warpgroups 1..CONSUMERS), 64 query rows each. Per key tile j:
+//     wait k_full;  S = Q K_j^T (wgmma);
+//     wait score_full;  scores (mask and bias from the staged tiles);  arrive score_empty;
+//     online softmax in registers;
+//     wait v_full;  acc += P V_j (wgmma);  arrive on the slot's `empty` barrier
+//   and the producer refills a slot once every consumer thread has arrived on its `empty`.
+// Loads run up to STAGES tiles ahead of the products with no CTA-wide barrier, and the
+// consumers issue no copies and compute no addresses for K and V. A consumer's two products and
+// its softmax run in turn; the two consumers interleave one's softmax with the other's products.
+// Issuing tile j's S with tile j-1's P V in one consumer (FlashAttention-3's intra-warpgroup
+// overlap, first tile peeled so ptxas keeps the wgmma asynchronous) was slower: H200, bf16 B2
+// H16 L4096 D128 causal, 128x128 w12 s2, 0.372 against 0.290 ms (`benchmarks/cuda/ws_probe.py`).
+//
+// Mask and bias (MASK_TILES, BIAS_TILES): an operand with keys contiguous (a mask, a 16-bit bias)
+// is staged too, in a ring of SCORE_STAGES slots (one or two: what fits beside the K and V rings;
+// launch.py picks), released as soon as the scores are taken, before the softmax. A slot holds
+// the BLOCK_M x BLOCK_N tile of an operand with a row per query (TILES 1), or the one row of
+// BLOCK_N keys of an operand without a query dim (TILES 2: a padding mask, a per-key bias).
+// Other layouts (an fp32 bias, a mask with strides TMA cannot take) are read from global
+// memory as flash_fwd.cu reads them (TILES 0).
+//
+// Causal: the producer loads the tiles the CTA's last row reaches; a consumer whose 64 rows see
+// none of a tile skips its products but still waits for it and arrives, so every `empty` phase
+// counts exactly one arrival per consumer thread.
+//
+// Layouts: TMA writes each 64-column block of a tile as rows of 128 bytes in the 128-byte
+// swizzle, the layout sm90.cuh's descriptors read. Rows past Lq or Lk and columns past HEAD_DIM
+// are outside the tensor maps and arrive as zeros, never read from memory. The maps
+// (`dmattn_kernels.cuda.launch`, per call) describe q as (D, Lq, H, B) and k, v as
+// (D, Lk, Hkv, B), fastest dim first, with boxes of 64 columns by BLOCK_M or BLOCK_N rows.
+//
+// Compile-time parameters: those of common.cuh (WGMMA = 1), BLOCK_M, BLOCK_N, SCORE_STAGES,
+// MASK_TILES and BIAS_TILES.
+
+#include <cuda.h>  // CUtensorMap
+
+#include "fwd_steps.cuh"
+
+static_assert(WGMMA, "the warp-specialized forward runs its products as wgmma (sm90)");
+constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
+static_assert(CONSUMERS >= 1 && NUM_WARPS % GROUP_WARPS == 0 && BLOCK_M == CONSUMERS * GROUP_ROWS,
+              "one producer warpgroup and a consumer warpgroup per 64 query rows");
+static_assert(is_wgmma_width(BLOCK_N), "wgmma: no m64nN product for this BLOCK_N");
+// One thread issues every copy: the producer keeps the fewest registers setmaxnreg allows, and
+// each consumer thread claims its share of the rest of the SM's 64K (a multiple of 8, at most
+// 240 as FlashAttention-3's consumers).
+constexpr int PRODUCER_REGISTERS = 24;
+constexpr int CONSUMER_REGISTERS_LEFT = (65536 - GROUP_WARPS * 32 * PRODUCER_REGISTERS) / (CONSUMERS * GROUP_WARPS * 32) / 8 * 8;
+constexpr int CONSUMER_REGISTERS = CONSUMER_REGISTERS_LEFT < 240 ? CONSUMER_REGISTERS_LEFT : 240;
+static_assert(!(MASK_TILES || BIAS_TILES) || (SCORE_STAGES >= 1 && (BLOCK_N == 64 || BLOCK_N == 128)),
+              "staged mask and bias tiles: a ring slot and 64 or 128 keys (one or two 128-byte lines)");
+static_assert(!BIAS_TILES || !BIAS_FP32, "a staged bias is 16-bit");
+constexpr bool SCORE_TILES = MASK_TILES || BIAS_TILES;
+constexpr int MASK_ROWS = MASK_TILES == 1 ? BLOCK_M : MASK_TILES == 2 ? 1 : 0;  // rows of a staged tile
+constexpr int BIAS_ROWS = BIAS_TILES == 1 ? BLOCK_M : BIAS_TILES == 2 ? 1 : 0;
+// A mask tile is one box (rows of BLOCK_N bytes); a bias tile of rows is boxes of 128-byte rows,
+// one of a single row is one box. A slot holds the mask tile, then the bias tile.
+constexpr int BIAS_LINE = 128;
+constexpr int BIAS_BOXES = BIAS_ROWS == 1 ? 1 : BLOCK_N * int(sizeof(elem_t)) / BIAS_LINE;
+constexpr int round_to_kib(int bytes) { return (bytes + 1023) / 1024 * 1024; }  // TMA's swizzle atoms
+constexpr int MASK_SLOT_BYTES = round_to_kib(MASK_ROWS * BLOCK_N);  // launch.score_slot_bytes mirrors these
+constexpr int SCORE_SLOT_BYTES = MASK_SLOT_BYTES + round_to_kib(BIAS_ROWS * BLOCK_N * int(sizeof(elem_t)));
+// what each full barrier expects
+constexpr uint32_t Q_BYTES = BLOCK_M * BLOCK_D * sizeof(elem_t);
+constexpr uint32_t KV_BYTES = BLOCK_N * BLOCK_D * sizeof(elem_t);
+constexpr uint32_t SCORE_BYTES = (MASK_ROWS + BIAS_ROWS * sizeof(elem_t)) * BLOCK_N;
+constexpr int SCORE_SLOTS = SCORE_TILES ? SCORE_STAGES : 1;  // barrier arrays need a size
+
+struct WsParams {  // `dmattn_kernels.cuda.launch._WsParams` mirrors it
+  CUtensorMap q_map, k_map, v_map, mask_map, bias_map;  // mask_map, bias_map: only where staged
+  FwdParams fwd;
+};
+
+// The BLOCK_D / 64 boxes of one tile of `rows` rows starting at row `row` of `map`'s slice.
+template <int ROWS>
+__device__ __forceinline__ void load_tile_tma(elem_t* tile, const CUtensorMap* map, int row, int head, int batch,
+                                              uint64_t* full) {
+#pragma unroll
+  for (int block = 0; block < BLOCK_D / SWIZZLE_COLS; ++block)
+    tma_load(tile + block * ROWS * SWIZZLE_COLS, map, block * SWIZZLE_COLS, row, head, batch, full);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(const __grid_constant__ WsParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t q_full, k_full[STAGES], v_full[STAGES], empty[STAGES];
+  __shared__ __align__(8) uint64_t score_full[SCORE_SLOTS], score_empty[SCORE_SLOTS];
+  elem_t* q_smem = shared_tiles(smem_raw);
+  elem_t* k_smem = q_smem + BLOCK_M * BLOCK_D;
+  elem_t* v_smem = k_smem + STAGES * BLOCK_N * BLOCK_D;
+  // the score ring's slots (SCORE_SLOT_BYTES each: the mask tile, then the bias tile, on 1 KiB bounds)
+  unsigned char* score_smem = reinterpret_cast<unsigned char*>(v_smem + STAGES * BLOCK_N * BLOCK_D);
+
+  const Inputs& in = p.fwd.in;
+  const HeadSlices at = head_slices(in, blockIdx.x);
+  const ScoreRule rule = score_rule(in, at);
+  const int m_block = gridDim.y - 1 - blockIdx.y;  // the longest causal rows first (flash_fwd.cu)
+  const int block_row0 = m_block * BLOCK_M;
+  const int n_tiles = key_tiles<BLOCK_N>(rule, block_row0 + BLOCK_M, block_row0, BLOCK_M).block;
+
+  if (threadIdx.x == 0) {
+    barrier_init(&q_full, 1);
+    for (int slot = 0; slot < STAGES; ++slot) {
+      barrier_init(&k_full[slot], 1);
+      barrier_init(&v_full[slot], 1);
+      barrier_init(&empty[slot], CONSUMERS * GROUP_WARPS * 32);
+    }
+    for (int slot = 0; slot < SCORE_SLOTS; ++slot) {
+      barrier_init(&score_full[slot], 1);
+      barrier_init(&score_empty[slot], CONSUMERS * GROUP_WARPS * 32);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < GROUP_WARPS * 32) {
+    // -- producer --
+    registers_release<PRODUCER_REGISTERS>();
+    if (threadIdx.x == 0) {
+      barrier_arrive_expecting(&q_full, Q_BYTES);
+      load_tile_tma<BLOCK_M>(q_smem, &p.q_map, block_row0, at.head, at.batch, &q_full);
+      for (int j = 0; j < n_tiles; ++j) {
+        const int slot = j % STAGES;
+        if (j >= STAGES) barrier_wait(&empty[slot], (j / STAGES - 1) & 1);  // tile j - STAGES is done
+        barrier_arrive_expecting(&k_full[slot], KV_BYTES);
+        load_tile_tma<BLOCK_N>(k_smem + slot * BLOCK_N * BLOCK_D, &p.k_map, j * BLOCK_N, at.kv_head, at.batch,
+                               &k_full[slot]);
+        if (SCORE_TILES) {
+          const int score_slot = j % SCORE_SLOTS;
+          if (j >= SCORE_SLOTS) barrier_wait(&score_empty[score_slot], (j / SCORE_SLOTS - 1) & 1);
+          unsigned char* tile = score_smem + score_slot * SCORE_SLOT_BYTES;
+          barrier_arrive_expecting(&score_full[score_slot], SCORE_BYTES);
+          // a broadcast dim (stride 0) is a size-1 dim of the map: coordinate 0
+          if (MASK_TILES)
+            tma_load(tile, &p.mask_map, j * BLOCK_N, MASK_ROWS == 1 ? 0 : block_row0,
+                     in.mask_stride[1] ? at.head / in.mask_head_div : 0, in.mask_stride[0] ? at.batch : 0,
+                     &score_full[score_slot]);
+          if (BIAS_TILES) {
+#pragma unroll
+            for (int block = 0; block < BIAS_BOXES; ++block)
+              tma_load(tile + MASK_SLOT_BYTES + block * BIAS_ROWS * BIAS_LINE, &p.bias_map,
+                       j * BLOCK_N + block * BIAS_LINE / int(sizeof(elem_t)), BIAS_ROWS == 1 ? 0 : block_row0,
+                       in.bias_stride[1] ? at.head / in.bias_head_div : 0, in.bias_stride[0] ? at.batch : 0,
+                       &score_full[score_slot]);
+          }
+        }
+        barrier_arrive_expecting(&v_full[slot], KV_BYTES);
+        load_tile_tma<BLOCK_N>(v_smem + slot * BLOCK_N * BLOCK_D, &p.v_map, j * BLOCK_N, at.kv_head, at.batch,
+                               &v_full[slot]);
+      }
+    }
+    return;
+  }
+
+  // -- consumers --
+  registers_claim<CONSUMER_REGISTERS>();
+  const int warp = threadIdx.x / 32 - GROUP_WARPS, lane = threadIdx.x % 32;  // warp among the consumers
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, column pair
+  const int warp_row0 = block_row0 + warp * WARP_ROWS;
+  const int group_row0 = (warp / GROUP_WARPS) * GROUP_ROWS;  // the warpgroup's rows of the Q tile
+  const KeyTiles tiles = key_tiles<BLOCK_N>(rule, block_row0 + BLOCK_M, warp_row0, WARP_ROWS);
+
+  float acc[1][BLOCK_D / 8][4] = {};
+  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+  const int reached = min(tiles.reached, n_tiles);
+  barrier_wait(&q_full, 0);
+  for (int j = 0; j < reached; ++j) {
+    const int slot = j % STAGES, parity = (j / STAGES) & 1;
+    const int score_slot = j % SCORE_SLOTS, score_parity = (j / SCORE_SLOTS) & 1;
+    barrier_wait(&k_full[slot], parity);
+    float s[1][BLOCK_N / 8][4];
+    wgmma_fence();
+    wgmma_abt(s[0], q_smem, BLOCK_M, group_row0, k_smem + slot * BLOCK_N * BLOCK_D);
+    wgmma_commit();
+    wgmma_wait<0>();
+    touch(s[0]);
+    StagedScores staged = {nullptr, nullptr, block_row0, j * BLOCK_N};
+    if (SCORE_TILES) {
+      const unsigned char* tile = score_smem + score_slot * SCORE_SLOT_BYTES;
+      staged.mask = tile;
+      staged.bias = tile + MASK_SLOT_BYTES;
+      barrier_wait(&score_full[score_slot], score_parity);
+    }
+    if (j < tiles.interior)
+      scores<false, MASK_ROWS, BIAS_ROWS>(s, rule, staged, warp_row0, j * BLOCK_N, g, t);
+    else
+      scores<true, MASK_ROWS, BIAS_ROWS>(s, rule, staged, warp_row0, j * BLOCK_N, g, t);
+    if (SCORE_TILES) barrier_arrive(&score_empty[score_slot]);  // read: the producer may refill it
+    online_softmax(s, row_max, row_sum, acc);
+
+    // acc += P V
+    uint32_t p_frag[BLOCK_N / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) accumulator_to_a(p_frag[kk], s[0], kk);
+    touch(acc[0]);  // the rescale's writes stay before the fence (PTX: no register writes after it)
+    barrier_wait(&v_full[slot], parity);
+    wgmma_fence();
+    wgmma_ab(acc[0], p_frag, v_smem + slot * BLOCK_N * BLOCK_D);
+    wgmma_commit();
+    wgmma_wait<0>();
+    touch(acc[0]);
+    barrier_arrive(&empty[slot]);  // this thread's products have read the slot
+  }
+  // Tiles past the warpgroup's causal reach: nothing to compute, but each phase counts every
+  // consumer thread (the producer refills a slot only once all have arrived).
+  for (int j = reached; j < n_tiles; ++j) {
+    const int slot = j % STAGES;
+    barrier_wait(&k_full[slot], (j / STAGES) & 1);
+    if (SCORE_TILES) {
+      barrier_wait(&score_full[j % SCORE_SLOTS], (j / SCORE_SLOTS) & 1);
+      barrier_arrive(&score_empty[j % SCORE_SLOTS]);
+    }
+    barrier_arrive(&empty[slot]);
+  }
+
+  store_rows(p.fwd, at, acc, row_max, row_sum, warp_row0, g, t);
+}

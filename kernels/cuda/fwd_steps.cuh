@@ -1,0 +1,152 @@
+// The forward's per-tile math on mma fragments, shared by both forward kernels (flash_fwd.cu,
+// every arch; flash_fwd_ws.cu, SM90 warp-specialized): the score rule applied to S, the online
+// softmax, and the epilogue. A warp owns MT m16 tiles of query rows; S holds N8 n8 tiles of one
+// key tile. Fragment (mt, n, c) of S sits at row `warp_row0 + 16 mt + g + 8 (c / 2)`, column
+// `col0 + 8 n + 2 t + c % 2` (common.cuh's fragment coordinates).
+#pragma once
+
+#include "common.cuh"
+
+struct FwdParams {  // `dmattn_kernels.cuda.launch._FwdParams` mirrors it
+  Inputs in;
+  elem_t* out;
+  float* lse;
+  int64_t out_stride[3];   // batch, row, head
+  int64_t lse_stride[3];   // batch, head, query
+};
+
+// The mask and bias of one key tile that TMA staged in shared memory (flash_fwd_ws.cu): a tile
+// of ROWS rows (the block's query rows, or 1 for an operand without a query dim) whose rows are
+// split into lines of at most 128 bytes, each line width a column block of ROWS lines in the
+// swizzle of that width (a single row is not swizzled). Rows and columns outside the operand
+// arrive as 0, so a staged mask keeps nothing there.
+struct StagedScores {
+  const unsigned char* mask;
+  const unsigned char* bias;
+  int row0, col0;  // the tile's first query row and key
+
+  // Byte `byte` of tile row `row` in a tile of ROWS lines of LINE bytes: the 16-byte chunk index
+  // XORed with address bits [7, 7 + log2(LINE / 16)), as TMA's swizzle writes it.
+  template <int ROWS, int LINE>
+  static __device__ __forceinline__ int offset(int row, int byte) {
+    if (ROWS == 1) return byte;
+    const int in_line = row * LINE + byte % LINE;
+    return byte / LINE * ROWS * LINE + (in_line ^ (((in_line >> 7) & (LINE / 16 - 1)) << 4));
+  }
+};
+
+// S of one key tile -> scores, in place: -inf where excluded. CHECK == false is an interior
+// tile, where the caller knows every position is allowed: no bound, causal or mask test. The
+// mask and bias come from tiles of MASK_ROWS and BIAS_ROWS rows `staged` holds, or from global
+// memory (`rule`) where those are 0; each thread takes its two adjacent columns of a row at once.
+template <bool CHECK, int MASK_ROWS, int BIAS_ROWS, int MT, int N8>
+__device__ __forceinline__ void scores(float (&s)[MT][N8][4], const ScoreRule& rule, const StagedScores& staged,
+                                       int warp_row0, int col0, int g, int t) {
+  constexpr int MASK_LINE = N8 * 8 < 128 ? N8 * 8 : 128;
+  constexpr int BIAS_LINE = 128;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < N8; ++n) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp_row0 + mt * 16 + g + r * 8, col = col0 + n * 8 + 2 * t;
+        const int tile_row = row - staged.row0, tile_col = col - staged.col0;
+        uint16_t kept = 0x0101;  // a staged mask pair
+        if (HAS_MASK && CHECK && MASK_ROWS)
+          kept = *reinterpret_cast<const uint16_t*>(
+              staged.mask + StagedScores::offset<MASK_ROWS, MASK_LINE>(MASK_ROWS == 1 ? 0 : tile_row, tile_col));
+        elem2_t bias = {};  // a staged bias pair
+        if (HAS_BIAS && BIAS_ROWS)
+          bias = *reinterpret_cast<const elem2_t*>(
+              staged.bias + StagedScores::offset<BIAS_ROWS, BIAS_LINE>(BIAS_ROWS == 1 ? 0 : tile_row, 2 * tile_col));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          bool allowed = true;
+          if (CHECK)
+            allowed = HAS_MASK && !MASK_ROWS ? rule.visible(row, col + e)
+                                             : rule.reached(row, col + e) && ((kept >> (8 * e)) & 0xff);
+          const float capped = rule.capped(s[mt][n][2 * r + e]);
+          const float staged_bias = static_cast<float>(e == 0 ? bias.x : bias.y);
+          // the global bias is read only where allowed: excluded positions may lie outside it
+          s[mt][n][2 * r + e] = !allowed                ? -INFINITY
+                                : HAS_BIAS && BIAS_ROWS ? capped + staged_bias
+                                                        : rule.score(capped, row, col + e);
+        }
+      }
+    }
+  }
+}
+
+// One key tile of the online softmax: scores s -> P (in place, fp32), the row max and sum
+// updated, acc rescaled. r = 0: row g (c = 0, 1), r = 1: row g + 8 (c = 2, 3) of tile mt.
+template <int MT, int N8>
+__device__ __forceinline__ void online_softmax(float (&s)[MT][N8][4], float (&row_max)[MT][2], float (&row_sum)[MT][2],
+                                               float (&acc)[MT][BLOCK_D / 8][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < N8; ++n) tile_max = fmaxf(tile_max, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+      // An ulp up: the FFMA below takes the exact product S L, up to half an ulp above the
+      // rounded base; at |S| ~ 1e9 (a -1e9 fp32 bias on a whole row) P was 2^64, inf in fp16.
+      const float new_max = fmaxf(row_max[mt][r], above_by_an_ulp(tile_max));
+      // a row with nothing allowed yet keeps max -inf: subtract 0 so exp(-inf - -inf) never runs
+      const float shift = new_max == -INFINITY ? 0.f : new_max;
+      // Difference first, so an unchanged max rescales by exactly 1. exp2f(m L - round(m L))
+      // (one FFMA) is 2^delta with delta up to half an ulp of m L: applied once per key tile
+      // it weights early and late tiles apart, 0.6% over 64 tiles at a row max of -1e4.
+      const float rescale = exp2f((row_max[mt][r] - shift) * LOG2E);
+      const float base = shift * LOG2E;  // P = exp2(S L - base): the same base for every P of the tile
+      row_max[mt][r] = new_max;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < N8; ++n) {
+        s[mt][n][2 * r] = exp2f(fmaf(s[mt][n][2 * r], LOG2E, -base));
+        s[mt][n][2 * r + 1] = exp2f(fmaf(s[mt][n][2 * r + 1], LOG2E, -base));
+        sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+      }
+      row_sum[mt][r] = row_sum[mt][r] * rescale + sum;
+#pragma unroll
+      for (int d = 0; d < BLOCK_D / 8; ++d) {
+        acc[mt][d][2 * r] *= rescale;
+        acc[mt][d][2 * r + 1] *= rescale;
+      }
+    }
+  }
+}
+
+// out = acc / l, lse = m + log l for this warp's rows; rows with l == 0 saw no allowed key (dead
+// rows: out 0, lse -inf).
+template <int MT>
+__device__ __forceinline__ void store_rows(const FwdParams& p, const HeadSlices& at, const float (&acc)[MT][BLOCK_D / 8][4],
+                                           const float (&row_max)[MT][2], const float (&row_sum)[MT][2], int warp_row0,
+                                           int g, int t) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = row_sum[mt][r];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      const int row = warp_row0 + mt * 16 + r * 8 + g;
+      if (row >= p.in.seqlen_q) continue;
+      const bool dead = sum == 0.f;
+      const float inverse = dead ? 0.f : 1.f / sum;
+      elem_t* out = p.out + at.batch * p.out_stride[0] + row * p.out_stride[1] + at.head * p.out_stride[2];
+#pragma unroll
+      for (int d = 0; d < BLOCK_D / 8; ++d) {
+        const int col = d * 8 + 2 * t;
+        if (col < HEAD_DIM)  // HEAD_DIM is a multiple of 8: the pair is in or out together
+          store_pair(out + col, acc[mt][d][2 * r] * inverse, acc[mt][d][2 * r + 1] * inverse);
+      }
+      if (t == 0)
+        p.lse[at.batch * p.lse_stride[0] + at.head * p.lse_stride[1] + row * p.lse_stride[2]] =
+            dead ? -INFINITY : row_max[mt][r] + logf(sum);
+    }
+  }
+}
