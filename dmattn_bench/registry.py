@@ -241,8 +241,8 @@ CUDA_DEFAULTS = (
 # Head dim 128 runs the warp-specialized forward (launch.warp_specialized: a head dim padded to
 # 128; 72-120 keep the class before): H200, the bench's W1-W3 forward (bf16 B2 H16 L4096 D128
 # causal; `python3 benchmarks/cuda/ws_probe.py`, 2026-11-26), 128x128 w12 s2 against 128x128 w8:
-# W3 0.290 / 0.392 ms, W1 (full mask and bias) 0.522 / 1.568, W2 (kv-head mask, per-key bias)
-# 0.408 / 1.071.
+# W3 0.290 / 0.380 ms, W1 (full mask and bias) 0.522 / 1.537, W2 (kv-head mask, per-key bias)
+# 0.417 / 1.080.
 CUDA_SM90_DEFAULTS = (
     (64, (FwdConfig(64, 128, 4, 2), FwdConfig(64, 64, 4, 2)),
      (BwdConfig(128, 64, 64, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2))),

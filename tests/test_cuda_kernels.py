@@ -145,6 +145,45 @@ def test_the_staged_ring_takes_what_is_left_beside_q_and_the_k_and_v_rings():
         assert launch.forward_shared_bytes(config, 128, "sm90") <= launch.SM90_SHARED_BYTES - launch.WS_STATIC_BYTES
 
 
+def test_a_forward_signature_is_checked_and_planned_once(monkeypatch):
+    """The launcher's checks, variant and launch geometry depend on the tensors' layouts only:
+    built on a signature's first call, reused by the next (a call then fills pointers and maps)."""
+    built = []
+
+    class Recorder:
+        def __init__(self, source, device, flags):
+            built.append(flags)
+            self.source, self.flags = source, flags
+
+    monkeypatch.setattr(launch, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(launch, "_Launcher", Recorder)
+    launch._forward_launch.cache_clear()
+    cuda = torch.device("cuda", 0)
+
+    def layout(shape, dtype=torch.bfloat16, aligned=True):
+        return tuple(shape), torch.empty(shape, dtype=dtype, device="meta").stride(), dtype, cuda, aligned
+
+    q, k = layout((2, 256, 4, 128)), layout((2, 256, 1, 128))
+    padding, per_key = layout((2, 1, 1, 256), torch.bool), layout((2, 4, 1, 256))
+    config = FwdConfig(128, 128, 12, 2)
+    plan = launch._forward_launch((q, k, k, padding, per_key, q), True, 0.0, config)
+    assert launch._forward_launch((q, k, k, padding, per_key, q), True, 0.0, config) is plan and len(built) == 1
+    assert plan.name == b"dmattn_fwd_ws_kernel" and plan.grid == (8, 2)
+    assert [(field, rows, line, swizzle) for field, _, _, rows, line, swizzle in plan.maps] == [
+        ("q_map", 128, 128, 128), ("k_map", 128, 128, 128), ("v_map", 128, 128, 128),
+        ("mask_map", 1, 128, 0), ("bias_map", 1, 256, 0)]  # one unswizzled row of keys each
+    assert plan.shared == launch.forward_shared_bytes(config, 128, "sm90", launch.TILES_OF_KEYS, launch.TILES_OF_KEYS)
+    with pytest.raises(ValueError, match="out: the cuda backend needs rows on 16-byte boundaries"):
+        launch._forward_launch((q, k, k, None, None, layout((2, 256, 4, 128), aligned=False)), True, 0.0, config)
+    # a mask whose data starts off a 16-byte boundary is read from global memory, not staged
+    assert launch._forward_launch((q, k, k, layout((2, 1, 1, 256), torch.bool, aligned=False), None, q), True,
+                                  0.0, config).maps[3:] == ()
+    monkeypatch.setattr(launch, "arch_of", lambda device: "sm80")
+    with pytest.raises(ValueError, match=r"config: 128 rows on 12 warps .* sm90 only \(here: sm80\)"):
+        launch._forward_launch((q, k, k, None, None, q), True, 0.0, config)
+    launch._forward_launch.cache_clear()
+
+
 @needs_nvcc
 def test_a_build_failure_names_nvcc_s_error(cubin_cache):
     with pytest.raises(build.CudaBuildError, match=r"common.cuh\(\d+\): error: identifier \"HEAD_DIM\" is undefined"):

@@ -1,7 +1,8 @@
 """The SM90 warp-specialized CUDA forward (flash_fwd_ws.cu) on the GPU: the adversarial suite
 (forward alone) through its configs at head dims 64 and 128 in bf16 and fp16, then the bench's
 W1-W3 forward (`configs/workloads/peers.yaml`, no gradient) against the Triton forward the
-runtime picks, the CUDA wgmma forward and SDPA, GPU time (`timing.time_kernel`, L2 flushed).
+runtime picks, the CUDA wgmma forward and SDPA, GPU time (`timing.time_kernel`, L2 flushed) and
+the host's time to enqueue a call (`host_probe.host_us`: warm, behind a GPU spin).
 
     python3 benchmarks/cuda/ws_probe.py [--suite quick|full] [--configs 128x128w12s2,...]
 
@@ -10,6 +11,7 @@ Prints one markdown table (stdout); progress to stderr."""
 import argparse
 import sys
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -24,6 +26,9 @@ from dmattn_bench.space import FwdConfig
 from dmattn_bench.timing import time_kernel
 from dmattn_bench.validator import check_case, config_tiles
 from dmattn_kernels.cuda import build, launch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from host_probe import host_us  # noqa: E402 (benchmarks/host_probe.py)
 
 
 def parse_config(text: str) -> FwdConfig:
@@ -111,12 +116,13 @@ def main():
                     out = out.transpose(1, 2)
                 diff = (out.float() - reference.float()).abs().max().item()
                 ms = time_kernel(call, device, repeats=30).median_ms
-                rows.append((pw.name, name, f"{ms:.3f}", f"{flops / ms / 1e9:.0f}", f"{diff:.2e}"))
+                rows.append((pw.name, name, f"{ms:.3f}", f"{host_us(call, 20):.1f}", f"{flops / ms / 1e9:.0f}",
+                             f"{diff:.2e}"))
             except Exception as exc:  # a failed variant is a row, not the end of the probe
-                rows.append((pw.name, name, "error", str(exc).splitlines()[0][:120], "-"))
+                rows.append((pw.name, name, "error", "-", str(exc).splitlines()[0][:120], "-"))
             print(rows[-1], file=sys.stderr, flush=True)
     print("\n".join(lines))
-    print("\n| workload | kernel | GPU ms | TFLOP/s | max diff vs triton |\n|---|---|---|---|---|")
+    print("\n| workload | kernel | GPU ms | host us | TFLOP/s | max diff vs triton |\n|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import triton
@@ -54,6 +55,7 @@ _CU_TENSOR_MAP_DATA_TYPE = {torch.uint8: 0, torch.float16: 6, torch.bfloat16: 9}
 _CU_TENSOR_MAP_SWIZZLE = {0: 0, 64: 2, 128: 3}  # by the bytes of a swizzled line (0: none)
 _CU_TENSOR_MAP_L2_PROMOTION_256B = 3
 _TMA_LINE = 128  # bytes of a box's row: one swizzled line (flash_fwd_ws.cu)
+_TENSOR_MAP_CACHE = 256  # encoded maps kept by (address, dims, strides, box)
 SM90_SHARED_BYTES = 232448  # opt-in shared memory per block on H100 and H200
 # Static shared memory of the warp-specialized forward beside its dynamic tiles: its barriers and
 # what ptxas reserves (cuobjdump -res-usage: 1088-1104 bytes), with room to spare
@@ -123,6 +125,7 @@ class _Driver:
         self.lib = ctypes.CDLL("libcuda.so.1")
         self.modules: dict[tuple[int, str], ctypes.c_void_p] = {}
         self.functions: dict[tuple[int, str, bytes], tuple[ctypes.c_void_p, int]] = {}
+        self.tensor_maps: dict[tuple, _TensorMap] = {}
         self.lock = threading.Lock()
 
     def check(self, result: int, what: str) -> None:
@@ -167,7 +170,19 @@ class _Driver:
                    swizzle: int) -> _TensorMap:
         """A TMA map of the 4-D tensor `t` with its dims taken in `order` (fastest first; the
         first is contiguous), whose boxes are `line` bytes by `box_rows` rows of one slice of the
-        last two, in the swizzle of `swizzle`-byte lines (0: none)."""
+        last two, in the swizzle of `swizzle`-byte lines (0: none). A map holds only the address,
+        dims and strides it was made of, so one made for the same ones is reused (a loop that
+        gets its freed buffers back encodes none)."""
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, order, box_rows, line, swizzle)
+        tensor_map = self.tensor_maps.get(key)
+        if tensor_map is None:
+            if len(self.tensor_maps) >= _TENSOR_MAP_CACHE:
+                self.tensor_maps.clear()
+            tensor_map = self.tensor_maps[key] = self._encode(t, order, box_rows, line, swizzle)
+        return tensor_map
+
+    def _encode(self, t: torch.Tensor, order: tuple[int, int, int, int], box_rows: int, line: int,
+                swizzle: int) -> _TensorMap:
         size = t.element_size()
         dims = (ctypes.c_uint64 * 4)(*(t.shape[i] for i in order))
         # a size-1 dim is only ever at coordinate 0: any stride the driver accepts will do
@@ -406,11 +421,18 @@ def staged_tiles(t: torch.Tensor | None, seqlen_q: int) -> int:
     (query, key) tiles (TILES_OF_ROWS), one row of keys per tile (TILES_OF_KEYS: no query dim),
     or not at all (NOT_STAGED: no operand, a broadcast key dim, keys not contiguous, or rows and
     slices off 16-byte boundaries)."""
-    if t is None or t.shape[2] not in (1, seqlen_q) or t.shape[3] == 1 or t.stride(3) != 1 or t.data_ptr() % 16:
+    if t is None or t.data_ptr() % 16:
         return NOT_STAGED
-    if not all(t.shape[i] == 1 or (t.stride(i) > 0 and t.stride(i) * t.element_size() % 16 == 0) for i in range(3)):
+    return _staged_layout(tuple(t.shape), t.stride(), t.element_size(), seqlen_q)
+
+
+def _staged_layout(shape: tuple, stride: tuple, itemsize: int, seqlen_q: int) -> int:
+    """`staged_tiles` of an operand whose data starts on a 16-byte boundary."""
+    if shape[2] not in (1, seqlen_q) or shape[3] == 1 or stride[3] != 1:
         return NOT_STAGED
-    return TILES_OF_KEYS if t.shape[2] == 1 else TILES_OF_ROWS
+    if not all(shape[i] == 1 or (stride[i] > 0 and stride[i] * itemsize % 16 == 0) for i in range(3)):
+        return NOT_STAGED
+    return TILES_OF_KEYS if shape[2] == 1 else TILES_OF_ROWS
 
 
 def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
@@ -472,54 +494,100 @@ class _Launcher:
                           torch.cuda.current_stream(self.device).cuda_stream, params)
 
 
-def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
-                      config: FwdConfig, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    _check_tensor(q)
+class _ForwardLaunch(NamedTuple):
+    """What every forward call of one signature launches (`_forward_launch`)."""
+
+    launcher: _Launcher
+    name: bytes
+    grid: tuple[int, int]
+    shared: int
+    # the warp-specialized forward's tensor maps: (_WsParams field, operand: 0 q, 1 k, 2 v, 3
+    # mask, 4 bias; dims order, box rows, box line bytes, swizzle)
+    maps: tuple[tuple[str, int, tuple[int, int, int, int], int, int, int], ...]
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """What of a tensor decides a forward's checks, variant and launch: all but its data (and
+    whether that starts on a 16-byte boundary, as cp.async and TMA need)."""
+    if t is None:
+        return None
+    return tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+
+
+@lru_cache(maxsize=256)
+def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig) -> _ForwardLaunch:
+    """The checks, variant, cubin and launch geometry of a forward signature, done once: a call
+    then only fills its pointers (and its tensor maps) and launches."""
+    (q_shape, _, dtype, device, _), k_layout, _, mask_layout, bias_layout, _ = layouts
+    batch, seqlen_q, num_heads, head_dim = q_shape
+    as_meta = [None if layout is None else torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
+               for layout in layouts]
+    q, k, _, mask, bias, _ = as_meta
+    if device.type != "cuda":
+        raise ValueError(f"query: the cuda backend runs on CUDA tensors, got device {device}")
+    _element(dtype)
     _check_call(config, q, k, mask, bias, is_causal, softcap, False)
-    for name, t in (("query", q), ("key", k), ("value", v), ("out", out)):
-        _check_aligned(name, t)
-    arch = arch_of(q.device)
+    for name, layout in zip(("query", "key", "value", None, None, "out"), layouts):
+        if name is not None and (not layout[4] or any(stride % 8 for stride in layout[1][:3])):
+            raise ValueError(f"{name}: the cuda backend needs rows on 16-byte boundaries, got strides {layout[1]}"
+                             f"{'' if layout[4] else ' at an offset off 16 bytes'}")
+    arch = arch_of(device)
     reason = arch_reason(config, head_dim, arch)
     if reason:
         raise ValueError(f"config: {reason}")
     source = forward_kernel(config, head_dim, arch)
     if mask is not None and mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)  # same itemsize: a reinterpretation, not a copy
-    flags = variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None, arch=arch,
-                    is_causal=is_causal, has_mask=mask is not None, softcap=softcap,
-                    mask_tiles=staged_tiles(mask, seqlen_q), bias_tiles=staged_tiles(bias, seqlen_q))
-    launcher = _Launcher(source, q.device, flags)
+        mask = mask.view(torch.uint8)
+
+    def tiles(t, layout):  # `staged_tiles`, with the data's alignment from the signature
+        if layout is None or not layout[4]:
+            return NOT_STAGED
+        return _staged_layout(tuple(t.shape), t.stride(), t.element_size(), seqlen_q)
+
+    mask_tiles, bias_tiles = tiles(mask, mask_layout), tiles(bias, bias_layout)
+    flags = variant(config, head_dim, dtype, None if bias is None else bias.dtype, arch=arch, is_causal=is_causal,
+                    has_mask=mask is not None, softcap=softcap, mask_tiles=mask_tiles, bias_tiles=bias_tiles)
+    launcher = _Launcher(source, device, flags)
+    grid = (batch * num_heads, triton.cdiv(seqlen_q, config.block_m))
+    if source != "fwd_ws":
+        return _ForwardLaunch(launcher, b"dmattn_fwd_kernel", grid, forward_shared_bytes(config, head_dim, arch), ())
+    staged = {name: int(flag.partition("=")[2]) for flag in flags for name in ("MASK_TILES", "BIAS_TILES")
+              if flag.startswith(f"-D{name}=")}
+    rows_of, keys_of = (3, 1, 2, 0), (3, 2, 1, 0)  # (B, L, H, D) as (D, L, H, B); (B, H, Lq, Lk) as (Lk, Lq, H, B)
+    maps = [("q_map", 0, rows_of, config.block_m, _TMA_LINE, _TMA_LINE),
+            ("k_map", 1, rows_of, config.block_n, _TMA_LINE, _TMA_LINE),
+            ("v_map", 2, rows_of, config.block_n, _TMA_LINE, _TMA_LINE)]
+    # a mask box is block_n bytes wide, a bias box of rows one 128-byte line; a single row of keys
+    # is one box, not swizzled
+    if staged["MASK_TILES"] == TILES_OF_ROWS:
+        maps.append(("mask_map", 3, keys_of, config.block_m, min(config.block_n, _TMA_LINE), min(config.block_n, _TMA_LINE)))
+    elif staged["MASK_TILES"] == TILES_OF_KEYS:
+        maps.append(("mask_map", 3, keys_of, 1, min(config.block_n, _TMA_LINE), 0))
+    if staged["BIAS_TILES"] == TILES_OF_ROWS:
+        maps.append(("bias_map", 4, keys_of, config.block_m, _TMA_LINE, _TMA_LINE))
+    elif staged["BIAS_TILES"] == TILES_OF_KEYS:
+        maps.append(("bias_map", 4, keys_of, 1, config.block_n * bias.element_size(), 0))
+    shared = forward_shared_bytes(config, head_dim, arch, staged["MASK_TILES"], staged["BIAS_TILES"])
+    return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps))
+
+
+def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
+                      config: FwdConfig, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call."""
+    if q.device.type != "cuda":
+        raise ValueError(f"query: the cuda backend runs on CUDA tensors, got device {q.device}")
+    plan = _forward_launch(tuple(_layout(t) for t in (q, k, v, mask, bias, out)), is_causal, softcap, config)
     if is_compile_only():
         return
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)  # same itemsize: a reinterpretation, not a copy
     params = _FwdParams(_inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), lse.data_ptr(),
                         out.stride()[:3], lse.stride())
-    name = b"dmattn_fwd_kernel"
-    if source == "fwd_ws":
-        driver = _the_driver()
-        rows_of = (3, 1, 2, 0)  # (B, L, H, D) as (D, L, H, B)
-        maps = dict(q_map=driver.tensor_map(q, rows_of, config.block_m, _TMA_LINE, _TMA_LINE),
-                    k_map=driver.tensor_map(k, rows_of, config.block_n, _TMA_LINE, _TMA_LINE),
-                    v_map=driver.tensor_map(v, rows_of, config.block_n, _TMA_LINE, _TMA_LINE))
-        # (B, H, Lq, Lk) as (Lk, Lq, H, B): a mask box is block_n bytes wide, a bias box of rows
-        # one 128-byte line; a single row of keys is one box, not swizzled
-        staged = {name: int(flag.partition("=")[2]) for flag in flags for name in ("MASK_TILES", "BIAS_TILES")
-                  if flag.startswith(f"-D{name}=")}
-        if staged["MASK_TILES"]:
-            line = min(config.block_n, _TMA_LINE)
-            rows, swizzle = (config.block_m, line) if staged["MASK_TILES"] == TILES_OF_ROWS else (1, 0)
-            maps["mask_map"] = driver.tensor_map(mask, (3, 2, 1, 0), rows, line, swizzle)
-        if staged["BIAS_TILES"] == TILES_OF_ROWS:
-            maps["bias_map"] = driver.tensor_map(bias, (3, 2, 1, 0), config.block_m, _TMA_LINE, _TMA_LINE)
-        elif staged["BIAS_TILES"] == TILES_OF_KEYS:
-            maps["bias_map"] = driver.tensor_map(bias, (3, 2, 1, 0), 1, config.block_n * bias.element_size(), 0)
-        params = _WsParams(forward=params, **maps)
-        name = b"dmattn_fwd_ws_kernel"
-    shared = forward_shared_bytes(config, head_dim, arch)
-    if source == "fwd_ws":
-        shared = forward_shared_bytes(config, head_dim, arch, staged["MASK_TILES"], staged["BIAS_TILES"])
-    launcher(name, (batch * num_heads, triton.cdiv(seqlen_q, config.block_m)), config.num_warps, shared, params)
+    if plan.maps:
+        operands, driver = (q, k, v, mask, bias), _the_driver()
+        params = _WsParams(forward=params, **{field: driver.tensor_map(operands[index], order, rows, line, swizzle)
+                                              for field, index, order, rows, line, swizzle in plan.maps})
+    plan.launcher(plan.name, plan.grid, config.num_warps, plan.shared, params)
 
 
 def _dbias_layout(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int):
