@@ -160,8 +160,8 @@ def test_a_forward_signature_is_checked_and_planned_once(monkeypatch):
     launch._forward_launch.cache_clear()
     cuda = torch.device("cuda", 0)
 
-    def layout(shape, dtype=torch.bfloat16, aligned=True):
-        return tuple(shape), torch.empty(shape, dtype=dtype, device="meta").stride(), dtype, cuda, aligned
+    def layout(shape, dtype=torch.bfloat16, offset=0):  # `offset`: the data's address modulo 16
+        return tuple(shape), torch.empty(shape, dtype=dtype, device="meta").stride(), dtype, cuda, offset
 
     q, k = layout((2, 256, 4, 128)), layout((2, 256, 1, 128))
     padding, per_key = layout((2, 1, 1, 256), torch.bool), layout((2, 4, 1, 256))
@@ -173,10 +173,10 @@ def test_a_forward_signature_is_checked_and_planned_once(monkeypatch):
         ("q_map", 128, 128, 128), ("k_map", 128, 128, 128), ("v_map", 128, 128, 128),
         ("mask_map", 1, 128, 0), ("bias_map", 1, 256, 0)]  # one unswizzled row of keys each
     assert plan.shared == launch.forward_shared_bytes(config, 128, "sm90", launch.TILES_OF_KEYS, launch.TILES_OF_KEYS)
-    with pytest.raises(ValueError, match="out: the cuda backend needs rows on 16-byte boundaries"):
-        launch._forward_launch((q, k, k, None, None, layout((2, 256, 4, 128), aligned=False)), True, 0.0, config)
+    with pytest.raises(ValueError, match=r"out: the cuda backend needs rows on 16-byte boundaries, .* at offset 8"):
+        launch._forward_launch((q, k, k, None, None, layout((2, 256, 4, 128), offset=8)), True, 0.0, config)
     # a mask whose data starts off a 16-byte boundary is read from global memory, not staged
-    assert launch._forward_launch((q, k, k, layout((2, 1, 1, 256), torch.bool, aligned=False), None, q), True,
+    assert launch._forward_launch((q, k, k, layout((2, 1, 1, 256), torch.bool, offset=8), None, q), True,
                                   0.0, config).maps[3:] == ()
     monkeypatch.setattr(launch, "arch_of", lambda device: "sm80")
     with pytest.raises(ValueError, match=r"config: 128 rows on 12 warps .* sm90 only \(here: sm80\)"):

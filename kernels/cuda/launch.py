@@ -51,7 +51,7 @@ _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
 # cuTensorMapEncodeTiled's enums (cuda.h): element types, the 128-byte swizzle wgmma reads, L2
 # promotion of 256-byte lines, out-of-bounds elements filled with zeros
-_CU_TENSOR_MAP_DATA_TYPE = {torch.uint8: 0, torch.float16: 6, torch.bfloat16: 9}
+_CU_TENSOR_MAP_DATA_TYPE = {torch.bool: 0, torch.uint8: 0, torch.float16: 6, torch.bfloat16: 9}
 _CU_TENSOR_MAP_SWIZZLE = {0: 0, 64: 2, 128: 3}  # by the bytes of a swizzled line (0: none)
 _CU_TENSOR_MAP_L2_PROMOTION_256B = 3
 _TMA_LINE = 128  # bytes of a box's row: one swizzled line (flash_fwd_ws.cu)
@@ -374,10 +374,15 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
 
 
 def _check_aligned(name: str, t: torch.Tensor) -> None:
-    # cp.async moves 16-byte chunks: each row of the head dim must start on a 16-byte boundary
-    if t.data_ptr() % 16 or any(stride % 8 for stride in t.stride()[:3]):
+    _check_rows(name, t.stride(), t.data_ptr() % 16)
+
+
+def _check_rows(name: str, stride: tuple[int, ...], offset: int) -> None:
+    # cp.async and TMA move 16-byte chunks: each row of the head dim must start on a 16-byte
+    # boundary (`offset`: the data's address modulo 16)
+    if offset or any(s % 8 for s in stride[:3]):
         raise ValueError(f"{name}: the cuda backend needs rows on 16-byte boundaries, got strides "
-                         f"{tuple(t.stride())} at offset {t.data_ptr() % 16}")
+                         f"{tuple(stride)} at offset {offset}")
 
 
 def _element(dtype: torch.dtype) -> str:
@@ -405,15 +410,22 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
     operands allow (`mask_tiles`, `bias_tiles`: `staged_tiles`)."""
     own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n)
     if warp_specialized(config, head_dim, arch):
-        mask_tiles = mask_tiles if has_mask else NOT_STAGED
-        bias_tiles = bias_tiles if bias_dtype in (torch.float16, torch.bfloat16) else NOT_STAGED
-        stages = score_stages(config, head_dim, mask_tiles, bias_tiles)
-        own.update(WGMMA=True, SCORE_STAGES=stages, MASK_TILES=mask_tiles if stages else NOT_STAGED,
-                   BIAS_TILES=bias_tiles if stages else NOT_STAGED)
+        stages, mask_tiles, bias_tiles = _staging(config, head_dim, has_mask, bias_dtype, mask_tiles, bias_tiles)
+        own.update(WGMMA=True, SCORE_STAGES=stages, MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles)
     else:
         own.update(WGMMA=uses_wgmma(config, head_dim, arch))
     return defines(_element(dtype), head_dim, config.num_warps, config.num_stages,
                    **_features(bias_dtype, is_causal, has_mask, softcap), **own)
+
+
+def _staging(config: FwdConfig, head_dim: int, has_mask: bool, bias_dtype: torch.dtype | None, mask_tiles: int,
+             bias_tiles: int) -> tuple[int, int, int]:
+    """(score ring slots, MASK_TILES, BIAS_TILES) of a warp-specialized call whose operands allow
+    `mask_tiles` and `bias_tiles`: only a 16-bit bias is staged, and nothing where no slot fits."""
+    mask_tiles = mask_tiles if has_mask else NOT_STAGED
+    bias_tiles = bias_tiles if bias_dtype in (torch.float16, torch.bfloat16) else NOT_STAGED
+    stages = score_stages(config, head_dim, mask_tiles, bias_tiles)
+    return (stages, mask_tiles, bias_tiles) if stages else (0, NOT_STAGED, NOT_STAGED)
 
 
 def staged_tiles(t: torch.Tensor | None, seqlen_q: int) -> int:
@@ -508,79 +520,70 @@ class _ForwardLaunch(NamedTuple):
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
     """What of a tensor decides a forward's checks, variant and launch: all but its data (and
-    whether that starts on a 16-byte boundary, as cp.async and TMA need)."""
+    its address modulo 16: cp.async and TMA need 16-byte boundaries)."""
     if t is None:
         return None
-    return tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+    return tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16
 
 
 @lru_cache(maxsize=256)
 def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig) -> _ForwardLaunch:
     """The checks, variant, cubin and launch geometry of a forward signature, done once: a call
     then only fills its pointers (and its tensor maps) and launches."""
-    (q_shape, _, dtype, device, _), k_layout, _, mask_layout, bias_layout, _ = layouts
+    (q_shape, _, dtype, device, _), _, _, mask_layout, bias_layout, _ = layouts
     batch, seqlen_q, num_heads, head_dim = q_shape
-    as_meta = [None if layout is None else torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
-               for layout in layouts]
-    q, k, _, mask, bias, _ = as_meta
-    if device.type != "cuda":
-        raise ValueError(f"query: the cuda backend runs on CUDA tensors, got device {device}")
-    _element(dtype)
+    q, k, _, mask, bias, _ = [
+        None if layout is None else torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
+        for layout in layouts]
     _check_call(config, q, k, mask, bias, is_causal, softcap, False)
     for name, layout in zip(("query", "key", "value", None, None, "out"), layouts):
-        if name is not None and (not layout[4] or any(stride % 8 for stride in layout[1][:3])):
-            raise ValueError(f"{name}: the cuda backend needs rows on 16-byte boundaries, got strides {layout[1]}"
-                             f"{'' if layout[4] else ' at an offset off 16 bytes'}")
+        if name is not None:
+            _check_rows(name, layout[1], layout[4])
     arch = arch_of(device)
     reason = arch_reason(config, head_dim, arch)
     if reason:
         raise ValueError(f"config: {reason}")
     source = forward_kernel(config, head_dim, arch)
-    if mask is not None and mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
 
-    def tiles(t, layout):  # `staged_tiles`, with the data's alignment from the signature
-        if layout is None or not layout[4]:
+    def tiles(t, layout):  # `staged_tiles`, with the data's address from the signature
+        if layout is None or layout[4]:
             return NOT_STAGED
-        return _staged_layout(tuple(t.shape), t.stride(), t.element_size(), seqlen_q)
+        return _staged_layout(layout[0], layout[1], t.element_size(), seqlen_q)
 
+    bias_dtype = None if bias is None else bias.dtype
     mask_tiles, bias_tiles = tiles(mask, mask_layout), tiles(bias, bias_layout)
-    flags = variant(config, head_dim, dtype, None if bias is None else bias.dtype, arch=arch, is_causal=is_causal,
-                    has_mask=mask is not None, softcap=softcap, mask_tiles=mask_tiles, bias_tiles=bias_tiles)
+    flags = variant(config, head_dim, dtype, bias_dtype, arch=arch, is_causal=is_causal, has_mask=mask is not None,
+                    softcap=softcap, mask_tiles=mask_tiles, bias_tiles=bias_tiles)
     launcher = _Launcher(source, device, flags)
     grid = (batch * num_heads, triton.cdiv(seqlen_q, config.block_m))
     if source != "fwd_ws":
         return _ForwardLaunch(launcher, b"dmattn_fwd_kernel", grid, forward_shared_bytes(config, head_dim, arch), ())
-    staged = {name: int(flag.partition("=")[2]) for flag in flags for name in ("MASK_TILES", "BIAS_TILES")
-              if flag.startswith(f"-D{name}=")}
+    _, mask_tiles, bias_tiles = _staging(config, head_dim, mask is not None, bias_dtype, mask_tiles, bias_tiles)
     rows_of, keys_of = (3, 1, 2, 0), (3, 2, 1, 0)  # (B, L, H, D) as (D, L, H, B); (B, H, Lq, Lk) as (Lk, Lq, H, B)
     maps = [("q_map", 0, rows_of, config.block_m, _TMA_LINE, _TMA_LINE),
             ("k_map", 1, rows_of, config.block_n, _TMA_LINE, _TMA_LINE),
             ("v_map", 2, rows_of, config.block_n, _TMA_LINE, _TMA_LINE)]
     # a mask box is block_n bytes wide, a bias box of rows one 128-byte line; a single row of keys
     # is one box, not swizzled
-    if staged["MASK_TILES"] == TILES_OF_ROWS:
+    if mask_tiles == TILES_OF_ROWS:
         maps.append(("mask_map", 3, keys_of, config.block_m, min(config.block_n, _TMA_LINE), min(config.block_n, _TMA_LINE)))
-    elif staged["MASK_TILES"] == TILES_OF_KEYS:
+    elif mask_tiles == TILES_OF_KEYS:
         maps.append(("mask_map", 3, keys_of, 1, min(config.block_n, _TMA_LINE), 0))
-    if staged["BIAS_TILES"] == TILES_OF_ROWS:
+    if bias_tiles == TILES_OF_ROWS:
         maps.append(("bias_map", 4, keys_of, config.block_m, _TMA_LINE, _TMA_LINE))
-    elif staged["BIAS_TILES"] == TILES_OF_KEYS:
+    elif bias_tiles == TILES_OF_KEYS:
         maps.append(("bias_map", 4, keys_of, 1, config.block_n * bias.element_size(), 0))
-    shared = forward_shared_bytes(config, head_dim, arch, staged["MASK_TILES"], staged["BIAS_TILES"])
+    shared = forward_shared_bytes(config, head_dim, arch, mask_tiles, bias_tiles)
     return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps))
 
 
 def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                       config: FwdConfig, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call."""
-    if q.device.type != "cuda":
-        raise ValueError(f"query: the cuda backend runs on CUDA tensors, got device {q.device}")
+    _check_tensor(q)
     plan = _forward_launch(tuple(_layout(t) for t in (q, k, v, mask, bias, out)), is_causal, softcap, config)
     if is_compile_only():
         return
-    if mask is not None and mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)  # same itemsize: a reinterpretation, not a copy
     params = _FwdParams(_inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), lse.data_ptr(),
                         out.stride()[:3], lse.stride())
     if plan.maps:
