@@ -5,6 +5,10 @@ runtime picks, the CUDA wgmma forward and SDPA, GPU time (`timing.time_kernel`, 
 the host's time to enqueue a call (`host_probe.host_us`: warm, behind a GPU spin).
 
     python3 benchmarks/cuda/ws_probe.py [--suite quick|full] [--configs 128x128w12s2,...]
+        [--score-stages 2,4]
+
+`--score-stages` times each config once per cap on its ring of staged mask and bias tiles
+(`launch.MAX_SCORE_STAGES`; the kernel gets as many slots as fit, up to the cap).
 
 Prints one markdown table (stdout); progress to stderr."""
 
@@ -60,6 +64,35 @@ def prebuild(configs, level: str) -> None:
         list(pool.map(lambda job: build.build(job[0], arch, job[1]), sorted(jobs)))
 
 
+def prebuild_timed(workloads, configs, caps) -> None:
+    """nvcc builds the variants the timed calls run, in parallel: each workload's operands under
+    each config and score ring cap."""
+    arch = launch.arch_of(torch.device("cuda"))
+    jobs = set()
+    for x in workloads:
+        for cap in caps:
+            launch.MAX_SCORE_STAGES = cap
+            for config in configs:
+                bias_dtype = None if x.bias is None else x.bias.dtype
+                flags = launch.variant(config, x.q.shape[-1], x.q.dtype, bias_dtype, arch=arch,
+                                       is_causal=x.is_causal, has_mask=x.mask is not None, softcap=0.0,
+                                       mask_tiles=launch.staged_tiles(x.mask, x.q.shape[1]),
+                                       bias_tiles=launch.staged_tiles(x.bias, x.q.shape[1]))
+                jobs.add((launch.forward_kernel(config, x.q.shape[-1], arch), flags))
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda job: build.build(job[0], arch, job[1]), sorted(jobs)))
+
+
+def with_score_stages(cap: int, call):
+    """`call` with the staged ring capped at `cap` slots (the launch plans are rebuilt on a change)."""
+    def capped():
+        if launch.MAX_SCORE_STAGES != cap:
+            launch.MAX_SCORE_STAGES = cap
+            launch._forward_launch.cache_clear()
+        return call()
+    return capped
+
+
 def suite(configs, level: str) -> list[str]:
     cuda = get_backend("cuda")
     failures, runs = [], 0
@@ -81,26 +114,34 @@ def main():
     parser.add_argument("--suite", default="quick", choices=("none", "quick", "full"))
     parser.add_argument("--configs", default="128x128w12s2,128x64w12s2,64x128w8s2")
     parser.add_argument("--baseline", default="128x128w8s2", help="the CUDA wgmma forward's config")
+    parser.add_argument("--score-stages", default=str(launch.MAX_SCORE_STAGES),
+                        help="caps on the staged mask and bias ring to time each config at")
     args = parser.parse_args()
     device = torch.device("cuda")
     configs = [parse_config(c) for c in args.configs.split(",")]
+    caps = [int(c) for c in args.score_stages.split(",")]
+    default_cap = launch.MAX_SCORE_STAGES
     lines = [f"GPU: {torch.cuda.get_device_name()}"]
     if args.suite != "none":
         start = time.time()
         lines += suite(configs, args.suite)
         lines.append(f"suite took {time.time() - start:.0f} s")
     rows = []
-    for pw in load_peer_workloads("configs/workloads/peers.yaml"):
-        x = build_bench_inputs(pw, device)
+    peers = [(pw, build_bench_inputs(pw, device)) for pw in load_peer_workloads("configs/workloads/peers.yaml")]
+    prebuild_timed([x for _, x in peers], [parse_config(args.baseline)] + configs, caps)
+    launch.MAX_SCORE_STAGES = default_cap
+    for pw, x in peers:
         q, k, v, mask, bias = x.q, x.k, x.v, x.mask, x.bias.detach() if x.bias is not None else None
         flops = flops_needed(pw, "fwd")
         reference = flash_dmattn_func(q, k, v, mask, bias, is_causal=x.is_causal, backend="triton")
         calls = {"triton (runtime's pick)": lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=x.is_causal,
                                                                       backend="triton")}
         for config in [parse_config(args.baseline)] + configs:
-            calls[f"cuda {config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}"] = (
-                lambda c=config: flash_dmattn_func(q, k, v, mask, bias, is_causal=x.is_causal, backend="cuda",
-                                                   fwd_config=c))
+            for cap in caps if launch.warp_specialized(config, q.shape[-1], "sm90") else [default_cap]:
+                ring = f" ring<={cap}" if len(caps) > 1 else ""
+                calls[f"cuda {config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}{ring}"] = (
+                    with_score_stages(cap, lambda c=config: flash_dmattn_func(
+                        q, k, v, mask, bias, is_causal=x.is_causal, backend="cuda", fwd_config=c)))
         if mask is None and bias is None:
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             for name, sdpa in (("sdpa cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),

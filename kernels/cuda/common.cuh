@@ -22,11 +22,18 @@ typedef __nv_bfloat16 elem_t;
 typedef __nv_bfloat162 elem2_t;
 #define MMA_TYPE "bf16"
 __device__ __forceinline__ elem2_t pack2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+// A bf16 is an fp32's upper half: one shift or AND each (the intrinsics move the upper one down first)
+__device__ __forceinline__ float2 unpack2(uint32_t pair) {
+  return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+}
 #else
 typedef __half elem_t;
 typedef __half2 elem2_t;
 #define MMA_TYPE "f16"
 __device__ __forceinline__ elem2_t pack2(float a, float b) { return __floats2half2_rn(a, b); }
+__device__ __forceinline__ float2 unpack2(uint32_t pair) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&pair));
+}
 #endif
 
 #ifndef WGMMA
@@ -334,14 +341,15 @@ __device__ __forceinline__ ScoreRule score_rule(const Inputs& in, const HeadSlic
 }
 
 // The key tiles of KEYS keys that a query block walks (the forward and dQ kernels): the block
-// reaches tiles [0, block); every row of one warp's rows [warp_row0, warp_row0 + warp_rows) sees
-// every key of tiles [0, interior) (no mask, in bounds, causal), so only tiles from `interior`
-// on test positions. No row that issues the warp's products sees a key of tiles [reached, block)
-// (causal), so the warp skips them: under wgmma those rows are its warpgroup's 64 (all four
-// warps issue each product; blocks hold whole warpgroups, so the group starts on a multiple
-// of 64), else its own.
+// reaches tiles [0, block); every row of one warp's rows [warp_row0, warp_row0 + warp_rows)
+// reaches every key of tiles [0, inside) (in bounds and, when causal, at or left of the
+// diagonal), so only the mask decides there; it sees every key of tiles [0, interior) (`inside`
+// without a mask), so only tiles from `interior` on test positions. No row that issues the
+// warp's products sees a key of tiles [reached, block) (causal), so the warp skips them: under
+// wgmma those rows are its warpgroup's 64 (all four warps issue each product; blocks hold whole
+// warpgroups, so the group starts on a multiple of 64), else its own.
 struct KeyTiles {
-  int block, interior, reached;
+  int block, inside, interior, reached;
 };
 
 template <int KEYS>
@@ -353,7 +361,8 @@ __device__ __forceinline__ KeyTiles key_tiles(const ScoreRule& rule, int block_r
   if (IS_CAUSAL) interior_keys = min(interior_keys, max(0, warp_row0 + rule.offset + 1));
   KeyTiles tiles;
   tiles.block = (block_keys + KEYS - 1) / KEYS;
-  tiles.interior = HAS_MASK ? 0 : interior_keys / KEYS;
+  tiles.inside = interior_keys / KEYS;
+  tiles.interior = HAS_MASK ? 0 : tiles.inside;
 #if WGMMA
   const int issue_row_end = warp_row0 / GROUP_ROWS * GROUP_ROWS + GROUP_ROWS;
 #else

@@ -122,8 +122,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
         mma_abt(s, q_frag, k_tile, kk, lane);
       }
 #endif
-      const StagedScores none = {nullptr, nullptr, 0, 0};  // mask and bias read from global memory
-      if (j < tiles.interior)
+      const StagedScores none = {nullptr, nullptr, 0};  // mask and bias read from global memory
+      if (j < tiles.inside)
         scores<false, 0, 0>(s, rule, none, warp_row0, j * BLOCK_N, g, t);
       else
         scores<true, 0, 0>(s, rule, none, warp_row0, j * BLOCK_N, g, t);

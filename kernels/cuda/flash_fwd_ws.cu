@@ -183,14 +183,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
     wgmma_commit();
     wgmma_wait<0>();
     touch(s[0]);
-    StagedScores staged = {nullptr, nullptr, block_row0, j * BLOCK_N};
+    StagedScores staged = {nullptr, nullptr, block_row0};
     if (SCORE_TILES) {
       const unsigned char* tile = score_smem + score_slot * SCORE_SLOT_BYTES;
       staged.mask = tile;
       staged.bias = tile + MASK_SLOT_BYTES;
       barrier_wait(&score_full[score_slot], score_parity);
     }
-    if (j < tiles.interior)
+    if (j < tiles.inside)
       scores<false, MASK_ROWS, BIAS_ROWS>(s, rule, staged, warp_row0, j * BLOCK_N, g, t);
     else
       scores<true, MASK_ROWS, BIAS_ROWS>(s, rule, staged, warp_row0, j * BLOCK_N, g, t);

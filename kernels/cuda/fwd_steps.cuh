@@ -23,55 +23,71 @@ struct FwdParams {  // `dmattn_kernels.cuda.launch._FwdParams` mirrors it
 struct StagedScores {
   const unsigned char* mask;
   const unsigned char* bias;
-  int row0, col0;  // the tile's first query row and key
+  int row0;  // the tile's first query row (its first key is the one of S's tile)
 
-  // Byte `byte` of tile row `row` in a tile of ROWS lines of LINE bytes: the 16-byte chunk index
-  // XORed with address bits [7, 7 + log2(LINE / 16)), as TMA's swizzle writes it.
+  // Byte `byte` of tile row `row0 + r8` (row0 a multiple of 8, r8 < 8) in a tile of ROWS lines
+  // of LINE bytes (64 or 128): the 16-byte chunk index XORed with address bits [7, 7 +
+  // log2(LINE / 16)), as TMA's swizzle writes it, which for such a row depend on r8 alone.
   template <int ROWS, int LINE>
-  static __device__ __forceinline__ int offset(int row, int byte) {
+  static __device__ __forceinline__ int offset(int row0, int r8, int byte) {
+    static_assert(ROWS <= 1 || LINE == 64 || LINE == 128, "TMA swizzles 64- and 128-byte lines here");
     if (ROWS == 1) return byte;
-    const int in_line = row * LINE + byte % LINE;
-    return byte / LINE * ROWS * LINE + (in_line ^ (((in_line >> 7) & (LINE / 16 - 1)) << 4));
+    const int chunk_xor = (LINE == 128 ? r8 : r8 / 2) << 4;
+    return byte / LINE * ROWS * LINE + (row0 + r8) * LINE + ((byte % LINE) ^ chunk_xor);
   }
 };
 
-// S of one key tile -> scores, in place: -inf where excluded. CHECK == false is an interior
-// tile, where the caller knows every position is allowed: no bound, causal or mask test. The
-// mask and bias come from tiles of MASK_ROWS and BIAS_ROWS rows `staged` holds, or from global
-// memory (`rule`) where those are 0; each thread takes its two adjacent columns of a row at once.
-template <bool CHECK, int MASK_ROWS, int BIAS_ROWS, int MT, int N8>
+// S of one key tile -> scores, in place: -inf where excluded. REACH == false is a tile the
+// caller knows every row reaches (KeyTiles::inside): no bound or causal test, only the mask's.
+// The mask and bias come from tiles of MASK_ROWS and BIAS_ROWS rows `staged` holds, or from
+// global memory (`rule`) where those are 0. Each thread takes its two adjacent columns of a row
+// at once; a staged bias comes by ldmatrix, four such pairs (rows g and g + 8 of two n8 tiles)
+// an instruction, since its fragment is the accumulator's.
+template <bool REACH, int MASK_ROWS, int BIAS_ROWS, int MT, int N8>
 __device__ __forceinline__ void scores(float (&s)[MT][N8][4], const ScoreRule& rule, const StagedScores& staged,
                                        int warp_row0, int col0, int g, int t) {
+  static_assert(N8 % 2 == 0, "key tiles of whole 16-key steps");
   constexpr int MASK_LINE = N8 * 8 < 128 ? N8 * 8 : 128;
   constexpr int BIAS_LINE = 128;
+  const int lane = 4 * g + t;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
+    const int tile_row0 = warp_row0 + mt * 16 - staged.row0;  // in a staged tile: a multiple of 16
 #pragma unroll
-    for (int n = 0; n < N8; ++n) {
+    for (int n2 = 0; n2 < N8; n2 += 2) {
+      // matrix q of the ldmatrix: n8 tile n2 + q / 2, rows + 8 (q % 2); each lane names one 16-byte row
+      uint32_t bias_pairs[4] = {};
+      if (HAS_BIAS && BIAS_ROWS) {
+        const int q = lane / 8;
+        ldmatrix_x4(bias_pairs, reinterpret_cast<const elem_t*>(staged.bias + StagedScores::offset<BIAS_ROWS, BIAS_LINE>(
+                                                                                  tile_row0 + (q % 2) * 8, lane % 8,
+                                                                                  (n2 + q / 2) * 16)));
+      }
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = warp_row0 + mt * 16 + g + r * 8, col = col0 + n * 8 + 2 * t;
-        const int tile_row = row - staged.row0, tile_col = col - staged.col0;
-        uint16_t kept = 0x0101;  // a staged mask pair
-        if (HAS_MASK && CHECK && MASK_ROWS)
-          kept = *reinterpret_cast<const uint16_t*>(
-              staged.mask + StagedScores::offset<MASK_ROWS, MASK_LINE>(MASK_ROWS == 1 ? 0 : tile_row, tile_col));
-        elem2_t bias = {};  // a staged bias pair
-        if (HAS_BIAS && BIAS_ROWS)
-          bias = *reinterpret_cast<const elem2_t*>(
-              staged.bias + StagedScores::offset<BIAS_ROWS, BIAS_LINE>(BIAS_ROWS == 1 ? 0 : tile_row, 2 * tile_col));
+      for (int h = 0; h < 2; ++h) {
+        const int n = n2 + h;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          bool allowed = true;
-          if (CHECK)
-            allowed = HAS_MASK && !MASK_ROWS ? rule.visible(row, col + e)
-                                             : rule.reached(row, col + e) && ((kept >> (8 * e)) & 0xff);
-          const float capped = rule.capped(s[mt][n][2 * r + e]);
-          const float staged_bias = static_cast<float>(e == 0 ? bias.x : bias.y);
-          // the global bias is read only where allowed: excluded positions may lie outside it
-          s[mt][n][2 * r + e] = !allowed                ? -INFINITY
-                                : HAS_BIAS && BIAS_ROWS ? capped + staged_bias
-                                                        : rule.score(capped, row, col + e);
+        for (int r = 0; r < 2; ++r) {
+          const int row = warp_row0 + mt * 16 + g + r * 8, col = col0 + n * 8 + 2 * t;
+          uint16_t kept = 0x0101;  // a staged mask pair
+          if (HAS_MASK && MASK_ROWS)
+            kept = *reinterpret_cast<const uint16_t*>(
+                staged.mask + StagedScores::offset<MASK_ROWS, MASK_LINE>(tile_row0 + r * 8, g, n * 8 + 2 * t));
+          const float2 bias = unpack2(bias_pairs[2 * h + r]);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            bool allowed = !REACH || rule.reached(row, col + e);
+            // a mask in global memory is read only where reached: past the sequences it may not exist
+            if (HAS_MASK)
+              allowed = allowed && (MASK_ROWS ? ((kept >> (8 * e)) & 0xff) != 0
+                                              : rule.mask[row * rule.mask_row + (col + e) * rule.mask_col] != 0);
+            const float capped = rule.capped(s[mt][n][2 * r + e]);
+            const float staged_bias = e == 0 ? bias.x : bias.y;
+            // the global bias is read only where allowed: excluded positions may lie outside it
+            s[mt][n][2 * r + e] = !allowed                ? -INFINITY
+                                  : HAS_BIAS && BIAS_ROWS ? capped + staged_bias
+                                                          : rule.score(capped, row, col + e);
+          }
         }
       }
     }

@@ -62,6 +62,7 @@ SM90_SHARED_BYTES = 232448  # opt-in shared memory per block on H100 and H200
 WS_STATIC_BYTES = 2048
 # flash_fwd_ws.cu's MASK_TILES and BIAS_TILES: how a mask or bias reaches the scores
 NOT_STAGED, TILES_OF_ROWS, TILES_OF_KEYS = 0, 1, 2
+MAX_SCORE_STAGES = 2  # the deepest ring of staged mask and bias tiles (4: no faster, H100)
 
 class OutOfResources(RuntimeError):
     """The config needs more shared memory than this GPU gives a block (a trial's `unsupported`)."""
@@ -281,15 +282,15 @@ def score_slot_bytes(config: FwdConfig, mask_tiles: int, bias_tiles: int) -> int
 
 def score_stages(config: FwdConfig, head_dim: int, mask_tiles: int = TILES_OF_ROWS,
                  bias_tiles: int = TILES_OF_ROWS) -> int:
-    """Slots of the warp-specialized forward's ring of staged mask and bias tiles: two where they
-    fit beside Q and the K and V rings in an SM90 block's shared memory, else one, else none (the
-    mask and bias are then read from global memory). Tiles of 64 or 128 keys only: one or two
-    128-byte lines per bias row."""
+    """Slots of the warp-specialized forward's ring of staged mask and bias tiles: as many as fit
+    beside Q and the K and V rings in an SM90 block's shared memory, up to MAX_SCORE_STAGES, or
+    none (the mask and bias are then read from global memory). Tiles of 64 or 128 keys only: one
+    or two 128-byte lines per bias row."""
     slot = score_slot_bytes(config, mask_tiles, bias_tiles)
     if config.block_n not in (64, 128) or slot == 0:
         return 0
     base = _tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim, True)
-    for stages in (2, 1):
+    for stages in range(MAX_SCORE_STAGES, 0, -1):
         if base + stages * slot + WS_STATIC_BYTES <= SM90_SHARED_BYTES:
             return stages
     return 0
