@@ -60,6 +60,15 @@ constexpr float FP32_EPS = 1.1920928955078125e-07f;  // 2^-23: x * (1 + FP32_EPS
 // x moved up (towards +inf) by one to two ulps; +-inf and 0 unchanged, never NaN.
 __device__ __forceinline__ float above_by_an_ulp(float x) { return fmaxf(x * (1.f + FP32_EPS), x * (1.f - FP32_EPS)); }
 
+// 2^x on the SFU alone, results below 2^-126 flushed to 0: exp2f adds a range test and two
+// multiplies to keep those as subnormals, three instructions per probability. A probability is
+// at most 2^(an ulp) of its row's running max, so a flushed one is under 2^-126 of the row's sum.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // A compile-time flag as a value: `f(Flag<true>())` instantiates a generic lambda's body
 // for one case (C++17 has no lambda template parameters).
 template <bool B>

@@ -113,24 +113,28 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][N8][4], float (&ro
       const float new_max = fmaxf(row_max[mt][r], above_by_an_ulp(tile_max));
       // a row with nothing allowed yet keeps max -inf: subtract 0 so exp(-inf - -inf) never runs
       const float shift = new_max == -INFINITY ? 0.f : new_max;
-      // Difference first, so an unchanged max rescales by exactly 1. exp2f(m L - round(m L))
+      // Difference first, so an unchanged max rescales by exactly 1. exp2(m L - round(m L))
       // (one FFMA) is 2^delta with delta up to half an ulp of m L: applied once per key tile
       // it weights early and late tiles apart, 0.6% over 64 tiles at a row max of -1e4.
-      const float rescale = exp2f((row_max[mt][r] - shift) * LOG2E);
+      const float rescale = exp2_ftz((row_max[mt][r] - shift) * LOG2E);
       const float base = shift * LOG2E;  // P = exp2(S L - base): the same base for every P of the tile
       row_max[mt][r] = new_max;
       float sum = 0.f;
 #pragma unroll
       for (int n = 0; n < N8; ++n) {
-        s[mt][n][2 * r] = exp2f(fmaf(s[mt][n][2 * r], LOG2E, -base));
-        s[mt][n][2 * r + 1] = exp2f(fmaf(s[mt][n][2 * r + 1], LOG2E, -base));
+        s[mt][n][2 * r] = exp2_ftz(fmaf(s[mt][n][2 * r], LOG2E, -base));
+        s[mt][n][2 * r + 1] = exp2_ftz(fmaf(s[mt][n][2 * r + 1], LOG2E, -base));
         sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
       }
       row_sum[mt][r] = row_sum[mt][r] * rescale + sum;
+      // Once a row's max has settled (most later tiles) the rescale is 1 for the warp's rows:
+      // skip its multiplies then.
+      if (!__all_sync(0xffffffff, rescale == 1.f)) {
 #pragma unroll
-      for (int d = 0; d < BLOCK_D / 8; ++d) {
-        acc[mt][d][2 * r] *= rescale;
-        acc[mt][d][2 * r + 1] *= rescale;
+        for (int d = 0; d < BLOCK_D / 8; ++d) {
+          acc[mt][d][2 * r] *= rescale;
+          acc[mt][d][2 * r + 1] *= rescale;
+        }
       }
     }
   }
