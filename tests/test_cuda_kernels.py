@@ -86,6 +86,7 @@ def test_the_warp_specialized_forward_is_a_producer_warpgroup_beside_one_per_64_
     assert launch.warp_specialized(FwdConfig(128, 128, 12, 2), 128, "sm90")
     assert launch.warp_specialized(FwdConfig(64, 64, 8, 2), 64, "sm90")
     assert launch.warp_specialized(FwdConfig(128, 64, 12, 2), 120, "sm90")  # padded to 128
+    assert launch.warp_specialized(FwdConfig(192, 64, 16, 2), 128, "sm90")  # three consumers
     assert not launch.warp_specialized(FwdConfig(128, 128, 12, 2), 96, "sm90")  # not whole 128-byte lines
     assert not launch.warp_specialized(FwdConfig(128, 128, 12, 2), 128, "sm80")  # TMA and wgmma: Hopper
     assert not launch.warp_specialized(FwdConfig(128, 128, 8, 2), 128, "sm90")  # the wgmma forward's shape

@@ -101,9 +101,10 @@ def test_the_wgmma_forward_at_the_widest_head_dims(dtype, record_property):
 
 
 # The warp-specialized forward's configs (flash_fwd_ws.cu): 128-key tiles (a mask tile is one
-# 128-byte swizzled line per row, one slot of staged tiles beside 2-stage K and V rings) and
-# 64-key tiles (64-byte mask lines, two slots).
-WS_CONFIGS = {"fwd128x128w12s2": FwdConfig(128, 128, 12, 2), "fwd128x64w12s3": FwdConfig(128, 64, 12, 3)}
+# 128-byte swizzled line per row, one slot of staged tiles beside 2-stage K and V rings), 64-key
+# tiles (64-byte mask lines, two slots), and three consumer warpgroups.
+WS_CONFIGS = {"fwd128x128w12s2": FwdConfig(128, 128, 12, 2), "fwd128x64w12s3": FwdConfig(128, 64, 12, 3),
+              "fwd192x64w16s2": FwdConfig(192, 64, 16, 2)}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -35,9 +35,9 @@ INNER_CHOICES = (16, 32, 64, 128)  # the tiles a CTA walks: fwd block_n, bwd blo
 MAX_STAGES = 4
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 WGMMA_TILES = (32, 64, 128)  # inner tiles with an m64nN wgmma product (sm90.cuh: is_wgmma_width)
-# Query rows of a warp-specialized forward CTA: 64 per consumer warpgroup, one or two consumers
-# (plus the producer: 8 or 12 warps)
-WS_BLOCK_M = (64, 128)
+# Query rows of a warp-specialized forward CTA: 64 per consumer warpgroup, one to three consumers
+# (plus the producer: 8, 12 or 16 warps)
+WS_BLOCK_M = (64, 128, 192)
 WARPGROUP = 4  # warps that issue one wgmma together
 SWIZZLE_SLACK = 1024  # bytes a wgmma kernel may skip to align its tiles (sm90.cuh: SWIZZLE_ATOM)
 # Above it a dK/dV thread holds 2 x head_dim / 2 fp32 accumulators (192 or more registers) plus
