@@ -185,6 +185,22 @@ def test_a_forward_signature_is_checked_and_planned_once(monkeypatch):
     launch._forward_launch.cache_clear()
 
 
+@pytest.mark.parametrize("operands", ["none", "mask and bias"])
+def test_a_forward_call_fills_its_addresses_into_the_signature_s_parameters(operands):
+    """A call copies its signature's FwdParams (every address 0) and fills in its tensors'
+    addresses: the same bytes as building the structure from the tensors."""
+    q, k, v = torch.randn(2, 40, 4, 64), torch.randn(2, 48, 2, 64), torch.randn(2, 48, 2, 64)
+    mask = torch.rand(2, 2, 40, 48) > 0.5 if operands != "none" else None
+    bias = torch.randn(2, 1, 1, 48) if operands != "none" else None
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 40)
+    built = launch._FwdParams(launch._inputs(q, k, v, mask, bias, 0.125, 0.0), out.data_ptr(), lse.data_ptr(),
+                              out.stride()[:3], lse.stride())
+    layouts = tuple(launch._layout(t) for t in (q, k, v, mask, bias, out))
+    filled = launch._FwdParams.from_buffer_copy(launch._forward_template(layouts, 0.125, 0.0, lse.stride()))
+    launch._fill_addresses(filled, q, k, v, mask, bias, out, lse)
+    assert bytes(filled) == bytes(built) and filled.inputs.q == q.data_ptr() and filled.lse == lse.data_ptr()
+
+
 @needs_nvcc
 def test_a_build_failure_names_nvcc_s_error(cubin_cache):
     with pytest.raises(build.CudaBuildError, match=r"common.cuh\(\d+\): error: identifier \"HEAD_DIM\" is undefined"):

@@ -471,7 +471,11 @@ def _check_call(config, q, k, mask, bias, is_causal: bool, softcap: float, bias_
         raise ValueError(f"config: {reason}")
 
 
-def _inputs(q, k, v, mask, bias, softmax_scale: float, softcap: float) -> _Inputs:
+def _address(t: torch.Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def _inputs(q, k, v, mask, bias, softmax_scale: float, softcap: float, address=_address) -> _Inputs:
     num_heads = q.shape[2]
     group = num_heads // k.shape[2]
     if mask is not None and mask.dtype == torch.bool:
@@ -481,8 +485,7 @@ def _inputs(q, k, v, mask, bias, softmax_scale: float, softcap: float) -> _Input
         return group if t is not None and t.shape[1] not in (num_heads, 1) else 1
 
     return _Inputs(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr() if mask is not None else 0,
-        bias.data_ptr() if bias is not None else 0, q.stride()[:3], k.stride()[:3], v.stride()[:3],
+        address(q), address(k), address(v), address(mask), address(bias), q.stride()[:3], k.stride()[:3], v.stride()[:3],
         zero_size1_strides(mask), zero_size1_strides(bias), num_heads, q.shape[1], k.shape[1], group,
         head_divisor(mask), head_divisor(bias), softmax_scale, softcap if softcap > 0 else 1.0,
     )
@@ -501,10 +504,17 @@ class _Launcher:
             raise ValueError(f"{name.decode()}: needs {grid[1]} CTAs on grid y, over CUDA's limit of {MAX_GRID_Y} "
                              "(fewer heads x batch in the backward, or a shorter query in the forward)")
         driver = _the_driver()
-        with torch.cuda.device(self.device):  # the runtime makes the device's primary context current
-            function = driver.function(self.device, self.cubin, name, shared_bytes)
-            driver.launch(function, grid, 32 * num_warps, shared_bytes,
-                          torch.cuda.current_stream(self.device).cuda_stream, params)
+        if torch.cuda.current_device() == self.device:  # its primary context is current: no switch
+            self._launch(driver, name, grid, num_warps, shared_bytes, params)
+        else:
+            with torch.cuda.device(self.device):  # the runtime makes the device's primary context current
+                self._launch(driver, name, grid, num_warps, shared_bytes, params)
+
+    def _launch(self, driver: "_Driver", name: bytes, grid: tuple[int, int], num_warps: int, shared_bytes: int,
+                params) -> None:
+        function = driver.function(self.device, self.cubin, name, shared_bytes)
+        driver.launch(function, grid, 32 * num_warps, shared_bytes, torch._C._cuda_getCurrentRawStream(self.device),
+                      params)
 
 
 class _ForwardLaunch(NamedTuple):
@@ -578,15 +588,34 @@ def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: Fwd
     return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps))
 
 
+@lru_cache(maxsize=256)
+def _forward_template(layouts: tuple, softmax_scale: float, softcap: float, lse_stride: tuple) -> bytes:
+    """A forward signature's FwdParams with every address 0: a call copies it and fills in its
+    tensors' addresses (`_fill_addresses`) instead of building the structure field by field."""
+    q, k, v, mask, bias, out = [
+        None if layout is None else torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
+        for layout in layouts]
+    inputs = _inputs(q, k, v, mask, bias, softmax_scale, softcap, address=lambda t: 0)
+    return bytes(_FwdParams(inputs, 0, 0, out.stride()[:3], lse_stride))
+
+
+def _fill_addresses(params: _FwdParams, q, k, v, mask, bias, out, lse) -> None:
+    inputs = params.inputs
+    inputs.q, inputs.k, inputs.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    inputs.mask, inputs.bias = _address(mask), _address(bias)
+    params.out, params.lse = out.data_ptr(), lse.data_ptr()
+
+
 def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                       config: FwdConfig, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call."""
     _check_tensor(q)
-    plan = _forward_launch(tuple(_layout(t) for t in (q, k, v, mask, bias, out)), is_causal, softcap, config)
+    layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
+    plan = _forward_launch(layouts, is_causal, softcap, config)
     if is_compile_only():
         return
-    params = _FwdParams(_inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), lse.data_ptr(),
-                        out.stride()[:3], lse.stride())
+    params = _FwdParams.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse.stride()))
+    _fill_addresses(params, q, k, v, mask, bias, out, lse)
     if plan.maps:
         operands, driver = (q, k, v, mask, bias), _the_driver()
         params = _WsParams(forward=params, **{field: driver.tensor_map(operands[index], order, rows, line, swizzle)
