@@ -49,6 +49,12 @@ def suite_cases(config, level: str):
     return [replace(c, name=f"{c.name}@d{d}", head_dim=d) for d in (64, 128) for c in cases if c.head_dim <= d]
 
 
+def build_all(arch: str, jobs: set) -> None:
+    """nvcc builds the (source, flags) `jobs` for `arch` in parallel."""
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda job: build.build(job[0], arch, job[1]), sorted(jobs)))
+
+
 def prebuild(configs, level: str) -> None:
     """nvcc builds every variant the suite needs, in parallel (check_case would build them one by one)."""
     arch = launch.arch_of(torch.device("cuda"))
@@ -60,8 +66,7 @@ def prebuild(configs, level: str) -> None:
                 flags = launch.variant(config, case.head_dim, dtype, bias_dtype, arch=arch, is_causal=case.causal,
                                        has_mask=case.mask != "none", softcap=case.softcap)
                 jobs.add((launch.forward_kernel(config, case.head_dim, arch), flags))
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda job: build.build(job[0], arch, job[1]), sorted(jobs)))
+    build_all(arch, jobs)
 
 
 def prebuild_timed(workloads, configs, caps) -> None:
@@ -79,8 +84,7 @@ def prebuild_timed(workloads, configs, caps) -> None:
                                        mask_tiles=launch.staged_tiles(x.mask, x.q.shape[1]),
                                        bias_tiles=launch.staged_tiles(x.bias, x.q.shape[1]))
                 jobs.add((launch.forward_kernel(config, x.q.shape[-1], arch), flags))
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda job: build.build(job[0], arch, job[1]), sorted(jobs)))
+    build_all(arch, jobs)
 
 
 def with_score_stages(cap: int, call):

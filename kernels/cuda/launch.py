@@ -289,11 +289,16 @@ def score_stages(config: FwdConfig, head_dim: int, mask_tiles: int = TILES_OF_RO
     slot = score_slot_bytes(config, mask_tiles, bias_tiles)
     if config.block_n not in (64, 128) or slot == 0:
         return 0
-    base = _tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim, True)
+    base = _forward_tile_bytes(config, head_dim, True)
     for stages in range(MAX_SCORE_STAGES, 0, -1):
         if base + stages * slot + WS_STATIC_BYTES <= SM90_SHARED_BYTES:
             return stages
     return 0
+
+
+def _forward_tile_bytes(config: FwdConfig, head_dim: int, wgmma: bool) -> int:
+    """Shared bytes of the forward's Q tile and its K and V rings."""
+    return _tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim, wgmma)
 
 
 def _tile_bytes(rows: int, head_dim: int, wgmma: bool) -> int:
@@ -314,11 +319,9 @@ def forward_shared_bytes(config: FwdConfig, head_dim: int, arch: str | None = No
     32-key tiles) it bounds the wgmma layout's too.
     """
     if warp_specialized(config, head_dim, arch):  # and its ring of mask and bias tiles
-        return (_tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim, True)
-                + score_stages(config, head_dim, mask_tiles, bias_tiles)
-                * score_slot_bytes(config, mask_tiles, bias_tiles))
-    return _tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim,
-                       uses_wgmma(config, head_dim, arch))
+        return (_forward_tile_bytes(config, head_dim, True)
+                + score_stages(config, head_dim, mask_tiles, bias_tiles) * score_slot_bytes(config, mask_tiles, bias_tiles))
+    return _forward_tile_bytes(config, head_dim, uses_wgmma(config, head_dim, arch))
 
 
 def backward_shared_bytes(config: BwdConfig, head_dim: int, arch: str | None = None) -> dict[str, int]:
@@ -537,15 +540,19 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
     return tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16
 
 
+def _meta_tensors(layouts: tuple) -> list[torch.Tensor | None]:
+    """Data-less tensors of the `_layout`s of a signature (None stays None)."""
+    return [None if layout is None else torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
+            for layout in layouts]
+
+
 @lru_cache(maxsize=256)
 def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig) -> _ForwardLaunch:
     """The checks, variant, cubin and launch geometry of a forward signature, done once: a call
     then only fills its pointers (and its tensor maps) and launches."""
     (q_shape, _, dtype, device, _), _, _, mask_layout, bias_layout, _ = layouts
     batch, seqlen_q, num_heads, head_dim = q_shape
-    q, k, _, mask, bias, _ = [
-        None if layout is None else torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
-        for layout in layouts]
+    q, k, _, mask, bias, _ = _meta_tensors(layouts)
     _check_call(config, q, k, mask, bias, is_causal, softcap, False)
     for name, layout in zip(("query", "key", "value", None, None, "out"), layouts):
         if name is not None:
@@ -592,9 +599,7 @@ def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: Fwd
 def _forward_template(layouts: tuple, softmax_scale: float, softcap: float, lse_stride: tuple) -> bytes:
     """A forward signature's FwdParams with every address 0: a call copies it and fills in its
     tensors' addresses (`_fill_addresses`) instead of building the structure field by field."""
-    q, k, v, mask, bias, out = [
-        None if layout is None else torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
-        for layout in layouts]
+    q, k, v, mask, bias, out = _meta_tensors(layouts)
     inputs = _inputs(q, k, v, mask, bias, softmax_scale, softcap, address=lambda t: 0)
     return bytes(_FwdParams(inputs, 0, 0, out.stride()[:3], lse_stride))
 
