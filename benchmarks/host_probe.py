@@ -139,6 +139,32 @@ def ab(device) -> list[tuple[str, float]]:
     return [(name, statistics.median(values)) for name, values in samples.items()]
 
 
+def cuda_forward(device) -> list[tuple[str, float]]:
+    """The CUDA backend's forward without gradient in one process, medians of interleaved rounds
+    per scenario (W1-W3, the small step): its native program (through the eager entry), its
+    launch from Python (`native.switched_off`), and the Triton forward beside."""
+    from contextlib import nullcontext
+
+    from dmattn_bench import native
+    from dmattn_bench import plan as plans
+
+    samples: dict[str, list[float]] = {}
+    scenarios = {n.split(" (")[0]: s for n, s in host_overhead._scenarios(device).items() if n[:2] in ("W1", "W2", "W3", "sm")}
+    ways = {"cuda, native": ("cuda", nullcontext), "cuda, Python launch": ("cuda", native.switched_off),
+            "triton, native": ("triton", nullcontext)}
+    for name, shape in scenarios.items():
+        q, k, v, mask, bias, causal, _ = host_overhead._inputs(shape, device, False)
+        for _ in range(3):
+            for way, (backend, context) in ways.items():
+                with context():
+                    plans.clear()
+                    samples.setdefault(f"{name} fwd, {way}", []).append(host_us(
+                        lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=causal, backend=backend), n=30))
+        del q, k, v, mask, bias
+        torch.cuda.empty_cache()
+    return [(name, statistics.median(values)) for name, values in samples.items()]
+
+
 def breakdown(device) -> list[tuple[str, float]]:
     """Where a forward's host time goes (no gradient; W1 and W2 masked, W3 dense): the whole call,
     the plan's run, its lookup, its native program, a native program of the allocations alone and
@@ -209,6 +235,7 @@ def main() -> None:
     parser.add_argument("--ab", action="store_true", help="only compare the two launch paths, in one process")
     parser.add_argument("--breakdown", action="store_true", help="only where a masked forward's host time goes")
     parser.add_argument("--decode", action="store_true", help="only the bench's B1 decode steps, eager wall beside")
+    parser.add_argument("--cuda", action="store_true", help="only the CUDA forward: native program, Python launch")
     parser.add_argument("--native-source", help="build the native launch path from this native_launch.cpp")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -224,8 +251,8 @@ def main() -> None:
         for name, host, gpu, wall in decode_steps(device):
             print(f"| {name} | {host:.1f} | {gpu:.1f} | {wall:.1f} | {wall / gpu:.2f} |")
         return
-    if args.ab or args.breakdown:
-        for name, value in (ab(device) if args.ab else breakdown(device)):
+    if args.ab or args.breakdown or args.cuda:
+        for name, value in (ab(device) if args.ab else cuda_forward(device) if args.cuda else breakdown(device)):
             print(f"| {name} | {value:.1f} |")
         return
     rows = pieces(device) if args.pieces else []

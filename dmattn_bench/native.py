@@ -308,21 +308,41 @@ def kernel_spec(launch, sources: list[tuple[int, int, int]]) -> tuple | None:
             offsets, pointers, descriptors, encode)
 
 
+def structure_spec(function: int, grid: tuple[int, ...], threads: int, shared: int, template: bytes,
+                   pointers: list[tuple[int, tuple[int, int, int]]], descriptors: list[tuple[int, int]],
+                   encode=None) -> tuple:
+    """`native_launch.cpp`'s description of a kernel whose one parameter is a structure passed by
+    value (the CUDA backend's): `template` its bytes with every address and tensor map zero,
+    `pointers` (offset, source: `given`, `allocated`) per address to fill, `descriptors` (offset,
+    input) per 128-byte tensor map, which `encode(inputs)` returns as bytes, in that order, for
+    inputs at addresses the program has not seen."""
+    return (function, (*grid, 1, 1)[:3], threads, shared, template, [0],
+            [(offset, *source) for offset, source in pointers], descriptors, encode)
+
+
 def program(device: torch.device, num_inputs: int, allocations: list, views: list, kernels: list,
             returns: tuple) -> Program | None:
-    """A `Program` of `kernels` ((`launch.py._Launch`, its tensors' sources) in launch order) with
-    `allocations` ((shape, dtype) each), `views` ((allocation, element offset, shape, dtype): a
-    contiguous view) and `returns` (indices into allocations then views, -1 for None); None
-    where the module is off or a kernel cannot go native."""
-    native = module()
-    if native is None or device.type != "cuda":
-        return None
+    """A `Program` of Triton `kernels` ((`launch.py._Launch`, its tensors' sources) in launch
+    order) with `allocations` ((shape, dtype) each), `views` ((allocation, element offset, shape,
+    dtype): a contiguous view) and `returns` (indices into allocations then views, -1 for None);
+    None where the module is off or a kernel cannot go native."""
     specs = [kernel_spec(launch, sources) for launch, sources in kernels]
     if any(spec is None for spec in specs):
+        return None
+    return program_of_specs(device, num_inputs, allocations, views, specs, returns,
+                            [launch.launcher.compiled for launch, _ in kernels])
+
+
+def program_of_specs(device: torch.device, num_inputs: int, allocations: list, views: list, specs: list,
+                     returns: tuple, owners: list) -> Program | None:
+    """`program` of ready kernel descriptions (`kernel_spec`, `structure_spec`); `owners` keep
+    their functions loaded while the program lives. None where the module is off."""
+    native = module()
+    if native is None or device.type != "cuda":
         return None
     try:
         handle = native.program(device.index if device.index is not None else torch.cuda.current_device(),
                                 num_inputs, allocations, views, specs, list(returns))
     except (ValueError, TypeError):  # past the module's limits (parameters, kernels, inputs)
         return None
-    return Program(native.run, handle, [launch.launcher.compiled for launch, _ in kernels])
+    return Program(native.run, handle, owners)

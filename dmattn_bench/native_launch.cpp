@@ -234,13 +234,18 @@ std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
   return strides;
 }
 
-// The 128 bytes of a Triton `PyCUtensorMap`: its PyObject head, then the map at a 128-byte
-// alignment (driver.c's PyCUtensorMapObject), so the map is the last 128 bytes of the object.
+// The 128 bytes of a tensor map: a `bytes` of that length (the CUDA backend's encoder), or a
+// Triton `PyCUtensorMap`, whose PyObject head is followed by the map at a 128-byte alignment
+// (driver.c's PyCUtensorMapObject), so the map is the last 128 bytes of the object.
 bool descriptor_bytes(PyObject* obj, char* out) {
+  if (PyBytes_CheckExact(obj) && PyBytes_GET_SIZE(obj) == static_cast<Py_ssize_t>(kDescriptorBytes)) {
+    std::memcpy(out, PyBytes_AS_STRING(obj), kDescriptorBytes);
+    return true;
+  }
   PyTypeObject* type = Py_TYPE(obj);
   if (std::strcmp(type->tp_name, "triton.backends.nvidia.PyCUtensorMap") != 0 ||
       type->tp_basicsize != 2 * static_cast<Py_ssize_t>(kDescriptorBytes)) {
-    PyErr_Format(PyExc_TypeError, "native launch: expected Triton's PyCUtensorMap, got %s", type->tp_name);
+    PyErr_Format(PyExc_TypeError, "native launch: expected 128 bytes or Triton's PyCUtensorMap, got %s", type->tp_name);
     return false;
   }
   std::memcpy(out, reinterpret_cast<char*>(obj) + kDescriptorBytes, kDescriptorBytes);

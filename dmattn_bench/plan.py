@@ -6,9 +6,9 @@ A signature is the shapes, strides, dtypes, device and 16-byte alignment of q, k
 the bias, the flags and scalars, the backend, table and configs asked for, whether the bias needs
 a gradient, and the dispatch state (the table the environment names, `use_table`). Building a
 plan chooses each direction's backend and config (table, else default; the backward's on its
-first use), fits an fp32 bias's forward tiles to the GPU, and prepares the launches
-(`dmattn_kernels.triton.launch.ForwardPlan` / `BackwardPlan`: grids, strides, flags, compiled
-handles). Running one allocates the outputs and launches.
+first use), fits an fp32 bias's forward tiles to the GPU, and prepares the launches (the
+backends' `ForwardPlan` and Triton's `BackwardPlan`: grids, strides, flags, compiled handles,
+native programs). Running one allocates the outputs and launches.
 
 The one place a call's configs are chosen: the table lookup (`dispatch`), the defaults
 (`registry.default_configs`) and the fp32-bias fit (`fitting_config`).
@@ -160,8 +160,8 @@ class AttentionPlan:
             self.fwd_config = fitting_config(self.fwd_backend, config, q, k, v, mask, bias, **self.options,
                                              shared_memory_limit=shared_memory_limit(q.device))
         # whether the forward leaves the mask's tile activity for the backward (Triton's does)
-        self.fills_activity = self.fwd_backend is not None and mask is not None and (
-            self.fwd_backend.forward_plan is not None)
+        self.fills_activity = self.fwd_backend is not None and mask is not None and getattr(
+            self.fwd_backend.forward_plan, "leaves_activity", False)
         # a call that needs no gradient runs the short-query forward when it has few query rows
         # and no explicit tiles (`decode_launch`); `cache_seqlens` and `block_table` need it
         self.decodes = (backend in ("auto", "triton") and fwd_config is None and not (self.no_rows or self.no_keys)
@@ -197,7 +197,7 @@ class AttentionPlan:
         The mask and bias as the caller passed them (broadcastable, any dims up to 4).
         `keep_lse=False`: the caller drops lse, which may then be a view of the run's scratch."""
         launch = self._fwd_launch
-        if launch is not None:  # every call after the first of a Triton forward
+        if launch is not None:  # every call after the first of a forward with a plan (Triton's, CUDA's)
             return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse)
         device = self.device
         out = torch.empty(self.out_shape, dtype=self.dtype, device=device)

@@ -16,12 +16,12 @@ from typing import Callable
 import torch
 
 from dmattn_bench import plan
-from dmattn_bench.adversarial import Case, Inputs, adversarial_cases, build_inputs, decode_cases
+from dmattn_bench.adversarial import Case, Inputs, build_inputs, decode_cases
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import DTYPES, BwdConfig, DecodeConfig, FwdConfig, as_4d
 from dmattn_bench.timing import Timing, time_kernel
 from dmattn_bench.validator import (DECODE, CaseResult, check_case, check_decode_case, classify_failure, compare,
-                                    config_tiles, reference_forward, run_reference, shape_of_case, validate)
+                                    config_suite, reference_forward, run_reference, shape_of_case, validate)
 from dmattn_bench.workloads import Workload
 
 WARMUP = 2
@@ -202,10 +202,10 @@ def suite_job(backend_name: str, direction: str, config, dtype_name: str, suite:
     return suite_verdict(result.cases, suite)
 
 
-def suite_cases(direction: str, config, suite: str) -> list[Case]:
+def suite_cases(backend_name: str, direction: str, config, suite: str) -> list[Case]:
     if direction == "decode":
         return decode_cases(suite, config.block_n)
-    return adversarial_cases(suite, config_tiles(*_alone(direction, config)))
+    return config_suite(backend_name, suite, *_alone(direction, config))
 
 
 _context_lost = False  # this process's CUDA context died in a case (illegal access): it runs no more
@@ -221,7 +221,7 @@ def suite_case_job(job: tuple) -> CaseResult:
     """
     global _context_lost
     backend_name, direction, config, dtype_name, suite, device_name, index = job
-    case = suite_cases(direction, config, suite)[index]
+    case = suite_cases(backend_name, direction, config, suite)[index]
     if _context_lost:
         return CaseResult(case.name, "retry", "an earlier case in this process lost the CUDA context")
     try:

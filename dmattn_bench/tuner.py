@@ -134,9 +134,15 @@ def current_choice_regret(key: TableKey, ranked: list, best: list, backend_name:
     return current
 
 
+def tuned_directions(workload: Workload, spaces: dict[str, list]) -> tuple[str, ...]:
+    """The directions a tune with `spaces` runs `workload` in: its own (`Workload.directions`)
+    that have a space (a backend of a `--backend all` tune may have only one)."""
+    return tuple(d for d in workload.directions("decode" in spaces) if d in spaces)
+
+
 def plan_trials(workloads: list[Workload], spaces: dict[str, list], device, backend_name: str = "triton") -> list:
     """Every trial a tune of `backend_name` runs, in order: (workload, direction, config, is_default)."""
-    return [(w, d, c, index == 0) for w in workloads for d in w.directions("decode" in spaces)
+    return [(w, d, c, index == 0) for w in workloads for d in tuned_directions(w, spaces)
             for index, c in enumerate(candidate_list(d, spaces[d], w, device, backend_name))]
 
 
@@ -410,7 +416,7 @@ def _case_kernels(job: tuple) -> list[tuple]:
     """The kernels one suite case job compiles (`suite_case_job`'s job), keyed so that cases of
     one `specialization_class` (e.g. the NaN, +inf and -inf poisoned biases) meet on them."""
     backend_name, direction, config, dtype_name, suite, _, index = job
-    case = suite_cases(direction, config, suite)[index]
+    case = suite_cases(backend_name, direction, config, suite)[index]
     return [(specialization_class(case, dtype_name), *kernel)
             for kernel in get_backend(backend_name).kernels(direction, config, shape_of_case(case))]
 
@@ -456,7 +462,7 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
                     on_phase, gpus: int = 1, stats: PoolStats | None = None) -> list[Winner]:
     groups: dict[TableKey, list[Workload]] = {}
     for workload in workloads:
-        for direction in workload.directions("decode" in spaces):
+        for direction in tuned_directions(workload, spaces):
             groups.setdefault(workload.key(direction), []).append(workload)
 
     def verdict_of(direction, config, dtype) -> tuple[str, str]:
@@ -481,10 +487,10 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
             (backend_name, key.direction, ranked[0][0], key.dtype, suite, str(device))
             for key, ranked in ranked_by_key.items()
             if ranked and suite_id(backend_name, key.direction, ranked[0][0], key.dtype, suite) not in journal.suites))
-        case_jobs = [(*one, index) for one in suites for index in range(len(suite_cases(one[1], one[2], suite)))]
+        case_jobs = [(*one, index) for one in suites for index in range(len(suite_cases(*one[:3], suite)))]
 
         def crashed(job, reason) -> CaseResult:
-            return CaseResult(suite_cases(job[1], job[2], suite)[job[-1]].name, "crash", reason)
+            return CaseResult(suite_cases(*job[:3], suite)[job[-1]].name, "crash", reason)
 
         done = on_phase(f"adversarial suite of {len(suites)} configs", len(case_jobs)) if on_phase and suites else None
         outcomes: dict[tuple, CaseResult] = {}

@@ -346,6 +346,31 @@ def config_tiles(fwd_config: FwdConfig | None, bwd_config: BwdConfig | None) -> 
     return tiles
 
 
+SUITE_MAX_HEAD_DIM = 256  # the largest head dim a case is moved to (`config_suite`)
+
+
+def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
+                 bwd_config: BwdConfig | None) -> list[Case]:
+    """The adversarial suite on the configs' own tiles, each case at a head dim they run: a case
+    whose head dim they cannot take at all (`is_supported`; the warp-specialized forward needs
+    one that pads to a multiple of 64) runs at the next one they take. Dispatch sends a config
+    only the head dims of its own entries, which it takes."""
+    backend = get_backend(backend_name)
+
+    def takes(case: Case) -> bool:
+        shape = shape_of_case(case)
+        return all(config is None or backend.is_supported(config, shape) is None for config in (fwd_config, bwd_config))
+
+    cases = []
+    for case in adversarial_cases(suite, config_tiles(fwd_config, bwd_config)):
+        if not takes(case):
+            moved = (replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
+                     for head_dim in range(case.head_dim + 8, SUITE_MAX_HEAD_DIM + 1, 8))
+            case = next((other for other in moved if takes(other)), case)  # none: it reports why
+        cases.append(case)
+    return cases
+
+
 def validate(backend_name: str, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None, dtype: torch.dtype,
              device: torch.device | str, suite: str = "quick",
              on_case: Callable[[CaseResult], None] | None = None,
@@ -371,7 +396,7 @@ def validate(backend_name: str, fwd_config: FwdConfig | None, bwd_config: BwdCon
     else:
         backend = get_backend(backend_name)
         if cases is None:
-            cases = adversarial_cases(suite, config_tiles(fwd_config, bwd_config))
+            cases = config_suite(backend_name, suite, fwd_config, bwd_config)
         check = lambda case: check_case(backend, case, dtype, device, fwd_config, bwd_config)  # noqa: E731
     results = []
     for case in cases:
@@ -413,7 +438,7 @@ def plan_default_configs(device: torch.device | str, suite: str, backend: str = 
     plan = []
     for bias_rows in (False, True):
         for low, high, fwd, bwd in default_entries(device, backend, dtype, bias_rows):
-            cases = [c for c in adversarial_cases(suite, config_tiles(fwd, bwd))
+            cases = [c for c in config_suite(backend, suite, fwd, bwd)
                      if low <= c.head_dim <= high and bias_has_rows(bias_kind(c)) == bias_rows]
             if cases:
                 label = f"D {low}-{high}, bias {'with' if bias_rows else 'without'} rows"
@@ -476,7 +501,7 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
             suite_cases = decode_cases(suite, fwd.block_n)
             label = f"{DECODE} {config_label(fwd)} ({len(group)} entries)"
         else:
-            suite_cases = adversarial_cases(suite, config_tiles(fwd, bwd))
+            suite_cases = config_suite(backend, suite, fwd, bwd)
             label = f"{backend} fwd {config_label(fwd)} / bwd {config_label(bwd)} ({len(group)} entries)"
         cases = [c for c in suite_cases if c.head_dim <= largest] + [entry_case(e.key) for e in group]
         plan.append(PlannedSuite(label, backend, fwd, bwd, cases))

@@ -310,6 +310,21 @@ def _counted_entry(entry, served: list):
     return counted
 
 
+def _counted_native_runs(monkeypatch) -> tuple[list, list]:
+    """A fresh plan cache, and lists that fill as calls run: one item per `native.Program` run
+    from Python, and per eager-entry call whether the entry served it."""
+    from dmattn_bench import native, plan
+
+    if native.module() is None:
+        pytest.fail("the native launch path did not build")
+    plan.clear()
+    native_runs, served = [], []
+    run = native.Program.__call__
+    monkeypatch.setattr(native.Program, "__call__", lambda self, *args: native_runs.append(1) or run(self, *args))
+    monkeypatch.setattr(native, "ENTRY", _counted_entry(native.ENTRY, served))
+    return native_runs, served
+
+
 def test_the_eager_entry_serves_a_repeated_call_until_its_plan_would_change(monkeypatch):
     """The eager entry runs a call without gradient whose arguments ran before, with the bits of
     the Python path; it declines what that path checks or plans anew: an integer mask (its values
@@ -426,17 +441,9 @@ def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch,
     as one native call each (`dmattn_bench/native.py`): the same kernels on the same inputs give
     the same bits, and so do copies at new addresses (new K/V addresses: TMA descriptors encoded
     again)."""
-    from dmattn_bench import plan
     from dmattn_bench.adversarial import paged_cache
-    from dmattn_bench import native
 
-    if native.module() is None:
-        pytest.fail("the native launch path did not build")
-    plan.clear()
-    native_runs, served = [], []
-    run = native.Program.__call__
-    monkeypatch.setattr(native.Program, "__call__", lambda self, *args: native_runs.append(1) or run(self, *args))
-    monkeypatch.setattr(native, "ENTRY", _counted_entry(native.ENTRY, served))
+    native_runs, served = _counted_native_runs(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(3)
     decode = call.startswith("decode")
     batch, seqlen_q, seqlen_k = (4, 1, 3000) if decode else (2, 300, 300)
@@ -475,6 +482,46 @@ def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch,
     # the backward's first runs build theirs. A call without gradient whose program exists runs
     # through the eager entry (one C++ call from `flash_dmattn_func`), the others from Python.
     assert (len(native_runs), served.count(True)) == ((0, 3) if decode else (5, 0) if grad else (0, 2))
+    assert not any(t.isnan().any() for t in first)
+    for again in later:
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+# CUDA forwards through their native program (`dmattn_kernels.cuda.launch.ForwardPlan`): the
+# warp-specialized forward with staged mask and bias tiles (its tensor maps filled per call) and
+# with no operand on the backend's default tiles (through the eager entry), and flash_fwd.cu
+# with a mask and a bias read from global memory.
+CUDA_NATIVE_CALLS = {"ws-mask-bias": (FwdConfig(128, 128, 12, 2), 128, True), "ws-default": (None, 128, False),
+                     "flash-fwd-mask-bias": (FwdConfig(64, 64, 4, 2), 64, True)}
+
+
+@pytest.mark.parametrize("call", list(CUDA_NATIVE_CALLS))
+def test_the_cuda_forward_s_native_program_repeats_its_python_launch_bitwise(monkeypatch, call):
+    """A CUDA forward plan launches from Python twice (the first run builds its cubin, the second
+    its program), then runs as one native call: through the plan with explicit tiles, through the
+    eager entry without. The same bits on the same inputs and on copies at new addresses (the
+    warp-specialized forward's tensor maps encoded again), on a mask of rows and a bias of rows."""
+    from dmattn_kernels.cuda.launch import arch_of, warp_specialized
+
+    config, head_dim, operands = CUDA_NATIVE_CALLS[call]
+    if call.startswith("ws") and not warp_specialized(FwdConfig(128, 128, 12, 2), head_dim,
+                                                      arch_of(torch.device("cuda"))):
+        pytest.skip("the warp-specialized forward runs on SM90 only")
+    native_runs, served = _counted_native_runs(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 512, 4, head_dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    mask = bias = None
+    if operands:
+        mask = torch.rand(2, 4, 512, 512, device="cuda", generator=g) > 0.3
+        bias = torch.randn(2, 4, 512, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def step(*tensors):
+        return flash_dmattn_func(*tensors, is_causal=True, return_lse=True, backend="cuda", fwd_config=config)
+
+    first = step(q, k, v, mask, bias)
+    later = [step(q, k, v, mask, bias) for _ in range(3)]
+    later += [step(*(None if t is None else t.clone() for t in (q, k, v, mask, bias)))]
+    assert (len(native_runs), served.count(True)) == ((0, 3) if config is None else (3, 0))
     assert not any(t.isnan().any() for t in first)
     for again in later:
         assert all(torch.equal(a, b) for a, b in zip(first, again))

@@ -101,6 +101,38 @@ def test_descriptors_take_an_aligned_map_then_their_shape_and_strides():
     assert struct.unpack_from("<i", params, offsets[10]) == (40,) and callable(encode)
 
 
+@pytest.mark.parametrize("operands", ["none", "mask_bias_maps"])
+def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(module, operands):
+    """The CUDA forward's program copies its signature's parameters and fills in the call's
+    addresses, its allocations' and (warp-specialized) its tensor maps: the bytes the Python
+    launch builds field by field."""
+    from dmattn_kernels.cuda import launch as cuda
+
+    q = torch.randn(2, 40, 4, 64, dtype=torch.float16)
+    k, v = torch.randn(2, 48, 2, 64, dtype=torch.float16), torch.randn(2, 48, 2, 64, dtype=torch.float16)
+    mask = torch.rand(2, 2, 40, 48) > 0.5 if operands != "none" else None
+    bias = torch.randn(2, 1, 1, 48, dtype=torch.float16) if operands != "none" else None
+    # two of the maps a warp-specialized launch takes (fields and operands as `_forward_launch`'s)
+    maps = (("q_map", 0, (3, 1, 2, 0), 128, 128, 128), ("mask_map", 3, (3, 2, 1, 0), 128, 64, 64)) if mask is not None else ()
+    layouts = tuple(cuda._layout(t) for t in (q, k, v, mask, bias, torch.empty_like(q)))
+    template, pointers, descriptors = cuda._native_parameters(layouts, 0.125, 0.0, (160, 40, 1), maps)
+
+    def encode(inputs):  # a map per slot, told apart by its operand
+        assert inputs[3] is mask
+        return [bytes([operand + 1]) * native.DESCRIPTOR_BYTES for _, operand, *_ in maps]
+
+    spec = native.structure_spec(1234, (8, 2), 384, 4096, template, pointers, descriptors, encode)
+    handle = module.program(0, 5, [(tuple(q.shape), q.dtype), ((2, 4, 40), torch.float32)], [], [spec], [0, 1, -1])
+    (out, lse, nothing), (filled,) = module.pack(handle, 0, q, k, v, mask, bias)
+    assert nothing is None and out.shape == q.shape and lse.shape == (2, 4, 40)
+    built = cuda._FwdParams(cuda._inputs(q, k, v, mask, bias, 0.125, 0.0), out.data_ptr(), lse.data_ptr(),
+                            out.stride()[:3], lse.stride())
+    if maps:
+        built = cuda._WsParams(forward=built, q_map=cuda._TensorMap.from_buffer_copy(b"\x01" * 128),
+                               mask_map=cuda._TensorMap.from_buffer_copy(b"\x04" * 128))
+    assert filled == bytes(built)
+
+
 @pytest.mark.parametrize("change", ["scratch", "cluster", "shared", "tuple", "pointer_in_tail"])
 def test_kernels_the_path_does_not_take_are_declined(change):
     signature = dict(SIGNATURE)

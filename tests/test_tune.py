@@ -361,7 +361,7 @@ def test_suite_verdict_from_cases_matches_the_whole_suite():
     from dmattn_bench.validator import CaseResult, validate
 
     _, bwd = default_configs(32, "cpu")
-    cases = suite_cases("bwd", bwd, "quick")
+    cases = suite_cases("triton", "bwd", bwd, "quick")
     whole = validate("triton", None, bwd, torch.float32, "cpu", cases=cases[:2])
     parts = [suite_case_job(("triton", "bwd", bwd, "fp32", "quick", "cpu", index)) for index in range(2)]
     assert [(r.case, r.status) for r in parts] == [(r.case, r.status) for r in whole.cases] == [(c.name, "ok") for c in cases[:2]]
@@ -369,6 +369,30 @@ def test_suite_verdict_from_cases_matches_the_whole_suite():
     assert suite_verdict(parts, "quick") == ("ok", "quick suite, 2 cases")
     failed = [parts[0], CaseResult("b", "mismatch", "dq: error"), CaseResult("c", "nonfinite", "dk: 1 non-finite")]
     assert suite_verdict(failed, "quick") == ("mismatch", "adversarial b: dq: error")
+
+
+def test_a_suite_runs_each_case_at_a_head_dim_its_config_takes():
+    """The warp-specialized CUDA forward takes head dims that pad to a multiple of 64: the
+    suite's cases at others run at the next it takes, the rest as they are; a config that takes
+    every head dim runs the suite unchanged."""
+    from dmattn_bench.adversarial import adversarial_cases
+    from dmattn_bench.validator import config_suite, config_tiles
+
+    ws, plain = FwdConfig(128, 128, 12, 2), FwdConfig(64, 64, 4, 2)
+    whole = adversarial_cases("quick", config_tiles(ws, None))
+    moved = config_suite("cuda", "quick", ws, None)
+    assert [case.name.split("@d")[0] for case in moved] == [case.name for case in whole]
+
+    def pads_to_64(head_dim: int) -> bool:
+        return -(-head_dim // 16) * 16 % 64 == 0
+
+    for before, after in zip(whole, moved):
+        if pads_to_64(before.head_dim):
+            assert after == before
+        else:  # the next multiple of 8 that pads to 64
+            assert pads_to_64(after.head_dim) and not any(pads_to_64(d) for d in range(before.head_dim, after.head_dim, 8))
+    assert any(case.head_dim != before.head_dim for case, before in zip(moved, whole))
+    assert config_suite("cuda", "quick", plain, None) == adversarial_cases("quick", config_tiles(plain, None))
 
 
 def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatch):
@@ -437,7 +461,7 @@ def test_suite_cases_that_differ_only_in_their_values_share_their_compiles():
     from dmattn_bench.tuner import _case_kernels, _leaders
 
     config = FwdConfig(64, 64, 4, 2)
-    names = [case.name for case in suite_cases("fwd", config, "quick")]
+    names = [case.name for case in suite_cases("triton", "fwd", config, "quick")]
     jobs = [("triton", "fwd", config, "bf16", "quick", "cuda", index) for index in range(len(names))]
     after = dict(zip(names, _leaders([_case_kernels(job) for job in jobs])))
     leader = names.index("bias_posinf_at_masked")
@@ -498,6 +522,23 @@ def test_tuning_several_backends_keeps_the_faster_winner_per_key():
     # a tie stays with the backend named first
     tied = combine_backends({"triton": result("triton", 1.0, 1.0, 1.0), "cuda": result("cuda", 1.0, 1.0, 1.0)})
     assert {w.backend for w in tied.winners} == {"triton"}
+
+
+def test_a_tune_of_several_backends_gives_each_the_space_files_that_name_it():
+    """With --backend all a space file goes to the backend it names, which then tunes only the
+    directions its files give; a backend no file names takes its default files."""
+    from dmattn_bench.cli.tune import _spaces
+    from dmattn_bench.tuner import tuned_directions
+
+    files = (str(CONFIGS_DIR / "space" / "cuda-fwd-ws.yaml"),)
+    cuda = _spaces(files, "cuda", on_gpu=False, several=True)
+    triton = _spaces(files, "triton", on_gpu=False, several=True)
+    assert set(cuda) == {"fwd"} and {(c.block_m, c.num_warps) for c in cuda["fwd"]} >= {(128, 12), (192, 16)}
+    assert {"fwd", "bwd"} <= set(triton)  # configs/ci.yaml without a GPU
+    workload = load_workloads(str(CONFIGS_DIR / "ci.yaml"), "default")[0]
+    assert tuned_directions(workload, cuda) == ("fwd",) and tuned_directions(workload, triton)[:2] == ("fwd", "bwd")
+    with pytest.raises(click.BadParameter, match=r"no search space given for \['bwd'\]"):
+        _spaces(files, "cuda", on_gpu=False)  # one backend tunes the prefill pair
 
 
 def _bad_inputs(tmp_path) -> dict[str, str]:

@@ -52,11 +52,24 @@ def parse_gpus(text: str, available: int | None = None) -> int:
     return int(text)
 
 
-def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[str, list]:
+def _named_backends(path: str) -> set:
+    """The backends a space file holds configs of: its `backend`, or a CI-style file's `space` keys."""
+    document = read_yaml_mapping(path)
+    return set(document["space"] or {}) if "space" in document else {document.get("backend")}
+
+
+def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool, several: bool = False) -> dict[str, list]:
     """Candidate configs per direction from space files (per-direction files with arch sections,
     or a CI-style file holding `space.<backend>.<direction>`). The prefill pair is required; the
     short-query forward's ("decode") is tuned where a space for it is given (by default the
-    backend's `configs/space/<backend>-decode.yaml`, where it has one)."""
+    backend's `configs/space/<backend>-decode.yaml`, where it has one).
+
+    In a tune of `several` backends each takes the files that name it, or its defaults where none
+    does; given files may tune it in one direction only (the tune checks that the backends
+    together cover the prefill pair)."""
+    if several:
+        space_files = tuple(path for path in space_files if backend in _named_backends(path))
+    chosen = bool(space_files)
     if not on_gpu and not space_files:
         space_files = (str(CI_FILE),)
     default_files = (CONFIGS_DIR / "space" / f"{backend}-{d}.yaml" for d in TUNED_DIRECTIONS)
@@ -76,7 +89,7 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool) -> dict[st
         raise click.BadParameter(f"a decode space is the Triton backend's (the short-query forward), not {backend}'s",
                                  param_hint="--space")
     missing = {"fwd", "bwd"} - set(spaces)
-    if missing:
+    if missing and not (several and chosen):
         raise click.BadParameter(f"no search space given for {sorted(missing)}", param_hint="--space")
     return spaces
 
@@ -189,7 +202,9 @@ def _how_to_use(out: Path, dtypes: list[str]) -> None:
 @click.command("tune")
 @click.option("--space", "space_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Search-space YAML (repeat for fwd and bwd). Default: configs/space/<backend>-{fwd,bwd}.yaml "
-                   "on a GPU, configs/ci.yaml without one.")
+                   "on a GPU, configs/ci.yaml without one. With --backend all each file goes to the backend it "
+                   "names, which then tunes only the directions its files give (with --merge, one direction "
+                   "may be left to the merged table); a backend no file names takes its defaults.")
 @click.option("--workloads", "workloads_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Workloads YAML; repeat to tune the union of several into one table (e.g. default.yaml and "
                    "peers-tune.yaml). Default: configs/workloads/default.yaml on a GPU, configs/ci.yaml without one.")
@@ -245,9 +260,6 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                              "tune --backend triton here, or run on a GPU machine")
         output.info("no CUDA GPU: --backend all tunes the triton kernels only")
         backends = ("triton",)
-    if len(backends) > 1 and space_files:
-        raise click.BadParameter("a search space belongs to one backend: pass --space with --backend triton "
-                                 "or --backend cuda", param_hint="--space")
     workers = None
     if ray_address is None:
         gpu_count = parse_gpus(gpus)
@@ -268,9 +280,13 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     try:
         # the union, in file order; a shape listed twice is tuned once
         workloads = list(dict.fromkeys(w for path in workloads_files for w in load_workloads(path, grid, list(dtypes) or None)))
-        spaces = {name: _spaces(space_files, name, on_gpu) for name in backends}
+        spaces = {name: _spaces(space_files, name, on_gpu, several=backend == "all") for name in backends}
     except ValueError as exc:
         raise DmattnError(str(exc).splitlines()[0], "fix the YAML file") from None
+    uncovered = {"fwd", "bwd"} - {direction for space in spaces.values() for direction in space}
+    if uncovered and merge_path is None:  # a merged table keeps its entries of the other direction
+        raise click.BadParameter(f"no backend has a search space for {sorted(uncovered)} (or pass --merge)",
+                                 param_hint="--space")
     reject_bf16_without_gpu({w.dtype for w in workloads}, on_gpu, param_hint="--workloads")
     fingerprint = device_fingerprint(device)
     out = Path(out_path or f"{fingerprint.slug()}.yaml")

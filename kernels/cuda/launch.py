@@ -16,14 +16,15 @@ from typing import NamedTuple
 import torch
 import triton
 
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
+from dmattn_bench import native
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, as_4d
 from dmattn_kernels.cuda.build import build, defines
 # One compile-only switch for every bundled kernel (the tuner's compile workers: within
 # `compile_only()` the launchers build what a launch needs and launch nothing), the one
 # fixed-order reduction of dBias partials into the bias's broadcast shape, and the one operand
 # normaliser (broadcast strides).
 from dmattn_kernels.triton.launch import (  # noqa: F401 (compile_only, is_compile_only re-exported)
-    _finish_dbias, compile_only, delta_with_lse_grad, is_compile_only)
+    LAUNCH_OBSERVERS, _finish_dbias, compile_only, delta_with_lse_grad, is_compile_only, launch_stream)
 from dmattn_kernels.triton.layouts import zero_size1_strides
 
 MAX_HEAD_DIM = 256
@@ -513,6 +514,11 @@ class _Launcher:
             with torch.cuda.device(self.device):  # the runtime makes the device's primary context current
                 self._launch(driver, name, grid, num_warps, shared_bytes, params)
 
+    def function(self, name: bytes, shared_bytes: int) -> int:
+        """The address of kernel `name`'s CUfunction, allowed `shared_bytes` (a native program's;
+        loaded by a launch before, so no driver call)."""
+        return _the_driver().function(self.device, self.cubin, name, shared_bytes).value
+
     def _launch(self, driver: "_Driver", name: bytes, grid: tuple[int, int], num_warps: int, shared_bytes: int,
                 params) -> None:
         function = driver.function(self.device, self.cubin, name, shared_bytes)
@@ -626,6 +632,84 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
         params = _WsParams(forward=params, **{field: driver.tensor_map(operands[index], order, rows, line, swizzle)
                                               for field, index, order, rows, line, swizzle in plan.maps})
     plan.launcher(plan.name, plan.grid, config.num_warps, plan.shared, params)
+
+
+def _native_parameters(layouts: tuple, softmax_scale: float, softcap: float, lse_stride: tuple,
+                       maps: tuple) -> tuple[bytes, list, list]:
+    """A forward signature's parameters for a native program (`dmattn_bench.native.structure_spec`):
+    the template (its FwdParams, inside a WsParams where the kernel reads tensor maps), the
+    address slots (q, k, v, the mask and bias where given, then the program's out and lse
+    allocations) and the map slots (`_ForwardLaunch.maps`' operands)."""
+    forward = _FwdParams.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse_stride))
+    params, base = (_WsParams(forward=forward), _WsParams.forward.offset) if maps else (forward, 0)
+    inputs = base + _FwdParams.inputs.offset
+    pointers = [(inputs + getattr(_Inputs, name).offset, native.given(index))
+                for index, name in enumerate(("q", "k", "v", "mask", "bias")) if layouts[index] is not None]
+    pointers += [(base + _FwdParams.out.offset, native.allocated(0)), (base + _FwdParams.lse.offset, native.allocated(1))]
+    descriptors = [(getattr(_WsParams, field).offset, operand) for field, operand, *_ in maps]
+    return bytes(params), pointers, descriptors
+
+
+class ForwardPlan:
+    """A forward call's launch for one signature (`dmattn_bench.plan`): `plan(q, k, v, mask, bias,
+    out, lse)` launches into given outputs, `plan.allocate_and_run(...)` allocates them first (the
+    runtime's call). The mask and bias come as the caller passed them (any dims up to 4).
+
+    A run of `allocate_and_run` from Python builds the program of the later ones
+    (`dmattn_bench.native`): the same two allocations and one launch in one C++ call, the
+    parameters copied from the signature's template with the call's addresses and, for the
+    warp-specialized forward, its tensor maps filled in (encoded again only for new addresses).
+    """
+
+    leaves_activity = False  # no tile activity for the backward (the Triton forward's schedule)
+    activity = None
+    native_kind = (False, False)  # `AttentionPlan.native_program`'s key: no activity kept, lse not in scratch
+
+    def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
+                 config: FwdConfig, out: torch.Tensor, lse: torch.Tensor):
+        del q, k, v, mask, bias  # a launch's checks and variant are `_forward_launch`'s, per signature
+        self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap)
+        self.config = config
+        self.out_shape, self.out_dtype, self.lse_shape = tuple(out.shape), out.dtype, tuple(lse.shape)
+        self.native: dict[tuple[bool, bool], native.Program | None] = {}
+
+    def __call__(self, q, k, v, mask, bias, out, lse, activity=None) -> None:
+        del activity
+        attention_forward(q, k, v, as_4d(mask), as_4d(bias), config=self.config, out=out, lse=lse, **self.options)
+
+    def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool, keep_lse: bool = True) -> tuple:
+        """(out, lse, None) in new tensors (`keep_activity` and `keep_lse` change nothing here)."""
+        del keep_activity, keep_lse
+        stream = launch_stream()
+        program = self.native.get(self.native_kind)
+        if program is not None and stream is not None and not LAUNCH_OBSERVERS:
+            return program(stream, q, k, v, mask, bias)
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        self(q, k, v, mask, bias, out, lse)
+        if stream is not None and self.native_kind not in self.native:
+            self.native[self.native_kind] = self._native_program(q, k, v, as_4d(mask), as_4d(bias), out, lse)
+        return out, lse, None
+
+    def _native_program(self, q, k, v, mask, bias, out, lse) -> native.Program | None:
+        layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
+        options = self.options
+        plan = _forward_launch(layouts, options["is_causal"], options["softcap"], self.config)
+        template, pointers, descriptors = _native_parameters(layouts, options["softmax_scale"], options["softcap"],
+                                                             lse.stride(), plan.maps)
+        encode = None
+        if plan.maps:
+            driver = _the_driver()
+
+            def encode(inputs: tuple) -> list[bytes]:  # the program's inputs: the mask and bias as passed
+                operands = (*inputs[:3], as_4d(inputs[3]), as_4d(inputs[4]))
+                return [bytes(driver.tensor_map(operands[index], order, rows, line, swizzle))
+                        for _, index, order, rows, line, swizzle in plan.maps]
+
+        spec = native.structure_spec(plan.launcher.function(plan.name, plan.shared), plan.grid,
+                                     32 * self.config.num_warps, plan.shared, template, pointers, descriptors, encode)
+        return native.program_of_specs(q.device, 5, [(self.out_shape, self.out_dtype), (self.lse_shape, torch.float32)],
+                                       [], [spec], (0, 1, -1), [plan.launcher])
 
 
 def _dbias_layout(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int):

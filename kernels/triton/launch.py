@@ -392,6 +392,8 @@ class ForwardPlan:
     config's tiles, then the forward; without: the forward alone.
     """
 
+    leaves_activity = True  # with a mask, its tile activity for the backward (`allocate_and_run`)
+
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                  config: FwdConfig, out: torch.Tensor, lse: torch.Tensor):
         batch, seqlen_q, num_heads, head_dim = q.shape
