@@ -209,6 +209,11 @@ def test_a_build_failure_names_nvcc_s_error(cubin_cache):
 
 def test_launcher_rules_and_variant_flags():
     assert launch.is_supported(FwdConfig(64, 64, 4, 2), SHAPE) is None
+    # the warp-specialized forward's three consumer warpgroups build up to head dim 192
+    wide = replace(SHAPE, head_dim=256)
+    assert "needs at most 12 warps" in launch.is_supported(FwdConfig(192, 64, 16, 2), wide)
+    assert launch.is_supported(FwdConfig(128, 64, 12, 2), wide) is None
+    assert launch.is_supported(FwdConfig(192, 64, 16, 2), replace(SHAPE, head_dim=192)) is None
     assert launch.is_supported(FwdConfig(128, 64, 4, 2), SHAPE) is None  # two m16 tiles per warp
     assert "block_m=96 is not 16 or 32 x num_warps=4" in launch.is_supported(FwdConfig(96, 64, 4, 2), SHAPE)
     assert "block_m=256 is not 16 or 32 x num_warps=4" in launch.is_supported(FwdConfig(256, 64, 4, 2), SHAPE)

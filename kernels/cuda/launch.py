@@ -358,6 +358,11 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
             return f"block_n={config.block_n} is not one of {WGMMA_TILES} (warp-specialized forward: wgmma widths)"
         if padded_head_dim(shape.head_dim) % 64:
             return f"head_dim={shape.head_dim} does not pad to a multiple of 64 (warp-specialized forward)"
+        # 16 warps leave ptxas 128 registers a thread, and a consumer's wgmma at head dim 256
+        # needs 158 (ptxas C7602); 192 builds (nvcc 13, sm_90a)
+        if config.num_warps > 12 and padded_head_dim(shape.head_dim) > 192:
+            return (f"head_dim={shape.head_dim} needs at most 12 warps in the warp-specialized forward "
+                    f"(num_warps={config.num_warps}: too few registers a thread for its products)")
         if not 1 <= config.num_stages <= MAX_STAGES:
             return f"num_stages={config.num_stages} is not in [1, {MAX_STAGES}]"
         return None
