@@ -18,6 +18,7 @@ sources is refused: their timings and verdicts are not this installation's.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -38,8 +39,11 @@ def trial_id(workload: Workload, direction: str, backend_name: str, config) -> s
     return f"{workload.label}|{direction}|{backend_name}|{config_label(config)}"
 
 
-def suite_id(backend_name: str, direction: str, config, dtype: str, suite: str) -> str:
-    return f"{backend_name}|{direction} {config_label(config)}|{dtype}|{suite}"
+def suite_id(backend_name: str, direction: str, config, dtype: str, suite: str, case_names=()) -> str:
+    """A suite verdict's journal id: the config, dtype and suite, and a digest of the cases run
+    (`trials.suite_cases`), so a verdict on other cases (another version's suite) is not replayed."""
+    digest = hashlib.sha256("\n".join(case_names).encode()).hexdigest()[:12]
+    return f"{backend_name}|{direction} {config_label(config)}|{dtype}|{suite}|{digest}"
 
 
 @dataclass

@@ -45,6 +45,7 @@ using CtxGetCurrentFn = CUresult (*)(CUcontext*);
 using DeviceGetFn = CUresult (*)(CUdevice*, int);
 using PrimaryCtxRetainFn = CUresult (*)(CUcontext*, CUdevice);
 using CtxSetCurrentFn = CUresult (*)(CUcontext);
+using CtxGetDeviceFn = CUresult (*)(CUdevice*);
 using CUgraph = void*;
 using CUgraphNode = void*;
 using CUgraphExec = void*;
@@ -71,6 +72,7 @@ CtxGetCurrentFn ctx_get_current = nullptr;
 DeviceGetFn device_get = nullptr;
 PrimaryCtxRetainFn primary_ctx_retain = nullptr;
 CtxSetCurrentFn ctx_set_current = nullptr;
+CtxGetDeviceFn ctx_get_device = nullptr;
 GraphCreateFn graph_create = nullptr;
 GraphAddKernelNodeFn graph_add_kernel_node = nullptr;
 GraphInstantiateFn graph_instantiate = nullptr;
@@ -100,6 +102,7 @@ bool load_driver() {
   device_get = reinterpret_cast<DeviceGetFn>(dlsym(handle, "cuDeviceGet"));
   primary_ctx_retain = reinterpret_cast<PrimaryCtxRetainFn>(dlsym(handle, "cuDevicePrimaryCtxRetain"));
   ctx_set_current = reinterpret_cast<CtxSetCurrentFn>(dlsym(handle, "cuCtxSetCurrent"));
+  ctx_get_device = reinterpret_cast<CtxGetDeviceFn>(dlsym(handle, "cuCtxGetDevice"));
   auto launch = reinterpret_cast<LaunchKernelFn>(dlsym(handle, "cuLaunchKernel"));
   if (launch == nullptr || ctx_get_current == nullptr || device_get == nullptr || primary_ctx_retain == nullptr ||
       ctx_set_current == nullptr) {
@@ -132,6 +135,19 @@ CUresult ensure_context(int device) {
   if ((status = device_get(&handle, device)) != 0) return status;
   if ((status = primary_ctx_retain(&context, handle)) != 0) return status;
   return ctx_set_current(context);
+}
+
+// Whether the calling thread's current context is `device`'s (or none is current: the run makes
+// it so). A program's kernels are loaded in its device's context and it launches on the current
+// device's stream, so a call whose tensors are on another device takes the Python path, whose
+// launchers switch devices or launch on the current one as they always did.
+bool device_is_current(int device) {
+  CUcontext context = nullptr;
+  if (ctx_get_current(&context) != 0) return false;
+  if (context == nullptr) return true;
+  CUdevice current = -1, wanted = -1;
+  return ctx_get_device != nullptr && ctx_get_device(&current) == 0 && device_get(&wanted, device) == 0 &&
+         current == wanted;
 }
 
 // Where a tensor address in a kernel's parameters comes from.
@@ -942,6 +958,10 @@ PyObject* entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       now.env_set != stored.env_set || now.env != stored.env) {
     Py_RETURN_NONE;
   }
+  auto* built = static_cast<Program*>(PyCapsule_GetPointer(stored.handle, kCapsuleName));
+  if (built == nullptr) return nullptr;
+  if (!load_driver()) return nullptr;
+  if (!device_is_current(built->device)) Py_RETURN_NONE;
   PyObject* observers = PyObject_GetAttrString(context.launch_module, "LAUNCH_OBSERVERS");
   if (observers == nullptr) return nullptr;
   int watched = PyObject_IsTrue(observers);

@@ -11,6 +11,7 @@ name), and a failure inside one is data: a status and a reason, never an excepti
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -202,10 +203,13 @@ def suite_job(backend_name: str, direction: str, config, dtype_name: str, suite:
     return suite_verdict(result.cases, suite)
 
 
-def suite_cases(backend_name: str, direction: str, config, suite: str) -> list[Case]:
+@lru_cache(maxsize=256)
+def suite_cases(backend_name: str, direction: str, config, suite: str) -> tuple[Case, ...]:
+    """The cases of a direction's config's suite, in order (built once per process: each case
+    job of the GPU phase picks one by index)."""
     if direction == "decode":
-        return decode_cases(suite, config.block_n)
-    return config_suite(backend_name, suite, *_alone(direction, config))
+        return tuple(decode_cases(suite, config.block_n))
+    return tuple(config_suite(backend_name, suite, *_alone(direction, config)))
 
 
 _context_lost = False  # this process's CUDA context died in a case (illegal access): it runs no more

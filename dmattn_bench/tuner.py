@@ -465,8 +465,12 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         for direction in tuned_directions(workload, spaces):
             groups.setdefault(workload.key(direction), []).append(workload)
 
+    def suite_key(direction, config, dtype) -> str:
+        names = [case.name for case in suite_cases(backend_name, direction, config, suite)]
+        return suite_id(backend_name, direction, config, dtype, suite, names)
+
     def verdict_of(direction, config, dtype) -> tuple[str, str]:
-        identifier = suite_id(backend_name, direction, config, dtype, suite)
+        identifier = suite_key(direction, config, dtype)
         if identifier not in journal.suites:
             try:
                 status, note = worker.call(suite_job, (backend_name, direction, config, dtype, suite, str(device)),
@@ -486,7 +490,7 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         suites = list(dict.fromkeys(
             (backend_name, key.direction, ranked[0][0], key.dtype, suite, str(device))
             for key, ranked in ranked_by_key.items()
-            if ranked and suite_id(backend_name, key.direction, ranked[0][0], key.dtype, suite) not in journal.suites))
+            if ranked and suite_key(key.direction, ranked[0][0], key.dtype) not in journal.suites))
         case_jobs = [(*one, index) for one in suites for index in range(len(suite_cases(*one[:3], suite)))]
 
         def crashed(job, reason) -> CaseResult:
@@ -506,7 +510,7 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
             if status != "crash":
                 # a dead pool process is blamed on the first pending job, not always the culprit: a
                 # config with a crash is left to the isolated serial path below, which times it too
-                journal.append({"kind": "suite", "id": suite_id(*one[:5]), "status": status, "note": note})
+                journal.append({"kind": "suite", "id": suite_key(*one[1:4]), "status": status, "note": note})
 
     winners = []
     for key, ranked in ranked_by_key.items():

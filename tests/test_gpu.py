@@ -488,11 +488,12 @@ def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch,
 
 
 # CUDA forwards through their native program (`dmattn_kernels.cuda.launch.ForwardPlan`): the
-# warp-specialized forward with staged mask and bias tiles (its tensor maps filled per call) and
-# with no operand on the backend's default tiles (through the eager entry), and flash_fwd.cu
-# with a mask and a bias read from global memory.
-CUDA_NATIVE_CALLS = {"ws-mask-bias": (FwdConfig(128, 128, 12, 2), 128, True), "ws-default": (None, 128, False),
-                     "flash-fwd-mask-bias": (FwdConfig(64, 64, 4, 2), 64, True)}
+# warp-specialized forward with staged tiles of mask and bias rows or of one row of keys (its
+# tensor maps filled per call) and with no operand on the backend's default tiles (through the
+# eager entry), and flash_fwd.cu with a mask and a bias read from global memory.
+CUDA_NATIVE_CALLS = {"ws-mask-bias": (FwdConfig(128, 128, 12, 2), 128, "rows"), "ws-default": (None, 128, None),
+                     "ws-keys": (FwdConfig(128, 128, 12, 2), 128, "keys"),
+                     "flash-fwd-mask-bias": (FwdConfig(64, 64, 4, 2), 64, "rows")}
 
 
 @pytest.mark.parametrize("call", list(CUDA_NATIVE_CALLS))
@@ -500,7 +501,7 @@ def test_the_cuda_forward_s_native_program_repeats_its_python_launch_bitwise(mon
     """A CUDA forward plan launches from Python twice (the first run builds its cubin, the second
     its program), then runs as one native call: through the plan with explicit tiles, through the
     eager entry without. The same bits on the same inputs and on copies at new addresses (the
-    warp-specialized forward's tensor maps encoded again), on a mask of rows and a bias of rows."""
+    warp-specialized forward's tensor maps encoded again), on masks and biases of rows or of keys."""
     from dmattn_kernels.cuda.launch import arch_of, warp_specialized
 
     config, head_dim, operands = CUDA_NATIVE_CALLS[call]
@@ -511,9 +512,12 @@ def test_the_cuda_forward_s_native_program_repeats_its_python_launch_bitwise(mon
     g = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(2, 512, 4, head_dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     mask = bias = None
-    if operands:
+    if operands == "rows":
         mask = torch.rand(2, 4, 512, 512, device="cuda", generator=g) > 0.3
         bias = torch.randn(2, 4, 512, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    elif operands == "keys":  # a padding mask and a 3-D per-key bias: one row of keys per tile
+        mask = torch.rand(2, 1, 1, 512, device="cuda", generator=g) > 0.3
+        bias = torch.randn(4, 1, 512, device="cuda", dtype=torch.bfloat16, generator=g)
 
     def step(*tensors):
         return flash_dmattn_func(*tensors, is_causal=True, return_lse=True, backend="cuda", fwd_config=config)

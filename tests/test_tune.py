@@ -524,7 +524,7 @@ def test_tuning_several_backends_keeps_the_faster_winner_per_key():
     assert {w.backend for w in tied.winners} == {"triton"}
 
 
-def test_a_tune_of_several_backends_gives_each_the_space_files_that_name_it():
+def test_a_tune_of_several_backends_gives_each_the_space_files_that_name_it(tmp_path):
     """With --backend all a space file goes to the backend it names, which then tunes only the
     directions its files give; a backend no file names takes its default files."""
     from dmattn_bench.cli.tune import _spaces
@@ -539,6 +539,10 @@ def test_a_tune_of_several_backends_gives_each_the_space_files_that_name_it():
     assert tuned_directions(workload, cuda) == ("fwd",) and tuned_directions(workload, triton)[:2] == ("fwd", "bwd")
     with pytest.raises(click.BadParameter, match=r"no search space given for \['bwd'\]"):
         _spaces(files, "cuda", on_gpu=False)  # one backend tunes the prefill pair
+    misnamed = tmp_path / "space.yaml"
+    misnamed.write_text((CONFIGS_DIR / "space" / "cuda-fwd-ws.yaml").read_text().replace("backend: cuda", "backend: cdua"))
+    with pytest.raises(ValueError, match="names no backend of triton, cuda"):
+        _spaces((*files, str(misnamed)), "triton", on_gpu=False, several=True)
 
 
 def _bad_inputs(tmp_path) -> dict[str, str]:

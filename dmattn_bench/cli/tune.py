@@ -52,6 +52,9 @@ def parse_gpus(text: str, available: int | None = None) -> int:
     return int(text)
 
 
+BACKENDS = ("triton", "cuda")  # what --backend all tunes, in order
+
+
 def _named_backends(path: str) -> set:
     """The backends a space file holds configs of: its `backend`, or a CI-style file's `space` keys."""
     document = read_yaml_mapping(path)
@@ -68,6 +71,9 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool, several: b
     does; given files may tune it in one direction only (the tune checks that the backends
     together cover the prefill pair)."""
     if several:
+        for path in space_files:
+            if not _named_backends(path) & set(BACKENDS):
+                raise ValueError(f"{path}: names no backend of {', '.join(BACKENDS)} (its `backend` key)")
         space_files = tuple(path for path in space_files if backend in _named_backends(path))
     chosen = bool(space_files)
     if not on_gpu and not space_files:
@@ -253,7 +259,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     budget_s = parse_duration(budget)
     on_gpu = torch.cuda.is_available()
     reject_bf16_without_gpu(dtypes, on_gpu)
-    backends = ("triton", "cuda") if backend == "all" else (backend,)
+    backends = BACKENDS if backend == "all" else (backend,)
     if "cuda" in backends and not on_gpu:
         if backend == "cuda":
             raise NoGpuError("the cuda backend needs a CUDA GPU (its kernels run only there)",

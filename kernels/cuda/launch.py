@@ -687,7 +687,9 @@ class ForwardPlan:
         del keep_activity, keep_lse
         stream = launch_stream()
         program = self.native.get(self.native_kind)
-        if program is not None and stream is not None and not LAUNCH_OBSERVERS:
+        # the program launches on the current device's stream; on another, `_Launcher` switches
+        if (program is not None and stream is not None and not LAUNCH_OBSERVERS
+                and q.get_device() == torch.cuda.current_device()):
             return program(stream, q, k, v, mask, bias)
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
