@@ -39,7 +39,7 @@ def trial_id(workload: Workload, direction: str, backend_name: str, config) -> s
     return f"{workload.label}|{direction}|{backend_name}|{config_label(config)}"
 
 
-def suite_id(backend_name: str, direction: str, config, dtype: str, suite: str, case_names=()) -> str:
+def suite_id(backend_name: str, direction: str, config, dtype: str, suite: str, case_names: list[str]) -> str:
     """A suite verdict's journal id: the config, dtype and suite, and a digest of the cases run
     (`trials.suite_cases`), so a verdict on other cases (another version's suite) is not replayed."""
     digest = hashlib.sha256("\n".join(case_names).encode()).hexdigest()[:12]

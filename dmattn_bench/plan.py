@@ -245,11 +245,7 @@ class AttentionPlan:
         is none (before its kernels are compiled, a plan without the native path)."""
         if self.decodes:
             return None if self._decode_launch is None else self._decode_launch.native.get(keep_lse)
-        launch = self._fwd_launch
-        if launch is None or not hasattr(launch, "native"):
-            return None
-        # (keep_activity, lse in the schedule's scratch buffer): `ForwardPlan.allocate_and_run`'s kinds
-        return launch.native.get((False, launch.activity is not None and not keep_lse))
+        return None if self._fwd_launch is None else self._fwd_launch.native_program(keep_lse)
 
     # -- backward --------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import asdict, dataclass, field, replace
+from itertools import count, takewhile
 from typing import Callable
 
 import torch
@@ -26,7 +27,7 @@ from dmattn_bench.adversarial import (MASK_SHAPE_OF_KIND, Case, Inputs, adversar
                                       decode_cases)
 from dmattn_bench.registry import DECODE_DEFAULTS, Backend, decode_config, default_configs, default_entries, get_backend
 from dmattn_bench.space import (AttentionShape, BwdConfig, DecodeConfig, FwdConfig, as_4d, bias_has_rows,
-                                config_label)
+                                config_label, is_valid_head_dim)
 
 # Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
 # exact low-precision reference (error 0 on a tensor) does not demand an exact kernel.
@@ -346,9 +347,6 @@ def config_tiles(fwd_config: FwdConfig | None, bwd_config: BwdConfig | None) -> 
     return tiles
 
 
-SUITE_MAX_HEAD_DIM = 256  # the largest head dim a case is moved to (`config_suite`)
-
-
 def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
                  bwd_config: BwdConfig | None) -> list[Case]:
     """The adversarial suite on the configs' own tiles, each case at a head dim they run: a case
@@ -365,7 +363,7 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
     for case in adversarial_cases(suite, config_tiles(fwd_config, bwd_config)):
         if not takes(case):
             moved = (replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
-                     for head_dim in range(case.head_dim + 8, SUITE_MAX_HEAD_DIM + 1, 8))
+                     for head_dim in takewhile(is_valid_head_dim, count(case.head_dim + 8, 8)))
             case = next((other for other in moved if takes(other)), case)  # none: it reports why
         cases.append(case)
     return cases

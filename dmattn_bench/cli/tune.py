@@ -71,11 +71,11 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool, several: b
     does; given files may tune it in one direction only (the tune checks that the backends
     together cover the prefill pair)."""
     if several:
-        for path in space_files:
-            if not _named_backends(path) & set(BACKENDS):
+        named = {path: _named_backends(path) for path in space_files}
+        for path, backends in named.items():
+            if not backends & set(BACKENDS):
                 raise ValueError(f"{path}: names no backend of {', '.join(BACKENDS)} (its `backend` key)")
-        space_files = tuple(path for path in space_files if backend in _named_backends(path))
-    chosen = bool(space_files)
+        space_files = tuple(path for path, backends in named.items() if backend in backends)
     if not on_gpu and not space_files:
         space_files = (str(CI_FILE),)
     default_files = (CONFIGS_DIR / "space" / f"{backend}-{d}.yaml" for d in TUNED_DIRECTIONS)
@@ -95,7 +95,7 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool, several: b
         raise click.BadParameter(f"a decode space is the Triton backend's (the short-query forward), not {backend}'s",
                                  param_hint="--space")
     missing = {"fwd", "bwd"} - set(spaces)
-    if missing and not (several and chosen):
+    if missing and not several:  # several: `tune_command` checks what the backends cover together
         raise click.BadParameter(f"no search space given for {sorted(missing)}", param_hint="--space")
     return spaces
 

@@ -667,8 +667,6 @@ class ForwardPlan:
     """
 
     leaves_activity = False  # no tile activity for the backward (the Triton forward's schedule)
-    activity = None
-    native_kind = (False, False)  # `AttentionPlan.native_program`'s key: no activity kept, lse not in scratch
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                  config: FwdConfig, out: torch.Tensor, lse: torch.Tensor):
@@ -676,26 +674,32 @@ class ForwardPlan:
         self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap)
         self.config = config
         self.out_shape, self.out_dtype, self.lse_shape = tuple(out.shape), out.dtype, tuple(lse.shape)
-        self.native: dict[tuple[bool, bool], native.Program | None] = {}
+        self.native: native.Program | None = None  # `allocate_and_run`'s, once a run built it
+        self.native_tried = False
 
     def __call__(self, q, k, v, mask, bias, out, lse, activity=None) -> None:
         del activity
         attention_forward(q, k, v, as_4d(mask), as_4d(bias), config=self.config, out=out, lse=lse, **self.options)
 
+    def native_program(self, keep_lse: bool) -> native.Program | None:
+        """The program a call without gradient runs (lse is its own tensor either way)."""
+        del keep_lse
+        return self.native
+
     def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool, keep_lse: bool = True) -> tuple:
         """(out, lse, None) in new tensors (`keep_activity` and `keep_lse` change nothing here)."""
         del keep_activity, keep_lse
         stream = launch_stream()
-        program = self.native.get(self.native_kind)
         # the program launches on the current device's stream; on another, `_Launcher` switches
-        if (program is not None and stream is not None and not LAUNCH_OBSERVERS
+        if (self.native is not None and stream is not None and not LAUNCH_OBSERVERS
                 and q.get_device() == torch.cuda.current_device()):
-            return program(stream, q, k, v, mask, bias)
+            return self.native(stream, q, k, v, mask, bias)
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         self(q, k, v, mask, bias, out, lse)
-        if stream is not None and self.native_kind not in self.native:
-            self.native[self.native_kind] = self._native_program(q, k, v, as_4d(mask), as_4d(bias), out, lse)
+        if stream is not None and not self.native_tried:
+            self.native_tried = True
+            self.native = self._native_program(q, k, v, as_4d(mask), as_4d(bias), out, lse)
         return out, lse, None
 
     def _native_program(self, q, k, v, mask, bias, out, lse) -> native.Program | None:

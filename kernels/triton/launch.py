@@ -487,6 +487,11 @@ class ForwardPlan:
         self._go_native(stream, q.device, keep_activity, lse_in_scratch)
         return out, lse, activity if keep_activity else None
 
+    def native_program(self, keep_lse: bool):
+        """The program `allocate_and_run` runs for a call without gradient (no activity kept; lse
+        a view of the schedule's scratch unless kept), None while there is none."""
+        return self.native.get((False, self.activity is not None and not keep_lse))
+
     def _go_native(self, stream: int | None, device: torch.device, keep_activity: bool, lse_in_scratch: bool) -> None:
         """Once every kernel is compiled, `allocate_and_run`'s later runs of this kind as one native
         call (`native.program`): the same allocations, launches and outputs."""
