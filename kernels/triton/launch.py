@@ -744,10 +744,11 @@ class BackwardPlan:
 
     def _go_native(self, device, mask, bias, dq, dk, dv, dbias, activity, dlse) -> None:
         """`allocate_and_run`'s program: the gradients (shapes and dtypes of this run's), one
-        scratch buffer, the launches of `__call__` with the same arguments. A group-mode union of
-        the mask's activity (a torch op) or a mask without the forward's activity stays in Python."""
+        scratch buffer, the launches of `__call__` with the same arguments. A mask whose forward
+        left no activity (the CUDA forward's) gets its activity pass in the program, into a buffer
+        of its own. A group-mode union of the mask's activity (a torch op) stays in Python."""
         self.native_tried = True
-        if self.group_union or (mask is not None and activity is None):
+        if self.group_union:
             return
         dout, q, k, v, out, lse, mask_in, bias_in, activity_in, dlse_in = (native.given(i) for i in range(10))
         allocations = [(tuple(t.shape), t.dtype) for t in (dq, dk, dv)]
@@ -755,19 +756,27 @@ class BackwardPlan:
             allocations.append((tuple(dbias.shape), dbias.dtype))
         scratch_index = len(allocations)
         allocations.append(((self.workspace.nbytes,), torch.uint8))
+        # its own pass: once per plan, as `__call__` runs it (whether the forward keeps an activity
+        # is fixed by the plan's forward backend)
+        own_activity = mask is not None and activity is None
+        if own_activity:
+            allocations.append((self.activity.shape, torch.int8))
         scratch = {name: native.allocated(scratch_index, layout[0]) for name, layout in self.workspace.layout.items()}
         dq_out, dk_out, dv_out = native.allocated(0), native.allocated(1), native.allocated(2)
         dbias_out = native.allocated(3) if dbias is not None else q
         delta = scratch["delta"]
         active = kv_blocks = q_blocks = q
         if mask is not None:
-            active, kv_blocks, q_blocks = activity_in, scratch["kv_blocks"], scratch["q_blocks"]
+            active = native.allocated(scratch_index + 1) if own_activity else activity_in
+            kv_blocks, q_blocks = scratch["kv_blocks"], scratch["q_blocks"]
         mask_arg, bias_arg = (mask_in if mask is not None else q), (bias_in if bias is not None else q)
         partial = q if dbias is None else scratch.get("partial", dbias_out)
         dk_share, dv_share = scratch.get("dk_share", dk_out), scratch.get("dv_share", dv_out)
-        kernels = [(self.preprocess, [out, dout, delta, lse, lse if dlse is None else dlse_in, active, kv_blocks,
-                                      active, q_blocks]),
-                   (self.dkdv, [q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks])]
+        kernels = [(self.activity.launch, [mask_in, active])] if own_activity else []
+        kernels += [(self.preprocess, [out, dout, delta, lse, lse if dlse is None else dlse_in, active, kv_blocks,
+                                       active, q_blocks]),
+                    (self.dkdv, [q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial,
+                                 kv_blocks])]
         if self.dq_from_ds:
             kernels.append((self.dq, [dbias_out, k, dq_out, q_blocks]))
         else:
