@@ -328,7 +328,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
         raise DmattnError(str(exc)) from None
     result = results[backends[0]] if len(backends) == 1 else combine_backends(results)
     entries = [Entry(w.key, w.backend, w.config, w.evidence) for w in result.winners]
-    table = new_table(entries, fingerprint, interpreter=not on_gpu)
+    table = new_table(entries, fingerprint, interpreter=not on_gpu, suite=suite)
     if kept is not None:
         table = merged(kept, table)
     dump_table(table, out)
