@@ -150,6 +150,26 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     assert fwd_config == fwd_entry.config
 
 
+def test_the_table_records_the_suite_its_winners_passed(tmp_path, monkeypatch):
+    """A tune's table says which adversarial suite its winners passed (`--suite`). Here the tuner
+    is told the requested level but runs the quick suite: the full one takes hours in the
+    interpreter."""
+    from dmattn_bench.cli import tune as tune_cli
+
+    real_tune = tune_cli.tune
+    asked = []
+    monkeypatch.setattr(tune_cli, "tune", lambda *args, suite, **kwargs: asked.append(suite)
+                        or real_tune(*args, suite="quick", **kwargs))
+    workloads, space = _tiny_inputs(tmp_path, dict(CPU_FWD.to_dict(), block_m=32))
+    out = tmp_path / "T.yaml"
+    result = CliRunner().invoke(tune_command, ["--workloads", workloads, "--space", space, "--out", str(out),
+                                               "--suite", "full", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert asked == ["full"]
+    validated = load_table(out).validated["triton"]["fp32"]
+    assert validated.suite == "full" and validated.kernel_hash == kernel_source_hash("triton")
+
+
 def _records(journal) -> list[dict]:
     return [json.loads(line) for line in journal.read_text().splitlines()]
 
