@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import gc
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -81,10 +81,11 @@ class PeerWorkload:
     workload: Workload
     keep: tuple[str, float] | None  # ("top_fraction", f) or ("top_k", n); None without a mask
     decode: DecodeCache | None = None  # a decode step: forward only, no gradient
+    timed: tuple[str, ...] = DIRECTIONS  # the directions a bench run times (`--direction`)
 
     @property
     def directions(self) -> tuple[str, ...]:
-        return ("fwd",) if self.decode is not None else DIRECTIONS
+        return tuple(d for d in (("fwd",) if self.decode is not None else DIRECTIONS) if d in self.timed)
 
     @property
     def keys_read(self) -> int:
@@ -189,11 +190,14 @@ def _parse_decode(entry: dict, where: str, dtype_override: str | None) -> list[P
     return workloads
 
 
-def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[str] | None = None) -> list[PeerWorkload]:
-    """The `workloads:` list of a peers YAML, optionally only those whose name starts with one of `names`.
+def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[str] | None = None,
+                        directions: list[str] | None = None) -> list[PeerWorkload]:
+    """The `workloads:` list of a peers YAML, optionally only those whose name starts with one of
+    `names`, each timed in `directions` only (of DIRECTIONS; decode steps have the forward alone).
 
     Raises:
-        ValueError: a malformed entry (naming the file, the entry and the key) or no match.
+        ValueError: a malformed entry (naming the file, the entry and the key), no match, or a
+            workload left with no direction to time.
     """
     path = Path(path)
     document = load_yaml(path)
@@ -205,6 +209,12 @@ def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[
         workloads = [w for w in workloads if any(w.name.startswith(n) for n in names)]
         if not workloads:
             raise ValueError(f"--only: no workload of {path} starts with {names}")
+    if directions:
+        workloads = [replace(w, timed=tuple(directions)) for w in workloads]
+        untimed = [w.name for w in workloads if not w.directions]
+        if untimed:
+            raise ValueError(f"--direction {'/'.join(directions)}: decode steps time the forward alone "
+                             f"({', '.join(untimed)}); pass --direction fwd")
     return workloads
 
 

@@ -354,6 +354,21 @@ def test_bench_without_a_gpu_runs_w1_to_w3_at_interpreter_size():
     assert {(r["peer"], r["status"]) for r in document["rows"]} == {("dmattn", "ok"), ("sdpa-math", "ok")}
 
 
+def test_bench_times_only_the_directions_asked_for(tmp_path):
+    """--direction fwd skips the forward+backward rows (a forward experiment's device time); a
+    decode step asked for fwd+bwd alone has nothing to time: a one-line usage error."""
+    result = CliRunner().invoke(bench, ["--workloads", _write(tmp_path, TINY), "--peers", "sdpa-math",
+                                        "--direction", "fwd", "--repeats", "3", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["rows"]
+    assert [(r["peer"], r["direction"], r["status"]) for r in rows] == [("dmattn", "fwd", "ok"),
+                                                                         ("sdpa-math", "fwd", "ok")]
+    assert rows[1]["ours_over_peer_gpu"] is not None
+    decode = CliRunner().invoke(bench, ["--workloads", _write(tmp_path, TINY_DECODE), "--direction", "fwd+bwd"])
+    assert decode.exit_code == 2
+    assert "decode steps time the forward alone" in decode.output and "Traceback" not in decode.output
+
+
 def test_bench_command_rejects_an_unknown_peer(tmp_path):
     result = CliRunner().invoke(bench, ["--workloads", _write(tmp_path, TINY), "--peers", "xformers"])
     assert result.exit_code == 2

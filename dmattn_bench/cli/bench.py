@@ -159,7 +159,7 @@ def plot(document: dict, path: str | Path) -> None:
 
 # -- the command ----------------------------------------------------------------------------------
 
-MEASURING_OPTIONS = ("table_path", "workloads_path", "only", "peer_names", "dtype", "repeats")
+MEASURING_OPTIONS = ("table_path", "workloads_path", "only", "directions", "peer_names", "dtype", "repeats")
 
 
 def _check_nothing_to_measure_given() -> None:
@@ -189,6 +189,8 @@ def _check_plot_available(plot_path: str | None) -> None:
                    "configs/workloads/peers-cpu.yaml (interpreter-sized) without one. Decode steps: "
                    "configs/workloads/peers-decode.yaml (peers-decode-cpu.yaml in the interpreter).")
 @click.option("--only", multiple=True, help="Run only workloads whose name starts with this (repeatable), e.g. --only W3.")
+@click.option("--direction", "directions", multiple=True, type=click.Choice(DIRECTIONS),
+              help="Time only this direction (repeatable). Default: fwd and fwd+bwd (decode steps: fwd).")
 @click.option("--peers", "peer_names", default=None,
               help=f"Comma-separated peers besides ours, from: {', '.join(PEERS)}; groups: "
                    + ", ".join(f"{group} = {'+'.join(members)}" for group, members in PEER_GROUPS.items())
@@ -202,7 +204,7 @@ def _check_plot_available(plot_path: str | None) -> None:
               help="Also write a PNG bar chart here (needs the `plot` extra: matplotlib).")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Render a saved `--format json` report instead of measuring (e.g. to plot it elsewhere).")
-def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plot_path, from_json) -> None:
+def bench(table_path, workloads_path, only, directions, peer_names, dtype, repeats, fmt, plot_path, from_json) -> None:
     """Time our kernel and its peers on the peer workloads: forward and forward+backward of the
     prefill ones, the forward of the decode steps."""
     _check_plot_available(plot_path)
@@ -229,7 +231,7 @@ def bench(table_path, workloads_path, only, peer_names, dtype, repeats, fmt, plo
                            else workloads_path) + "; timings are not meaningful")
         workloads_path = workloads_path or str(DEFAULT_WORKLOADS if has_gpu else CPU_WORKLOADS)
         try:
-            workloads = load_peer_workloads(workloads_path, dtype, list(only))
+            workloads = load_peer_workloads(workloads_path, dtype, list(only), list(directions))
             decoding = [w.decode is not None for w in workloads]
             peers = parse_peers(peer_names if peer_names is not None
                                 else ",".join(DECODE_PEERS if all(decoding) else DEFAULT_PEERS))
