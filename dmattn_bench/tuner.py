@@ -415,8 +415,8 @@ def _leaders(kernels_per_job: list[list[tuple]]) -> list[tuple[int, ...]]:
 def _case_kernels(job: tuple) -> list[tuple]:
     """The kernels one suite case job compiles (`suite_case_job`'s job), keyed so that cases of
     one `specialization_class` (e.g. the NaN, +inf and -inf poisoned biases) meet on them."""
-    backend_name, direction, config, dtype_name, suite, _, index = job
-    case = suite_cases(backend_name, direction, config, suite)[index]
+    backend_name, direction, config, dtype_name, suite, _, max_head_dim, index = job
+    case = suite_cases(backend_name, direction, config, suite, max_head_dim)[index]
     return [(specialization_class(case, dtype_name), *kernel)
             for kernel in get_backend(backend_name).kernels(direction, config, shape_of_case(case))]
 
@@ -465,16 +465,17 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         for direction in tuned_directions(workload, spaces):
             groups.setdefault(workload.key(direction), []).append(workload)
 
-    def suite_key(direction, config, dtype) -> str:
-        names = [case.name for case in suite_cases(backend_name, direction, config, suite)]
+    # a candidate's suite is run for the head dim of the key it is chosen for (`suite_cases`)
+    def suite_key(direction, config, dtype, head_dim) -> str:
+        names = [case.name for case in suite_cases(backend_name, direction, config, suite, head_dim)]
         return suite_id(backend_name, direction, config, dtype, suite, names)
 
-    def verdict_of(direction, config, dtype) -> tuple[str, str]:
-        identifier = suite_key(direction, config, dtype)
+    def verdict_of(direction, config, dtype, head_dim) -> tuple[str, str]:
+        identifier = suite_key(direction, config, dtype, head_dim)
         if identifier not in journal.suites:
             try:
-                status, note = worker.call(suite_job, (backend_name, direction, config, dtype, suite, str(device)),
-                                           suite_timeout_s)
+                status, note = worker.call(suite_job, (backend_name, direction, config, dtype, suite, str(device),
+                                                       head_dim), suite_timeout_s)
             except WorkerTimedOut as exc:
                 status, note = "timeout", f"adversarial suite: {exc}"
             except (WorkerCrashed, RuntimeError) as exc:
@@ -488,13 +489,14 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
     # GPU: the suites of every key's best candidate, compiled and run in parallel first
     if device.type == "cuda":
         suites = list(dict.fromkeys(
-            (backend_name, key.direction, ranked[0][0], key.dtype, suite, str(device))
+            (backend_name, key.direction, ranked[0][0], key.dtype, suite, str(device), key.head_dim)
             for key, ranked in ranked_by_key.items()
-            if ranked and suite_key(key.direction, ranked[0][0], key.dtype) not in journal.suites))
-        case_jobs = [(*one, index) for one in suites for index in range(len(suite_cases(*one[:3], suite)))]
+            if ranked and suite_key(key.direction, ranked[0][0], key.dtype, key.head_dim) not in journal.suites))
+        case_jobs = [(*one, index) for one in suites
+                     for index in range(len(suite_cases(*one[:3], suite, one[-1])))]
 
         def crashed(job, reason) -> CaseResult:
-            return CaseResult(suite_cases(*job[:3], suite)[job[-1]].name, "crash", reason)
+            return CaseResult(suite_cases(*job[:3], suite, job[-2])[job[-1]].name, "crash", reason)
 
         done = on_phase(f"adversarial suite of {len(suites)} configs", len(case_jobs)) if on_phase and suites else None
         outcomes: dict[tuple, CaseResult] = {}
@@ -510,13 +512,13 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
             if status != "crash":
                 # a dead pool process is blamed on the first pending job, not always the culprit: a
                 # config with a crash is left to the isolated serial path below, which times it too
-                journal.append({"kind": "suite", "id": suite_key(*one[1:4]), "status": status, "note": note})
+                journal.append({"kind": "suite", "id": suite_key(*one[1:4], one[-1]), "status": status, "note": note})
 
     winners = []
     for key, ranked in ranked_by_key.items():
         defaults = next((runs for config, runs in ranked if runs[0].is_default), None)
         for config, runs in ranked:
-            status, note = verdict_of(key.direction, config, key.dtype)
+            status, note = verdict_of(key.direction, config, key.dtype, key.head_dim)
             if status != "ok":
                 for trial in runs:
                     trial.status, trial.reason = status, note

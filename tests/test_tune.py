@@ -22,8 +22,8 @@ from dmattn_bench.dispatch import (DispatchWarning, Entry, TableError, Validatio
                                    new_table)
 from dmattn_bench.hardware import CPU_FINGERPRINT
 from dmattn_bench.registry import default_configs, kernel_source_hash
-from dmattn_bench.space import (CONFIGS_DIR, DecodeConfig, FwdConfig, as_4d, config_from_dict, config_label,
-                                seqlen_bucket)
+from dmattn_bench.space import (CONFIGS_DIR, DecodeConfig, FwdConfig, TableKey, as_4d, config_from_dict,
+                                config_label, seqlen_bucket)
 from dmattn_bench.workloads import load_workloads
 
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
@@ -383,7 +383,7 @@ def test_suite_verdict_from_cases_matches_the_whole_suite():
     _, bwd = default_configs(32, "cpu")
     cases = suite_cases("triton", "bwd", bwd, "quick")
     whole = validate("triton", None, bwd, torch.float32, "cpu", cases=cases[:2])
-    parts = [suite_case_job(("triton", "bwd", bwd, "fp32", "quick", "cpu", index)) for index in range(2)]
+    parts = [suite_case_job(("triton", "bwd", bwd, "fp32", "quick", "cpu", None, index)) for index in range(2)]
     assert [(r.case, r.status) for r in parts] == [(r.case, r.status) for r in whole.cases] == [(c.name, "ok") for c in cases[:2]]
     assert set(whole.worst_ratios()) >= {"dq", "dk", "dv"} and not {"out", "lse"} & set(whole.worst_ratios())
     assert suite_verdict(parts, "quick") == ("ok", "quick suite, 2 cases")
@@ -431,7 +431,7 @@ def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatc
 
     monkeypatch.setattr(trials, "_context_lost", False)
     monkeypatch.setattr(trials, "check_case", illegal_access)
-    first, second = (trials.suite_case_job(("triton", "fwd", fwd, "fp32", "quick", "cpu", i)) for i in (0, 1))
+    first, second = (trials.suite_case_job(("triton", "fwd", fwd, "fp32", "quick", "cpu", None, i)) for i in (0, 1))
     assert (first.status, second.status) == ("launch_error", "retry") and len(ran) == 1
 
     def inputs_fail(*args):
@@ -439,7 +439,7 @@ def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatc
 
     monkeypatch.setattr(trials, "_context_lost", False)
     monkeypatch.setattr(trials, "check_case", inputs_fail)
-    third = trials.suite_case_job(("triton", "bwd", bwd, "fp32", "quick", "cpu", 2))
+    third = trials.suite_case_job(("triton", "bwd", bwd, "fp32", "quick", "cpu", None, 2))
     assert third.status not in ("ok", "retry") and "out of memory" in third.reason
 
 
@@ -473,6 +473,26 @@ def test_workloads_of_one_specialization_class_share_their_compiles():
     assert _leaders(keys) == [(), (0,), (), (), ()]
 
 
+def test_a_winner_s_suite_leaves_out_the_head_dims_above_its_key_s_as_verify_does():
+    """The tuner runs a candidate's suite for the key it would win: no case of a larger head dim
+    (dispatch never sends it one; the tiles can need more shared memory than the GPU has), the
+    cases `verify --suite` runs for such an entry. A key below every case's head dim keeps the
+    smallest ones."""
+    from dmattn_bench.trials import suite_cases
+    from dmattn_bench.validator import plan_table_entries
+
+    config = FwdConfig(64, 64, 4, 2)
+    every = suite_cases("triton", "fwd", config, "full")
+    capped = suite_cases("triton", "fwd", config, "full", 128)
+    assert {c.head_dim for c in every} >= {40, 72, 96, 192} and max(c.head_dim for c in capped) == 128
+    assert capped == tuple(c for c in every if c.head_dim <= 128)
+    smallest = min(c.head_dim for c in every)
+    assert suite_cases("triton", "fwd", config, "full", 8) == tuple(c for c in every if c.head_dim == smallest)
+    entry = Entry(TableKey("fwd", "bf16", 128, True, "full", "full", 1, 4096, 4096), "triton", config, {})
+    (planned,) = plan_table_entries([entry], "bf16", "cpu", "full")  # verify's: the pair's tiles, the same cap
+    assert max(c.head_dim for c in planned.cases) == 128
+
+
 def test_suite_cases_that_differ_only_in_their_values_share_their_compiles():
     """Cases whose inputs differ only in values (poisons, scales) wait for one compile of their
     kernels; another length class, a fp32 bias or a view into a larger buffer compiles its own."""
@@ -482,7 +502,7 @@ def test_suite_cases_that_differ_only_in_their_values_share_their_compiles():
 
     config = FwdConfig(64, 64, 4, 2)
     names = [case.name for case in suite_cases("triton", "fwd", config, "quick")]
-    jobs = [("triton", "fwd", config, "bf16", "quick", "cuda", index) for index in range(len(names))]
+    jobs = [("triton", "fwd", config, "bf16", "quick", "cuda", None, index) for index in range(len(names))]
     after = dict(zip(names, _leaders([_case_kernels(job) for job in jobs])))
     leader = names.index("bias_posinf_at_masked")
     for same in ("bias_neginf_at_masked", "bias_neginf_at_allowed", "large_logits", "large_bias"):
