@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import gc
 import math
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -81,11 +81,10 @@ class PeerWorkload:
     workload: Workload
     keep: tuple[str, float] | None  # ("top_fraction", f) or ("top_k", n); None without a mask
     decode: DecodeCache | None = None  # a decode step: forward only, no gradient
-    timed: tuple[str, ...] = DIRECTIONS  # the directions a bench run times (`--direction`)
 
     @property
     def directions(self) -> tuple[str, ...]:
-        return tuple(d for d in (("fwd",) if self.decode is not None else DIRECTIONS) if d in self.timed)
+        return ("fwd",) if self.decode is not None else DIRECTIONS
 
     @property
     def keys_read(self) -> int:
@@ -190,14 +189,11 @@ def _parse_decode(entry: dict, where: str, dtype_override: str | None) -> list[P
     return workloads
 
 
-def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[str] | None = None,
-                        directions: list[str] | None = None) -> list[PeerWorkload]:
-    """The `workloads:` list of a peers YAML, optionally only those whose name starts with one of
-    `names`, each timed in `directions` only (of DIRECTIONS; decode steps have the forward alone).
+def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[str] | None = None) -> list[PeerWorkload]:
+    """The `workloads:` list of a peers YAML, optionally only those whose name starts with one of `names`.
 
     Raises:
-        ValueError: a malformed entry (naming the file, the entry and the key), no match, or a
-            workload left with no direction to time.
+        ValueError: a malformed entry (naming the file, the entry and the key) or no match.
     """
     path = Path(path)
     document = load_yaml(path)
@@ -209,13 +205,12 @@ def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[
         workloads = [w for w in workloads if any(w.name.startswith(n) for n in names)]
         if not workloads:
             raise ValueError(f"--only: no workload of {path} starts with {names}")
-    if directions:
-        workloads = [replace(w, timed=tuple(directions)) for w in workloads]
-        untimed = [w.name for w in workloads if not w.directions]
-        if untimed:
-            raise ValueError(f"--direction {'/'.join(directions)}: decode steps time the forward alone "
-                             f"({', '.join(untimed)}); pass --direction fwd")
     return workloads
+
+
+def timed_directions(pw: PeerWorkload, directions=DIRECTIONS) -> tuple[str, ...]:
+    """The directions of `pw` a run times: those of `directions` it has (a decode step: the forward)."""
+    return tuple(d for d in pw.directions if d in directions)
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -452,7 +447,7 @@ class _Mismatch(Exception):
 
 def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str | None, device, repeats: int,
                   peaks, copy_bytes_per_s: float | None, ours_out: torch.Tensor | None,
-                  advance) -> tuple[list[Row], torch.Tensor | None]:
+                  advance, directions: tuple[str, ...]) -> tuple[list[Row], torch.Tensor | None]:
     rows: list[Row] = []
     out = None
     try:
@@ -462,13 +457,13 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
         prepared = PEERS[peer](inputs, table)
     except Exception as exc:  # a peer that cannot even be set up is data
         error = str(exc) if isinstance(exc, _Unavailable) else _one_line(exc)
-        for direction in pw.directions:
+        for direction in directions:
             rows.append(Row(pw.name, peer, direction, "error", error=error))
             advance(f"{pw.name} {peer} {direction}: error")
         return rows, None
     calls, loops = eager_loop(device)  # time_kernel's warm-up serves the eager loop too
     with prepared.context():  # the peer's own set-up for every call (SDPA's kernel choice)
-        for direction in pw.directions:
+        for direction in directions:
             row = Row(pw.name, peer, direction, "ok", setup_ms=prepared.setup_ms, note=prepared.note)
             try:
                 if direction == "fwd":
@@ -507,21 +502,23 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
 
 
 def run_bench(workloads: list[PeerWorkload], peers: list[str], device, table: str | None = None,
-              repeats: int = 20, copy_bytes_per_s: float | None = None) -> list[Row]:
-    """Every (workload, peer, direction); ours first in each workload so ratios can be filled.
-    The eager wall time runs `eager_loop(device)` calls; decode rows get their bandwidth
-    fraction of `copy_bytes_per_s` (`copy_rate`) when it is given."""
+              repeats: int = 20, copy_bytes_per_s: float | None = None,
+              directions: tuple[str, ...] = DIRECTIONS) -> list[Row]:
+    """Every (workload, peer, direction of `directions` it has: `timed_directions`); ours first in
+    each workload so ratios can be filled. The eager wall time runs `eager_loop(device)` calls;
+    decode rows get their bandwidth fraction of `copy_bytes_per_s` (`copy_rate`) when it is given."""
     device = torch.device(device)
     peaks = hardware.device_peaks(device)
     rows: list[Row] = []
-    with output.progress("bench", total=sum(len(pw.directions) for pw in workloads) * len(peers)) as advance:
+    total = sum(len(timed_directions(pw, directions)) for pw in workloads) * len(peers)
+    with output.progress("bench", total=total) as advance:
         for pw in workloads:
             output.info(f"workload {pw.describe()}")
             inputs = build_bench_inputs(pw, device)
             ours_out = None
             for peer in peers:
                 peer_rows, out = _measure_peer(pw, peer, inputs, table, device, repeats, peaks, copy_bytes_per_s,
-                                               ours_out, advance)
+                                               ours_out, advance, timed_directions(pw, directions))
                 if peer == OURS:
                     ours_out = out
                 rows.extend(peer_rows)

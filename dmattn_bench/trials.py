@@ -22,7 +22,8 @@ from dmattn_bench.registry import get_backend
 from dmattn_bench.space import DTYPES, BwdConfig, DecodeConfig, FwdConfig, as_4d
 from dmattn_bench.timing import Timing, time_kernel
 from dmattn_bench.validator import (DECODE, CaseResult, check_case, check_decode_case, classify_failure, compare,
-                                    config_suite, reference_forward, run_reference, shape_of_case, validate)
+                                    config_suite, reference_forward, run_reference, shape_of_case, up_to_head_dim,
+                                    validate)
 from dmattn_bench.workloads import Workload
 
 WARMUP = 2
@@ -207,23 +208,15 @@ def suite_job(backend_name: str, direction: str, config, dtype_name: str, suite:
 @lru_cache(maxsize=256)
 def suite_cases(backend_name: str, direction: str, config, suite: str,
                 max_head_dim: int | None = None) -> tuple[Case, ...]:
-    """The cases of a direction's config's suite for a key of head dim `max_head_dim` (None: every
-    case), in order (built once per process: each case job of the GPU phase picks one by index).
-
-    Cases of a larger head dim are left out, as `verify` leaves them out for a table's entries
-    (`validator.plan_table_entries`): dispatch sends a config only its entries' head dim, and a
-    larger one can need more shared memory than the GPU has (H100: 128x128 w12 s2, the CUDA
-    forward W1's bench runs at 0.431 ms, failed its tune's suite on the head-dim-192 case at
-    246784 of 232448 bytes, and the key took 128x64 w12 s3 at 0.440). A key below every case's
-    head dim keeps the smallest ones."""
+    """The cases of a direction's config's suite for a key of head dim `max_head_dim`, in order
+    (built once per process: each case job of the GPU phase picks one by index): those `verify`
+    runs for such an entry (`validator.up_to_head_dim`), or every case where that leaves none
+    (a key below every case's head dim; verify adds cases shaped as its entries) or none is given."""
     if direction == "decode":
         cases = decode_cases(suite, config.block_n)
     else:
         cases = config_suite(backend_name, suite, *_alone(direction, config))
-    if max_head_dim is None:
-        return tuple(cases)
-    limit = max(max_head_dim, min(case.head_dim for case in cases))
-    return tuple(case for case in cases if case.head_dim <= limit)
+    return tuple(up_to_head_dim(cases, max_head_dim) if max_head_dim is not None else ()) or tuple(cases)
 
 
 _context_lost = False  # this process's CUDA context died in a case (illegal access): it runs no more

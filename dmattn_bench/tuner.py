@@ -488,10 +488,14 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
                      for key, group in groups.items()}
     # GPU: the suites of every key's best candidate, compiled and run in parallel first
     if device.type == "cuda":
-        suites = list(dict.fromkeys(
-            (backend_name, key.direction, ranked[0][0], key.dtype, suite, str(device), key.head_dim)
-            for key, ranked in ranked_by_key.items()
-            if ranked and suite_key(key.direction, ranked[0][0], key.dtype, key.head_dim) not in journal.suites))
+        # one run per suite (keys of head dims above every case's share one)
+        unjournaled = {}
+        for key, ranked in ranked_by_key.items():
+            identifier = suite_key(key.direction, ranked[0][0], key.dtype, key.head_dim) if ranked else None
+            if identifier is not None and identifier not in journal.suites:
+                unjournaled.setdefault(identifier, (backend_name, key.direction, ranked[0][0], key.dtype, suite,
+                                                    str(device), key.head_dim))
+        suites = list(unjournaled.values())
         case_jobs = [(*one, index) for one in suites
                      for index in range(len(suite_cases(*one[:3], suite, one[-1])))]
 

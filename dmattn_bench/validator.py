@@ -369,6 +369,13 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
     return cases
 
 
+def up_to_head_dim(cases, head_dim: int) -> list[Case]:
+    """The cases a config chosen for keys of head dims up to `head_dim` runs: none of a larger
+    head dim (dispatch never sends the config one, and its tiles can need more shared memory than
+    the GPU has there)."""
+    return [case for case in cases if case.head_dim <= head_dim]
+
+
 def validate(backend_name: str, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None, dtype: torch.dtype,
              device: torch.device | str, suite: str = "quick",
              on_case: Callable[[CaseResult], None] | None = None,
@@ -492,16 +499,14 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
         grouped.setdefault((entry.backend, *pair), []).append(entry)
     plan = []
     for (backend, fwd, bwd), group in grouped.items():
-        # the dispatch sends this pair only the head dims of its entries: suite cases with a larger
-        # head dim (whose tiles need more shared memory) can never reach it
-        largest = max(e.key.head_dim for e in group)
+        largest = max(e.key.head_dim for e in group)  # dispatch sends the pair its entries' head dims
         if backend == DECODE:
             suite_cases = decode_cases(suite, fwd.block_n)
             label = f"{DECODE} {config_label(fwd)} ({len(group)} entries)"
         else:
             suite_cases = config_suite(backend, suite, fwd, bwd)
             label = f"{backend} fwd {config_label(fwd)} / bwd {config_label(bwd)} ({len(group)} entries)"
-        cases = [c for c in suite_cases if c.head_dim <= largest] + [entry_case(e.key) for e in group]
+        cases = up_to_head_dim(suite_cases, largest) + [entry_case(e.key) for e in group]
         plan.append(PlannedSuite(label, backend, fwd, bwd, cases))
     return plan
 

@@ -424,7 +424,7 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     # the full grid has bf16 and fp16: a shipped entry serves each workload of its key exactly
     # (two workloads may share a key); its non-causal GQA keys of the shipped kinds take the causal entries
     full_grid = [tuple(sorted(asdict(w.key(d)).items())) for w in load_workloads(workloads, "full")
-                 for d in ("fwd", "bwd")]
+                 for d in w.directions()]
     entry_keys = {tuple(sorted(e["key"].items())) for e in shipped["entries"]}
     assert counts["exact"] == sum(key in entry_keys for key in full_grid) > 16
     assert counts["nearest bucket"] > 0 and counts["default"] > counts["exact"]

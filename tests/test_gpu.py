@@ -499,6 +499,11 @@ def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch,
     # the backward's first runs build theirs. A call without gradient whose program exists runs
     # through the eager entry (one C++ call from `flash_dmattn_func`), the others from Python.
     assert (len(native_runs), served.count(True)) == ((0, 3) if decode else (5, 0) if grad else (0, 2))
+    if grad:  # the pinned forward ran
+        from dmattn_bench import plan
+
+        assert {built.fwd_backend.name for built in plan.PLANS._plans.values()} == {
+            "cuda" if call.endswith("cuda-fwd") else "triton"}
     assert not any(t.isnan().any() for t in first)
     for again in later:
         assert all(torch.equal(a, b) for a, b in zip(first, again))

@@ -476,9 +476,9 @@ def test_workloads_of_one_specialization_class_share_their_compiles():
 def test_a_winner_s_suite_leaves_out_the_head_dims_above_its_key_s_as_verify_does():
     """The tuner runs a candidate's suite for the key it would win: no case of a larger head dim
     (dispatch never sends it one; the tiles can need more shared memory than the GPU has), the
-    cases `verify --suite` runs for such an entry. A key below every case's head dim keeps the
-    smallest ones."""
+    cases `verify --suite` runs for such an entry. A key below every case's head dim runs them all."""
     from dmattn_bench.trials import suite_cases
+    from dmattn_bench.tuner import _case_kernels
     from dmattn_bench.validator import plan_table_entries
 
     config = FwdConfig(64, 64, 4, 2)
@@ -486,11 +486,13 @@ def test_a_winner_s_suite_leaves_out_the_head_dims_above_its_key_s_as_verify_doe
     capped = suite_cases("triton", "fwd", config, "full", 128)
     assert {c.head_dim for c in every} >= {40, 72, 96, 192} and max(c.head_dim for c in capped) == 128
     assert capped == tuple(c for c in every if c.head_dim <= 128)
-    smallest = min(c.head_dim for c in every)
-    assert suite_cases("triton", "fwd", config, "full", 8) == tuple(c for c in every if c.head_dim == smallest)
+    assert suite_cases("triton", "fwd", config, "full", 8) == every
     entry = Entry(TableKey("fwd", "bf16", 128, True, "full", "full", 1, 4096, 4096), "triton", config, {})
     (planned,) = plan_table_entries([entry], "bf16", "cpu", "full")  # verify's: the pair's tiles, the same cap
     assert max(c.head_dim for c in planned.cases) == 128
+    # a GPU-phase case job names the key's head dim: its index counts the capped cases
+    last = ("triton", "fwd", config, "bf16", "full", "cuda", 128, len(capped) - 1)
+    assert _case_kernels(last) == _case_kernels((*last[:6], None, every.index(capped[-1])))
 
 
 def test_suite_cases_that_differ_only_in_their_values_share_their_compiles():

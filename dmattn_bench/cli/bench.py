@@ -15,7 +15,7 @@ from rich.table import Table
 
 from dmattn_bench import output
 from dmattn_bench.bench import (COPY_BYTES, DIRECTIONS, Row, copy_rate, eager_loop, failed_rows_of_ours,
-                                load_peer_workloads, run_bench)
+                                load_peer_workloads, run_bench, timed_directions)
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_peaks, software_versions
@@ -231,18 +231,24 @@ def bench(table_path, workloads_path, only, directions, peer_names, dtype, repea
                            else workloads_path) + "; timings are not meaningful")
         workloads_path = workloads_path or str(DEFAULT_WORKLOADS if has_gpu else CPU_WORKLOADS)
         try:
-            workloads = load_peer_workloads(workloads_path, dtype, list(only), list(directions))
+            workloads = load_peer_workloads(workloads_path, dtype, list(only))
             decoding = [w.decode is not None for w in workloads]
             peers = parse_peers(peer_names if peer_names is not None
                                 else ",".join(DECODE_PEERS if all(decoding) else DEFAULT_PEERS))
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
         reject_bf16_without_gpu({w.workload.dtype for w in workloads}, has_gpu, param_hint="--workloads")
+        directions = tuple(directions) or DIRECTIONS
+        untimed = [w.name for w in workloads if not timed_directions(w, directions)]
+        if untimed:
+            raise click.BadParameter(f"decode steps time the forward alone ({', '.join(untimed)}): add --direction "
+                                     "fwd, or leave them out with --only", param_hint="--direction")
         # off a GPU no time is meaningful, and a copy of the host's memory would rank nothing
         rate = copy_rate(device) if has_gpu and any(decoding) else None
         if rate is not None:
             output.info(f"device copy: {rate / 1e12:.2f} TB/s")
-        rows = run_bench(workloads, peers, device, table=table_path, repeats=repeats, copy_bytes_per_s=rate)
+        rows = run_bench(workloads, peers, device, table=table_path, repeats=repeats, copy_bytes_per_s=rate,
+                         directions=directions)
         failed = failed_rows_of_ours(rows)
         calls, loops = eager_loop(device)
         peaks = device_peaks(device)

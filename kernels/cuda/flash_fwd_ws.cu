@@ -24,9 +24,10 @@
 // barriers; a turn issues tile j - 1's P V with tile j's S, then hands over): H100, same shape,
 // 0.310 against 0.295 ms, and 0.322 with that order but no turns. Waiting for tile j's P V only
 // at tile j + 1's S (the slot released then) and reading a mask row's 16 bytes at once for
-// both n8 tiles were slower or no faster on the H200 (W1 0.381 and 0.388 against 0.377 ms,
-// W2 0.383 and 0.373 against 0.367; 128x128 w12 s2), and so was an L2 prefetch of the next
-// tile's mask and bias from the producer (W1 0.414).
+// both n8 tiles were slower or no faster (H200, bench W1 and W2, 128x128 w12 s2, each variant
+// against this kernel in one `ws_probe.py --suite none` call: W1 0.381 and 0.388 against 0.377
+// ms, W2 0.383 and 0.373 against 0.367), and so was an L2 prefetch of the next tile's mask and
+// bias by the producer (W1 0.414 against 0.377).
 //
 // Mask and bias (MASK_TILES, BIAS_TILES): an operand with keys contiguous (a mask, a 16-bit bias)
 // is staged too, in a ring of SCORE_STAGES slots (one or two: what fits beside the K and V rings;

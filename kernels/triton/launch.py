@@ -730,12 +730,13 @@ class BackwardPlan:
         self.compiled = False  # every launch has its compiled launcher (after the first run)
         self.native = None  # `allocate_and_run`'s `native.Program`, once the kernels are compiled
         self.native_tried = False
+        self.native_own_activity = False  # the program runs the activity pass (the forward left none)
 
     def allocate_and_run(self, dout, q, k, v, out, lse, mask, bias, activity, dlse) -> tuple | None:
         """(dq, dk, dv, dbias or None) in new tensors (dbias 4-D) as one native call, once a run
         from Python compiled the kernels; None before that (the caller allocates and calls the
         plan) and where the path is off."""
-        if self.native is None:
+        if self.native is None or (mask is not None and (activity is None) != self.native_own_activity):
             return None
         stream = launch_stream()
         if stream is None or LAUNCH_OBSERVERS:
@@ -756,9 +757,9 @@ class BackwardPlan:
             allocations.append((tuple(dbias.shape), dbias.dtype))
         scratch_index = len(allocations)
         allocations.append(((self.workspace.nbytes,), torch.uint8))
-        # its own pass: once per plan, as `__call__` runs it (whether the forward keeps an activity
-        # is fixed by the plan's forward backend)
-        own_activity = mask is not None and activity is None
+        # with a mask and no activity from the forward, every run lists the tiles from its own
+        # pass, as `__call__` does (`allocate_and_run` declines a call of the other kind)
+        own_activity = self.native_own_activity = mask is not None and activity is None
         if own_activity:
             allocations.append((self.activity.shape, torch.int8))
         scratch = {name: native.allocated(scratch_index, layout[0]) for name, layout in self.workspace.layout.items()}
