@@ -216,7 +216,8 @@ def suite_cases(backend_name: str, direction: str, config, suite: str,
         cases = decode_cases(suite, config.block_n)
     else:
         cases = config_suite(backend_name, suite, *_alone(direction, config))
-    return tuple(up_to_head_dim(cases, max_head_dim) if max_head_dim is not None else ()) or tuple(cases)
+    capped = up_to_head_dim(cases, max_head_dim) if max_head_dim is not None else []
+    return tuple(capped or cases)
 
 
 _context_lost = False  # this process's CUDA context died in a case (illegal access): it runs no more

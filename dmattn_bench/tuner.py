@@ -491,8 +491,10 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         # one run per suite (keys of head dims above every case's share one)
         unjournaled = {}
         for key, ranked in ranked_by_key.items():
-            identifier = suite_key(key.direction, ranked[0][0], key.dtype, key.head_dim) if ranked else None
-            if identifier is not None and identifier not in journal.suites:
+            if not ranked:
+                continue
+            identifier = suite_key(key.direction, ranked[0][0], key.dtype, key.head_dim)
+            if identifier not in journal.suites:
                 unjournaled.setdefault(identifier, (backend_name, key.direction, ranked[0][0], key.dtype, suite,
                                                     str(device), key.head_dim))
         suites = list(unjournaled.values())
