@@ -25,7 +25,11 @@
 //   group's shares.
 // - dQ: one CTA per (block of CTA_ROWS queries, batch, query head) walking key tiles of
 //   DQ_BLOCK_N, as the forward does; S and dP are recomputed there instead of accumulated with
-//   atomics.
+//   atomics. Taking dQ in the dK/dV kernel instead (dS^T staged in shared memory by stmatrix,
+//   dS K per warpgroup as wgmma, each query tile's shares added in key-block order behind a
+//   per-tile counter) was correct and bitwise repeatable but slower on the H100 at 64x64 w4 and
+//   64x128 w8: the sum of the shares in global fp32 costs more than the recomputation saves (the
+//   commit that added this paragraph gives the figures).
 // - dBias (HAS_DBIAS) comes from the dK/dV kernel into a target of shape (B, H, Lq|1, Lk) that
 //   the launcher zeroes and, where the bias broadcasts, sums: with a query dim (DBIAS_ROWS)
 //   each dS element is stored; without one each key's dS is summed over all its queries in
