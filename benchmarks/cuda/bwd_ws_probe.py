@@ -98,7 +98,9 @@ FLOORS = [dict(SKIP_DQ=1), dict(SKIP_DQ=1, FAST_EXP=1), dict(SKIP_DQ=1, SKIP_SYN
           dict(SKIP_DQ=1, SKIP_DQ_MMA=1), dict(DQ_PERMUTED=1, FAST_EXP=1),
           dict(DQ_PERMUTED=1, FAST_EXP=1, DQ_BUFFERS=2), dict(DQ_PERMUTED=1, FAST_EXP=1, DQ_BUFFERS=2, ORDERED=0),
           dict(DQ_PERMUTED=1, FAST_EXP=1, DQ_BUFFERS=2, ORDERED=0, LONGEST_FIRST=1),
-          dict(SKIP_DQ=1, FAST_EXP=1, ORDERED=0, LONGEST_FIRST=1)]
+          dict(SKIP_DQ=1, FAST_EXP=1, ORDERED=0, LONGEST_FIRST=1),
+          dict(DQ_PERMUTED=1, FAST_EXP=1, DQ_BUFFERS=2, ASCENDING=1),
+          dict(DQ_PERMUTED=1, FAST_EXP=1, DQ_BUFFERS=2, ASCENDING=1, ORDERED=0)]
 
 
 def floors():
@@ -144,7 +146,9 @@ def main():
                         dbias=None, **options)),
                     ("ws prototype, ordered", lambda g: runner(q, k, v, out, lse, dout, *g, causal, True, **BEST)),
                     ("ws prototype, unordered", lambda g: runner(q, k, v, out, lse, dout, *g, causal, False,
-                                                                 **BEST))]
+                                                                 **BEST)),
+                    ("ws prototype, ordered ascending", lambda g: runner(q, k, v, out, lse, dout, *g, causal, True,
+                                                                         ASCENDING=1, **BEST))]
         for label, make in variants:
             g = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))]
             run = make(g)

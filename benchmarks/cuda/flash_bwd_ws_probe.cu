@@ -19,7 +19,7 @@
 // Compile-time parameters: common.cuh's (HEAD_DIM 128, NUM_WARPS 12, STAGES, IS_CAUSAL, WGMMA 1),
 // ORDERED, and the probe's switches DQ_PERMUTED (the dQ share in fragment order), DQ_BUFFERS
 // (1 or 2 share tiles), FAST_EXP (ex2.approx.ftz), LONGEST_FIRST (unordered only: key blocks
-// launched in causal's longest-first order), and for floors (wrong dQ): SKIP_DQ (no dQ sum),
+// launched in causal's longest-first order), ASCENDING (the order of the sum, see n_block), and for floors (wrong dQ): SKIP_DQ (no dQ sum),
 // SKIP_SYNC (no barrier between the warpgroups' dS and dQ products), SKIP_DQ_MMA (no dS
 // staging, no dQ product). Figures: results/cuda/h100-bwd-ws-probe.txt.
 
@@ -44,6 +44,9 @@
 #endif
 #ifndef LONGEST_FIRST
 #define LONGEST_FIRST 0
+#endif
+#ifndef ASCENDING
+#define ASCENDING 0
 #endif
 #ifndef SKIP_SYNC
 #define SKIP_SYNC 0
@@ -118,13 +121,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
   float* delta_smem = lse_smem + STAGES * BLOCK_M;
 
   const int bh = blockIdx.x, batch = bh / p.num_heads, head = bh % p.num_heads;
-  // the last blocks add first, so they launch first (LONGEST_FIRST, unordered only: causal's
-  // longest blocks first)
-  const int n_blocks = gridDim.y, n_block = LONGEST_FIRST ? blockIdx.y : n_blocks - 1 - blockIdx.y;
-  static_assert(!(LONGEST_FIRST && ORDERED), "ordered sums wait for the blocks after: they must launch first");
+  // Descending (ASCENDING 0): the last blocks add first, so they launch first, shortest first
+  // under causal (LONGEST_FIRST launches the other way, unordered only). ASCENDING: block 0 adds
+  // first and the blocks launch longest first; each walks its query tiles from the last, so all
+  // blocks of a head visit a tile at the same step and block n trails block n - 1 by one add.
+  const int n_blocks = gridDim.y;
+  const int n_block = LONGEST_FIRST || ASCENDING ? blockIdx.y : n_blocks - 1 - blockIdx.y;
+  static_assert(!(LONGEST_FIRST && ORDERED), "descending sums wait for the blocks after: they must launch first");
   const int offset = p.seqlen_k - p.seqlen_q;
   const int m_tiles = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
   const int m_begin = IS_CAUSAL ? max(0, n_block * BLOCK_N - offset) / BLOCK_M : 0;
+  auto tile_at = [&](int i) { return ASCENDING ? m_tiles - 1 - i : m_begin + i; };  // the i-th tile walked
 
   if (threadIdx.x == 0) {
     barrier_init(&kv_full, 1);
@@ -147,7 +154,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
       barrier_arrive_expecting(&kv_full, 2 * KV_BYTES);
       load_tile_tma<BLOCK_N>(k_smem, &p.k_map, n_block * BLOCK_N, head, batch, &kv_full);
       load_tile_tma<BLOCK_N>(v_smem, &p.v_map, n_block * BLOCK_N, head, batch, &kv_full);
-      for (int m = m_begin, i = 0; m < m_tiles; ++m, ++i) {
+      for (int i = 0; i < m_tiles - m_begin; ++i) {
+    const int m = tile_at(i);
         const int slot = i % STAGES;
         if (i >= STAGES) barrier_wait(&empty[slot], (i / STAGES - 1) & 1);
         barrier_arrive_expecting(&full[slot], 2 * Q_BYTES);
@@ -157,7 +165,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
     } else if (warp == 1) {
       const float* lse = p.lse + int64_t(bh) * p.seqlen_q;
       const float* delta = p.delta + int64_t(bh) * p.seqlen_q;
-      for (int m = m_begin, i = 0; m < m_tiles; ++m, ++i) {
+      for (int i = 0; i < m_tiles - m_begin; ++i) {
+    const int m = tile_at(i);
         const int slot = i % STAGES;
         if (i >= STAGES) barrier_wait(&empty[slot], (i / STAGES - 1) & 1);
         for (int r = lane; r < BLOCK_M; r += 32) {
@@ -173,11 +182,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
 #if ORDERED
       int* counters = p.dq_semaphore + bh * m_tiles;
 #endif
-      for (int m = m_begin, i = 0; m < m_tiles; ++m, ++i) {
+      for (int i = 0; i < m_tiles - m_begin; ++i) {
+    const int m = tile_at(i);
         const int buffer = i % DQ_BUFFERS;
         barrier_wait(&dq_full[buffer], (i / DQ_BUFFERS) & 1);
 #if ORDERED
-        const int turn = key_blocks_reaching(m, offset, n_blocks) - 1 - n_block;
+        const int turn = ASCENDING ? n_block : key_blocks_reaching(m, offset, n_blocks) - 1 - n_block;
         int seen;
         do asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counters + m) : "memory");
         while (seen != turn);
@@ -210,7 +220,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
   float dk_acc[BLOCK_D / 8][4] = {}, dv_acc[BLOCK_D / 8][4] = {};
   barrier_wait(&kv_full, 0);
 
-  for (int m = m_begin, i = 0; m < m_tiles; ++m, ++i) {
+  for (int i = 0; i < m_tiles - m_begin; ++i) {
+    const int m = tile_at(i);
     const int slot = i % STAGES;
     barrier_wait(&full[slot], (i / STAGES) & 1);
     const elem_t* q_tile = q_smem + slot * BLOCK_M * BLOCK_D;
