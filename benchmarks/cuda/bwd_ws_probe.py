@@ -27,7 +27,8 @@ CUDA_DEFAULT = BwdConfig(64, 64, 64, 64, 4, 2)
 
 class Params(ctypes.Structure):
     _fields_ = ([(name, launch._TensorMap) for name in ("q_map", "k_map", "v_map", "do_map")]
-                + [(name, ctypes.c_void_p) for name in ("lse", "delta", "dq_accum", "dq_semaphore", "dk", "dv")]
+                + [(name, ctypes.c_void_p) for name in ("out", "dout", "dq", "lse", "delta", "dq_accum", "dq_semaphore",
+                                                        "dk", "dv")]
                 + [("num_heads", ctypes.c_int), ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int),
                    ("softmax_scale", ctypes.c_float)])
 
@@ -50,7 +51,11 @@ def runner(q, k, v, out, lse, dout, dq, dk, dv, causal: bool, ordered: bool, **s
     driver = launch._the_driver()
     shared = (SHARED + (switches.get("STAGES", 2) - 2) * 2 * (64 * 128 * 2 + 64 * 4)
               + (switches.get("DQ_BUFFERS", 1) - 1) * 64 * 128 * 4)
-    function = driver.function(torch.cuda.current_device(), cubin(causal, ordered, switches), b"bwd_ws_kernel", shared)
+    built = cubin(causal, ordered, switches)
+    device = torch.cuda.current_device()
+    function = driver.function(device, built, b"bwd_ws_kernel", shared)
+    delta_kernel = driver.function(device, built, b"bwd_ws_delta_kernel", 0)
+    dq_kernel = driver.function(device, built, b"bwd_ws_dq_kernel", 0)
     m_tiles = -(-seqlen_q // BLOCK_M)
     accum = torch.zeros(batch, heads, m_tiles * BLOCK_M, dim, device="cuda")
     semaphore = torch.zeros(batch, heads, m_tiles, dtype=torch.int32, device="cuda")
@@ -58,21 +63,18 @@ def runner(q, k, v, out, lse, dout, dq, dk, dv, causal: bool, ordered: bool, **s
     rows = (3, 1, 2, 0)
     params = Params(driver.tensor_map(q, rows, BLOCK_M, 128, 128), driver.tensor_map(k, rows, BLOCK_N, 128, 128),
                     driver.tensor_map(v, rows, BLOCK_N, 128, 128), driver.tensor_map(dout, rows, BLOCK_M, 128, 128),
-                    lse.data_ptr(), delta.data_ptr(), accum.data_ptr(), semaphore.data_ptr(), dk.data_ptr(),
+                    out.data_ptr(), dout.data_ptr(), dq.data_ptr(), lse.data_ptr(), delta.data_ptr(),
+                    accum.data_ptr(), semaphore.data_ptr(), dk.data_ptr(),
                     dv.data_ptr(), heads, seqlen_q, seqlen_k, dim ** -0.5)
     grid = (batch * heads, -(-seqlen_k // BLOCK_N))
 
     def run():
+        stream = torch.cuda.current_stream().cuda_stream
         accum.zero_()
         semaphore.zero_()
-        delta.copy_(torch.sum(dout.float() * out.float(), -1).transpose(1, 2))
-        driver.launch(function, grid, THREADS, shared, torch.cuda.current_stream().cuda_stream, params)
-        if switches.get("DQ_PERMUTED"):  # (tile, 2 d + r, warpgroup, warp, g, t, e) -> rows, columns
-            tiles = accum.view(batch, heads, m_tiles, 8, 2, 2, 4, 8, 4, 2)  # b h m d r group w4 g t e
-            rows_cols = tiles.permute(0, 1, 2, 6, 4, 7, 5, 3, 8, 9).reshape(batch, heads, m_tiles * BLOCK_M, dim)
-            dq.copy_((rows_cols[:, :, :seqlen_q] * dim ** -0.5).transpose(1, 2))
-        else:
-            dq.copy_((accum[:, :, :seqlen_q] * dim ** -0.5).transpose(1, 2))
+        driver.launch(delta_kernel, (-(-seqlen_q // 12), batch * heads), THREADS, 0, stream, params)
+        driver.launch(function, grid, THREADS, shared, stream, params)
+        driver.launch(dq_kernel, (-(-seqlen_q * dim // 2 // THREADS), batch * heads), THREADS, 0, stream, params)
 
     def kernel_only():  # the main kernel's own time (its counters reset; the sums grow, unread)
         semaphore.zero_()
@@ -93,7 +95,7 @@ def reference(q, k, v, dout, causal):
     return [t.grad.transpose(1, 2) for t in (qf, kf, vf)]
 
 
-BEST = dict(DQ_PERMUTED=1, FAST_EXP=1, DQ_BUFFERS=2)  # the switches that were no slower
+BEST = dict(DQ_PERMUTED=1, FAST_EXP=1, DQ_BUFFERS=2, ASCENDING=1)  # the switches that were no slower
 FLOORS = [dict(SKIP_DQ=1), dict(SKIP_DQ=1, FAST_EXP=1), dict(SKIP_DQ=1, SKIP_SYNC=1),
           dict(SKIP_DQ=1, SKIP_DQ_MMA=1), dict(DQ_PERMUTED=1, FAST_EXP=1),
           dict(DQ_PERMUTED=1, FAST_EXP=1, DQ_BUFFERS=2), dict(DQ_PERMUTED=1, FAST_EXP=1, DQ_BUFFERS=2, ORDERED=0),
@@ -144,11 +146,10 @@ def main():
                     ("cuda 64x64 w4 (two kernels)", lambda g: lambda: cuda.backward(
                         dout, q, k, v, out, lse, None, None, config=CUDA_DEFAULT, dq=g[0], dk=g[1], dv=g[2],
                         dbias=None, **options)),
-                    ("ws prototype, ordered", lambda g: runner(q, k, v, out, lse, dout, *g, causal, True, **BEST)),
-                    ("ws prototype, unordered", lambda g: runner(q, k, v, out, lse, dout, *g, causal, False,
-                                                                 **BEST)),
-                    ("ws prototype, ordered ascending", lambda g: runner(q, k, v, out, lse, dout, *g, causal, True,
-                                                                         ASCENDING=1, **BEST))]
+                    ("ws prototype (deterministic)", lambda g: runner(q, k, v, out, lse, dout, *g, causal, True,
+                                                                      **BEST)),
+                    ("ws prototype (unordered)", lambda g: runner(q, k, v, out, lse, dout, *g, causal, False,
+                                                                  **BEST))]
         for label, make in variants:
             g = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))]
             run = make(g)

@@ -21,7 +21,9 @@
 // (1 or 2 share tiles), FAST_EXP (ex2.approx.ftz), LONGEST_FIRST (unordered only: key blocks
 // launched in causal's longest-first order), ASCENDING (the order of the sum, see n_block), and for floors (wrong dQ): SKIP_DQ (no dQ sum),
 // SKIP_SYNC (no barrier between the warpgroups' dS and dQ products), SKIP_DQ_MMA (no dS
-// staging, no dQ product). Figures: results/cuda/h100-bwd-ws-probe.txt.
+// staging, no dQ product). Figures: results/cuda/h100-bwd-ws-probe.txt. Issuing tile i's dQ
+// product after tile i + 1's S^T and dP^T, to run it beside that tile's gradients, needs more
+// than a consumer's 240 registers here (ptxas C7511: wgmma serialized, 580 bytes spilled).
 
 #include <cuda.h>  // CUtensorMap
 
@@ -63,8 +65,11 @@ constexpr uint32_t DQ_TILE_BYTES = BLOCK_M * BLOCK_D * sizeof(float);
 
 struct WsBwdParams {  // bwd_ws_probe.py mirrors it
   CUtensorMap q_map, k_map, v_map, do_map;
+  const elem_t* out;   // (B, Lq, H, D), contiguous, as dout
+  const elem_t* dout;
+  elem_t* dq;          // (B, Lq, H, D), contiguous
   const float* lse;    // (B, H, Lq), natural log
-  const float* delta;  // (B, H, Lq)
+  float* delta;        // (B, H, Lq)
   float* dq_accum;     // (B, H, query tiles x 64, 128), zeroed
   int* dq_semaphore;   // (B, H, query tiles), zeroed
   elem_t* dk;          // (B, Lk, H, D), contiguous
@@ -337,4 +342,38 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
       store_pair(p.dv + at + col, dv_acc[d][2 * r], dv_acc[d][2 * r + 1]);
     }
   }
+}
+
+// delta = rowsum(dO * out): one warp per query row.
+extern "C" __global__ void __launch_bounds__(THREADS) bwd_ws_delta_kernel(const WsBwdParams p) {
+  const int row = blockIdx.x * NUM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int bh = blockIdx.y, batch = bh / p.num_heads, head = bh % p.num_heads;
+  if (row >= p.seqlen_q) return;
+  const int64_t at = ((int64_t(batch) * p.seqlen_q + row) * p.num_heads + head) * HEAD_DIM + 4 * lane;
+  const uint2 o = *reinterpret_cast<const uint2*>(p.out + at), d = *reinterpret_cast<const uint2*>(p.dout + at);
+  const float2 o0 = unpack2(o.x), o1 = unpack2(o.y), d0 = unpack2(d.x), d1 = unpack2(d.y);
+  float sum = o0.x * d0.x + o0.y * d0.y + o1.x * d1.x + o1.y * d1.y;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (lane == 0) p.delta[int64_t(bh) * p.seqlen_q + row] = sum;
+}
+
+// dQ = softmax_scale * the summed shares, in the input dtype: a thread per two columns of a row,
+// read from the shares' fragment order (DQ_PERMUTED) or row-major tiles.
+extern "C" __global__ void __launch_bounds__(THREADS) bwd_ws_dq_kernel(const WsBwdParams p) {
+  const int pair = blockIdx.x * THREADS + threadIdx.x, row = pair / (BLOCK_D / 2), col = pair % (BLOCK_D / 2) * 2;
+  const int bh = blockIdx.y, batch = bh / p.num_heads, head = bh % p.num_heads;
+  if (row >= p.seqlen_q) return;
+  const int m_tiles = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M, tile_row = row % BLOCK_M;
+  const float* tile = p.dq_accum + (int64_t(bh) * m_tiles + row / BLOCK_M) * BLOCK_M * BLOCK_D;
+#if DQ_PERMUTED
+  const int w4 = tile_row / 16, r = tile_row % 16 / 8, g = tile_row % 8;
+  const int group = col / DQ_COLS, d = col % DQ_COLS / 8, t = col % 8 / 2;
+  const int consumer = (group * GROUP_WARPS + w4) * 32 + g * 4 + t;
+  const float2 sum = reinterpret_cast<const float2*>(tile)[(2 * d + r) * CONSUMER_THREADS + consumer];
+#else
+  const float2 sum = *reinterpret_cast<const float2*>(tile + tile_row * BLOCK_D + col);
+#endif
+  store_pair(p.dq + ((int64_t(batch) * p.seqlen_q + row) * p.num_heads + head) * HEAD_DIM + col,
+             sum.x * p.softmax_scale, sum.y * p.softmax_scale);
 }
