@@ -149,7 +149,9 @@ def main():
                     ("ws prototype (deterministic)", lambda g: runner(q, k, v, out, lse, dout, *g, causal, True,
                                                                       **BEST)),
                     ("ws prototype (unordered)", lambda g: runner(q, k, v, out, lse, dout, *g, causal, False,
-                                                                  **BEST))]
+                                                                  **BEST)),
+                    ("ws prototype (deterministic), split waits", lambda g: runner(
+                        q, k, v, out, lse, dout, *g, causal, True, SPLIT_WAITS=1, **BEST))]
         for label, make in variants:
             g = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))]
             run = make(g)

@@ -20,7 +20,8 @@
 // ORDERED, and the probe's switches DQ_PERMUTED (the dQ share in fragment order), DQ_BUFFERS
 // (1 or 2 share tiles), FAST_EXP (ex2.approx.ftz), LONGEST_FIRST (unordered only: key blocks
 // launched in causal's longest-first order), ASCENDING (the order of the sum, see n_block), and for floors (wrong dQ): SKIP_DQ (no dQ sum),
-// SKIP_SYNC (no barrier between the warpgroups' dS and dQ products), SKIP_DQ_MMA (no dS
+// SPLIT_WAITS (P computed while dP^T runs, dV's product while dS is), SKIP_SYNC (no barrier
+// between the warpgroups' dS and dQ products), SKIP_DQ_MMA (no dS
 // staging, no dQ product). Figures: results/cuda/h100-bwd-ws-probe.txt. Issuing tile i's dQ
 // product after tile i + 1's S^T and dP^T, to run it beside that tile's gradients, needs more
 // than a consumer's 240 registers here (ptxas C7511: wgmma serialized, 580 bytes spilled).
@@ -49,6 +50,9 @@
 #endif
 #ifndef ASCENDING
 #define ASCENDING 0
+#endif
+#ifndef SPLIT_WAITS
+#define SPLIT_WAITS 0
 #endif
 #ifndef SKIP_SYNC
 #define SKIP_SYNC 0
@@ -234,7 +238,61 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
     const float* lse_tile = lse_smem + slot * BLOCK_M;
     const float* delta_tile = delta_smem + slot * BLOCK_M;
 
+    // a tile with a position outside the bounds or the causal rule tests each position
+    const int first_row = m * BLOCK_M, group_first_key = block_key0 + group_key0;
+    const bool boundary = first_row + BLOCK_M > p.seqlen_q || group_first_key + GROUP_ROWS > p.seqlen_k ||
+                          (IS_CAUSAL && group_first_key + GROUP_ROWS - 1 > first_row + offset);
+    const float scale_log2 = p.softmax_scale * LOG2E;
+    auto probabilities = [&](float (&s)[BLOCK_M / 8][4]) {  // S^T -> P^T, in place
+#pragma unroll
+      for (int n = 0; n < BLOCK_M / 8; ++n) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int key = key0 + (c / 2) * 8, column = n * 8 + 2 * t + (c % 2), row = first_row + column;
+          const bool visible =
+              !boundary || (row < p.seqlen_q && key < p.seqlen_k && (!IS_CAUSAL || key <= row + offset));
+#if FAST_EXP
+          s[n][c] = visible ? exp2_ftz(fmaf(s[n][c], scale_log2, -lse_tile[column])) : 0.f;
+#else
+          s[n][c] = visible ? exp2f(s[n][c] * scale_log2 - lse_tile[column]) : 0.f;
+#endif
+        }
+      }
+    };
+    auto score_grads = [&](const float (&prob)[BLOCK_M / 8][4], float (&dp)[BLOCK_M / 8][4]) {  // dP^T -> dS^T
+#pragma unroll
+      for (int n = 0; n < BLOCK_M / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) dp[n][c] = prob[n][c] * (dp[n][c] - delta_tile[n * 8 + 2 * t + (c % 2)]);
+    };
+
     float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];
+    uint32_t p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
+#if SPLIT_WAITS  // P while dP^T is computed, dV += P^T dO while dS is
+    wgmma_fence();
+    wgmma_abt(s, k_smem, BLOCK_N, group_key0, q_tile);
+    wgmma_commit();
+    wgmma_abt(dp, v_smem, BLOCK_N, group_key0, do_tile);
+    wgmma_commit();
+    wgmma_wait<1>();
+    touch(s);
+    probabilities(s);
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk) accumulator_to_a(p_frag[kk], s, kk);
+    touch(dv_acc);
+    wgmma_fence();
+    wgmma_ab(dv_acc, p_frag, do_tile);
+    wgmma_commit();
+    wgmma_wait<1>();
+    touch(dp);
+    score_grads(s, dp);
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk) accumulator_to_a(ds_frag[kk], dp, kk);
+    touch(dk_acc);
+    wgmma_fence();
+    wgmma_ab(dk_acc, ds_frag, q_tile);
+    wgmma_commit();
+#else
     wgmma_fence();
     wgmma_abt(s, k_smem, BLOCK_N, group_key0, q_tile);
     wgmma_abt(dp, v_smem, BLOCK_N, group_key0, do_tile);
@@ -242,29 +300,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
     wgmma_wait<0>();
     touch(s);
     touch(dp);
-
-    // a tile with a position outside the bounds or the causal rule tests each position
-    const int first_row = m * BLOCK_M, group_first_key = block_key0 + group_key0;
-    const bool boundary = first_row + BLOCK_M > p.seqlen_q || group_first_key + GROUP_ROWS > p.seqlen_k ||
-                          (IS_CAUSAL && group_first_key + GROUP_ROWS - 1 > first_row + offset);
-    const float scale_log2 = p.softmax_scale * LOG2E;
-#pragma unroll
-    for (int n = 0; n < BLOCK_M / 8; ++n) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int key = key0 + (c / 2) * 8, column = n * 8 + 2 * t + (c % 2), row = first_row + column;
-        const bool visible =
-            !boundary || (row < p.seqlen_q && key < p.seqlen_k && (!IS_CAUSAL || key <= row + offset));
-#if FAST_EXP
-        const float prob = visible ? exp2_ftz(fmaf(s[n][c], scale_log2, -lse_tile[column])) : 0.f;
-#else
-        const float prob = visible ? exp2f(s[n][c] * scale_log2 - lse_tile[column]) : 0.f;
-#endif
-        s[n][c] = prob;
-        dp[n][c] = prob * (dp[n][c] - delta_tile[column]);
-      }
-    }
-    uint32_t p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
+    probabilities(s);
+    score_grads(s, dp);
 #pragma unroll
     for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
       accumulator_to_a(p_frag[kk], s, kk);
@@ -276,6 +313,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
     wgmma_ab(dv_acc, p_frag, do_tile);
     wgmma_ab(dk_acc, ds_frag, q_tile);
     wgmma_commit();
+#endif
 
     // dS^T -> dS in shared memory: each 8 x 8 block of a fragment as 8 query rows of 8 keys
     elem_t* ds_tile = ds_smem + (i % 2) * BLOCK_M * BLOCK_N;
