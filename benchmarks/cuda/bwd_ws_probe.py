@@ -57,7 +57,9 @@ def runner(q, k, v, out, lse, dout, dq, dk, dv, causal: bool, ordered: bool, **s
     delta_kernel = driver.function(device, built, b"bwd_ws_delta_kernel", 0)
     dq_kernel = driver.function(device, built, b"bwd_ws_dq_kernel", 0)
     m_tiles = -(-seqlen_q // BLOCK_M)
-    accum = torch.zeros(batch, heads, m_tiles * BLOCK_M, dim, device="cuda")
+    # NaN where each call stores before it adds: an element left unwritten shows in dq
+    accum = torch.full((batch, heads, m_tiles * BLOCK_M, dim), float("nan") if switches.get("FIRST_STORES") else 0.0,
+                       device="cuda")
     semaphore = torch.zeros(batch, heads, m_tiles, dtype=torch.int32, device="cuda")
     delta = torch.empty(batch, heads, seqlen_q, device="cuda")
     rows = (3, 1, 2, 0)
@@ -70,7 +72,8 @@ def runner(q, k, v, out, lse, dout, dq, dk, dv, causal: bool, ordered: bool, **s
 
     def run():
         stream = torch.cuda.current_stream().cuda_stream
-        accum.zero_()
+        if not switches.get("FIRST_STORES"):
+            accum.zero_()
         semaphore.zero_()
         driver.launch(delta_kernel, (-(-seqlen_q // 12), batch * heads), THREADS, 0, stream, params)
         driver.launch(function, grid, THREADS, shared, stream, params)
@@ -151,7 +154,9 @@ def main():
                     ("ws prototype (unordered)", lambda g: runner(q, k, v, out, lse, dout, *g, causal, False,
                                                                   **BEST)),
                     ("ws prototype (deterministic), split waits", lambda g: runner(
-                        q, k, v, out, lse, dout, *g, causal, True, SPLIT_WAITS=1, **BEST))]
+                        q, k, v, out, lse, dout, *g, causal, True, SPLIT_WAITS=1, **BEST)),
+                    ("ws prototype (deterministic), split waits, first stores", lambda g: runner(
+                        q, k, v, out, lse, dout, *g, causal, True, SPLIT_WAITS=1, FIRST_STORES=1, **BEST))]
         for label, make in variants:
             g = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))]
             run = make(g)

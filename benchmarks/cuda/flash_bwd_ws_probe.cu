@@ -20,7 +20,8 @@
 // ORDERED, and the probe's switches DQ_PERMUTED (the dQ share in fragment order), DQ_BUFFERS
 // (1 or 2 share tiles), FAST_EXP (ex2.approx.ftz), LONGEST_FIRST (unordered only: key blocks
 // launched in causal's longest-first order), ASCENDING (the order of the sum, see n_block), and for floors (wrong dQ): SKIP_DQ (no dQ sum),
-// SPLIT_WAITS (P computed while dP^T runs, dV's product while dS is), SKIP_SYNC (no barrier
+// SPLIT_WAITS (P computed while dP^T runs, dV's product while dS is), FIRST_STORES (ascending:
+// block 0 stores its share instead of adding it, so the fp32 buffer is not zeroed), SKIP_SYNC (no barrier
 // between the warpgroups' dS and dQ products), SKIP_DQ_MMA (no dS
 // staging, no dQ product). Figures: results/cuda/h100-bwd-ws-probe.txt. Issuing tile i's dQ
 // product after tile i + 1's S^T and dP^T, to run it beside that tile's gradients, needs more
@@ -53,6 +54,9 @@
 #endif
 #ifndef SPLIT_WAITS
 #define SPLIT_WAITS 0
+#endif
+#ifndef FIRST_STORES
+#define FIRST_STORES 0
 #endif
 #ifndef SKIP_SYNC
 #define SKIP_SYNC 0
@@ -136,7 +140,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
   // blocks of a head visit a tile at the same step and block n trails block n - 1 by one add.
   const int n_blocks = gridDim.y;
   const int n_block = LONGEST_FIRST || ASCENDING ? blockIdx.y : n_blocks - 1 - blockIdx.y;
-  static_assert(!(LONGEST_FIRST && ORDERED), "descending sums wait for the blocks after: they must launch first");
+  static_assert(!(LONGEST_FIRST && ORDERED), "an ordered sum launches longest-first through ASCENDING");
+  static_assert(!FIRST_STORES || (ORDERED && ASCENDING), "the first share is known in ascending order");
   const int offset = p.seqlen_k - p.seqlen_q;
   const int m_tiles = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
   const int m_begin = IS_CAUSAL ? max(0, n_block * BLOCK_N - offset) / BLOCK_M : 0;
@@ -164,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
       load_tile_tma<BLOCK_N>(k_smem, &p.k_map, n_block * BLOCK_N, head, batch, &kv_full);
       load_tile_tma<BLOCK_N>(v_smem, &p.v_map, n_block * BLOCK_N, head, batch, &kv_full);
       for (int i = 0; i < m_tiles - m_begin; ++i) {
-    const int m = tile_at(i);
+        const int m = tile_at(i);
         const int slot = i % STAGES;
         if (i >= STAGES) barrier_wait(&empty[slot], (i / STAGES - 1) & 1);
         barrier_arrive_expecting(&full[slot], 2 * Q_BYTES);
@@ -175,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
       const float* lse = p.lse + int64_t(bh) * p.seqlen_q;
       const float* delta = p.delta + int64_t(bh) * p.seqlen_q;
       for (int i = 0; i < m_tiles - m_begin; ++i) {
-    const int m = tile_at(i);
+        const int m = tile_at(i);
         const int slot = i % STAGES;
         if (i >= STAGES) barrier_wait(&empty[slot], (i / STAGES - 1) & 1);
         for (int r = lane; r < BLOCK_M; r += 32) {
@@ -192,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
       int* counters = p.dq_semaphore + bh * m_tiles;
 #endif
       for (int i = 0; i < m_tiles - m_begin; ++i) {
-    const int m = tile_at(i);
+        const int m = tile_at(i);
         const int buffer = i % DQ_BUFFERS;
         barrier_wait(&dq_full[buffer], (i / DQ_BUFFERS) & 1);
 #if ORDERED
@@ -202,10 +207,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) bwd_ws_kernel(const __g
         while (seen != turn);
         asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 #endif
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                     :: "l"(accum + int64_t(m) * BLOCK_M * BLOCK_D),
-                        "r"(shared_address(dq_smem + buffer * BLOCK_M * BLOCK_D)), "n"(DQ_TILE_BYTES)
-                     : "memory");
+        float* sum = accum + int64_t(m) * BLOCK_M * BLOCK_D;
+        const uint32_t share = shared_address(dq_smem + buffer * BLOCK_M * BLOCK_D);
+#if ORDERED && FIRST_STORES
+        if (turn == 0)  // the first share is stored: the buffer needs no zeroing
+          asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                       :: "l"(sum), "r"(share), "n"(DQ_TILE_BYTES) : "memory");
+        else
+#endif
+          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                       :: "l"(sum), "r"(share), "n"(DQ_TILE_BYTES) : "memory");
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 #if ORDERED
         asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -403,6 +414,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) bwd_ws_dq_kernel(const WsB
   const int bh = blockIdx.y, batch = bh / p.num_heads, head = bh % p.num_heads;
   if (row >= p.seqlen_q) return;
   const int m_tiles = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M, tile_row = row % BLOCK_M;
+  elem_t* dq = p.dq + ((int64_t(batch) * p.seqlen_q + row) * p.num_heads + head) * HEAD_DIM + col;
+  if (FIRST_STORES && key_blocks_reaching(row / BLOCK_M, p.seqlen_k - p.seqlen_q,
+                                          (p.seqlen_k + BLOCK_N - 1) / BLOCK_N) == 0) {
+    store_pair(dq, 0.f, 0.f);  // no share was stored: the buffer was not zeroed
+    return;
+  }
   const float* tile = p.dq_accum + (int64_t(bh) * m_tiles + row / BLOCK_M) * BLOCK_M * BLOCK_D;
 #if DQ_PERMUTED
   const int w4 = tile_row / 16, r = tile_row % 16 / 8, g = tile_row % 8;
@@ -412,6 +429,5 @@ extern "C" __global__ void __launch_bounds__(THREADS) bwd_ws_dq_kernel(const WsB
 #else
   const float2 sum = *reinterpret_cast<const float2*>(tile + tile_row * BLOCK_D + col);
 #endif
-  store_pair(p.dq + ((int64_t(batch) * p.seqlen_q + row) * p.num_heads + head) * HEAD_DIM + col,
-             sum.x * p.softmax_scale, sum.y * p.softmax_scale);
+  store_pair(dq, sum.x * p.softmax_scale, sum.y * p.softmax_scale);
 }
