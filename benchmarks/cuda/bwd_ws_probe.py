@@ -9,6 +9,7 @@ Usage: python3 benchmarks/cuda/bwd_ws_probe.py [floors]
 import ctypes
 import subprocess
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -19,8 +20,17 @@ from dmattn_bench.timing import time_kernel
 from dmattn_kernels.cuda import build, launch
 
 HERE = Path(__file__).parent
-BLOCK_N, BLOCK_M, THREADS = 128, 64, 384
-SHARED = 2 * 128 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 64 * 128 * 2 + 64 * 128 * 4 + 2 * 2 * 64 * 4 + 1024
+BLOCK_N, BLOCK_M, HEAD_DIM, THREADS = 128, 64, 128, 384
+ROWS_PER_DELTA_BLOCK = THREADS // 32  # bwd_ws_delta_kernel: a warp per query row
+
+
+def shared_bytes(stages: int, dq_buffers: int) -> int:
+    """flash_bwd_ws_probe.cu's dynamic shared memory: K and V, the Q and dO rings, two dS tiles,
+    the fp32 dQ share tiles, the lse and delta rings, and the slack to a 1024-byte boundary."""
+    tile = 2 * HEAD_DIM  # bytes of a 16-bit row
+    return (2 * BLOCK_N * tile + 2 * stages * BLOCK_M * tile + 2 * BLOCK_M * BLOCK_N * 2
+            + dq_buffers * BLOCK_M * HEAD_DIM * 4 + 2 * stages * BLOCK_M * 4 + 1024)
+
 TRITON_W3 = BwdConfig(64, 64, 64, 64, 4, 2)
 CUDA_DEFAULT = BwdConfig(64, 64, 64, 64, 4, 2)
 
@@ -34,10 +44,16 @@ class Params(ctypes.Structure):
 
 
 def cubin(causal: bool, ordered: bool, switches: dict) -> str:
-    flags = [f"-D{k}={int(v)}" for k, v in {**dict(ELEMENT=1, BIAS_FP32=0, HEAD_DIM=128, NUM_WARPS=12, STAGES=2,
-                                                     IS_CAUSAL=causal, HAS_MASK=0, HAS_BIAS=0, HAS_SOFTCAP=0,
-                                                     WGMMA=1, ORDERED=ordered), **switches}.items()]
-    # (ORDERED in `switches` wins over `ordered`)
+    flags = tuple(f"-D{k}={int(v)}" for k, v in {**dict(ELEMENT=1, BIAS_FP32=0, HEAD_DIM=HEAD_DIM, NUM_WARPS=12,
+                                                          STAGES=2, IS_CAUSAL=causal, HAS_MASK=0, HAS_BIAS=0,
+                                                          HAS_SOFTCAP=0, WGMMA=1, ORDERED=ordered),
+                                                   **switches}.items())
+    return _built(flags)  # (ORDERED in `switches` wins over `ordered`)
+
+
+@lru_cache(maxsize=None)
+def _built(flags: tuple[str, ...]) -> str:
+    """The prototype's cubin for `flags`, compiled once per process."""
     out = Path(tempfile.gettempdir()) / f"bwd_ws_{'_'.join(flags).replace('-D', '').replace('=', '')}.cubin"
     subprocess.run([build.nvcc(), "-cubin", "-O3", "-std=c++17", f"-I{build.KERNEL_DIR}", "-arch=sm_90a", *flags,
                     "-o", str(out), str(HERE / "flash_bwd_ws_probe.cu")], check=True)
@@ -49,8 +65,7 @@ def runner(q, k, v, out, lse, dout, dq, dk, dv, causal: bool, ordered: bool, **s
     batch, seqlen_q, heads, dim = q.shape
     seqlen_k = k.shape[1]
     driver = launch._the_driver()
-    shared = (SHARED + (switches.get("STAGES", 2) - 2) * 2 * (64 * 128 * 2 + 64 * 4)
-              + (switches.get("DQ_BUFFERS", 1) - 1) * 64 * 128 * 4)
+    shared = shared_bytes(switches.get("STAGES", 2), switches.get("DQ_BUFFERS", 1))
     built = cubin(causal, ordered, switches)
     device = torch.cuda.current_device()
     function = driver.function(device, built, b"bwd_ws_kernel", shared)
@@ -75,7 +90,8 @@ def runner(q, k, v, out, lse, dout, dq, dk, dv, causal: bool, ordered: bool, **s
         if not switches.get("FIRST_STORES"):
             accum.zero_()
         semaphore.zero_()
-        driver.launch(delta_kernel, (-(-seqlen_q // 12), batch * heads), THREADS, 0, stream, params)
+        driver.launch(delta_kernel, (-(-seqlen_q // ROWS_PER_DELTA_BLOCK), batch * heads), THREADS, 0, stream,
+                      params)
         driver.launch(function, grid, THREADS, shared, stream, params)
         driver.launch(dq_kernel, (-(-seqlen_q * dim // 2 // THREADS), batch * heads), THREADS, 0, stream, params)
 
