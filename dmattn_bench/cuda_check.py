@@ -53,7 +53,8 @@ def _judge(direction: str, config: FwdConfig | BwdConfig, arch: str, head_dim: i
             flags = launch.backward_variant(config, head_dim, element, bias_dtype, arch=limits.arch, group=group,
                                                 dbias=dbias, **features)
         try:
-            source = launch.forward_kernel(config, head_dim, limits.arch) if direction == "fwd" else direction
+            source = (launch.forward_kernel(config, head_dim, limits.arch) if direction == "fwd"
+                      else launch.backward_kernel(config, head_dim, limits.arch))
             cubin = build.build(source, limits.arch, flags)
         except build.CudaBuildError as exc:
             return verdict("compile_error", _one_line(exc), "compile")

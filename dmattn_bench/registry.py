@@ -242,14 +242,16 @@ CUDA_DEFAULTS = (
 # 128; 72-120 keep the class before): H200, the bench's W1-W3 forward (bf16 B2 H16 L4096 D128
 # causal; `python3 benchmarks/cuda/ws_probe.py`, 2026-11-26), 128x128 w12 s2 against 128x128 w8:
 # W3 0.290 / 0.380 ms, W1 (full mask and bias) 0.522 / 1.537, W2 (kv-head mask, per-key bias)
-# 0.417 / 1.080.
+# 0.417 / 1.080. Its backward is the warp-specialized one (launch.backward_warp_specialized): H100,
+# W3 causal and not, the whole backward 1.007 / 1.595 ms against 1.078 / 2.029 for 64x64 dq64x64
+# w4 (`python3 benchmarks/cuda/bwd_ws_check.py time`, 2026-11-27).
 CUDA_SM90_DEFAULTS = (
     (64, (FwdConfig(64, 128, 4, 2), FwdConfig(64, 64, 4, 2)),
      (BwdConfig(128, 64, 64, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2))),
     (120, (FwdConfig(128, 128, 8, 2), FwdConfig(64, 64, 4, 2)),
      (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
     (128, (FwdConfig(128, 128, 12, 2), FwdConfig(128, 128, 8, 2)),
-     (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
+     (BwdConfig(64, 128, 64, 128, 12, 2), BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
     (256, (FwdConfig(128, 64, 8, 2), FwdConfig(64, 32, 4, 2)),
      (BwdConfig(32, 64, 64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1))),
 )

@@ -71,6 +71,12 @@ def test_the_launcher_parameter_blocks_are_the_kernels(cubin_cache):
                                     is_causal=True, has_mask=True, softcap=0.0, group=2, dbias=(True, torch.float32))
     # the delta, dK/dV and dQ kernels all take BwdParams
     assert _parameter_sizes(build.build("bwd", "sm90", flags)) == [ctypes.sizeof(launch._BwdParams)] * 3 == [472] * 3
+    # the warp-specialized backward's three kernels take four tensor maps, BwdParams and its dQ buffers
+    flags = launch.backward_variant(BwdConfig(64, 128, 64, 128, 12, 2), 128, torch.bfloat16, torch.bfloat16,
+                                    arch="sm90", is_causal=True, has_mask=True, softcap=0.0, group=2,
+                                    dbias=(True, torch.float32))
+    assert _parameter_sizes(build.build("bwd_ws", "sm90", flags)) == [ctypes.sizeof(launch._BwdWsParams)] * 3 == [1024] * 3
+    assert launch._BwdWsParams.backward.offset == 4 * 128
 
 
 @needs_nvcc
@@ -232,8 +238,46 @@ def test_launcher_rules_and_variant_flags():
                      "-DHAS_MASK=1", "-DHAS_BIAS=0", "-DHAS_SOFTCAP=1", "-DBLOCK_M=64", "-DBLOCK_N=32", "-DWGMMA=0")
     flags = launch.backward_variant(BwdConfig(16, 64, 64, 32, 4, 1), 64, torch.float16, torch.float16, arch="sm90",
                                     is_causal=True, has_mask=False, softcap=0.0, group=1, dbias=(False, torch.float16))
-    assert flags[-7:] == ("-DDKDV_BLOCK_M=16", "-DDQ_BLOCK_N=32", "-DHAS_DBIAS=1", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=0",
-                          "-DDKV_FP32=0", "-DWGMMA=0")  # no m64n16 product for the 16-query tiles
+    assert flags[-7:] == ("-DHAS_DBIAS=1", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=0", "-DDKV_FP32=0", "-DDKDV_BLOCK_M=16",
+                          "-DDQ_BLOCK_N=32", "-DWGMMA=0")  # no m64n16 product for the 16-query tiles
+
+
+WS_BWD = BwdConfig(64, 128, 64, 128, 12, 2)
+
+
+def test_the_warp_specialized_backward_is_a_producer_warpgroup_beside_one_per_64_keys():
+    assert launch.backward_warp_specialized(WS_BWD, 128, "sm90")
+    assert launch.backward_warp_specialized(WS_BWD, 120, "sm90")  # padded to 128
+    assert launch.backward_warp_specialized(BwdConfig(64, 64, 64, 64, 8, 2), 64, "sm90")  # one consumer
+    assert not launch.backward_warp_specialized(WS_BWD, 64, "sm90")  # 64 columns do not split between two
+    assert not launch.backward_warp_specialized(WS_BWD, 128, "sm80")
+    assert not launch.backward_warp_specialized(BwdConfig(64, 128, 128, 64, 8, 2), 128, "sm90")  # flash_bwd.cu's
+    assert launch.backward_kernel(WS_BWD, 128, "sm90") == "bwd_ws"
+    assert launch.backward_kernel(WS_BWD, 128, "sm80") == "bwd"
+    shape = AttentionShape(1, 16, 16, 2, 1, 128)
+    assert launch.is_supported(WS_BWD, shape) is None
+    assert "head_dim=96 does not pad to 64 or 128" in launch.is_supported(WS_BWD, replace(shape, head_dim=96))
+    assert "among block_n / 64 = 2 consumer warpgroups" in launch.is_supported(WS_BWD, replace(shape, head_dim=64))
+    assert "block_m=32 is not 64" in launch.is_supported(BwdConfig(32, 128, 64, 128, 12, 2), shape)
+    assert "is not block_m x block_n = 64x128" in launch.is_supported(BwdConfig(64, 128, 64, 64, 12, 2), shape)
+    assert "sm90 only (here: sm120)" in launch.arch_reason(WS_BWD, 128, "sm120")
+    assert launch.arch_reason(WS_BWD, 128, "sm90") is None
+    # K and V, 2-stage rings of Q and dO, two dS tiles, two fp32 dQ shares, lse and delta, the swizzle slack
+    assert launch.backward_shared_bytes(WS_BWD, 128, "sm90") == {
+        "ws": (2 * 128 + 2 * 2 * 64) * 128 * 2 + 1024 + 2 * 64 * 128 * 2 + 2 * 64 * 128 * 4 + 2 * 2 * 64 * 4}
+    assert launch.shared_bytes(WS_BWD, 128, "sm90") <= launch.SM90_SHARED_BYTES
+    flags = launch.backward_variant(WS_BWD, 128, torch.bfloat16, None, arch="sm90", is_causal=True, has_mask=False,
+                                    softcap=0.0, group=4, dbias=None)
+    assert flags[-7:] == ("-DHAS_DBIAS=0", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=1", "-DDKV_FP32=1", "-DBLOCK_M=64",
+                          "-DBLOCK_N=128", "-DWGMMA=1")
+
+
+def test_the_delta_kernels_cover_their_rows_with_a_lane_per_16_bytes():
+    # 16 lanes a 128-column row, so a warp holds two rows, four times over
+    assert launch.delta_rows_per_block(128, 12) == 12 * 2 * 4
+    assert launch.delta_rows_per_block(72, 4) == 4 * 2 * 4  # 80 padded columns: 10 chunks, 16 lanes
+    assert launch.delta_rows_per_block(256, 4) == 4 * 1 * 4
+    assert launch.delta_rows_per_block(8, 4) == 4 * 16 * 4
 
 
 def test_the_cuda_backend_is_registered_and_refuses_cpu_tensors():

@@ -22,8 +22,10 @@ from functools import lru_cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent
-# each includes common.cuh; "fwd_ws" is the SM90 warp-specialized forward (launch.forward_kernel)
-SOURCES = {"fwd": KERNEL_DIR / "flash_fwd.cu", "fwd_ws": KERNEL_DIR / "flash_fwd_ws.cu", "bwd": KERNEL_DIR / "flash_bwd.cu"}
+# each includes common.cuh; "fwd_ws" and "bwd_ws" are the SM90 warp-specialized kernels
+# (launch.forward_kernel, launch.backward_kernel)
+SOURCES = {"fwd": KERNEL_DIR / "flash_fwd.cu", "fwd_ws": KERNEL_DIR / "flash_fwd_ws.cu", "bwd": KERNEL_DIR / "flash_bwd.cu",
+           "bwd_ws": KERNEL_DIR / "flash_bwd_ws.cu"}
 # sm_90a, not sm_90: wgmma is an arch-specific feature (the "a" target), and such a cubin loads
 # on SM90 GPUs only, which is all an sm90 build is for.
 ARCH_FLAGS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90a", "sm120": "sm_120"}

@@ -52,80 +52,15 @@
 // DBIAS_ROWS, DBIAS_FP32 (dBias target fp32, else the input dtype), DKV_FP32 (dK/dV shares in
 // fp32, else dK/dV themselves).
 
-#include "common.cuh"
+#include "bwd_steps.cuh"
 
 #if WGMMA
 static_assert(is_wgmma_width(DKDV_BLOCK_M) && is_wgmma_width(DQ_BLOCK_N), "wgmma: no m64nN product for these tiles");
 #endif
 
-#if DKV_FP32
-typedef float dkv_t;
-#else
-typedef elem_t dkv_t;
-#endif
+// -- delta = rowsum(dO * out) (bwd_steps.cuh) -------------------------------------------------
 
-#if DBIAS_FP32
-typedef float dbias_t;
-#else
-typedef elem_t dbias_t;
-#endif
-
-struct BwdParams {  // `dmattn_kernels.cuda.launch._BwdParams` mirrors it
-  Inputs in;
-  const elem_t* out;
-  const elem_t* dout;
-  const float* lse;
-  float* delta;
-  elem_t* dq;
-  dkv_t* dk;               // (B, Lk, Hkv, D), or the (B, Lk, H, D) fp32 shares under DKV_FP32
-  dkv_t* dv;
-  dbias_t* dbias;          // (B, H, Lq|1, Lk) target
-  int64_t out_stride[3];   // batch, row, head
-  int64_t dout_stride[3];
-  int64_t dq_stride[3];
-  int64_t dk_stride[3];
-  int64_t dv_stride[3];
-  int64_t lse_stride[3];   // batch, head, query
-  int64_t delta_stride[3];
-  int64_t dbias_stride[4]; // batch, head, query (0 without DBIAS_ROWS), key
-};
-
-// -- delta = rowsum(dO * out): one warp per query row ----------------------------------------
-
-extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_delta_kernel(const BwdParams p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * NUM_WARPS + warp;
-  const int batch = blockIdx.y / p.in.num_heads, head = blockIdx.y % p.in.num_heads;
-  if (row >= p.in.seqlen_q) return;
-  const elem_t* out = p.out + batch * p.out_stride[0] + row * p.out_stride[1] + head * p.out_stride[2];
-  const elem_t* dout = p.dout + batch * p.dout_stride[0] + row * p.dout_stride[1] + head * p.dout_stride[2];
-  float sum = 0.f;
-  for (int d = 2 * lane; d < HEAD_DIM; d += 64)  // HEAD_DIM is even: pairs are in or out together
-    sum += static_cast<float>(out[d]) * static_cast<float>(dout[d]) +
-           static_cast<float>(out[d + 1]) * static_cast<float>(dout[d + 1]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) p.delta[batch * p.delta_stride[0] + head * p.delta_stride[1] + row * p.delta_stride[2]] = sum;
-}
-
-// dO, lse and delta of the CTA's (batch, query head).
-struct GradSlices {
-  const elem_t* dout;
-  const float* lse;
-  const float* delta;
-};
-
-__device__ __forceinline__ GradSlices grad_slices(const BwdParams& p, const HeadSlices& at) {
-  return {p.dout + at.batch * p.dout_stride[0] + at.head * p.dout_stride[2],
-          p.lse + at.batch * p.lse_stride[0] + at.head * p.lse_stride[1],
-          p.delta + at.batch * p.delta_stride[0] + at.head * p.delta_stride[1]};
-}
-
-// lse of a row, with a dead row's -inf (and a row past the end) turned into +inf: P = 0 there.
-__device__ __forceinline__ float row_lse(const float* lse, int64_t stride, int row, int seqlen_q) {
-  const float value = row < seqlen_q ? lse[row * stride] : INFINITY;
-  return value == -INFINITY ? INFINITY : value;
-}
+extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_delta_kernel(const BwdParams p) { store_deltas(p); }
 
 // P and dS of one position from its dot products; 0 and 0 where excluded. `ds` before the
 // softcap factor is dBias. CHECK == false: the caller knows the position is allowed (an

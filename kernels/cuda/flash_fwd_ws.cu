@@ -89,15 +89,6 @@ struct WsParams {  // `dmattn_kernels.cuda.launch._WsParams` mirrors it
   FwdParams fwd;
 };
 
-// The BLOCK_D / 64 boxes of one tile of `rows` rows starting at row `row` of `map`'s slice.
-template <int ROWS>
-__device__ __forceinline__ void load_tile_tma(elem_t* tile, const CUtensorMap* map, int row, int head, int batch,
-                                              uint64_t* full) {
-#pragma unroll
-  for (int block = 0; block < BLOCK_D / SWIZZLE_COLS; ++block)
-    tma_load(tile + block * ROWS * SWIZZLE_COLS, map, block * SWIZZLE_COLS, row, head, batch, full);
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(const __grid_constant__ WsParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t q_full, k_full[STAGES], v_full[STAGES], empty[STAGES];

@@ -39,6 +39,13 @@ WGMMA_TILES = (32, 64, 128)  # inner tiles with an m64nN wgmma product (sm90.cuh
 # Query rows of a warp-specialized forward CTA: 64 per consumer warpgroup, one to three consumers
 # (plus the producer: 8, 12 or 16 warps)
 WS_BLOCK_M = (64, 128, 192)
+# The warp-specialized backward (flash_bwd_ws.cu): keys of a CTA, 64 per consumer warpgroup (plus
+# the producer: 8 or 12 warps), walking query tiles of 64 rows; its dQ shares are those tiles
+# (block_m_dq = block_m, block_n_dq = block_n)
+WS_BWD_BLOCK_N = (64, 128)
+WS_BWD_BLOCK_M = 64
+DELTA_UNROLL = 4  # bwd_steps.cuh's: rows of delta per lane group of a warp
+DQ_CAST_ROWS = 4  # flash_bwd_ws.cu's DQ_ROWS: rows of dQ per thread of its dQ kernel
 WARPGROUP = 4  # warps that issue one wgmma together
 SWIZZLE_SLACK = 1024  # bytes a wgmma kernel may skip to align its tiles (sm90.cuh: SWIZZLE_ATOM)
 # Above it a dK/dV thread holds 2 x head_dim / 2 fp32 accumulators (192 or more registers) plus
@@ -118,6 +125,15 @@ class _BwdParams(ctypes.Structure):
                 + _strides("out_stride", "dout_stride", "dq_stride", "dk_stride", "dv_stride", "lse_stride",
                            "delta_stride")
                 + _strides("dbias_stride", count=4))
+
+
+class _BwdWsParams(ctypes.Structure):
+    """flash_bwd_ws.cu's BwdWsParams, field for field, padded to its 128-byte multiple."""
+
+    _fields_ = ([(name, _TensorMap) for name in ("q_map", "k_map", "v_map", "do_map")] + [("backward", _BwdParams)]
+                + _pointers("dq_sum", "dq_counter")
+                + [("padding", ctypes.c_char * (-(4 * ctypes.sizeof(_TensorMap) + ctypes.sizeof(_BwdParams) + 16)
+                                                % 128))])
 
 
 class _Driver:
@@ -249,14 +265,32 @@ def warp_specialized(config: FwdConfig, head_dim: int, arch: str | None) -> bool
             and config.num_warps == config.block_m // 16 + WARPGROUP and config.block_n in WGMMA_TILES)
 
 
+def backward_warp_specialized(config: BwdConfig, head_dim: int, arch: str | None) -> bool:
+    """Whether `config` names the SM90 warp-specialized backward (flash_bwd_ws.cu): a producer
+    warpgroup plus one consumer warpgroup per 64 keys, so num_warps = block_n / 16 + 4, on SM90
+    with a head dim padded to 64 or 128 whose columns split into whole 64-column blocks among the
+    consumers (their dQ products)."""
+    padded = padded_head_dim(head_dim)
+    return (arch == "sm90" and _is_warp_specialized_shape(config) and padded in (64, 128)
+            and padded % (64 * (config.block_n // 64)) == 0)
+
+
 def _is_warp_specialized_shape(config: FwdConfig | BwdConfig) -> bool:
-    """The warp-specialized forward's tile shape, on any arch (`warp_specialized` adds the arch)."""
-    return (isinstance(config, FwdConfig) and config.block_m in WS_BLOCK_M
-            and config.num_warps == config.block_m // 16 + WARPGROUP)
+    """A warp-specialized kernel's tile shape, on any arch (`warp_specialized` and
+    `backward_warp_specialized` add the arch): the forward's query rows, or the backward's keys,
+    at 16 a warp plus a producer warpgroup."""
+    if isinstance(config, FwdConfig):
+        return config.block_m in WS_BLOCK_M and config.num_warps == config.block_m // 16 + WARPGROUP
+    return config.block_n in WS_BWD_BLOCK_N and config.num_warps == config.block_n // 16 + WARPGROUP
 
 
 def arch_reason(config: FwdConfig | BwdConfig, head_dim: int, arch: str) -> str | None:
     """The reason `config` cannot run on `arch` though its shape is supported, or None."""
+    if isinstance(config, BwdConfig):
+        if _is_warp_specialized_shape(config) and arch != "sm90":
+            return (f"{config.block_n} keys on {config.num_warps} warps is the warp-specialized backward, which "
+                    f"runs on sm90 only (here: {arch})")
+        return None
     if _is_warp_specialized_shape(config) and not warp_specialized(config, head_dim, arch):
         return (f"{config.block_m} rows on {config.num_warps} warps is the warp-specialized forward, which runs "
                 f"on sm90 only (here: {arch})")
@@ -266,6 +300,11 @@ def arch_reason(config: FwdConfig | BwdConfig, head_dim: int, arch: str) -> str 
 def forward_kernel(config: FwdConfig, head_dim: int, arch: str | None) -> str:
     """The forward source `config` runs on `arch`: "fwd_ws" (flash_fwd_ws.cu) or "fwd" (flash_fwd.cu)."""
     return "fwd_ws" if warp_specialized(config, head_dim, arch) else "fwd"
+
+
+def backward_kernel(config: BwdConfig, head_dim: int, arch: str | None) -> str:
+    """The backward source `config` runs on `arch`: "bwd_ws" (flash_bwd_ws.cu) or "bwd" (flash_bwd.cu)."""
+    return "bwd_ws" if backward_warp_specialized(config, head_dim, arch) else "bwd"
 
 
 def score_slot_bytes(config: FwdConfig, mask_tiles: int, bias_tiles: int) -> int:
@@ -326,10 +365,15 @@ def forward_shared_bytes(config: FwdConfig, head_dim: int, arch: str | None = No
 
 
 def backward_shared_bytes(config: BwdConfig, head_dim: int, arch: str | None = None) -> dict[str, int]:
-    """flash_bwd.cu's dynamic shared memory per kernel on `arch` (as the forward's): dK/dV holds
-    K, V and rings of Q and dO tiles with their lse and delta (fp32); dQ holds Q, dO and rings of
-    K and V tiles."""
+    """The backward's dynamic shared memory per kernel on `arch` (as the forward's). flash_bwd.cu:
+    dK/dV holds K, V and rings of Q and dO tiles with their lse and delta (fp32); dQ holds Q, dO
+    and rings of K and V tiles. flash_bwd_ws.cu: its one kernel's (`ws`)."""
     ring = config.num_stages * config.block_m
+    if backward_warp_specialized(config, head_dim, arch):
+        # K and V, the Q and dO rings, two dS tiles, two fp32 dQ shares, the lse and delta rings
+        dq_shares = 2 * config.block_m * padded_head_dim(head_dim) * 4
+        return {"ws": _tile_bytes(2 * config.block_n + 2 * ring, head_dim, True) + 2 * config.block_m * config.block_n * 2
+                + dq_shares + 2 * ring * 4}
     wgmma = uses_wgmma(config, head_dim, arch)
     return {
         "dkdv": _tile_bytes(2 * config.block_n + 2 * ring, head_dim, wgmma) + 2 * ring * 4,
@@ -353,6 +397,8 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
         return f"head_dim={shape.head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
     if shape.num_heads % shape.num_heads_kv:
         return f"num_heads={shape.num_heads} is not a multiple of num_heads_kv={shape.num_heads_kv}"
+    if isinstance(config, BwdConfig) and _is_warp_specialized_shape(config):  # `backward_warp_specialized`
+        return _warp_specialized_backward_reason(config, shape.head_dim)
     if _is_warp_specialized_shape(config):  # the SM90 warp-specialized forward (`warp_specialized`)
         if config.block_n not in WGMMA_TILES:
             return f"block_n={config.block_n} is not one of {WGMMA_TILES} (warp-specialized forward: wgmma widths)"
@@ -378,6 +424,24 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
     for name in walked:
         if getattr(config, name) not in INNER_CHOICES:
             return f"{name}={getattr(config, name)} is not one of {INNER_CHOICES}"
+    if not 1 <= config.num_stages <= MAX_STAGES:
+        return f"num_stages={config.num_stages} is not in [1, {MAX_STAGES}]"
+    return None
+
+
+def _warp_specialized_backward_reason(config: BwdConfig, head_dim: int) -> str | None:
+    """`is_supported` for the warp-specialized backward's shape."""
+    padded = padded_head_dim(head_dim)
+    if config.block_m != WS_BWD_BLOCK_M:
+        return f"block_m={config.block_m} is not {WS_BWD_BLOCK_M} (warp-specialized backward: query tiles of 64 rows)"
+    if (config.block_m_dq, config.block_n_dq) != (config.block_m, config.block_n):
+        return (f"block_m_dq x block_n_dq = {config.block_m_dq}x{config.block_n_dq} is not block_m x block_n = "
+                f"{config.block_m}x{config.block_n} (warp-specialized backward: the dQ shares are its tiles)")
+    if padded not in (64, 128):
+        return f"head_dim={head_dim} does not pad to 64 or 128 (warp-specialized backward)"
+    if padded % config.block_n:
+        return (f"head_dim={head_dim} does not split into 64-column blocks among block_n / 64 = "
+                f"{config.block_n // 64} consumer warpgroups (warp-specialized backward: their dQ products)")
     if not 1 <= config.num_stages <= MAX_STAGES:
         return f"num_stages={config.num_stages} is not in [1, {MAX_STAGES}]"
     return None
@@ -463,11 +527,13 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
     """The -D list of the backward variant a call needs on `arch`; `dbias` is (rows, target
     dtype) of the dBias target (`_dbias_target`) or None without dBias."""
     rows, target_dtype = dbias if dbias is not None else (False, torch.float32)
+    if backward_warp_specialized(config, head_dim, arch):
+        own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, WGMMA=True)
+    else:
+        own = dict(DKDV_BLOCK_M=config.block_m, DQ_BLOCK_N=config.block_n_dq, WGMMA=uses_wgmma(config, head_dim, arch))
     return defines(_element(dtype), head_dim, config.num_warps, config.num_stages,
-                   **_features(bias_dtype, is_causal, has_mask, softcap), DKDV_BLOCK_M=config.block_m,
-                   DQ_BLOCK_N=config.block_n_dq, HAS_DBIAS=dbias is not None, DBIAS_ROWS=rows,
-                   DBIAS_FP32=target_dtype == torch.float32, DKV_FP32=group > 1,
-                   WGMMA=uses_wgmma(config, head_dim, arch))
+                   **_features(bias_dtype, is_causal, has_mask, softcap), HAS_DBIAS=dbias is not None,
+                   DBIAS_ROWS=rows, DBIAS_FP32=target_dtype == torch.float32, DKV_FP32=group > 1, **own)
 
 
 def _check_call(config, q, k, mask, bias, is_causal: bool, softcap: float, bias_requires_grad: bool) -> None:
@@ -751,7 +817,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     flags = backward_variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None,
                              arch=arch, is_causal=is_causal, has_mask=mask is not None, softcap=softcap, group=group,
                              dbias=None if layout is None else (layout[1], dbias.dtype if layout[2] else torch.float32))
-    launcher = _Launcher("bwd", q.device, flags)
+    launcher = _Launcher(backward_kernel(config, head_dim, arch), q.device, flags)
     if is_compile_only():
         return
     target = None
@@ -773,15 +839,49 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     )
     heads = batch * num_heads
     shared = backward_shared_bytes(config, head_dim, arch)
-    launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, config.num_warps), heads), config.num_warps, 0,
-             params)
-    delta_with_lse_grad(delta, dlse, lse)  # on the launches' stream (the current one), between them
-    launcher(b"dmattn_bwd_dkdv_kernel", (heads, triton.cdiv(seqlen_k, config.block_n)), config.num_warps,
-             shared["dkdv"], params)
-    launcher(b"dmattn_bwd_dq_kernel", (heads, triton.cdiv(seqlen_q, config.block_m_dq)), config.num_warps,
-             shared["dq"], params)
+    if "ws" in shared:
+        _run_warp_specialized_backward(launcher, config, params, shared["ws"], q, k, v, dout, delta, dlse, lse)
+    else:
+        launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, delta_rows_per_block(head_dim, config.num_warps)),
+                                              heads), config.num_warps, 0, params)
+        delta_with_lse_grad(delta, dlse, lse)  # on the launches' stream (the current one), between them
+        launcher(b"dmattn_bwd_dkdv_kernel", (heads, triton.cdiv(seqlen_k, config.block_n)), config.num_warps,
+                 shared["dkdv"], params)
+        launcher(b"dmattn_bwd_dq_kernel", (heads, triton.cdiv(seqlen_q, config.block_m_dq)), config.num_warps,
+                 shared["dq"], params)
     if group > 1:
         dk.copy_(dk_share.unflatten(2, (num_heads_kv, group)).sum(3))
         dv.copy_(dv_share.unflatten(2, (num_heads_kv, group)).sum(3))
     if target is not None and target is not dbias:
         _finish_dbias(target, dbias)
+
+
+def delta_rows_per_block(head_dim: int, num_warps: int) -> int:
+    """Query rows of one CTA of the backward's delta kernels (bwd_steps.cuh: DELTA_ROWS_PER_BLOCK):
+    a lane per 16-byte chunk of a row, lane groups a power of two, DELTA_UNROLL rows a group."""
+    chunks = padded_head_dim(head_dim) // 8
+    return num_warps * 32 // (1 << (chunks - 1).bit_length()) * DELTA_UNROLL
+
+
+def _run_warp_specialized_backward(launcher: _Launcher, config: BwdConfig, params: _BwdParams, shared: int, q, k, v,
+                                   dout, delta, dlse, lse) -> None:
+    """flash_bwd_ws.cu's three launches: delta (and the dQ counters zeroed), the kernel, dQ from
+    its summed shares. The sums are not zeroed: each tile's first share is stored, not added."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    heads, m_tiles = batch * num_heads, triton.cdiv(seqlen_q, config.block_m)
+    padded = padded_head_dim(head_dim)
+    dq_sum = torch.empty((heads, m_tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
+    dq_counter = torch.empty((heads, m_tiles), dtype=torch.int32, device=q.device)
+    driver, rows_of = _the_driver(), (3, 1, 2, 0)  # (B, L, H, D) as (D, L, H, B)
+    maps = {name: driver.tensor_map(t, rows_of, rows, _TMA_LINE, _TMA_LINE)
+            for name, t, rows in (("q_map", q, config.block_m), ("k_map", k, config.block_n),
+                                  ("v_map", v, config.block_n), ("do_map", dout, config.block_m))}
+    ws_params = _BwdWsParams(backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(), **maps)
+    delta_rows = delta_rows_per_block(head_dim, config.num_warps)
+    launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), heads), config.num_warps, 0, ws_params)
+    delta_with_lse_grad(delta, dlse, lse)
+    launcher(b"dmattn_bwd_ws_kernel", (heads, triton.cdiv(k.shape[1], config.block_n)), config.num_warps,
+             shared, ws_params)
+    pairs = triton.cdiv(seqlen_q, DQ_CAST_ROWS) * padded // 2  # a thread per two columns of DQ_CAST_ROWS rows
+    launcher(b"dmattn_bwd_ws_dq_kernel", (triton.cdiv(pairs, 32 * config.num_warps), heads), config.num_warps, 0,
+             ws_params)

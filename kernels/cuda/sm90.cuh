@@ -74,6 +74,22 @@ __device__ __forceinline__ void wgmma_ab(float (&c)[BLOCK_D / 8][4], const uint3
   for (int kk = 0; kk < K16; ++kk) Wgmma<BLOCK_D>::template rs<1>(c, a[kk], mn_major(b, 16 * K16, kk), 1);
 }
 
+// c (64 x 8 N8) = A B, issued: A the 64 rows of a shared tile with rows along k (K16 k-steps),
+// B 16 K16 rows of a shared tile, one row per k, from the column block at `b` (dQ = dS K).
+template <int N8, int K16>
+__device__ __forceinline__ void wgmma_ab_ss(float (&c)[N8][4], const elem_t* a, const elem_t* b) {
+#pragma unroll
+  for (int kk = 0; kk < K16; ++kk)
+    Wgmma<N8 * 8>::template ss<1>(c, k_major(a, GROUP_ROWS, 0, kk), mn_major(b, 16 * K16, kk), kk > 0);
+}
+
+// Four 8 x 8 blocks of 16-bit values to shared memory, each transposed (a fragment's rows become
+// columns): lanes 8 i .. 8 i + 7 give the row addresses of block i.
+__device__ __forceinline__ void stmatrix_x4_trans(const uint32_t (&r)[4], elem_t* p) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(shared_address(p)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 // Pins accumulators in program order around wgmma: the compiler sees them read and written here.
 template <int N8>
 __device__ __forceinline__ void touch(float (&d)[N8][4]) {
@@ -83,7 +99,7 @@ __device__ __forceinline__ void touch(float (&d)[N8][4]) {
     for (int c = 0; c < 4; ++c) asm volatile("" : "+f"(d[n][c])::"memory");
 }
 
-// -- warp specialization (flash_fwd_ws.cu): mbarriers, TMA copies, register reallocation --
+// -- warp specialization (flash_fwd_ws.cu, flash_bwd_ws.cu): mbarriers, TMA copies, register reallocation --
 
 // An mbarrier completes a phase when `count` arrivals and the transaction bytes announced with
 // them have come; waiters name the phase by its parity.
@@ -121,6 +137,16 @@ __device__ __forceinline__ void tma_load(void* dst, const void* map, int c0, int
       :: "r"(shared_address(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
          "r"(shared_address(bar))
       : "memory");
+}
+
+// The BLOCK_D / 64 boxes of one ROWS-row tile starting at row `row` of `map`'s (head, batch)
+// slice: a (B, L, H, D) tensor mapped as (D, L, H, B), a box per 64 columns.
+template <int ROWS>
+__device__ __forceinline__ void load_tile_tma(elem_t* tile, const void* map, int row, int head, int batch,
+                                              uint64_t* full) {
+#pragma unroll
+  for (int block = 0; block < BLOCK_D / SWIZZLE_COLS; ++block)
+    tma_load(tile + block * ROWS * SWIZZLE_COLS, map, block * SWIZZLE_COLS, row, head, batch, full);
 }
 
 // A warpgroup gives back or takes registers (per thread; a multiple of 8 in [24, 256]).

@@ -1,0 +1,394 @@
+// Flash dynamic-mask attention, backward, warp-specialized for SM90 (Hopper): FlashAttention-3's
+// split of the backward. The math is flash_bwd.cu's (its header: P recomputed from lse, dS =
+// P (dP - delta) = dBias, the softcap factor, dK and dQ scaled by softmax_scale); what changes is
+// who waits for what, and that dQ is summed from shares instead of recomputed by a second kernel.
+//
+// A CTA owns BLOCK_N = 64 x CONSUMERS keys of one (batch, query head) and walks the query tiles
+// of BLOCK_M = 64 rows that see them, dK and dV in registers. It has CONSUMERS + 1 warpgroups:
+//   producer (24 registers a thread):
+//     warp 0 issues TMA for K and V once, then each query tile's Q and dO into a ring of
+//       STAGES slots;
+//     warp 1 stages each tile's lse (log2 units; +inf for dead rows and rows past Lq, so their
+//       P is 0) and delta beside them;
+//     warp 2 adds each tile's dQ share from shared memory to an fp32 sum in global memory with
+//       one bulk reduce-add.
+//   consumers, 64 keys each. Per query tile:
+//     S^T = K Q^T, dP^T = V dO^T (wgmma, shared operands; P^T is computed while dP^T runs);
+//     dV += P^T dO (while dS^T is computed), dK += dS^T Q (wgmma, P^T and dS^T from registers);
+//     dS^T into shared memory as dS (stmatrix .trans), all consumers' keys side by side;
+//     the tile's dQ share = dS K, each consumer BLOCK_D / CONSUMERS of its columns, into a
+//     shared fp32 tile (two, used in turn) for warp 2.
+//
+// The dQ sum is deterministic: the shares of query tile m are added in key-block order, block n
+// waiting on tile m's counter (global memory) until blocks 0 .. n - 1 have added theirs. Blocks
+// launch in blockIdx.y order, so a block waits only for blocks launched before it, which hold an
+// SM or are done (no deadlock), and causal's longest blocks start first. Every block walks its
+// query tiles from the last, so the blocks of a head reach a tile at about the same step and
+// block n trails block n - 1 by about one add. (Adding in descending block order forces causal's
+// shortest blocks first: H100, W3 causal, 1.424 against 0.971 ms for this kernel.) Block 0
+// visits every query tile and stores its share instead of adding it, so the sum needs no
+// zeroing; dmattn_bwd_ws_delta_kernel computes delta and zeroes the counters before, and
+// dmattn_bwd_ws_dq_kernel scales the sums into dQ after.
+//
+// Positions are tested (bounds, causal, mask) only in a consumer's boundary tiles, and a mask and
+// a bias are read from global memory there, as in flash_bwd.cu; so is dBias written (element by
+// element with a query dim; else each key's dS summed over its queries in registers). Under GQA
+// (DKV_FP32) each query head writes its own fp32 share of dK and dV, which the launcher sums.
+//
+// What did not pay (H100, W3 shape, bf16 B2 H16 L4096 D128 causal): a tile's dQ product issued
+// beside the next tile's gradients needs more than a consumer's 240 registers (ptxas C7511,
+// spills); the last block casting dQ itself, instead of the dQ kernel, 1.725 against 0.997 ms for
+// the whole backward; summing dQ in the dK/dV kernel of flash_bwd.cu (its header).
+//
+// Layouts: TMA writes each 64-column block of a tile as 128-byte rows in the 128-byte swizzle
+// (sm90.cuh); rows past Lq or Lk and columns past HEAD_DIM arrive as zeros. The maps
+// (`dmattn_kernels.cuda.launch`, per call) describe q and dO as (D, Lq, H, B), k and v as
+// (D, Lk, Hkv, B), with boxes of 64 columns by BLOCK_M or BLOCK_N rows. A dQ share is stored in
+// fragment order: pair (d, r) of consumer thread c at float2 (2 d + r) x consumer threads + c,
+// so each warp's store fills 256 contiguous bytes (the dQ kernel reads rows and columns back).
+//
+// Compile-time parameters: those of common.cuh (WGMMA 1), BLOCK_M, BLOCK_N, and flash_bwd.cu's
+// HAS_DBIAS, DBIAS_ROWS, DBIAS_FP32 and DKV_FP32.
+
+#include <cuda.h>  // CUtensorMap
+
+#include "bwd_steps.cuh"
+
+static_assert(WGMMA, "the warp-specialized backward runs its products as wgmma (sm90)");
+constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
+constexpr int CONSUMER_THREADS = CONSUMERS * GROUP_WARPS * 32;
+constexpr int DQ_COLS = BLOCK_D / CONSUMERS;  // the columns of a dQ share one consumer computes
+constexpr int DQ_BUFFERS = 2;
+static_assert(CONSUMERS >= 1 && NUM_WARPS % GROUP_WARPS == 0 && BLOCK_N == CONSUMERS * GROUP_ROWS && BLOCK_M == 64,
+              "one producer warpgroup and a consumer warpgroup per 64 keys; query tiles of 64 rows");
+static_assert(BLOCK_D % CONSUMERS == 0 && DQ_COLS % SWIZZLE_COLS == 0 && is_wgmma_width(DQ_COLS),
+              "each consumer's dQ columns are whole 128-byte lines of K");
+constexpr int PRODUCER_REGISTERS = 24;
+constexpr int CONSUMER_REGISTERS_LEFT = (65536 - GROUP_WARPS * 32 * PRODUCER_REGISTERS) / CONSUMER_THREADS / 8 * 8;
+constexpr int CONSUMER_REGISTERS = CONSUMER_REGISTERS_LEFT < 240 ? CONSUMER_REGISTERS_LEFT : 240;
+constexpr uint32_t KV_BYTES = BLOCK_N * BLOCK_D * sizeof(elem_t), Q_BYTES = BLOCK_M * BLOCK_D * sizeof(elem_t);
+constexpr uint32_t DQ_SHARE_BYTES = BLOCK_M * BLOCK_D * sizeof(float);
+
+struct BwdWsParams {  // `dmattn_kernels.cuda.launch._BwdWsParams` mirrors it
+  CUtensorMap q_map, k_map, v_map, do_map;
+  BwdParams bwd;
+  float* dq_sum;    // (B x H, query tiles, BLOCK_M x BLOCK_D): each tile's summed shares, fragment order
+  int* dq_counter;  // (B x H, query tiles): the key blocks whose share is in the sum
+};
+
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;\n" :: "n"(CONSUMER_THREADS) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(const __grid_constant__ BwdWsParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t kv_full, full[STAGES], empty[STAGES], dq_full[DQ_BUFFERS], dq_empty[DQ_BUFFERS];
+  elem_t* k_smem = shared_tiles(smem_raw);
+  elem_t* v_smem = k_smem + BLOCK_N * BLOCK_D;
+  elem_t* q_smem = v_smem + BLOCK_N * BLOCK_D;             // ring of STAGES query tiles
+  elem_t* do_smem = q_smem + STAGES * BLOCK_M * BLOCK_D;    // and their dO tiles
+  elem_t* ds_smem = do_smem + STAGES * BLOCK_M * BLOCK_D;   // two dS tiles, BLOCK_M x BLOCK_N
+  float* dq_smem = reinterpret_cast<float*>(ds_smem + 2 * BLOCK_M * BLOCK_N);  // DQ_BUFFERS shares
+  float* lse_smem = dq_smem + DQ_BUFFERS * BLOCK_M * BLOCK_D;  // STAGES x BLOCK_M
+  float* delta_smem = lse_smem + STAGES * BLOCK_M;
+
+  const BwdParams& bwd = p.bwd;
+  const Inputs& in = bwd.in;
+  const HeadSlices at = head_slices(in, blockIdx.x);
+  const ScoreRule rule = score_rule(in, at);
+  const int n_block = blockIdx.y;
+  const int m_tiles = (in.seqlen_q + BLOCK_M - 1) / BLOCK_M;
+  // causal: the query tiles before m_begin see no key of this block
+  const int m_begin = IS_CAUSAL ? max(0, n_block * BLOCK_N - rule.offset) / BLOCK_M : 0;
+  const int steps = m_tiles - m_begin;
+  auto tile_at = [&](int step) { return m_tiles - 1 - step; };  // the last tile first
+
+  if (threadIdx.x == 0) {
+    barrier_init(&kv_full, 1);
+    for (int slot = 0; slot < STAGES; ++slot) {
+      barrier_init(&full[slot], 1 + 32);  // warp 0's copies, warp 1's lanes
+      barrier_init(&empty[slot], CONSUMER_THREADS);
+    }
+    for (int buffer = 0; buffer < DQ_BUFFERS; ++buffer) {
+      barrier_init(&dq_full[buffer], CONSUMER_THREADS);
+      barrier_init(&dq_empty[buffer], 1);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < GROUP_WARPS * 32) {
+    // -- producer --
+    registers_release<PRODUCER_REGISTERS>();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp == 0 && lane == 0) {
+      barrier_arrive_expecting(&kv_full, 2 * KV_BYTES);
+      load_tile_tma<BLOCK_N>(k_smem, &p.k_map, n_block * BLOCK_N, at.kv_head, at.batch, &kv_full);
+      load_tile_tma<BLOCK_N>(v_smem, &p.v_map, n_block * BLOCK_N, at.kv_head, at.batch, &kv_full);
+      for (int step = 0; step < steps; ++step) {
+        const int m = tile_at(step), slot = step % STAGES;
+        if (step >= STAGES) barrier_wait(&empty[slot], (step / STAGES - 1) & 1);
+        barrier_arrive_expecting(&full[slot], 2 * Q_BYTES);
+        load_tile_tma<BLOCK_M>(q_smem + slot * BLOCK_M * BLOCK_D, &p.q_map, m * BLOCK_M, at.head, at.batch, &full[slot]);
+        load_tile_tma<BLOCK_M>(do_smem + slot * BLOCK_M * BLOCK_D, &p.do_map, m * BLOCK_M, at.head, at.batch,
+                               &full[slot]);
+      }
+    } else if (warp == 1) {
+      const GradSlices grads = grad_slices(bwd, at);
+      for (int step = 0; step < steps; ++step) {
+        const int m = tile_at(step), slot = step % STAGES;
+        if (step >= STAGES) barrier_wait(&empty[slot], (step / STAGES - 1) & 1);
+        for (int r = lane; r < BLOCK_M; r += 32) {
+          const int row = m * BLOCK_M + r;
+          lse_smem[slot * BLOCK_M + r] = row_lse(grads.lse, bwd.lse_stride[2], row, in.seqlen_q) * LOG2E;
+          delta_smem[slot * BLOCK_M + r] = row < in.seqlen_q ? grads.delta[row * bwd.delta_stride[2]] : 0.f;
+        }
+        barrier_arrive(&full[slot]);
+      }
+    } else if (warp == 2 && lane == 0) {
+      float* sums = p.dq_sum + int64_t(blockIdx.x) * m_tiles * BLOCK_M * BLOCK_D;
+      int* counters = p.dq_counter + blockIdx.x * m_tiles;
+      for (int step = 0; step < steps; ++step) {
+        const int m = tile_at(step), buffer = step % DQ_BUFFERS;
+        barrier_wait(&dq_full[buffer], (step / DQ_BUFFERS) & 1);
+        int added;  // blocks 0 .. n_block - 1 visit tile m too (their m_begin is no later)
+        do asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(added) : "l"(counters + m) : "memory");
+        while (added != n_block);
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+        float* sum = sums + int64_t(m) * BLOCK_M * BLOCK_D;
+        const uint32_t share = shared_address(dq_smem + buffer * BLOCK_M * BLOCK_D);
+        if (n_block == 0)
+          asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                       :: "l"(sum), "r"(share), "n"(DQ_SHARE_BYTES) : "memory");
+        else
+          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                       :: "l"(sum), "r"(share), "n"(DQ_SHARE_BYTES) : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // in global memory: the next block's turn
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" :: "l"(counters + m) : "memory");
+        barrier_arrive(&dq_empty[buffer]);
+      }
+    }
+    return;
+  }
+
+  // -- consumers --
+  registers_claim<CONSUMER_REGISTERS>();
+  const int warp = threadIdx.x / 32 - GROUP_WARPS, lane = threadIdx.x % 32;  // warp among the consumers
+  const int g = lane / 4, t = lane % 4;
+  const int group = warp / GROUP_WARPS, group_key0 = group * GROUP_ROWS;  // the consumer's keys in the block
+  const int group_first_key = n_block * BLOCK_N + group_key0;
+  const int key0 = group_first_key + (warp % GROUP_WARPS) * 16 + g;  // this thread's keys: key0, key0 + 8
+  const float scale_log2 = in.softmax_scale * LOG2E;
+  float dk_acc[BLOCK_D / 8][4] = {}, dv_acc[BLOCK_D / 8][4] = {};
+  float dbias_sum[2] = {0.f, 0.f};  // per key, summed over every query (HAS_DBIAS, !DBIAS_ROWS)
+  dbias_t* dbias = HAS_DBIAS ? bwd.dbias + at.batch * bwd.dbias_stride[0] + at.head * bwd.dbias_stride[1] : nullptr;
+  barrier_wait(&kv_full, 0);
+
+  for (int step = 0; step < steps; ++step) {
+    const int m = tile_at(step), slot = step % STAGES;
+    barrier_wait(&full[slot], (step / STAGES) & 1);
+    const elem_t* q_tile = q_smem + slot * BLOCK_M * BLOCK_D;
+    const elem_t* do_tile = do_smem + slot * BLOCK_M * BLOCK_D;
+    const float* lse_tile = lse_smem + slot * BLOCK_M;
+    const float* delta_tile = delta_smem + slot * BLOCK_M;
+
+    // every query of the tile sees every key of this consumer: no per-position test
+    const int first_row = m * BLOCK_M;
+    const bool check = HAS_MASK || first_row + BLOCK_M > in.seqlen_q || group_first_key + GROUP_ROWS > in.seqlen_k ||
+                       (IS_CAUSAL && group_first_key + GROUP_ROWS - 1 > first_row + rule.offset);
+    // Fragment (n, c) of S^T is key key0 + 8 (c / 2), query row first_row + 8 n + 2 t + c % 2.
+    auto row_of = [&](int n, int c) { return first_row + n * 8 + 2 * t + c % 2; };
+    auto key_of = [&](int c) { return key0 + (c / 2) * 8; };
+    // dBias of one position (flash_bwd.cu's rule: stored, or summed per key)
+    auto add_dbias = [&](float value, int n, int c) {
+      const int row = row_of(n, c), key = key_of(c);
+      if (HAS_DBIAS && DBIAS_ROWS && row < in.seqlen_q && key < in.seqlen_k)
+        dbias[row * bwd.dbias_stride[2] + key * bwd.dbias_stride[3]] = static_cast<dbias_t>(value);
+      if (HAS_DBIAS && !DBIAS_ROWS) dbias_sum[c / 2] += value;
+    };
+
+    // causal: no query of the tile sees a key of this consumer (the block's first tile, for all
+    // but its first consumer): its dS is 0, and of its products only dQ's, which reads every
+    // consumer's dS, runs
+    const bool hidden = IS_CAUSAL && group_first_key > first_row + BLOCK_M - 1 + rule.offset;
+    float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // the first k-step overwrites (scale-d 0)
+    uint32_t p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
+    if (hidden) {
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) ds_frag[kk][0] = ds_frag[kk][1] = ds_frag[kk][2] = ds_frag[kk][3] = 0;
+    } else if constexpr (!HAS_SOFTCAP) {
+      wgmma_fence();
+      wgmma_abt(s, k_smem, BLOCK_N, group_key0, q_tile);
+      wgmma_commit();
+      wgmma_abt(dp, v_smem, BLOCK_N, group_key0, do_tile);
+      wgmma_commit();
+      wgmma_wait<1>();  // S^T is in; dP^T runs on
+      touch(s);
+#pragma unroll
+      for (int n = 0; n < BLOCK_M / 8; ++n) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = row_of(n, c), key = key_of(c), column = row - first_row;
+          if (check && !rule.visible(row, key)) {
+            s[n][c] = 0.f;
+          } else {
+            const float x = HAS_BIAS ? rule.score(s[n][c] * in.softmax_scale, row, key) * LOG2E : s[n][c] * scale_log2;
+            s[n][c] = exp2_ftz(x - lse_tile[column]);
+          }
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) accumulator_to_a(p_frag[kk], s, kk);
+      touch(dv_acc);  // its zero-fill stays before the fence (PTX: no register writes after it)
+      wgmma_fence();
+      wgmma_ab(dv_acc, p_frag, do_tile);
+      wgmma_commit();
+      wgmma_wait<1>();  // dP^T is in; dV's product runs on
+      touch(dp);
+#pragma unroll
+      for (int n = 0; n < BLOCK_M / 8; ++n) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          dp[n][c] = s[n][c] * (dp[n][c] - delta_tile[n * 8 + 2 * t + c % 2]);
+          add_dbias(dp[n][c], n, c);
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) accumulator_to_a(ds_frag[kk], dp, kk);
+      touch(dk_acc);
+      wgmma_fence();
+      wgmma_ab(dk_acc, ds_frag, q_tile);
+      wgmma_commit();
+    } else {  // dS needs the capped score beside P: both products first
+      wgmma_fence();
+      wgmma_abt(s, k_smem, BLOCK_N, group_key0, q_tile);
+      wgmma_abt(dp, v_smem, BLOCK_N, group_key0, do_tile);
+      wgmma_commit();
+      wgmma_wait<0>();
+      touch(s);
+      touch(dp);
+#pragma unroll
+      for (int n = 0; n < BLOCK_M / 8; ++n) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = row_of(n, c), key = key_of(c), column = row - first_row;
+          float prob = 0.f, dbias_value = 0.f, ds = 0.f;
+          if (!check || rule.visible(row, key)) {
+            const float capped = rule.capped(s[n][c]), tanh_value = capped / rule.softcap;
+            prob = exp2_ftz(rule.score(capped, row, key) * LOG2E - lse_tile[column]);
+            dbias_value = prob * (dp[n][c] - delta_tile[column]);
+            ds = dbias_value * (1.f - tanh_value * tanh_value);
+          }
+          s[n][c] = prob;
+          dp[n][c] = ds;
+          add_dbias(dbias_value, n, c);
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+        accumulator_to_a(p_frag[kk], s, kk);
+        accumulator_to_a(ds_frag[kk], dp, kk);
+      }
+      touch(dv_acc);
+      touch(dk_acc);
+      wgmma_fence();
+      wgmma_ab(dv_acc, p_frag, do_tile);
+      wgmma_ab(dk_acc, ds_frag, q_tile);
+      wgmma_commit();
+    }
+
+    // dS^T -> dS in shared memory: each 8 x 8 block of a fragment as 8 query rows of 8 keys
+    elem_t* ds_tile = ds_smem + (step % 2) * BLOCK_M * BLOCK_N;
+    {
+      const int block = lane / 8, key = group_key0 + (warp % GROUP_WARPS) * 16 + (block % 2) * 8;
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+        stmatrix_x4_trans(ds_frag[kk], ds_tile + swizzled(kk * 16 + (block / 2) * 8 + lane % 8, key, BLOCK_M));
+    }
+    fence_async_shared();
+    consumers_sync();  // every consumer's dS is in
+    float dq[DQ_COLS / 8][4];
+    wgmma_fence();
+    wgmma_ab_ss<DQ_COLS / 8, BLOCK_N / 16>(dq, ds_tile, k_smem + group * (DQ_COLS / SWIZZLE_COLS) * BLOCK_N * SWIZZLE_COLS);
+    wgmma_commit();
+    wgmma_wait<0>();
+    touch(dv_acc);
+    touch(dk_acc);
+    touch(dq);
+    barrier_arrive(&empty[slot]);  // Q, dO, lse and delta of the slot are read
+
+    const int buffer = step % DQ_BUFFERS;
+    if (step >= DQ_BUFFERS) barrier_wait(&dq_empty[buffer], (step / DQ_BUFFERS - 1) & 1);  // warp 2 has added it
+    float2* share = reinterpret_cast<float2*>(dq_smem + buffer * BLOCK_M * BLOCK_D) + warp * 32 + lane;
+#pragma unroll
+    for (int d = 0; d < DQ_COLS / 8; ++d)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) share[(2 * d + r) * CONSUMER_THREADS] = make_float2(dq[d][2 * r], dq[d][2 * r + 1]);
+    fence_async_shared();
+    barrier_arrive(&dq_full[buffer]);
+  }
+
+  // Every key of the block is written, also one that no query sees (its gradients are 0).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + r * 8;
+    if (HAS_DBIAS && !DBIAS_ROWS) {
+      dbias_sum[r] += __shfl_xor_sync(0xffffffff, dbias_sum[r], 1);
+      dbias_sum[r] += __shfl_xor_sync(0xffffffff, dbias_sum[r], 2);
+      if (t == 0 && key < in.seqlen_k) dbias[key * bwd.dbias_stride[3]] = static_cast<dbias_t>(dbias_sum[r]);
+    }
+    if (key >= in.seqlen_k) continue;
+    const int dkv_head = DKV_FP32 ? at.head : at.kv_head;
+    dkv_t* dk = bwd.dk + at.batch * bwd.dk_stride[0] + key * bwd.dk_stride[1] + dkv_head * bwd.dk_stride[2];
+    dkv_t* dv = bwd.dv + at.batch * bwd.dv_stride[0] + key * bwd.dv_stride[1] + dkv_head * bwd.dv_stride[2];
+#pragma unroll
+    for (int d = 0; d < BLOCK_D / 8; ++d) {
+      const int col = d * 8 + 2 * t;
+      if (col < HEAD_DIM) {
+        store_pair(dk + col, dk_acc[d][2 * r] * in.softmax_scale, dk_acc[d][2 * r + 1] * in.softmax_scale);
+        store_pair(dv + col, dv_acc[d][2 * r], dv_acc[d][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// delta (bwd_steps.cuh), and the counters of the query tiles starting in the CTA's rows zeroed
+// for the kernel above.
+extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_ws_delta_kernel(const __grid_constant__ BwdWsParams p) {
+  store_deltas(p.bwd);
+  const int seqlen_q = p.bwd.in.seqlen_q, m_tiles = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+  const int first = blockIdx.x * DELTA_ROWS_PER_BLOCK, end = min(first + DELTA_ROWS_PER_BLOCK, seqlen_q);
+  const int m = (first + BLOCK_M - 1) / BLOCK_M + threadIdx.x;
+  if (m * BLOCK_M < end) p.dq_counter[blockIdx.y * m_tiles + m] = 0;
+}
+
+// dQ = softmax_scale x the summed shares, in the input dtype: a thread per two columns of
+// DQ_ROWS rows (fewer rows a thread, and its index math outweighed its 8-byte loads: H200, W3,
+// 45 us for one row). `launch.DQ_CAST_ROWS` mirrors the count.
+constexpr int DQ_ROWS = 4;
+static_assert(8 % DQ_ROWS == 0, "a thread's rows share a tile and its r");
+
+extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_ws_dq_kernel(const __grid_constant__ BwdWsParams p) {
+  const BwdParams& bwd = p.bwd;
+  const int pair = blockIdx.x * THREADS + threadIdx.x, row0 = pair / (BLOCK_D / 2) * DQ_ROWS;
+  const int col = pair % (BLOCK_D / 2) * 2;
+  if (row0 >= bwd.in.seqlen_q || col >= HEAD_DIM) return;
+  const int slice = blockIdx.y, batch = slice / bwd.in.num_heads, head = slice % bwd.in.num_heads;
+  const int m_tiles = (bwd.in.seqlen_q + BLOCK_M - 1) / BLOCK_M;
+  const float2* tile = reinterpret_cast<const float2*>(p.dq_sum + (int64_t(slice) * m_tiles + row0 / BLOCK_M) *
+                                                                     BLOCK_M * BLOCK_D);
+  // the share's fragment order (the kernel above): warp w4 of consumer `group` holds rows
+  // 16 w4 + g + 8 r, columns group x DQ_COLS + 8 d + 2 t (DQ_ROWS divides 8: one tile, one r)
+  const int group = col / DQ_COLS, d = col % DQ_COLS / 8, t = col % 8 / 2, tile_row0 = row0 % BLOCK_M;
+  const float2* sums = tile + (2 * d + tile_row0 % 16 / 8) * CONSUMER_THREADS +
+                       (group * GROUP_WARPS + tile_row0 / 16) * 32 + tile_row0 % 8 * 4 + t;
+  float2 sum[DQ_ROWS];
+#pragma unroll
+  for (int r = 0; r < DQ_ROWS; ++r) sum[r] = sums[4 * r];  // rows g, g + 1, ...: lanes 4 apart
+  elem_t* dq = bwd.dq + batch * bwd.dq_stride[0] + row0 * bwd.dq_stride[1] + head * bwd.dq_stride[2] + col;
+#pragma unroll
+  for (int r = 0; r < DQ_ROWS; ++r)
+    if (row0 + r < bwd.in.seqlen_q)
+      store_pair(dq + r * bwd.dq_stride[1], sum[r].x * bwd.in.softmax_scale, sum[r].y * bwd.in.softmax_scale);
+}
