@@ -324,6 +324,9 @@ def _full_cases() -> list[Case]:
              mask_shape="kv_head", bias="per_key"),
         Case("head_dim_72", seqlen_q=113, seqlen_k=203, head_dim=72, mask="random", bias="per_key"),
         Case("head_dim_192_causal", seqlen_q=203, seqlen_k=113, head_dim=192, causal=True, bias="full"),
+        # query tiles of rows that all see no key (causal, Lq - Lk >= 64) at a head dim the
+        # warp-specialized backward takes: no key block visits them (found by review)
+        Case("causal_dead_tiles_d128", seqlen_q=203, seqlen_k=113, head_dim=128, causal=True),
         Case("seed_long_window_bf16", batch=1, heads=8, heads_kv=8, seqlen_q=4096, seqlen_k=4096, head_dim=128,
              mask="window", window=2048, bias="full"),
         # found by the tuner's on-shape check: the pipelined (maskless) dK path at D=128, GQA

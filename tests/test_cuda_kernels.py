@@ -272,6 +272,37 @@ def test_the_warp_specialized_backward_is_a_producer_warpgroup_beside_one_per_64
                           "-DBLOCK_N=128", "-DWGMMA=1")
 
 
+def test_the_warp_specialized_backward_zeroes_the_dq_sums_of_tiles_no_key_block_visits():
+    """Block n walks query tiles from (n x block_n - (Lk - Lq)) // 64 on (flash_bwd_ws.cu's m_begin):
+    the tiles before block 0's start are visited by none, and exactly those hold only rows that
+    see no key (causal: row + Lk - Lq < 0)."""
+    for seqlen_q, seqlen_k in ((203, 113), (4097, 1), (40, 17), (113, 203), (128, 64), (127, 64)):
+        m_begin = max(0, seqlen_q - seqlen_k) // 64
+        tiles = -(-seqlen_q // 64)
+        dead_tiles = sum(all(row + seqlen_k - seqlen_q < 0 for row in range(m * 64, min(seqlen_q, m * 64 + 64)))
+                         for m in range(tiles))
+        assert launch.unvisited_query_tiles(seqlen_q, seqlen_k, 64, True) == m_begin == dead_tiles
+        assert launch.unvisited_query_tiles(seqlen_q, seqlen_k, 64, False) == 0
+
+
+def test_an_expanded_gradient_is_a_broadcast_dim_but_a_size_1_dim_is_not():
+    assert launch.has_broadcast_dim(torch.zeros(2, 1, 4, 8).expand(2, 16, 4, 8))  # d(out.mean(1))
+    assert not launch.has_broadcast_dim(torch.zeros(2, 16, 4, 8))
+    assert not launch.has_broadcast_dim(torch.zeros(2, 1, 4, 8).expand(2, 1, 4, 8))
+
+
+def test_a_warp_specialized_backward_config_off_sm90_is_refused_before_any_launch(monkeypatch):
+    """Its shape would otherwise build flash_bwd.cu with 12 warps, 192 keys, in a CTA sized for 128."""
+    monkeypatch.setattr(launch, "_check_tensor", lambda q: None)
+    monkeypatch.setattr(launch, "arch_of", lambda device: "sm80")
+    q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 64)
+    with pytest.raises(ValueError, match=r"config: 128 keys on 12 warps is the warp-specialized backward, which "
+                                         r"runs on sm90 only \(here: sm80\)"):
+        launch.attention_backward(q, q, q, q, q, lse, None, None, is_causal=True, softmax_scale=0.1, softcap=0.0,
+                                  config=WS_BWD, dq=q, dk=q, dv=q, dbias=None)
+
+
 def test_the_delta_kernels_cover_their_rows_with_a_lane_per_16_bytes():
     # 16 lanes a 128-column row, so a warp holds two rows, four times over
     assert launch.delta_rows_per_block(128, 12) == 12 * 2 * 4

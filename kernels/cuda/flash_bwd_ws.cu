@@ -26,8 +26,10 @@
 // query tiles from the last, so the blocks of a head reach a tile at about the same step and
 // block n trails block n - 1 by about one add. (Adding in descending block order forces causal's
 // shortest blocks first: H100, W3 causal, 1.424 against 0.971 ms for this kernel.) Block 0
-// visits every query tile and stores its share instead of adding it, so the sum needs no
-// zeroing; dmattn_bwd_ws_delta_kernel computes delta and zeroes the counters before, and
+// visits every query tile that any block visits and stores its share instead of adding it, so
+// the sum needs no zeroing; only the leading tiles whose rows all see no key (causal, Lq - Lk >=
+// 64) are visited by none, and the launcher zeroes their sums (their dQ is 0).
+// dmattn_bwd_ws_delta_kernel computes delta and zeroes the counters before, and
 // dmattn_bwd_ws_dq_kernel scales the sums into dQ after.
 //
 // Positions are tested (bounds, causal, mask) only in a consumer's boundary tiles, and a mask and
@@ -35,7 +37,9 @@
 // element with a query dim; else each key's dS summed over its queries in registers). Under GQA
 // (DKV_FP32) each query head writes its own fp32 share of dK and dV, which the launcher sums.
 //
-// What did not pay (H100, W3 shape, bf16 B2 H16 L4096 D128 causal): a tile's dQ product issued
+// What did not pay (H100, W3 shape, bf16 B2 H16 L4096 D128 causal; these figures and the order's
+// above were measured on this kernel's prototype, `benchmarks/cuda/bwd_ws_probe.py [floors]` at
+// 2071c35, whose commits give each run): a tile's dQ product issued
 // beside the next tile's gradients needs more than a consumer's 240 registers (ptxas C7511,
 // spills); the last block casting dQ itself, instead of the dQ kernel, 1.725 against 0.997 ms for
 // the whole backward; summing dQ in the dK/dV kernel of flash_bwd.cu (its header).
@@ -365,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_ws_delta_kernel
 
 // dQ = softmax_scale x the summed shares, in the input dtype: a thread per two columns of
 // DQ_ROWS rows (fewer rows a thread, and its index math outweighed its 8-byte loads: H200, W3,
-// 45 us for one row). `launch.DQ_CAST_ROWS` mirrors the count.
+// 45 us for one row; `benchmarks/cuda/bwd_ws_check.py time`). `launch.DQ_CAST_ROWS` mirrors the count.
 constexpr int DQ_ROWS = 4;
 static_assert(8 % DQ_ROWS == 0, "a thread's rows share a tile and its r");
 

@@ -119,7 +119,7 @@ class _WsParams(ctypes.Structure):
 
 
 class _BwdParams(ctypes.Structure):
-    """flash_bwd.cu's BwdParams, field for field."""
+    """bwd_steps.cuh's BwdParams (both backwards'), field for field."""
 
     _fields_ = ([("inputs", _Inputs)] + _pointers("out", "dout", "lse", "delta", "dq", "dk", "dv", "dbias")
                 + _strides("out_stride", "dout_stride", "dq_stride", "dk_stride", "dv_stride", "lse_stride",
@@ -789,6 +789,12 @@ class ForwardPlan:
                                        [], [spec], (0, 1, -1), [plan.launcher])
 
 
+def has_broadcast_dim(t: torch.Tensor) -> bool:
+    """Whether a dim of more than one element has stride 0 (an expanded tensor, such as the
+    gradient of a mean over the query rows)."""
+    return any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride()))
+
+
 def _dbias_layout(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int):
     """Where the dK/dV kernel writes dBias: (shape, rows, in_place). The target is (B, H, Lq, Lk)
     for a bias with a query dim, else (B, H, 1, Lk) (each key's dS summed over its queries in the
@@ -809,11 +815,16 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     group = num_heads // num_heads_kv
     _check_tensor(q)
     _check_call(config, q, k, mask, bias, is_causal, softcap, dbias is not None)
+    arch = arch_of(q.device)
+    reason = arch_reason(config, head_dim, arch)
+    if reason:
+        raise ValueError(f"config: {reason}")
+    if backward_warp_specialized(config, head_dim, arch) and has_broadcast_dim(dout):
+        dout = dout.contiguous()  # its tensor map takes no stride-0 dim: a copy of the incoming gradient
     for name, t in (("query", q), ("key", k), ("value", v), ("out", out), ("grad_out", dout), ("dq", dq),
                     ("dk", dk), ("dv", dv)):
         _check_aligned(name, t)
     layout = None if dbias is None else _dbias_layout(dbias, batch, num_heads, seqlen_q, seqlen_k)
-    arch = arch_of(q.device)
     flags = backward_variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None,
                              arch=arch, is_causal=is_causal, has_mask=mask is not None, softcap=softcap, group=group,
                              dbias=None if layout is None else (layout[1], dbias.dtype if layout[2] else torch.float32))
@@ -840,7 +851,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     heads = batch * num_heads
     shared = backward_shared_bytes(config, head_dim, arch)
     if "ws" in shared:
-        _run_warp_specialized_backward(launcher, config, params, shared["ws"], q, k, v, dout, delta, dlse, lse)
+        _run_warp_specialized_backward(launcher, config, params, shared["ws"], q, k, v, dout, delta, dlse, lse,
+                                       is_causal)
     else:
         launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, delta_rows_per_block(head_dim, config.num_warps)),
                                               heads), config.num_warps, 0, params)
@@ -863,14 +875,24 @@ def delta_rows_per_block(head_dim: int, num_warps: int) -> int:
     return num_warps * 32 // (1 << (chunks - 1).bit_length()) * DELTA_UNROLL
 
 
+def unvisited_query_tiles(seqlen_q: int, seqlen_k: int, block_m: int, is_causal: bool) -> int:
+    """The leading query tiles of the warp-specialized backward that no key block visits: under
+    the causal rule, tiles whose rows all come before the first row that sees a key (row
+    Lq - Lk), which exist when Lq - Lk >= block_m. Their dQ sums are never stored."""
+    return max(0, seqlen_q - seqlen_k) // block_m if is_causal else 0
+
+
 def _run_warp_specialized_backward(launcher: _Launcher, config: BwdConfig, params: _BwdParams, shared: int, q, k, v,
-                                   dout, delta, dlse, lse) -> None:
+                                   dout, delta, dlse, lse, is_causal: bool) -> None:
     """flash_bwd_ws.cu's three launches: delta (and the dQ counters zeroed), the kernel, dQ from
-    its summed shares. The sums are not zeroed: each tile's first share is stored, not added."""
+    its summed shares. The sums are not zeroed: each tile's first share is stored, not added;
+    only the tiles no key block visits (`unvisited_query_tiles`: rows that see no key, whose dQ
+    is 0) are zeroed here."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     heads, m_tiles = batch * num_heads, triton.cdiv(seqlen_q, config.block_m)
     padded = padded_head_dim(head_dim)
     dq_sum = torch.empty((heads, m_tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
+    dq_sum[:, :unvisited_query_tiles(seqlen_q, k.shape[1], config.block_m, is_causal)].zero_()
     dq_counter = torch.empty((heads, m_tiles), dtype=torch.int32, device=q.device)
     driver, rows_of = _the_driver(), (3, 1, 2, 0)  # (B, L, H, D) as (D, L, H, B)
     maps = {name: driver.tensor_map(t, rows_of, rows, _TMA_LINE, _TMA_LINE)
