@@ -270,9 +270,14 @@ def backward_warp_specialized(config: BwdConfig, head_dim: int, arch: str | None
     warpgroup plus one consumer warpgroup per 64 keys, so num_warps = block_n / 16 + 4, on SM90
     with a head dim padded to 64 or 128 whose columns split into whole 64-column blocks among the
     consumers (their dQ products)."""
+    return arch == "sm90" and _is_warp_specialized_shape(config) and _splits_head_dim(config, head_dim)
+
+
+def _splits_head_dim(config: BwdConfig, head_dim: int) -> bool:
+    """The warp-specialized backward's head-dim rule: padded to 64 or 128, in whole 64-column
+    blocks for each of its block_n / 64 consumer warpgroups."""
     padded = padded_head_dim(head_dim)
-    return (arch == "sm90" and _is_warp_specialized_shape(config) and padded in (64, 128)
-            and padded % (64 * (config.block_n // 64)) == 0)
+    return padded in (64, 128) and padded % config.block_n == 0
 
 
 def _is_warp_specialized_shape(config: FwdConfig | BwdConfig) -> bool:
@@ -439,7 +444,7 @@ def _warp_specialized_backward_reason(config: BwdConfig, head_dim: int) -> str |
                 f"{config.block_m}x{config.block_n} (warp-specialized backward: the dQ shares are its tiles)")
     if padded not in (64, 128):
         return f"head_dim={head_dim} does not pad to 64 or 128 (warp-specialized backward)"
-    if padded % config.block_n:
+    if not _splits_head_dim(config, head_dim):
         return (f"head_dim={head_dim} does not split into 64-column blocks among block_n / 64 = "
                 f"{config.block_n // 64} consumer warpgroups (warp-specialized backward: their dQ products)")
     if not 1 <= config.num_stages <= MAX_STAGES:
@@ -819,7 +824,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     reason = arch_reason(config, head_dim, arch)
     if reason:
         raise ValueError(f"config: {reason}")
-    if backward_warp_specialized(config, head_dim, arch) and has_broadcast_dim(dout):
+    source = backward_kernel(config, head_dim, arch)
+    if source == "bwd_ws" and has_broadcast_dim(dout):
         dout = dout.contiguous()  # its tensor map takes no stride-0 dim: a copy of the incoming gradient
     for name, t in (("query", q), ("key", k), ("value", v), ("out", out), ("grad_out", dout), ("dq", dq),
                     ("dk", dk), ("dv", dv)):
@@ -828,7 +834,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     flags = backward_variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None,
                              arch=arch, is_causal=is_causal, has_mask=mask is not None, softcap=softcap, group=group,
                              dbias=None if layout is None else (layout[1], dbias.dtype if layout[2] else torch.float32))
-    launcher = _Launcher(backward_kernel(config, head_dim, arch), q.device, flags)
+    launcher = _Launcher(source, q.device, flags)
     if is_compile_only():
         return
     target = None
@@ -850,7 +856,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     )
     heads = batch * num_heads
     shared = backward_shared_bytes(config, head_dim, arch)
-    if "ws" in shared:
+    if source == "bwd_ws":
         _run_warp_specialized_backward(launcher, config, params, shared["ws"], q, k, v, dout, delta, dlse, lse,
                                        is_causal)
     else:
