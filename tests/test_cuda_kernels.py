@@ -71,12 +71,12 @@ def test_the_launcher_parameter_blocks_are_the_kernels(cubin_cache):
                                     is_causal=True, has_mask=True, softcap=0.0, group=2, dbias=(True, torch.float32))
     # the delta, dK/dV and dQ kernels all take BwdParams
     assert _parameter_sizes(build.build("bwd", "sm90", flags)) == [ctypes.sizeof(launch._BwdParams)] * 3 == [472] * 3
-    # the warp-specialized backward's three kernels take four tensor maps, BwdParams and its dQ buffers
+    # the warp-specialized backward's three kernels take seven tensor maps, BwdParams and its dQ buffers
     flags = launch.backward_variant(BwdConfig(64, 128, 64, 128, 12, 2), 128, torch.bfloat16, torch.bfloat16,
                                     arch="sm90", is_causal=True, has_mask=True, softcap=0.0, group=2,
                                     dbias=(True, torch.float32))
-    assert _parameter_sizes(build.build("bwd_ws", "sm90", flags)) == [ctypes.sizeof(launch._BwdWsParams)] * 3 == [1024] * 3
-    assert launch._BwdWsParams.backward.offset == 4 * 128
+    assert _parameter_sizes(build.build("bwd_ws", "sm90", flags)) == [ctypes.sizeof(launch._BwdWsParams)] * 3 == [1408] * 3
+    assert launch._BwdWsParams.backward.offset == 7 * 128
 
 
 @needs_nvcc
@@ -268,8 +268,47 @@ def test_the_warp_specialized_backward_is_a_producer_warpgroup_beside_one_per_64
     assert launch.shared_bytes(WS_BWD, 128, "sm90") <= launch.SM90_SHARED_BYTES
     flags = launch.backward_variant(WS_BWD, 128, torch.bfloat16, None, arch="sm90", is_causal=True, has_mask=False,
                                     softcap=0.0, group=4, dbias=None)
-    assert flags[-7:] == ("-DHAS_DBIAS=0", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=1", "-DDKV_FP32=1", "-DBLOCK_M=64",
-                          "-DBLOCK_N=128", "-DWGMMA=1")
+    assert flags[-11:] == ("-DHAS_DBIAS=0", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=1", "-DDKV_FP32=1", "-DBLOCK_M=64",
+                           "-DBLOCK_N=128", "-DWGMMA=1", "-DSCORE_STAGES=0", "-DMASK_TILES=0", "-DBIAS_TILES=0",
+                           "-DDBIAS_TMA=0")
+
+
+def _staging_flags(flags: tuple[str, ...]) -> dict[str, int]:
+    names = ("SCORE_STAGES", "MASK_TILES", "BIAS_TILES", "DBIAS_TMA")
+    return {flag[2:].split("=")[0]: int(flag.split("=")[1]) for flag in flags if flag[2:].split("=")[0] in names}
+
+
+def test_the_warp_specialized_backward_stages_mask_and_bias_where_its_ring_fits():
+    rows, keys, none = launch.TILES_OF_ROWS, launch.TILES_OF_KEYS, launch.NOT_STAGED
+    bf16 = torch.bfloat16
+
+    def flags(mask_tiles, bias_tiles, bias_dtype=bf16, dbias=(True, bf16), softcap=0.0, config=WS_BWD, head_dim=128):
+        return _staging_flags(launch.backward_variant(
+            config, head_dim, bf16, bias_dtype, arch="sm90", is_causal=True, has_mask=mask_tiles is not None,
+            softcap=softcap, group=1, dbias=dbias, mask_tiles=none if mask_tiles is None else mask_tiles,
+            bias_tiles=bias_tiles))
+
+    dense = launch.backward_shared_bytes(WS_BWD, 128, "sm90")["ws"]
+    # W1: a mask and a bf16 bias of rows, 8 + 16 KiB a slot: one slot, in the room of one fp32 dQ share
+    assert flags(rows, rows) == dict(SCORE_STAGES=1, MASK_TILES=1, BIAS_TILES=1, DBIAS_TMA=1)
+    assert launch.backward_shared_bytes(WS_BWD, 128, "sm90", rows, rows)["ws"] == dense - 64 * 128 * 4 + 64 * 128 * 3
+    # W2: a mask of rows (8 KiB) and a per-key bias (registers): two slots
+    assert flags(rows, keys, dbias=(False, torch.float32)) == dict(SCORE_STAGES=2, MASK_TILES=1, BIAS_TILES=2,
+                                                                   DBIAS_TMA=0)
+    # an fp32 bias is read from global memory; a padding mask goes to registers and needs no ring
+    assert flags(rows, rows, torch.float32, (True, torch.float32)) == dict(SCORE_STAGES=2, MASK_TILES=1,
+                                                                           BIAS_TILES=0, DBIAS_TMA=0)
+    assert flags(keys, None, None, None) == dict(SCORE_STAGES=0, MASK_TILES=2, BIAS_TILES=0, DBIAS_TMA=0)
+    # dBias by TMA only where dS is dBias (no softcap) and the target is rows of the input dtype
+    assert flags(rows, rows, softcap=30.0)["DBIAS_TMA"] == 0
+    assert flags(rows, rows, dbias=(True, torch.float32))["DBIAS_TMA"] == 0
+    assert flags(rows, rows, dbias=(False, bf16))["DBIAS_TMA"] == 0
+    # no slot beside 4-stage rings: tiles of rows from global memory, a row of keys still in registers
+    deep = BwdConfig(64, 128, 64, 128, 12, 4)
+    assert flags(rows, keys, config=deep) == dict(SCORE_STAGES=0, MASK_TILES=0, BIAS_TILES=2, DBIAS_TMA=1)
+    for mask_tiles, bias_tiles in ((rows, rows), (rows, keys), (none, rows)):
+        assert launch.backward_shared_bytes(WS_BWD, 128, "sm90", mask_tiles, bias_tiles)["ws"] \
+            + launch.WS_STATIC_BYTES <= launch.SM90_SHARED_BYTES
 
 
 def test_the_warp_specialized_backward_zeroes_the_dq_sums_of_tiles_no_key_block_visits():

@@ -349,6 +349,28 @@ __device__ __forceinline__ ScoreRule score_rule(const Inputs& in, const HeadSlic
   return rule;
 }
 
+// The mask and bias of one key tile that TMA staged in shared memory (flash_fwd_ws.cu, flash_bwd_ws.cu): a tile
+// of ROWS rows (the block's query rows, or 1 for an operand without a query dim) whose rows are
+// split into lines of at most 128 bytes, each line width a column block of ROWS lines in the
+// swizzle of that width (a single row is not swizzled). Rows and columns outside the operand
+// arrive as 0, so a staged mask keeps nothing there.
+struct StagedScores {
+  const unsigned char* mask;
+  const unsigned char* bias;
+  int row0;  // the tile's first query row (its first key is the one of S's tile)
+
+  // Byte `byte` of tile row `row0 + r8` (row0 a multiple of 8, r8 < 8) in a tile of ROWS lines
+  // of LINE bytes (64 or 128): the 16-byte chunk index XORed with address bits [7, 7 +
+  // log2(LINE / 16)), as TMA's swizzle writes it, which for such a row depend on r8 alone.
+  template <int ROWS, int LINE>
+  static __device__ __forceinline__ int offset(int row0, int r8, int byte) {
+    static_assert(ROWS <= 1 || LINE == 64 || LINE == 128, "TMA swizzles 64- and 128-byte lines here");
+    if (ROWS == 1) return byte;
+    const int chunk_xor = (LINE == 128 ? r8 : r8 / 2) << 4;
+    return byte / LINE * ROWS * LINE + (row0 + r8) * LINE + ((byte % LINE) ^ chunk_xor);
+  }
+};
+
 // The key tiles of KEYS keys that a query block walks (the forward and dQ kernels): the block
 // reaches tiles [0, block); every row of one warp's rows [warp_row0, warp_row0 + warp_rows)
 // reaches every key of tiles [0, inside) (in bounds and, when causal, at or left of the

@@ -11,7 +11,9 @@
 //     warp 1 stages each tile's lse (log2 units; +inf for dead rows and rows past Lq, so their
 //       P is 0) and delta beside them;
 //     warp 2 adds each tile's dQ share from shared memory to an fp32 sum in global memory with
-//       one bulk reduce-add.
+//       one bulk reduce-add;
+//     warp 3, where dBias is stored by TMA (below) under the causal rule, writes the zeros of
+//       the dBias tiles no query of the block's tiles sees, so the launcher zeroes nothing.
 //   consumers, 64 keys each. Per query tile:
 //     S^T = K Q^T, dP^T = V dO^T (wgmma, shared operands; P^T is computed while dP^T runs);
 //     dV += P^T dO (while dS^T is computed), dK += dS^T Q (wgmma, P^T and dS^T from registers);
@@ -32,10 +34,24 @@
 // dmattn_bwd_ws_delta_kernel computes delta and zeroes the counters before, and
 // dmattn_bwd_ws_dq_kernel scales the sums into dQ after.
 //
-// Positions are tested (bounds, causal, mask) only in a consumer's boundary tiles, and a mask and
-// a bias are read from global memory there, as in flash_bwd.cu; so is dBias written (element by
-// element with a query dim; else each key's dS summed over its queries in registers). Under GQA
-// (DKV_FP32) each query head writes its own fp32 share of dK and dV, which the launcher sums.
+// Mask and bias (MASK_TILES, BIAS_TILES; launch.py picks as the operands' layouts allow):
+//   1, a tile of rows: the producer stages each query tile's BLOCK_M x BLOCK_N tile by TMA
+//     (keys contiguous, a 16-bit bias) in a ring of SCORE_STAGES slots beside the Q and dO ring,
+//     released once P is taken. A consumer's fragment is S^T's, so the bias comes by ldmatrix
+//     .trans, four n8 tiles' pairs an instruction; mask bytes one by one. Tile rows and keys
+//     outside the operand arrive as 0: a staged mask keeps nothing there.
+//   2, one row of keys (a padding mask, a per-key bias): each thread reads its two keys' values
+//     into registers once.
+//   0, any other layout: read from global memory at each tested position, as in flash_bwd.cu.
+// With a staged tile the fp32 dQ share has one buffer, not two (the ring's room; the share's
+// second buffer bought nothing: H100, W3, 1.426 against 1.423 ms on the prototype). Bounds and
+// causal are tested only in a consumer's boundary tiles; a mask in global memory wherever there
+// is one.
+// dBias: with a query dim and the input dtype (DBIAS_TMA, no softcap, where dS is dBias) the dS
+// tile the consumers stage for dQ is also stored by TMA, one store per 64 keys; otherwise
+// element by element, or without a query dim each key's dS summed over its queries in
+// registers. Under GQA (DKV_FP32) each query head writes its own fp32 share of dK and dV, which
+// the launcher sums.
 //
 // What did not pay (H100, W3 shape, bf16 B2 H16 L4096 D128 causal; these figures and the order's
 // above were measured on this kernel's prototype, `benchmarks/cuda/bwd_ws_probe.py [floors]` at
@@ -51,8 +67,9 @@
 // fragment order: pair (d, r) of consumer thread c at float2 (2 d + r) x consumer threads + c,
 // so each warp's store fills 256 contiguous bytes (the dQ kernel reads rows and columns back).
 //
-// Compile-time parameters: those of common.cuh (WGMMA 1), BLOCK_M, BLOCK_N, and flash_bwd.cu's
-// HAS_DBIAS, DBIAS_ROWS, DBIAS_FP32 and DKV_FP32.
+// Compile-time parameters: those of common.cuh (WGMMA 1), BLOCK_M, BLOCK_N, SCORE_STAGES,
+// MASK_TILES, BIAS_TILES, DBIAS_TMA, and flash_bwd.cu's HAS_DBIAS, DBIAS_ROWS, DBIAS_FP32 and
+// DKV_FP32.
 
 #include <cuda.h>  // CUtensorMap
 
@@ -62,7 +79,8 @@ static_assert(WGMMA, "the warp-specialized backward runs its products as wgmma (
 constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
 constexpr int CONSUMER_THREADS = CONSUMERS * GROUP_WARPS * 32;
 constexpr int DQ_COLS = BLOCK_D / CONSUMERS;  // the columns of a dQ share one consumer computes
-constexpr int DQ_BUFFERS = 2;
+constexpr bool SCORE_TILES = (HAS_MASK && MASK_TILES == 1) || (HAS_BIAS && BIAS_TILES == 1);  // a staged ring
+constexpr int DQ_BUFFERS = SCORE_TILES ? 1 : 2;  // `launch.backward_shared_bytes` mirrors the layout below
 static_assert(CONSUMERS >= 1 && NUM_WARPS % GROUP_WARPS == 0 && BLOCK_N == CONSUMERS * GROUP_ROWS && BLOCK_M == 64,
               "one producer warpgroup and a consumer warpgroup per 64 keys; query tiles of 64 rows");
 static_assert(BLOCK_D % CONSUMERS == 0 && DQ_COLS % SWIZZLE_COLS == 0 && is_wgmma_width(DQ_COLS),
@@ -72,9 +90,20 @@ constexpr int CONSUMER_REGISTERS_LEFT = (65536 - GROUP_WARPS * 32 * PRODUCER_REG
 constexpr int CONSUMER_REGISTERS = CONSUMER_REGISTERS_LEFT < 240 ? CONSUMER_REGISTERS_LEFT : 240;
 constexpr uint32_t KV_BYTES = BLOCK_N * BLOCK_D * sizeof(elem_t), Q_BYTES = BLOCK_M * BLOCK_D * sizeof(elem_t);
 constexpr uint32_t DQ_SHARE_BYTES = BLOCK_M * BLOCK_D * sizeof(float);
+static_assert(!SCORE_TILES || (SCORE_STAGES >= 1 && (BLOCK_N == 64 || BLOCK_N == 128)),
+              "staged mask and bias tiles: a ring slot and 64 or 128 keys (one or two 128-byte lines)");
+static_assert(!(HAS_BIAS && BIAS_TILES == 1) || !BIAS_FP32, "a staged bias is 16-bit");
+static_assert(!DBIAS_TMA || (HAS_DBIAS && DBIAS_ROWS && !DBIAS_FP32 && !HAS_SOFTCAP),
+              "dBias stored from the dS tile: rows of the input dtype, and dS is dBias (no softcap)");
+constexpr int MASK_LINE = BLOCK_N < 128 ? BLOCK_N : 128;  // a staged mask row: one line of BLOCK_N bytes
+constexpr int MASK_SLOT_BYTES = HAS_MASK && MASK_TILES == 1 ? BLOCK_M * BLOCK_N : 0;  // whole KiB: BLOCK_M is 64
+constexpr int BIAS_SLOT_BYTES = HAS_BIAS && BIAS_TILES == 1 ? BLOCK_M * BLOCK_N * int(sizeof(elem_t)) : 0;
+constexpr int SCORE_SLOT_BYTES = MASK_SLOT_BYTES + BIAS_SLOT_BYTES;
+constexpr int SCORE_SLOTS = SCORE_TILES ? SCORE_STAGES : 1;  // barrier arrays need a size
 
 struct BwdWsParams {  // `dmattn_kernels.cuda.launch._BwdWsParams` mirrors it
   CUtensorMap q_map, k_map, v_map, do_map;
+  CUtensorMap mask_map, bias_map, dbias_map;  // only where staged (MASK_TILES, BIAS_TILES 1) or DBIAS_TMA
   BwdParams bwd;
   float* dq_sum;    // (B x H, query tiles, BLOCK_M x BLOCK_D): each tile's summed shares, fragment order
   int* dq_counter;  // (B x H, query tiles): the key blocks whose share is in the sum
@@ -87,13 +116,16 @@ __device__ __forceinline__ void consumers_sync() {
 extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(const __grid_constant__ BwdWsParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t kv_full, full[STAGES], empty[STAGES], dq_full[DQ_BUFFERS], dq_empty[DQ_BUFFERS];
+  __shared__ __align__(8) uint64_t score_full[SCORE_SLOTS], score_empty[SCORE_SLOTS];
   elem_t* k_smem = shared_tiles(smem_raw);
   elem_t* v_smem = k_smem + BLOCK_N * BLOCK_D;
   elem_t* q_smem = v_smem + BLOCK_N * BLOCK_D;             // ring of STAGES query tiles
   elem_t* do_smem = q_smem + STAGES * BLOCK_M * BLOCK_D;    // and their dO tiles
   elem_t* ds_smem = do_smem + STAGES * BLOCK_M * BLOCK_D;   // two dS tiles, BLOCK_M x BLOCK_N
   float* dq_smem = reinterpret_cast<float*>(ds_smem + 2 * BLOCK_M * BLOCK_N);  // DQ_BUFFERS shares
-  float* lse_smem = dq_smem + DQ_BUFFERS * BLOCK_M * BLOCK_D;  // STAGES x BLOCK_M
+  // the score ring's slots (the mask tile, then the bias tile; whole KiB, as TMA's swizzle needs)
+  unsigned char* score_smem = reinterpret_cast<unsigned char*>(dq_smem + DQ_BUFFERS * BLOCK_M * BLOCK_D);
+  float* lse_smem = reinterpret_cast<float*>(score_smem + SCORE_SLOTS * SCORE_SLOT_BYTES);  // STAGES x BLOCK_M
   float* delta_smem = lse_smem + STAGES * BLOCK_M;
 
   const BwdParams& bwd = p.bwd;
@@ -117,6 +149,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
       barrier_init(&dq_full[buffer], CONSUMER_THREADS);
       barrier_init(&dq_empty[buffer], 1);
     }
+    for (int slot = 0; slot < SCORE_SLOTS; ++slot) {
+      barrier_init(&score_full[slot], 1);
+      barrier_init(&score_empty[slot], CONSUMER_THREADS);
+    }
     fence_barrier_init();
   }
   __syncthreads();
@@ -136,6 +172,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         load_tile_tma<BLOCK_M>(q_smem + slot * BLOCK_M * BLOCK_D, &p.q_map, m * BLOCK_M, at.head, at.batch, &full[slot]);
         load_tile_tma<BLOCK_M>(do_smem + slot * BLOCK_M * BLOCK_D, &p.do_map, m * BLOCK_M, at.head, at.batch,
                                &full[slot]);
+        if (SCORE_TILES) {
+          const int score_slot = step % SCORE_SLOTS;
+          if (step >= SCORE_SLOTS) barrier_wait(&score_empty[score_slot], (step / SCORE_SLOTS - 1) & 1);
+          unsigned char* tile = score_smem + score_slot * SCORE_SLOT_BYTES;
+          barrier_arrive_expecting(&score_full[score_slot], SCORE_SLOT_BYTES);
+          // a broadcast dim (stride 0) is a size-1 dim of the map: coordinate 0
+          if (MASK_SLOT_BYTES)
+            tma_load(tile, &p.mask_map, n_block * BLOCK_N, m * BLOCK_M, in.mask_stride[1] ? at.head / in.mask_head_div : 0,
+                     in.mask_stride[0] ? at.batch : 0, &score_full[score_slot]);
+          if (BIAS_SLOT_BYTES) {
+#pragma unroll
+            for (int block = 0; block < BLOCK_N / SWIZZLE_COLS; ++block)
+              tma_load(tile + MASK_SLOT_BYTES + block * BLOCK_M * SWIZZLE_COLS * int(sizeof(elem_t)), &p.bias_map,
+                       n_block * BLOCK_N + block * SWIZZLE_COLS, m * BLOCK_M,
+                       in.bias_stride[1] ? at.head / in.bias_head_div : 0, in.bias_stride[0] ? at.batch : 0,
+                       &score_full[score_slot]);
+          }
+        }
       }
     } else if (warp == 1) {
       const GradSlices grads = grad_slices(bwd, at);
@@ -148,6 +202,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
           delta_smem[slot * BLOCK_M + r] = row < in.seqlen_q ? grads.delta[row * bwd.delta_stride[2]] : 0.f;
         }
         barrier_arrive(&full[slot]);
+      }
+    } else if (DBIAS_TMA && IS_CAUSAL && warp == 3) {
+      // the query tiles before m_begin, 16 bytes a lane: each row's BLOCK_N keys in BLOCK_N / 8 lanes
+      constexpr int ROW_LANES = BLOCK_N / 8, ROWS_AT_ONCE = 32 / ROW_LANES;
+      const int key = n_block * BLOCK_N + lane % ROW_LANES * 8, rows_end = min(m_begin * BLOCK_M, in.seqlen_q);
+      if (key < in.seqlen_k) {  // Lk is a multiple of 8 (the target's rows are on 16-byte boundaries)
+        dbias_t* column = bwd.dbias + at.batch * bwd.dbias_stride[0] + at.head * bwd.dbias_stride[1] + key;
+        for (int row = lane / ROW_LANES; row < rows_end; row += ROWS_AT_ONCE)
+          *reinterpret_cast<uint4*>(column + row * bwd.dbias_stride[2]) = make_uint4(0, 0, 0, 0);
       }
     } else if (warp == 2 && lane == 0) {
       float* sums = p.dq_sum + int64_t(blockIdx.x) * m_tiles * BLOCK_M * BLOCK_D;
@@ -167,8 +230,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         else
           asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                        :: "l"(sum), "r"(share), "n"(DQ_SHARE_BYTES) : "memory");
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // in global memory: the next block's turn
+        bulk_commit();
+        bulk_wait<0, false>();  // in global memory: the next block's turn
         asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" :: "l"(counters + m) : "memory");
         barrier_arrive(&dq_empty[buffer]);
       }
@@ -182,11 +245,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   const int g = lane / 4, t = lane % 4;
   const int group = warp / GROUP_WARPS, group_key0 = group * GROUP_ROWS;  // the consumer's keys in the block
   const int group_first_key = n_block * BLOCK_N + group_key0;
-  const int key0 = group_first_key + (warp % GROUP_WARPS) * 16 + g;  // this thread's keys: key0, key0 + 8
+  const int warp_key0 = group_key0 + (warp % GROUP_WARPS) * 16;  // the warp's 16 keys in the block
+  const int key0 = n_block * BLOCK_N + warp_key0 + g;  // this thread's keys: key0, key0 + 8
   const float scale_log2 = in.softmax_scale * LOG2E;
   float dk_acc[BLOCK_D / 8][4] = {}, dv_acc[BLOCK_D / 8][4] = {};
   float dbias_sum[2] = {0.f, 0.f};  // per key, summed over every query (HAS_DBIAS, !DBIAS_ROWS)
   dbias_t* dbias = HAS_DBIAS ? bwd.dbias + at.batch * bwd.dbias_stride[0] + at.head * bwd.dbias_stride[1] : nullptr;
+  // a mask or bias of one row of keys (TILES 2): this thread's two keys' values, read once
+  bool key_kept[2] = {true, true};
+  float key_bias[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key < in.seqlen_k) {
+      if (HAS_MASK && MASK_TILES == 2) key_kept[r] = rule.mask[key * rule.mask_col] != 0;
+      if (HAS_BIAS && BIAS_TILES == 2) key_bias[r] = static_cast<float>(rule.bias[key * rule.bias_col]);
+    }
+  }
+  const bool stores_dbias = DBIAS_TMA && warp == 0 && lane == 0;  // the thread that stores dS tiles as dBias
   barrier_wait(&kv_full, 0);
 
   for (int step = 0; step < steps; ++step) {
@@ -196,18 +272,57 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
     const elem_t* do_tile = do_smem + slot * BLOCK_M * BLOCK_D;
     const float* lse_tile = lse_smem + slot * BLOCK_M;
     const float* delta_tile = delta_smem + slot * BLOCK_M;
+    const int score_slot = step % SCORE_SLOTS;
+    const unsigned char* mask_tile = score_smem + score_slot * SCORE_SLOT_BYTES;
+    const elem_t* bias_tile = reinterpret_cast<const elem_t*>(mask_tile + MASK_SLOT_BYTES);
+    auto take_scores = [&] {
+      if (SCORE_TILES) barrier_wait(&score_full[score_slot], (step / SCORE_SLOTS) & 1);
+    };
+    auto release_scores = [&] {  // the producer may refill the slot
+      if (SCORE_TILES) barrier_arrive(&score_empty[score_slot]);
+    };
 
-    // every query of the tile sees every key of this consumer: no per-position test
+    // Bounds and causal are tested only where some query of the tile misses some key of this
+    // consumer; a mask in global memory at every position.
     const int first_row = m * BLOCK_M;
-    const bool check = HAS_MASK || first_row + BLOCK_M > in.seqlen_q || group_first_key + GROUP_ROWS > in.seqlen_k ||
-                       (IS_CAUSAL && group_first_key + GROUP_ROWS - 1 > first_row + rule.offset);
+    const bool boundary = first_row + BLOCK_M > in.seqlen_q || group_first_key + GROUP_ROWS > in.seqlen_k ||
+                          (IS_CAUSAL && group_first_key + GROUP_ROWS - 1 > first_row + rule.offset);
+    const bool check = (HAS_MASK && MASK_TILES == 0) || boundary;
     // Fragment (n, c) of S^T is key key0 + 8 (c / 2), query row first_row + 8 n + 2 t + c % 2.
     auto row_of = [&](int n, int c) { return first_row + n * 8 + 2 * t + c % 2; };
     auto key_of = [&](int c) { return key0 + (c / 2) * 8; };
-    // dBias of one position (flash_bwd.cu's rule: stored, or summed per key)
+    auto visible = [&](int n, int c) {
+      const int row = row_of(n, c), key = key_of(c);
+      bool allowed = !check || (MASK_TILES == 0 ? rule.visible(row, key) : rule.reached(row, key));
+      if (HAS_MASK && MASK_TILES == 1)
+        allowed = allowed && mask_tile[StagedScores::offset<BLOCK_M, MASK_LINE>(8 * n, 2 * t + c % 2,
+                                                                                 warp_key0 + g + 8 * (c / 2))] != 0;
+      if (HAS_MASK && MASK_TILES == 2) allowed = allowed && key_kept[c / 2];
+      return allowed;
+    };
+    // A staged bias of n8 tiles n2 and n2 + 1 as S^T's fragments: matrix i of the ldmatrix is
+    // query rows 8 (n2 + i / 2) .. + 7 at keys warp_key0 + 8 (i % 2) .. + 7, transposed, so
+    // pairs[2 h + c / 2] holds (n2 + h, c) and (n2 + h, c + 1).
+    auto staged_bias = [&](uint32_t (&pairs)[4], int n2) {
+      if (HAS_BIAS && BIAS_TILES == 1) {
+        const int i = lane / 8;
+        ldmatrix_x4_trans(pairs, bias_tile + swizzled(8 * (n2 + i / 2) + lane % 8, warp_key0 + 8 * (i % 2), BLOCK_M));
+      }
+    };
+    // capped + the bias at a visible position (elsewhere a bias may be NaN or outside the operand)
+    auto biased = [&](float capped, int n, int c, const uint32_t (&pairs)[4]) {
+      if (!HAS_BIAS) return capped;
+      if (BIAS_TILES == 1) {
+        const float2 pair = unpack2(pairs[2 * (n % 2) + c / 2]);
+        return capped + (c % 2 ? pair.y : pair.x);
+      }
+      if (BIAS_TILES == 2) return capped + key_bias[c / 2];
+      return rule.score(capped, row_of(n, c), key_of(c));
+    };
+    // dBias of one position (flash_bwd.cu's rule: stored, or summed per key; DBIAS_TMA: below)
     auto add_dbias = [&](float value, int n, int c) {
       const int row = row_of(n, c), key = key_of(c);
-      if (HAS_DBIAS && DBIAS_ROWS && row < in.seqlen_q && key < in.seqlen_k)
+      if (HAS_DBIAS && DBIAS_ROWS && !DBIAS_TMA && row < in.seqlen_q && key < in.seqlen_k)
         dbias[row * bwd.dbias_stride[2] + key * bwd.dbias_stride[3]] = static_cast<dbias_t>(value);
       if (HAS_DBIAS && !DBIAS_ROWS) dbias_sum[c / 2] += value;
     };
@@ -219,6 +334,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
     float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // the first k-step overwrites (scale-d 0)
     uint32_t p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
     if (hidden) {
+      take_scores();
+      release_scores();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_M / 16; ++kk) ds_frag[kk][0] = ds_frag[kk][1] = ds_frag[kk][2] = ds_frag[kk][3] = 0;
     } else if constexpr (!HAS_SOFTCAP) {
@@ -227,21 +344,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
       wgmma_commit();
       wgmma_abt(dp, v_smem, BLOCK_N, group_key0, do_tile);
       wgmma_commit();
+      take_scores();
       wgmma_wait<1>();  // S^T is in; dP^T runs on
       touch(s);
 #pragma unroll
-      for (int n = 0; n < BLOCK_M / 8; ++n) {
+      for (int n2 = 0; n2 < BLOCK_M / 8; n2 += 2) {
+        uint32_t bias_pairs[4];
+        staged_bias(bias_pairs, n2);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int row = row_of(n, c), key = key_of(c), column = row - first_row;
-          if (check && !rule.visible(row, key)) {
-            s[n][c] = 0.f;
-          } else {
-            const float x = HAS_BIAS ? rule.score(s[n][c] * in.softmax_scale, row, key) * LOG2E : s[n][c] * scale_log2;
-            s[n][c] = exp2_ftz(x - lse_tile[column]);
+        for (int n = n2; n < n2 + 2; ++n) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            if (!visible(n, c)) {
+              s[n][c] = 0.f;
+            } else {
+              const float x = HAS_BIAS ? biased(s[n][c] * in.softmax_scale, n, c, bias_pairs) * LOG2E : s[n][c] * scale_log2;
+              s[n][c] = exp2_ftz(x - lse_tile[row_of(n, c) - first_row]);
+            }
           }
         }
       }
+      release_scores();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_M / 16; ++kk) accumulator_to_a(p_frag[kk], s, kk);
       touch(dv_acc);  // its zero-fill stays before the fence (PTX: no register writes after it)
@@ -269,26 +392,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
       wgmma_abt(s, k_smem, BLOCK_N, group_key0, q_tile);
       wgmma_abt(dp, v_smem, BLOCK_N, group_key0, do_tile);
       wgmma_commit();
+      take_scores();
       wgmma_wait<0>();
       touch(s);
       touch(dp);
 #pragma unroll
-      for (int n = 0; n < BLOCK_M / 8; ++n) {
+      for (int n2 = 0; n2 < BLOCK_M / 8; n2 += 2) {
+        uint32_t bias_pairs[4];
+        staged_bias(bias_pairs, n2);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int row = row_of(n, c), key = key_of(c), column = row - first_row;
-          float prob = 0.f, dbias_value = 0.f, ds = 0.f;
-          if (!check || rule.visible(row, key)) {
-            const float capped = rule.capped(s[n][c]), tanh_value = capped / rule.softcap;
-            prob = exp2_ftz(rule.score(capped, row, key) * LOG2E - lse_tile[column]);
-            dbias_value = prob * (dp[n][c] - delta_tile[column]);
-            ds = dbias_value * (1.f - tanh_value * tanh_value);
+        for (int n = n2; n < n2 + 2; ++n) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int column = row_of(n, c) - first_row;
+            float prob = 0.f, dbias_value = 0.f, ds = 0.f;
+            if (visible(n, c)) {
+              const float capped = rule.capped(s[n][c]), tanh_value = capped / rule.softcap;
+              prob = exp2_ftz(biased(capped, n, c, bias_pairs) * LOG2E - lse_tile[column]);
+              dbias_value = prob * (dp[n][c] - delta_tile[column]);
+              ds = dbias_value * (1.f - tanh_value * tanh_value);
+            }
+            s[n][c] = prob;
+            dp[n][c] = ds;
+            add_dbias(dbias_value, n, c);
           }
-          s[n][c] = prob;
-          dp[n][c] = ds;
-          add_dbias(dbias_value, n, c);
         }
       }
+      release_scores();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
         accumulator_to_a(p_frag[kk], s, kk);
@@ -311,7 +441,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         stmatrix_x4_trans(ds_frag[kk], ds_tile + swizzled(kk * 16 + (block / 2) * 8 + lane % 8, key, BLOCK_M));
     }
     fence_async_shared();
+    if (stores_dbias) bulk_wait<0, true>();  // the last tile's store has read its dS: the other buffer is free
     consumers_sync();  // every consumer's dS is in
+    if (stores_dbias) {  // the tile's dBias: its dS as staged, a box per 64 keys
+#pragma unroll
+      for (int block = 0; block < BLOCK_N / SWIZZLE_COLS; ++block)
+        tma_store(&p.dbias_map, ds_tile + block * BLOCK_M * SWIZZLE_COLS, n_block * BLOCK_N + block * SWIZZLE_COLS,
+                  first_row, at.head, at.batch);
+      bulk_commit();
+    }
     float dq[DQ_COLS / 8][4];
     wgmma_fence();
     wgmma_ab_ss<DQ_COLS / 8, BLOCK_N / 16>(dq, ds_tile, k_smem + group * (DQ_COLS / SWIZZLE_COLS) * BLOCK_N * SWIZZLE_COLS);
@@ -333,6 +471,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
     barrier_arrive(&dq_full[buffer]);
   }
 
+  if (stores_dbias) bulk_wait<0, false>();  // no store reads shared memory past the block's end
   // Every key of the block is written, also one that no query sees (its gradients are 0).
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

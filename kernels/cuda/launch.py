@@ -127,13 +127,16 @@ class _BwdParams(ctypes.Structure):
                 + _strides("dbias_stride", count=4))
 
 
+_BWD_MAPS = ("q_map", "k_map", "v_map", "do_map", "mask_map", "bias_map", "dbias_map")
+
+
 class _BwdWsParams(ctypes.Structure):
     """flash_bwd_ws.cu's BwdWsParams, field for field, padded to its 128-byte multiple."""
 
-    _fields_ = ([(name, _TensorMap) for name in ("q_map", "k_map", "v_map", "do_map")] + [("backward", _BwdParams)]
+    _fields_ = ([(name, _TensorMap) for name in _BWD_MAPS] + [("backward", _BwdParams)]
                 + _pointers("dq_sum", "dq_counter")
-                + [("padding", ctypes.c_char * (-(4 * ctypes.sizeof(_TensorMap) + ctypes.sizeof(_BwdParams) + 16)
-                                                % 128))])
+                + [("padding", ctypes.c_char * (-(len(_BWD_MAPS) * ctypes.sizeof(_TensorMap)
+                                                  + ctypes.sizeof(_BwdParams) + 16) % 128))])
 
 
 class _Driver:
@@ -369,16 +372,46 @@ def forward_shared_bytes(config: FwdConfig, head_dim: int, arch: str | None = No
     return _forward_tile_bytes(config, head_dim, uses_wgmma(config, head_dim, arch))
 
 
-def backward_shared_bytes(config: BwdConfig, head_dim: int, arch: str | None = None) -> dict[str, int]:
+def backward_score_slot_bytes(config: BwdConfig, mask_tiles: int, bias_tiles: int) -> int:
+    """Bytes of one slot of the warp-specialized backward's ring of staged mask and bias tiles:
+    a query tile's mask bytes and 16-bit bias of its block_n keys (TILES_OF_ROWS; an operand of
+    one row of keys is read into registers instead: flash_bwd_ws.cu's SCORE_SLOT_BYTES)."""
+    tile = config.block_m * config.block_n
+    return (tile if mask_tiles == TILES_OF_ROWS else 0) + (2 * tile if bias_tiles == TILES_OF_ROWS else 0)
+
+
+def _backward_ws_bytes(config: BwdConfig, head_dim: int, score_stages: int, slot: int) -> int:
+    """flash_bwd_ws.cu's dynamic shared memory: K and V, the Q and dO rings, two dS tiles, the fp32
+    dQ shares (one beside a ring of staged tiles, else two), that ring, the lse and delta rings."""
+    ring = config.num_stages * config.block_m
+    dq_shares = (1 if score_stages else 2) * config.block_m * padded_head_dim(head_dim) * 4
+    return (_tile_bytes(2 * config.block_n + 2 * ring, head_dim, True) + 2 * config.block_m * config.block_n * 2
+            + dq_shares + score_stages * slot + 2 * ring * 4)
+
+
+def backward_score_stages(config: BwdConfig, head_dim: int, mask_tiles: int, bias_tiles: int) -> int:
+    """Slots of the warp-specialized backward's ring of staged mask and bias tiles: as many as fit
+    an SM90 block's shared memory, up to MAX_SCORE_STAGES, or none (read from global memory)."""
+    slot = backward_score_slot_bytes(config, mask_tiles, bias_tiles)
+    if config.block_n not in (64, 128) or slot == 0:
+        return 0
+    for stages in range(MAX_SCORE_STAGES, 0, -1):
+        if _backward_ws_bytes(config, head_dim, stages, slot) + WS_STATIC_BYTES <= SM90_SHARED_BYTES:
+            return stages
+    return 0
+
+
+def backward_shared_bytes(config: BwdConfig, head_dim: int, arch: str | None = None, mask_tiles: int = NOT_STAGED,
+                          bias_tiles: int = NOT_STAGED) -> dict[str, int]:
     """The backward's dynamic shared memory per kernel on `arch` (as the forward's). flash_bwd.cu:
     dK/dV holds K, V and rings of Q and dO tiles with their lse and delta (fp32); dQ holds Q, dO
-    and rings of K and V tiles. flash_bwd_ws.cu: its one kernel's (`ws`)."""
+    and rings of K and V tiles. flash_bwd_ws.cu: its one kernel's (`ws`), with the ring of
+    staged tiles a call's operands get (`_backward_staging`; by default none, the largest)."""
     ring = config.num_stages * config.block_m
     if backward_warp_specialized(config, head_dim, arch):
-        # K and V, the Q and dO rings, two dS tiles, two fp32 dQ shares, the lse and delta rings
-        dq_shares = 2 * config.block_m * padded_head_dim(head_dim) * 4
-        return {"ws": _tile_bytes(2 * config.block_n + 2 * ring, head_dim, True) + 2 * config.block_m * config.block_n * 2
-                + dq_shares + 2 * ring * 4}
+        stages = backward_score_stages(config, head_dim, mask_tiles, bias_tiles)
+        return {"ws": _backward_ws_bytes(config, head_dim, stages,
+                                         backward_score_slot_bytes(config, mask_tiles, bias_tiles))}
     wgmma = uses_wgmma(config, head_dim, arch)
     return {
         "dkdv": _tile_bytes(2 * config.block_n + 2 * ring, head_dim, wgmma) + 2 * ring * 4,
@@ -526,14 +559,45 @@ def _staged_layout(shape: tuple, stride: tuple, itemsize: int, seqlen_q: int) ->
     return TILES_OF_KEYS if shape[2] == 1 else TILES_OF_ROWS
 
 
+def _backward_staging(config: BwdConfig, head_dim: int, has_mask: bool, bias_dtype: torch.dtype | None,
+                      mask_tiles: int, bias_tiles: int) -> tuple[int, int, int]:
+    """(score ring slots, MASK_TILES, BIAS_TILES) of a warp-specialized backward call whose
+    operands allow `mask_tiles` and `bias_tiles` (`staged_tiles`): tiles of rows staged where
+    the ring fits (a bias only if 16-bit), a row of keys read into registers."""
+    mask_tiles = mask_tiles if has_mask else NOT_STAGED
+    bias_tiles = bias_tiles if bias_dtype is not None else NOT_STAGED
+    if bias_tiles == TILES_OF_ROWS and bias_dtype not in (torch.float16, torch.bfloat16):
+        bias_tiles = NOT_STAGED
+    stages = backward_score_stages(config, head_dim, mask_tiles, bias_tiles)
+    if not stages:  # no room: tiles of rows from global memory
+        mask_tiles, bias_tiles = (NOT_STAGED if tiles == TILES_OF_ROWS else tiles for tiles in (mask_tiles, bias_tiles))
+    return stages, mask_tiles, bias_tiles
+
+
+def _stores_dbias_by_tma(dbias: tuple[bool, torch.dtype] | None, dtype: torch.dtype, softcap: float,
+                        target_allows: bool) -> bool:
+    """Whether the warp-specialized backward stores dBias from its staged dS tiles by TMA: a
+    target with query rows in the input dtype whose layout allows (`target_allows`), and no
+    softcap (dS is dBias)."""
+    return dbias is not None and dbias[0] and dbias[1] == dtype and softcap <= 0 and target_allows
+
+
 def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
                      arch: str, is_causal: bool, has_mask: bool, softcap: float, group: int,
-                     dbias: tuple[bool, torch.dtype] | None) -> tuple[str, ...]:
+                     dbias: tuple[bool, torch.dtype] | None, mask_tiles: int = TILES_OF_ROWS,
+                     bias_tiles: int = TILES_OF_ROWS, dbias_tma: bool = True) -> tuple[str, ...]:
     """The -D list of the backward variant a call needs on `arch`; `dbias` is (rows, target
-    dtype) of the dBias target (`_dbias_target`) or None without dBias."""
+    dtype) of the dBias target (`_dbias_target`) or None without dBias. The warp-specialized
+    backward stages the mask and bias as the call's operands allow (`mask_tiles`, `bias_tiles`:
+    `staged_tiles`; by default tiles of rows), and stores dBias rows of the input dtype by TMA
+    where the target's layout allows (`dbias_tma`) and dS is dBias (no softcap)."""
     rows, target_dtype = dbias if dbias is not None else (False, torch.float32)
     if backward_warp_specialized(config, head_dim, arch):
-        own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, WGMMA=True)
+        stages, mask_tiles, bias_tiles = _backward_staging(config, head_dim, has_mask, bias_dtype, mask_tiles,
+                                                           bias_tiles)
+        own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, WGMMA=True, SCORE_STAGES=stages,
+                   MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles,
+                   DBIAS_TMA=_stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma))
     else:
         own = dict(DKDV_BLOCK_M=config.block_m, DQ_BLOCK_N=config.block_n_dq, WGMMA=uses_wgmma(config, head_dim, arch))
     return defines(_element(dtype), head_dim, config.num_warps, config.num_stages,
@@ -831,14 +895,25 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
                     ("dk", dk), ("dv", dv)):
         _check_aligned(name, t)
     layout = None if dbias is None else _dbias_layout(dbias, batch, num_heads, seqlen_q, seqlen_k)
-    flags = backward_variant(config, head_dim, q.dtype, bias.dtype if bias is not None else None,
-                             arch=arch, is_causal=is_causal, has_mask=mask is not None, softcap=softcap, group=group,
-                             dbias=None if layout is None else (layout[1], dbias.dtype if layout[2] else torch.float32))
+    bias_dtype = bias.dtype if bias is not None else None
+    staging = (0, NOT_STAGED, NOT_STAGED)
+    if source == "bwd_ws":
+        staging = _backward_staging(config, head_dim, mask is not None, bias_dtype, staged_tiles(mask, seqlen_q),
+                                    staged_tiles(bias, seqlen_q))
+    target_kind = None if layout is None else (layout[1], dbias.dtype if layout[2] else torch.float32)
+    # a TMA store needs the target in place (`_dbias_layout`), on 16-byte boundaries
+    target_allows = layout is not None and layout[2] and staged_tiles(dbias, seqlen_q) == TILES_OF_ROWS
+    flags = backward_variant(config, head_dim, q.dtype, bias_dtype, arch=arch, is_causal=is_causal,
+                             has_mask=mask is not None, softcap=softcap, group=group, dbias=target_kind,
+                             mask_tiles=staging[1], bias_tiles=staging[2], dbias_tma=target_allows)
     launcher = _Launcher(source, q.device, flags)
     if is_compile_only():
         return
+    stored_by_tma = source == "bwd_ws" and _stores_dbias_by_tma(target_kind, q.dtype, softcap, target_allows)
     target = None
-    if layout is not None:  # zeroed: tiles the causal rule skips are never written
+    if stored_by_tma:  # the warp-specialized kernel writes every element, the zeros the causal rule skips too
+        target = dbias
+    elif layout is not None:  # zeroed: tiles the causal rule skips are never written
         shape, _, in_place = layout
         target = dbias.zero_() if in_place else torch.zeros(shape, dtype=torch.float32, device=dbias.device)
     delta = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -855,10 +930,12 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
         zero_size1_strides(target),
     )
     heads = batch * num_heads
-    shared = backward_shared_bytes(config, head_dim, arch)
+    shared = backward_shared_bytes(config, head_dim, arch, staging[1], staging[2])
     if source == "bwd_ws":
         _run_warp_specialized_backward(launcher, config, params, shared["ws"], q, k, v, dout, delta, dlse, lse,
-                                       is_causal)
+                                       is_causal, mask if staging[1] == TILES_OF_ROWS else None,
+                                       bias if staging[2] == TILES_OF_ROWS else None,
+                                       target if stored_by_tma else None)
     else:
         launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, delta_rows_per_block(head_dim, config.num_warps)),
                                               heads), config.num_warps, 0, params)
@@ -889,11 +966,13 @@ def unvisited_query_tiles(seqlen_q: int, seqlen_k: int, block_m: int, is_causal:
 
 
 def _run_warp_specialized_backward(launcher: _Launcher, config: BwdConfig, params: _BwdParams, shared: int, q, k, v,
-                                   dout, delta, dlse, lse, is_causal: bool) -> None:
+                                   dout, delta, dlse, lse, is_causal: bool, staged_mask, staged_bias,
+                                   dbias_target) -> None:
     """flash_bwd_ws.cu's three launches: delta (and the dQ counters zeroed), the kernel, dQ from
     its summed shares. The sums are not zeroed: each tile's first share is stored, not added;
     only the tiles no key block visits (`unvisited_query_tiles`: rows that see no key, whose dQ
-    is 0) are zeroed here."""
+    is 0) are zeroed here. `staged_mask` and `staged_bias` are the operands staged as tiles of
+    rows, `dbias_target` the dBias the kernel stores by TMA (each None where not)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     heads, m_tiles = batch * num_heads, triton.cdiv(seqlen_q, config.block_m)
     padded = padded_head_dim(head_dim)
@@ -904,6 +983,12 @@ def _run_warp_specialized_backward(launcher: _Launcher, config: BwdConfig, param
     maps = {name: driver.tensor_map(t, rows_of, rows, _TMA_LINE, _TMA_LINE)
             for name, t, rows in (("q_map", q, config.block_m), ("k_map", k, config.block_n),
                                   ("v_map", v, config.block_n), ("do_map", dout, config.block_m))}
+    keys_of, mask_line = (3, 2, 1, 0), min(config.block_n, _TMA_LINE)  # (B, H, Lq, Lk) as (Lk, Lq, H, B)
+    if staged_mask is not None:  # a box of block_n bytes a row
+        maps["mask_map"] = driver.tensor_map(staged_mask, keys_of, config.block_m, mask_line, mask_line)
+    for name, t in (("bias_map", staged_bias), ("dbias_map", dbias_target)):  # boxes of 128-byte lines
+        if t is not None:
+            maps[name] = driver.tensor_map(t, keys_of, config.block_m, _TMA_LINE, _TMA_LINE)
     ws_params = _BwdWsParams(backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(), **maps)
     delta_rows = delta_rows_per_block(head_dim, config.num_warps)
     launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), heads), config.num_warps, 0, ws_params)

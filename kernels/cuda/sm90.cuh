@@ -139,6 +139,28 @@ __device__ __forceinline__ void tma_load(void* dst, const void* map, int c0, int
       : "memory");
 }
 
+// A box of shared memory to a 4-D tensor map at coordinates (c0 fastest), in the issuing thread's
+// bulk group; elements outside the tensor are not written. The writers of the box fence their
+// writes to the async proxy (`fence_async_shared`) before the barrier that lets this thread issue.
+__device__ __forceinline__ void tma_store(const void* map, const void* src, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+      :: "l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// All but the newest N of this thread's bulk groups have read their shared memory (READ_ONLY),
+// or are complete.
+template <int N, bool READ_ONLY>
+__device__ __forceinline__ void bulk_wait() {
+  if (READ_ONLY)
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
 // The BLOCK_D / 64 boxes of one ROWS-row tile starting at row `row` of `map`'s (head, batch)
 // slice: a (B, L, H, D) tensor mapped as (D, L, H, B), a box per 64 columns.
 template <int ROWS>
