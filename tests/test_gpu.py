@@ -551,3 +551,36 @@ def test_the_cuda_forward_s_native_program_repeats_its_python_launch_bitwise(mon
     assert not any(t.isnan().any() for t in first)
     for again in later:
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_the_warp_specialized_backward_as_the_first_cuda_work_of_a_thread():
+    """Autograd runs the backward on its own thread, where torch may not have made a CUDA context
+    current: the warp-specialized backward (tensor maps, then launches; dBias stored by TMA, so
+    no zeroing launch before) must still run there, and give the main thread's result."""
+    import threading
+
+    cuda = get_backend("cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batch, seqlen, heads, head_dim = 1, 256, 2, 128
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                     for _ in range(4))
+    bias = torch.randn(batch, heads, seqlen, seqlen, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = torch.rand(batch, heads, seqlen, seqlen, device="cuda", generator=g) > 0.3
+    options = dict(is_causal=True, softmax_scale=head_dim ** -0.5, softcap=0.0)
+    out, lse = torch.empty_like(q), torch.empty(batch, heads, seqlen, device="cuda")
+    cuda.forward(q, k, v, mask, bias, config=FwdConfig(128, 128, 12, 2), out=out, lse=lse, **options)
+
+    def backward() -> dict[str, torch.Tensor]:
+        grads = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
+                     dbias=torch.full_like(bias, float("nan")))
+        cuda.backward(dout, q, k, v, out, lse, mask, bias, config=BwdConfig(64, 128, 64, 128, 12, 2), **grads,
+                      **options)
+        torch.cuda.synchronize()
+        return grads
+
+    expected, on_thread = backward(), {}
+    thread = threading.Thread(target=lambda: on_thread.update(backward()))
+    thread.start()
+    thread.join()
+    assert on_thread and all(torch.equal(on_thread[name], expected[name]) for name in expected)
+    assert torch.isfinite(expected["dbias"]).all()

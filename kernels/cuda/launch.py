@@ -148,6 +148,24 @@ class _Driver:
         self.functions: dict[tuple[int, str, bytes], tuple[ctypes.c_void_p, int]] = {}
         self.tensor_maps: dict[tuple, _TensorMap] = {}
         self.lock = threading.Lock()
+        self.thread = threading.local()  # `make_current`'s device on each thread
+
+    def make_current(self, device: int) -> None:
+        """Makes `device`'s primary context current on this thread where no context is. Torch's
+        device guard skips cudaSetDevice when the index already matches, so a thread that made no
+        runtime call that launches (autograd's backward thread, when our backward is the first
+        work of a step) can have none, and every driver call then fails with
+        CUDA_ERROR_INVALID_CONTEXT. Checked once per thread and device."""
+        if getattr(self.thread, "device", None) == device:
+            return
+        current = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+        if not current.value:
+            handle, context = ctypes.c_int(), ctypes.c_void_p()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle), "cuDevicePrimaryCtxRetain")
+            self.check(self.lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        self.thread.device = device
 
     def check(self, result: int, what: str) -> None:
         if result != 0:
@@ -197,6 +215,7 @@ class _Driver:
         key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, order, box_rows, line, swizzle)
         tensor_map = self.tensor_maps.get(key)
         if tensor_map is None:
+            self.make_current(t.device.index if t.device.index is not None else torch.cuda.current_device())
             if len(self.tensor_maps) >= _TENSOR_MAP_CACHE:
                 self.tensor_maps.clear()
             tensor_map = self.tensor_maps[key] = self._encode(t, order, box_rows, line, swizzle)
@@ -661,6 +680,7 @@ class _Launcher:
 
     def _launch(self, driver: "_Driver", name: bytes, grid: tuple[int, int], num_warps: int, shared_bytes: int,
                 params) -> None:
+        driver.make_current(self.device)
         function = driver.function(self.device, self.cubin, name, shared_bytes)
         driver.launch(function, grid, 32 * num_warps, shared_bytes, torch._C._cuda_getCurrentRawStream(self.device),
                       params)
