@@ -2,9 +2,10 @@
 built with nvcc for each arch (no GPU needed), judged by the same rules as the Triton candidates
 (`prune`).
 
-A candidate is built in its two extreme feature variants (every feature on, with an fp32 bias,
-and for the backward GQA and a dBias with query rows; every feature off), which bound its
-registers. Its shared memory needs no compiling: the kernels' dynamic shared memory is exactly
+A candidate is built in its extreme feature variants (every feature on, with an fp32 bias, and
+for the backward GQA and a dBias with query rows; every feature off), which bound its registers,
+and with a mask and a bias of the input dtype, which the SM90 warp-specialized kernels stage in
+shared memory (and whose dBias the backward stores by TMA). Its shared memory needs no compiling: the kernels' dynamic shared memory is exactly
 `launch.shared_bytes`.
 """
 
@@ -22,9 +23,11 @@ from dmattn_bench.hardware import parse_arch, search_section
 from dmattn_bench.prune import WARP_SIZE, Candidate, _one_line, _resource_usage, load_space, precheck, space_path
 from dmattn_bench.space import DIRECTIONS, BwdConfig, FwdConfig
 
-VARIANTS = (  # (is_causal, has_mask, bias dtype, softcap, GQA group, dBias): every feature, then none
+ELEMENT = "element"  # in VARIANTS: the candidate's own dtype
+VARIANTS = (  # (is_causal, has_mask, bias dtype, softcap, GQA group, dBias): every feature, none, staged
     (True, True, torch.float32, 1.0, 2, (True, torch.float32)),
     (False, False, None, 0.0, 1, None),
+    (True, True, ELEMENT, 0.0, 1, (True, ELEMENT)),
 )
 CUDA_DTYPES = ("bf16", "fp16")
 
@@ -46,6 +49,8 @@ def _judge(direction: str, config: FwdConfig | BwdConfig, arch: str, head_dim: i
     element = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     registers, stack = None, None
     for is_causal, has_mask, bias_dtype, softcap, group, dbias in VARIANTS:
+        bias_dtype = element if bias_dtype == ELEMENT else bias_dtype
+        dbias = (dbias[0], element) if dbias is not None and dbias[1] == ELEMENT else dbias
         features = dict(is_causal=is_causal, has_mask=has_mask, softcap=softcap)
         if direction == "fwd":
             flags = launch.variant(config, head_dim, element, bias_dtype, arch=limits.arch, **features)
