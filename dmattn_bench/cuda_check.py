@@ -5,8 +5,8 @@ built with nvcc for each arch (no GPU needed), judged by the same rules as the T
 A candidate is built in its extreme feature variants (every feature on, with an fp32 bias, and
 for the backward GQA and a dBias with query rows; every feature off), which bound its registers,
 and with a mask and a bias of the input dtype, which the SM90 warp-specialized kernels stage in
-shared memory (and whose dBias the backward stores by TMA). Its shared memory needs no compiling: the kernels' dynamic shared memory is exactly
-`launch.shared_bytes`.
+shared memory (and whose dBias the backward stores by TMA). Its shared memory needs no
+compiling: the kernels' dynamic shared memory is exactly `launch.shared_bytes`.
 """
 
 from __future__ import annotations
