@@ -44,9 +44,11 @@
 //     into registers once.
 //   0, any other layout: read from global memory at each tested position, as in flash_bwd.cu.
 // With a staged tile the fp32 dQ share has one buffer, not two (the ring's room; the share's
-// second buffer bought nothing: H100, W3, 1.426 against 1.423 ms on the prototype). Bounds and
-// causal are tested only in a consumer's boundary tiles; a mask in global memory wherever there
-// is one.
+// second buffer bought nothing: H100, W3, 1.426 against 1.423 ms on the prototype). W1's 24 KiB
+// slots get one slot: a second in the room of one dS tile (the consumers then meeting once more a
+// step, before writing dS) was slower, H100, W1 backward 1.495 against 1.442 ms
+// (`benchmarks/cuda/bwd_ring_probe.py`). Bounds and causal are tested only in a consumer's
+// boundary tiles; a mask in global memory wherever there is one.
 // dBias: with a query dim and the input dtype (DBIAS_TMA, no softcap, where dS is dBias) the dS
 // tile the consumers stage for dQ is also stored by TMA, one store per 64 keys; otherwise
 // element by element, or without a query dim each key's dS summed over its queries in
@@ -100,6 +102,9 @@ constexpr int MASK_SLOT_BYTES = HAS_MASK && MASK_TILES == 1 ? BLOCK_M * BLOCK_N 
 constexpr int BIAS_SLOT_BYTES = HAS_BIAS && BIAS_TILES == 1 ? BLOCK_M * BLOCK_N * int(sizeof(elem_t)) : 0;
 constexpr int SCORE_SLOT_BYTES = MASK_SLOT_BYTES + BIAS_SLOT_BYTES;
 constexpr int SCORE_SLOTS = SCORE_TILES ? SCORE_STAGES : 1;  // barrier arrays need a size
+// every position's mask and bias readable (staged, in registers or absent): P is computed for
+// all of a step's positions and selected, with no branch per position
+constexpr bool SCORES_AT_HAND = (!HAS_MASK || MASK_TILES != 0) && (!HAS_BIAS || BIAS_TILES != 0);
 
 struct BwdWsParams {  // `dmattn_kernels.cuda.launch._BwdWsParams` mirrors it
   CUtensorMap q_map, k_map, v_map, do_map;
@@ -291,13 +296,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
     // Fragment (n, c) of S^T is key key0 + 8 (c / 2), query row first_row + 8 n + 2 t + c % 2.
     auto row_of = [&](int n, int c) { return first_row + n * 8 + 2 * t + c % 2; };
     auto key_of = [&](int c) { return key0 + (c / 2) * 8; };
+    // With the mask staged or in registers the test reads every byte unconditionally (& and not
+    // &&): a short-circuited shared load made each position a branch of its own, and the 32 of a
+    // step ran one after another.
     auto visible = [&](int n, int c) {
       const int row = row_of(n, c), key = key_of(c);
       bool allowed = !check || (MASK_TILES == 0 ? rule.visible(row, key) : rule.reached(row, key));
       if (HAS_MASK && MASK_TILES == 1)
-        allowed = allowed && mask_tile[StagedScores::offset<BLOCK_M, MASK_LINE>(8 * n, 2 * t + c % 2,
-                                                                                 warp_key0 + g + 8 * (c / 2))] != 0;
-      if (HAS_MASK && MASK_TILES == 2) allowed = allowed && key_kept[c / 2];
+        allowed &= mask_tile[StagedScores::offset<BLOCK_M, MASK_LINE>(8 * n, 2 * t + c % 2,
+                                                                       warp_key0 + g + 8 * (c / 2))] != 0;
+      if (HAS_MASK && MASK_TILES == 2) allowed &= key_kept[c / 2];
       return allowed;
     };
     // A staged bias of n8 tiles n2 and n2 + 1 as S^T's fragments: matrix i of the ldmatrix is
@@ -309,7 +317,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         ldmatrix_x4_trans(pairs, bias_tile + swizzled(8 * (n2 + i / 2) + lane % 8, warp_key0 + 8 * (i % 2), BLOCK_M));
       }
     };
-    // capped + the bias at a visible position (elsewhere a bias may be NaN or outside the operand)
+    // capped + the bias at a visible position (elsewhere a bias may be NaN or outside the operand;
+    // staged or in registers it is read anyway, and the select after the exp drops it)
     auto biased = [&](float capped, int n, int c, const uint32_t (&pairs)[4]) {
       if (!HAS_BIAS) return capped;
       if (BIAS_TILES == 1) {
@@ -353,14 +362,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         staged_bias(bias_pairs, n2);
 #pragma unroll
         for (int n = n2; n < n2 + 2; ++n) {
+          const float2 lse = *reinterpret_cast<const float2*>(lse_tile + 8 * n + 2 * t);  // rows of c % 2 = 0, 1
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
-            if (!visible(n, c)) {
-              s[n][c] = 0.f;
-            } else {
+            const bool allowed = visible(n, c);
+            float prob = 0.f;
+            if (SCORES_AT_HAND || allowed) {
               const float x = HAS_BIAS ? biased(s[n][c] * in.softmax_scale, n, c, bias_pairs) * LOG2E : s[n][c] * scale_log2;
-              s[n][c] = exp2_ftz(x - lse_tile[row_of(n, c) - first_row]);
+              prob = exp2_ftz(x - (c % 2 ? lse.y : lse.x));
             }
+            s[n][c] = allowed ? prob : 0.f;
           }
         }
       }
@@ -375,9 +386,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
       touch(dp);
 #pragma unroll
       for (int n = 0; n < BLOCK_M / 8; ++n) {
+        const float2 delta = *reinterpret_cast<const float2*>(delta_tile + 8 * n + 2 * t);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          dp[n][c] = s[n][c] * (dp[n][c] - delta_tile[n * 8 + 2 * t + c % 2]);
+          dp[n][c] = s[n][c] * (dp[n][c] - (c % 2 ? delta.y : delta.x));
           add_dbias(dp[n][c], n, c);
         }
       }
@@ -402,14 +414,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         staged_bias(bias_pairs, n2);
 #pragma unroll
         for (int n = n2; n < n2 + 2; ++n) {
+          const float2 lse = *reinterpret_cast<const float2*>(lse_tile + 8 * n + 2 * t);
+          const float2 delta = *reinterpret_cast<const float2*>(delta_tile + 8 * n + 2 * t);
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
-            const int column = row_of(n, c) - first_row;
+            const bool allowed = visible(n, c);
             float prob = 0.f, dbias_value = 0.f, ds = 0.f;
-            if (visible(n, c)) {
+            if (SCORES_AT_HAND || allowed) {
               const float capped = rule.capped(s[n][c]), tanh_value = capped / rule.softcap;
-              prob = exp2_ftz(biased(capped, n, c, bias_pairs) * LOG2E - lse_tile[column]);
-              dbias_value = prob * (dp[n][c] - delta_tile[column]);
+              prob = exp2_ftz(biased(capped, n, c, bias_pairs) * LOG2E - (c % 2 ? lse.y : lse.x));
+              prob = allowed ? prob : 0.f;
+              dbias_value = prob * (dp[n][c] - (c % 2 ? delta.y : delta.x));
               ds = dbias_value * (1.f - tanh_value * tanh_value);
             }
             s[n][c] = prob;
