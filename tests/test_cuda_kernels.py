@@ -467,3 +467,15 @@ def test_a_wheel_install_builds_a_cuda_kernel(installed_wheel, tmp_path):
     kernel_dir, cubin_bytes = done.stdout.splitlines()
     assert kernel_dir == str(site / "dmattn_kernels" / "cuda")
     assert int(cubin_bytes) > 0
+
+
+def test_the_launch_order_sections_hold_the_head_slices_whose_operands_fit_l2():
+    """common.cuh's section_order: as many head slices at once as re-read L2_SECTION_BYTES."""
+    kv_bytes = 2 * 4096 * 128 * 2  # K and V of one head, L4096 D128 bf16: 2 MiB
+    assert launch.section_slices(32, kv_bytes) == launch.L2_SECTION_BYTES // kv_bytes == 16
+    assert launch.section_slices(32, kv_bytes, sharing=4) == 32  # a GQA group's heads share theirs
+    assert launch.section_slices(32, launch.L2_SECTION_BYTES * 2) == 1  # at least one slice
+    assert launch.section_slices(6, kv_bytes) == 6  # at most every slice
+    # the section count sits after the parameters both kernels read (padding keeps the sizes)
+    assert launch._WsParams.section_slices.offset == 5 * 128 + ctypes.sizeof(launch._FwdParams)
+    assert launch._BwdWsParams.section_slices.offset == 7 * 128 + ctypes.sizeof(launch._BwdParams) + 16

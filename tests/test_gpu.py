@@ -584,3 +584,42 @@ def test_the_warp_specialized_backward_as_the_first_cuda_work_of_a_thread():
     thread.join()
     assert on_thread and all(torch.equal(on_thread[name], expected[name]) for name in expected)
     assert torch.isfinite(expected["dbias"]).all()
+
+
+def test_the_warp_specialized_kernels_write_every_slice_in_any_section_order(monkeypatch):
+    """Sections of the launch order (common.cuh: section_order) move CTAs, not arithmetic: with
+    6 head slices in sections of 4 (the last short), the forward and backward write every output,
+    bitwise as in one section of all 6."""
+    from dmattn_kernels.cuda import launch
+
+    cuda = get_backend("cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    batch, seqlen, heads, head_dim = 3, 384, 2, 128
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                     for _ in range(4))
+    bias = torch.randn(batch, heads, seqlen, seqlen, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = torch.rand(batch, heads, seqlen, seqlen, device="cuda", generator=g) > 0.3
+    options = dict(is_causal=True, softmax_scale=head_dim ** -0.5, softcap=0.0)
+    kv_bytes, reread_bytes = 2 * seqlen * head_dim * 2, seqlen * head_dim * (2 * 2 + 4)  # launch's per slice
+
+    def run(budget: int) -> dict[str, torch.Tensor]:
+        monkeypatch.setattr(launch, "L2_SECTION_BYTES", budget)
+        launch._forward_launch.cache_clear()
+        nan = dict(fill_value=float("nan"))
+        out, lse = torch.full_like(q, **nan), torch.full((batch, heads, seqlen), device="cuda", **nan)
+        cuda.forward(q, k, v, mask, bias, config=FwdConfig(128, 128, 12, 2), out=out, lse=lse, **options)
+        grads = dict(dq=torch.full_like(q, **nan), dk=torch.full_like(k, **nan), dv=torch.full_like(v, **nan),
+                     dbias=torch.full_like(bias, **nan))
+        cuda.backward(dout, q, k, v, out, lse, mask, bias, config=BwdConfig(64, 128, 64, 128, 12, 2), **grads,
+                      **options)
+        torch.cuda.synchronize()
+        return dict(out=out, lse=lse, **grads)
+
+    assert launch.section_slices(batch * heads, kv_bytes) == 6  # L2_SECTION_BYTES: one section
+    one_section = run(launch.L2_SECTION_BYTES)
+    # forward in sections of 4 and 2, backward of 2; then the backward in sections of 4 and 2
+    for budget in (4 * kv_bytes, 4 * reread_bytes):
+        in_sections = run(budget)
+        assert all(torch.equal(in_sections[name], one_section[name]) for name in one_section)
+    assert all(torch.isfinite(t).all() for name, t in one_section.items() if name != "lse")
+    assert not torch.isnan(one_section["lse"]).any()

@@ -22,9 +22,10 @@
 //     shared fp32 tile (two, used in turn) for warp 2.
 //
 // The dQ sum is deterministic: the shares of query tile m are added in key-block order, block n
-// waiting on tile m's counter (global memory) until blocks 0 .. n - 1 have added theirs. Blocks
-// launch in blockIdx.y order, so a block waits only for blocks launched before it, which hold an
-// SM or are done (no deadlock), and causal's longest blocks start first. Every block walks its
+// waiting on tile m's counter (global memory) until blocks 0 .. n - 1 have added theirs. A head
+// slice's blocks launch in order (common.cuh: section_order; sections of slices whose Q, dO and
+// dQ sums fit L2), so a block waits only for blocks launched before it, which hold an SM or are
+// done (no deadlock), and causal's longest blocks start first. Every block walks its
 // query tiles from the last, so the blocks of a head reach a tile at about the same step and
 // block n trails block n - 1 by about one add. (Adding in descending block order forces causal's
 // shortest blocks first: H100, W3 causal, 1.424 against 0.971 ms for this kernel.) Block 0
@@ -46,9 +47,9 @@
 // With a staged tile the fp32 dQ share has one buffer, not two (the ring's room; the share's
 // second buffer bought nothing: H100, W3, 1.426 against 1.423 ms on the prototype). W1's 24 KiB
 // slots get one slot: a second in the room of one dS tile (the consumers then meeting once more a
-// step, before writing dS) was slower, H100, W1 backward 1.495 against 1.442 ms
-// (`benchmarks/cuda/bwd_ring_probe.py`). Bounds and causal are tested only in a consumer's
-// boundary tiles; a mask in global memory wherever there is one.
+// step, before writing dS) was slower, H100, W1 backward 1.495 against 1.442 ms. Bounds and
+// causal are tested only in a consumer's boundary tiles; a mask in global memory wherever there
+// is one.
 // dBias: with a query dim and the input dtype (DBIAS_TMA, no softcap, where dS is dBias) the dS
 // tile the consumers stage for dQ is also stored by TMA, one store per 64 keys; otherwise
 // element by element, or without a query dim each key's dS summed over its queries in
@@ -112,6 +113,7 @@ struct BwdWsParams {  // `dmattn_kernels.cuda.launch._BwdWsParams` mirrors it
   BwdParams bwd;
   float* dq_sum;    // (B x H, query tiles, BLOCK_M x BLOCK_D): each tile's summed shares, fragment order
   int* dq_counter;  // (B x H, query tiles): the key blocks whose share is in the sum
+  int section_slices;  // the launch order's sections (common.cuh: section_order)
 };
 
 __device__ __forceinline__ void consumers_sync() {
@@ -135,9 +137,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
 
   const BwdParams& bwd = p.bwd;
   const Inputs& in = bwd.in;
-  const HeadSlices at = head_slices(in, blockIdx.x);
+  const SectionOrder order = section_order(p.section_slices);  // key blocks in order within a section
+  const HeadSlices at = head_slices(in, order.slice);
   const ScoreRule rule = score_rule(in, at);
-  const int n_block = blockIdx.y;
+  const int n_block = order.block;
   const int m_tiles = (in.seqlen_q + BLOCK_M - 1) / BLOCK_M;
   // causal: the query tiles before m_begin see no key of this block
   const int m_begin = IS_CAUSAL ? max(0, n_block * BLOCK_N - rule.offset) / BLOCK_M : 0;
@@ -218,8 +221,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
           *reinterpret_cast<uint4*>(column + row * bwd.dbias_stride[2]) = make_uint4(0, 0, 0, 0);
       }
     } else if (warp == 2 && lane == 0) {
-      float* sums = p.dq_sum + int64_t(blockIdx.x) * m_tiles * BLOCK_M * BLOCK_D;
-      int* counters = p.dq_counter + blockIdx.x * m_tiles;
+      float* sums = p.dq_sum + int64_t(order.slice) * m_tiles * BLOCK_M * BLOCK_D;
+      int* counters = p.dq_counter + order.slice * m_tiles;
       for (int step = 0; step < steps; ++step) {
         const int m = tile_at(step), buffer = step % DQ_BUFFERS;
         barrier_wait(&dq_full[buffer], (step / DQ_BUFFERS) & 1);

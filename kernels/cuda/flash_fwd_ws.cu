@@ -87,6 +87,7 @@ constexpr int SCORE_SLOTS = SCORE_TILES ? SCORE_STAGES : 1;  // barrier arrays n
 struct WsParams {  // `dmattn_kernels.cuda.launch._WsParams` mirrors it
   CUtensorMap q_map, k_map, v_map, mask_map, bias_map;  // mask_map, bias_map: only where staged
   FwdParams fwd;
+  int section_slices;  // the launch order's sections (below)
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(const __grid_constant__ WsParams p) {
@@ -100,12 +101,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
   unsigned char* score_smem = reinterpret_cast<unsigned char*>(v_smem + STAGES * BLOCK_N * BLOCK_D);
 
   const Inputs& in = p.fwd.in;
-  const HeadSlices at = head_slices(in, blockIdx.x);
+  // Launch order: sections of head slices whose K and V fit L2 (common.cuh), in a section the
+  // longest causal rows first (flash_fwd.cu), so the CTAs resident at once walk as many key
+  // tiles and re-read K and V from L2, not memory. A slice's query blocks adjacent instead
+  // (sections of one slice) was slower: H100, W3 0.319 against 0.296 ms, W2 0.419 against 0.368.
+  const SectionOrder order = section_order(p.section_slices);
+  const HeadSlices at = head_slices(in, order.slice);
   const ScoreRule rule = score_rule(in, at);
-  // The longest causal rows first (flash_fwd.cu); head slices vary fastest in launch order, so
-  // the CTAs resident at once walk as many key tiles. A slice's query blocks adjacent instead
-  // (fewer slices' K and V in L2) was slower: H100, W3 0.319 against 0.296 ms, W2 0.419 against 0.368.
-  const int m_block = gridDim.y - 1 - blockIdx.y;
+  const int m_block = gridDim.y - 1 - order.block;
   const int block_row0 = m_block * BLOCK_M;
   const int n_tiles = key_tiles<BLOCK_N>(rule, block_row0 + BLOCK_M, block_row0, BLOCK_M).block;
 

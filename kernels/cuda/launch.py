@@ -71,6 +71,8 @@ WS_STATIC_BYTES = 2048
 # flash_fwd_ws.cu's MASK_TILES and BIAS_TILES: how a mask or bias reaches the scores
 NOT_STAGED, TILES_OF_ROWS, TILES_OF_KEYS = 0, 1, 2
 MAX_SCORE_STAGES = 2  # the deepest ring of staged mask and bias tiles (4: no faster, H100)
+# what the head slices a warp-specialized kernel runs at once re-read from L2 (`section_slices`)
+L2_SECTION_BYTES = 32 << 20
 
 class OutOfResources(RuntimeError):
     """The config needs more shared memory than this GPU gives a block (a trial's `unsupported`)."""
@@ -113,9 +115,9 @@ _MAPS = ("q_map", "k_map", "v_map", "mask_map", "bias_map")
 class _WsParams(ctypes.Structure):
     """flash_fwd_ws.cu's WsParams, field for field, padded to its 128-byte multiple."""
 
-    _fields_ = ([(name, _TensorMap) for name in _MAPS] + [("forward", _FwdParams)]
-                + [("padding", ctypes.c_char * (-(len(_MAPS) * ctypes.sizeof(_TensorMap) + ctypes.sizeof(_FwdParams))
-                                                % 128))])
+    _fields_ = ([(name, _TensorMap) for name in _MAPS] + [("forward", _FwdParams), ("section_slices", ctypes.c_int)]
+                + [("padding", ctypes.c_char * (-(len(_MAPS) * ctypes.sizeof(_TensorMap) + ctypes.sizeof(_FwdParams)
+                                                  + ctypes.sizeof(ctypes.c_int)) % 128))])
 
 
 class _BwdParams(ctypes.Structure):
@@ -134,9 +136,9 @@ class _BwdWsParams(ctypes.Structure):
     """flash_bwd_ws.cu's BwdWsParams, field for field, padded to its 128-byte multiple."""
 
     _fields_ = ([(name, _TensorMap) for name in _BWD_MAPS] + [("backward", _BwdParams)]
-                + _pointers("dq_sum", "dq_counter")
+                + _pointers("dq_sum", "dq_counter") + [("section_slices", ctypes.c_int)]
                 + [("padding", ctypes.c_char * (-(len(_BWD_MAPS) * ctypes.sizeof(_TensorMap)
-                                                  + ctypes.sizeof(_BwdParams) + 16) % 128))])
+                                                  + ctypes.sizeof(_BwdParams) + 16 + 4) % 128))])
 
 
 class _Driver:
@@ -696,6 +698,7 @@ class _ForwardLaunch(NamedTuple):
     # the warp-specialized forward's tensor maps: (_WsParams field, operand: 0 q, 1 k, 2 v, 3
     # mask, 4 bias; dims order, box rows, box line bytes, swizzle)
     maps: tuple[tuple[str, int, tuple[int, int, int, int], int, int, int], ...]
+    section_slices: int = 0  # the warp-specialized forward's launch order (`section_slices`; flash_fwd.cu has none)
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
@@ -758,7 +761,17 @@ def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: Fwd
     elif bias_tiles == TILES_OF_KEYS:
         maps.append(("bias_map", 4, keys_of, 1, config.block_n * bias.element_size(), 0))
     shared = forward_shared_bytes(config, head_dim, arch, mask_tiles, bias_tiles)
-    return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps))
+    kv_bytes = 2 * k.shape[1] * padded_head_dim(head_dim) * dtype.itemsize  # K and V, shared by a group's heads
+    sections = section_slices(batch * num_heads, kv_bytes, num_heads // k.shape[2])
+    return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps), sections)
+
+
+def section_slices(slices: int, reread_bytes: int, sharing: int = 1) -> int:
+    """Head slices per section of a warp-specialized kernel's launch order (common.cuh:
+    section_order): as many as fit L2_SECTION_BYTES with the operand bytes each group of `sharing`
+    slices re-reads from L2 (the forward's K and V, the backward's Q, dO and dQ sums), at least one
+    group, at most every slice."""
+    return min(slices, max(1, L2_SECTION_BYTES // reread_bytes) * sharing)
 
 
 @lru_cache(maxsize=256)
@@ -789,19 +802,21 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
     _fill_addresses(params, q, k, v, mask, bias, out, lse)
     if plan.maps:
         operands, driver = (q, k, v, mask, bias), _the_driver()
-        params = _WsParams(forward=params, **{field: driver.tensor_map(operands[index], order, rows, line, swizzle)
-                                              for field, index, order, rows, line, swizzle in plan.maps})
+        params = _WsParams(forward=params, section_slices=plan.section_slices,
+                           **{field: driver.tensor_map(operands[index], order, rows, line, swizzle)
+                              for field, index, order, rows, line, swizzle in plan.maps})
     plan.launcher(plan.name, plan.grid, config.num_warps, plan.shared, params)
 
 
 def _native_parameters(layouts: tuple, softmax_scale: float, softcap: float, lse_stride: tuple,
-                       maps: tuple) -> tuple[bytes, list, list]:
+                       maps: tuple, section_slices: int) -> tuple[bytes, list, list]:
     """A forward signature's parameters for a native program (`dmattn_bench.native.structure_spec`):
     the template (its FwdParams, inside a WsParams where the kernel reads tensor maps), the
     address slots (q, k, v, the mask and bias where given, then the program's out and lse
     allocations) and the map slots (`_ForwardLaunch.maps`' operands)."""
     forward = _FwdParams.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse_stride))
-    params, base = (_WsParams(forward=forward), _WsParams.forward.offset) if maps else (forward, 0)
+    params, base = ((_WsParams(forward=forward, section_slices=section_slices), _WsParams.forward.offset) if maps
+                    else (forward, 0))
     inputs = base + _FwdParams.inputs.offset
     pointers = [(inputs + getattr(_Inputs, name).offset, native.given(index))
                 for index, name in enumerate(("q", "k", "v", "mask", "bias")) if layouts[index] is not None]
@@ -862,7 +877,7 @@ class ForwardPlan:
         options = self.options
         plan = _forward_launch(layouts, options["is_causal"], options["softcap"], self.config)
         template, pointers, descriptors = _native_parameters(layouts, options["softmax_scale"], options["softcap"],
-                                                             lse.stride(), plan.maps)
+                                                             lse.stride(), plan.maps, plan.section_slices)
         encode = None
         if plan.maps:
             driver = _the_driver()
@@ -1009,7 +1024,9 @@ def _run_warp_specialized_backward(launcher: _Launcher, config: BwdConfig, param
     for name, t in (("bias_map", staged_bias), ("dbias_map", dbias_target)):  # boxes of 128-byte lines
         if t is not None:
             maps[name] = driver.tensor_map(t, keys_of, config.block_m, _TMA_LINE, _TMA_LINE)
-    ws_params = _BwdWsParams(backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(), **maps)
+    reread_bytes = seqlen_q * padded * (2 * q.element_size() + 4)  # Q, dO and the fp32 dQ sums of a slice
+    ws_params = _BwdWsParams(backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),
+                             section_slices=section_slices(heads, reread_bytes), **maps)
     delta_rows = delta_rows_per_block(head_dim, config.num_warps)
     launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), heads), config.num_warps, 0, ws_params)
     delta_with_lse_grad(delta, dlse, lse)
