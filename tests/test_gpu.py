@@ -553,6 +553,17 @@ def test_the_cuda_forward_s_native_program_repeats_its_python_launch_bitwise(mon
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+def _masked_causal_call(seed: int, batch: int, seqlen: int, heads: int, head_dim: int):
+    """Seeded bf16 q, k, v and dout, a full bias and a full mask keeping about 70% of positions,
+    and the options of a causal call."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                     for _ in range(4))
+    bias = torch.randn(batch, heads, seqlen, seqlen, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = torch.rand(batch, heads, seqlen, seqlen, device="cuda", generator=g) > 0.3
+    return q, k, v, dout, bias, mask, dict(is_causal=True, softmax_scale=head_dim ** -0.5, softcap=0.0)
+
+
 def test_the_warp_specialized_backward_as_the_first_cuda_work_of_a_thread():
     """Autograd runs the backward on its own thread, where torch may not have made a CUDA context
     current: the warp-specialized backward (tensor maps, then launches; dBias stored by TMA, so
@@ -560,13 +571,8 @@ def test_the_warp_specialized_backward_as_the_first_cuda_work_of_a_thread():
     import threading
 
     cuda = get_backend("cuda")
-    g = torch.Generator(device="cuda").manual_seed(3)
     batch, seqlen, heads, head_dim = 1, 256, 2, 128
-    q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-                     for _ in range(4))
-    bias = torch.randn(batch, heads, seqlen, seqlen, device="cuda", dtype=torch.bfloat16, generator=g)
-    mask = torch.rand(batch, heads, seqlen, seqlen, device="cuda", generator=g) > 0.3
-    options = dict(is_causal=True, softmax_scale=head_dim ** -0.5, softcap=0.0)
+    q, k, v, dout, bias, mask, options = _masked_causal_call(3, batch, seqlen, heads, head_dim)
     out, lse = torch.empty_like(q), torch.empty(batch, heads, seqlen, device="cuda")
     cuda.forward(q, k, v, mask, bias, config=FwdConfig(128, 128, 12, 2), out=out, lse=lse, **options)
 
@@ -593,13 +599,8 @@ def test_the_warp_specialized_kernels_write_every_slice_in_any_section_order(mon
     from dmattn_kernels.cuda import launch
 
     cuda = get_backend("cuda")
-    g = torch.Generator(device="cuda").manual_seed(5)
     batch, seqlen, heads, head_dim = 3, 384, 2, 128
-    q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-                     for _ in range(4))
-    bias = torch.randn(batch, heads, seqlen, seqlen, device="cuda", dtype=torch.bfloat16, generator=g)
-    mask = torch.rand(batch, heads, seqlen, seqlen, device="cuda", generator=g) > 0.3
-    options = dict(is_causal=True, softmax_scale=head_dim ** -0.5, softcap=0.0)
+    q, k, v, dout, bias, mask, options = _masked_causal_call(5, batch, seqlen, heads, head_dim)
     kv_bytes, reread_bytes = 2 * seqlen * head_dim * 2, seqlen * head_dim * (2 * 2 + 4)  # launch's per slice
 
     def run(budget: int) -> dict[str, torch.Tensor]:

@@ -2,8 +2,9 @@
 (`configs/workloads/peers.yaml`), backward alone, GPU time (`timing.time_kernel`, L2 flushed):
 this tree's kernel at each cap on its ring of staged mask and bias tiles (`--caps`:
 `launch.MAX_SCORE_STAGES`) against a baseline source of the same kernel with the same host side
-(`--baseline`, e.g. `git show REV:kernels/cuda/flash_bwd_ws.cu`), built beside it. Each variant's gradients are compared bitwise with the first variant's (the
-kernels change scheduling, not arithmetic) and against the Triton backward's (`flash_dmattn_func`).
+(`--baseline`, e.g. `git show REV:kernels/cuda/flash_bwd_ws.cu`), built beside it. Each
+variant's gradients are compared bitwise with the first variant's (the kernels change scheduling,
+not arithmetic) and against the Triton backward's (`flash_dmattn_func`).
 
     python3 benchmarks/cuda/bwd_ring_probe.py [--baseline PATH] [--config 64x128w12s2] [--caps 1,2]
 
@@ -15,11 +16,12 @@ import sys
 import torch
 
 from dmattn_bench import flash_dmattn_func
-from dmattn_bench.bench import build_bench_inputs, load_peer_workloads
+from dmattn_bench.bench import load_peer_workloads
 from dmattn_bench.registry import get_backend
-from dmattn_bench.space import BwdConfig, FwdConfig
+from dmattn_bench.space import BwdConfig
 from dmattn_bench.timing import time_kernel
 from dmattn_kernels.cuda import build, launch
+from section_probe import bench_call  # benchmarks/cuda/section_probe.py, beside this script
 
 BASELINE = "bwd_ws_baseline"  # the baseline's build name: its own cache key beside "bwd_ws"
 
@@ -51,13 +53,7 @@ def main():
         variants.insert(0, ("baseline", BASELINE, launch.MAX_SCORE_STAGES))
     rows = []
     for pw in load_peer_workloads("configs/workloads/peers.yaml"):
-        x = build_bench_inputs(pw, device)
-        q, k, v, mask = x.q, x.k, x.v, x.mask
-        bias = x.bias.detach() if x.bias is not None else None
-        options = dict(is_causal=x.is_causal, softmax_scale=q.shape[-1] ** -0.5, softcap=0.0)
-        out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1], device=device)
-        cuda.forward(q, k, v, mask, bias, config=FwdConfig(128, 128, 12, 2), out=out, lse=lse, **options)
-        dout = torch.randn_like(q)
+        x, (q, k, v, mask, bias), options, (out, lse, dout) = bench_call(pw, device)
 
         def grads():
             g = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))

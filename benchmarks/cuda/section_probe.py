@@ -31,6 +31,18 @@ def parse_config(text: str, direction: str) -> FwdConfig | BwdConfig:
     return BwdConfig(block_m, block_n, block_m, block_n, warps, stages)
 
 
+def bench_call(pw, device):
+    """A bench workload's inputs, its operands (the bias detached), the call's options, and for a
+    backward the CUDA forward's out and lse (128x128 w12 s2) and a random dout."""
+    x = build_bench_inputs(pw, device)
+    operands = (x.q, x.k, x.v, x.mask, x.bias.detach() if x.bias is not None else None)
+    q = x.q
+    options = dict(is_causal=x.is_causal, softmax_scale=q.shape[-1] ** -0.5, softcap=0.0)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1], device=device)
+    get_backend("cuda").forward(*operands, config=FwdConfig(128, 128, 12, 2), out=out, lse=lse, **options)
+    return x, operands, options, (out, lse, torch.randn_like(q))
+
+
 def flops(pw, direction: str) -> float:
     """The workload's FLOPs in one direction over the keys it reads (`bench.flops_needed`'s rule)."""
     return pw.workload.flops(direction) * pw.keys_read / pw.workload.seqlen_k
@@ -49,13 +61,7 @@ def main():
     configs += [("bwd", parse_config(c, "bwd"), c) for c in args.bwd.split(",") if c]
     rows = []
     for pw in load_peer_workloads("configs/workloads/peers.yaml"):
-        x = build_bench_inputs(pw, device)
-        q, k, v, mask = x.q, x.k, x.v, x.mask
-        bias = x.bias.detach() if x.bias is not None else None
-        options = dict(is_causal=x.is_causal, softmax_scale=q.shape[-1] ** -0.5, softcap=0.0)
-        out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1], device=device)
-        cuda.forward(q, k, v, mask, bias, config=FwdConfig(128, 128, 12, 2), out=out, lse=lse, **options)
-        dout = torch.randn_like(q)
+        x, (q, k, v, mask, bias), options, (out, lse, dout) = bench_call(pw, device)
         for direction, config, text in configs:
             first = None
             for budget in budgets:
