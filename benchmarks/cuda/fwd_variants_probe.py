@@ -1,0 +1,87 @@
+"""The warp-specialized CUDA forward (kernels/cuda/flash_fwd_ws.cu) on the bench's W1-W3 shapes
+(`configs/workloads/peers.yaml`, or `--workloads`), forward alone, GPU time
+(`timing.time_kernel`, L2 flushed): other sources of that kernel with the same host side
+(`--variants NAME=DIR,...`: each DIR a flash_fwd_ws.cu and the fwd_steps.cuh it includes, e.g.
+from `git show REV:...`), built beside it, then this tree's. Each variant's out and lse are
+compared bitwise with the first variant's, and out against the Triton forward's
+(`flash_dmattn_func`).
+
+    python3 benchmarks/cuda/fwd_variants_probe.py [--variants baseline=DIR,...]
+        [--configs 128x128w12s2,192x64w16s2] [--workloads configs/workloads/peers.yaml]
+
+Prints one markdown table (stdout); progress to stderr."""
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+from dmattn_bench import flash_dmattn_func
+from dmattn_bench.bench import load_peer_workloads
+from dmattn_bench.registry import get_backend
+from dmattn_bench.timing import time_kernel
+from dmattn_kernels.cuda import build, launch
+from section_probe import bench_call, flops, parse_config  # benchmarks/cuda/section_probe.py, beside this script
+
+def building(source: str):
+    """launch's cubin lookup with the warp-specialized forward built from `source` (a build name:
+    "fwd_ws", or a variant's own, so each has its own cache key)."""
+    return lambda direction, arch, flags: build.build(source if direction == "fwd_ws" else direction, arch, flags)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="", help="NAME=DIR,...: folders with a flash_fwd_ws.cu (and its "
+                        "fwd_steps.cuh) to time before this tree's")
+    parser.add_argument("--configs", default="128x128w12s2,192x64w16s2")
+    parser.add_argument("--workloads", default="configs/workloads/peers.yaml", help="a workloads file of peers.yaml's form")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    cuda = get_backend("cuda")
+    variants = []
+    for item in filter(None, args.variants.split(",")):
+        name, folder = item.split("=", 1)
+        # the build cache keys the package's sources, not a variant's: its build name carries its own
+        digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(folder).glob("*.cu*")))).hexdigest()[:12]
+        build.SOURCES[f"fwd_ws_{name}_{digest}"] = Path(folder) / "flash_fwd_ws.cu"
+        variants.append((name, f"fwd_ws_{name}_{digest}"))
+    variants.append(("this tree", "fwd_ws"))
+    rows = []
+    for pw in load_peer_workloads(args.workloads):
+        x, (q, k, v, mask, bias), options, _ = bench_call(pw, device)
+        with torch.no_grad():
+            reference = flash_dmattn_func(q, k, v, mask, bias, is_causal=x.is_causal, backend="triton")
+        for text in args.configs.split(","):
+            config = parse_config(text, "fwd")
+            first = None
+            for label, source in variants:
+                launch._built = building(source)
+                launch._forward_launch.cache_clear()
+                results = dict(out=torch.empty_like(q), lse=torch.empty(q.shape[0], q.shape[2], q.shape[1], device=device))
+
+                def run(r=results):
+                    cuda.forward(q, k, v, mask, bias, config=config, **r, **options)
+
+                try:
+                    ms = time_kernel(run, device, repeats=30).median_ms
+                    run()
+                    done = {n: t.clone() for n, t in results.items()}
+                    same = "-" if first is None else str(all(torch.equal(first[n], done[n]) for n in done))
+                    first = first or done
+                    diff = (done["out"].float() - reference.float()).abs().max().item()
+                    rows.append((pw.name, text, label, f"{ms:.3f}", f"{flops(pw, 'fwd') / ms / 1e9:.0f}", same,
+                                 f"{diff:.2e}"))
+                except Exception as exc:  # a failed variant is a row, not the end of the probe
+                    rows.append((pw.name, text, label, "error", "-", "-", str(exc).splitlines()[0][:160]))
+                print(rows[-1], file=sys.stderr, flush=True)
+    print(f"GPU: {torch.cuda.get_device_name()}")
+    print("\n| workload | config | forward | GPU ms | TFLOP/s | bitwise = first row | max diff vs triton |\n"
+          "|---|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
