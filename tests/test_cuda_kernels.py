@@ -479,25 +479,3 @@ def test_the_launch_order_sections_hold_the_head_slices_whose_operands_fit_l2():
     # the section count sits after the parameters both kernels read (padding keeps the sizes)
     assert launch._WsParams.section_slices.offset == 5 * 128 + ctypes.sizeof(launch._FwdParams)
     assert launch._BwdWsParams.section_slices.offset == 7 * 128 + ctypes.sizeof(launch._BwdParams) + 16
-
-
-def test_a_persistent_forward_schedule_gives_every_item_once_in_launch_order_and_balances_the_ctas():
-    """launch.persistent_schedule: W3's causal grid (32 head slices x 32 query blocks of 128 rows,
-    4096 keys) over 132 CTAs."""
-    config = FwdConfig(128, 128, 12, 2)
-    tiles = [launch._key_tiles(block, config, 4096, 4096, True) for block in range(32)]
-    assert tiles[0] == 1 and tiles[31] == 32  # a causal block walks the key tiles up to its diagonal
-    schedule = launch.persistent_schedule((32, 32), 16, tiles, 132)
-    offsets, items = schedule[:133], schedule[133:]
-    assert offsets[0] == 0 and offsets[-1] == len(items) == 32 * 32
-    assert sorted(items) == list(range(32 * 32))
-    lists = [items[offsets[c]:offsets[c + 1]] for c in range(132)]
-    assert all(cta_items == sorted(cta_items) for cta_items in lists)  # each CTA walks the launch order
-
-    def cost(index):  # common.cuh's section_order: the item's query block, longest rows first
-        block = index % (16 * 32) // 16
-        return tiles[31 - block] + launch.ITEM_TILES
-
-    loads = [sum(cost(i) for i in cta_items) for cta_items in lists]
-    mean = sum(loads) / 132
-    assert max(loads) <= mean + max(tiles) + launch.ITEM_TILES  # no CTA waits on more than one item's worth

@@ -115,8 +115,7 @@ def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(modul
     # two of the maps a warp-specialized launch takes (fields and operands as `_forward_launch`'s)
     maps = (("q_map", 0, (3, 1, 2, 0), 128, 128, 128), ("mask_map", 3, (3, 2, 1, 0), 128, 64, 64)) if mask is not None else ()
     layouts = tuple(cuda._layout(t) for t in (q, k, v, mask, bias, torch.empty_like(q)))
-    plan = cuda._ForwardLaunch(None, b"", (8, 2), 4096, maps, 6, (8, 1))
-    template, pointers, descriptors = cuda._native_parameters(layouts, 0.125, 0.0, (160, 40, 1), plan, None)
+    template, pointers, descriptors = cuda._native_parameters(layouts, 0.125, 0.0, (160, 40, 1), maps, 6)
 
     def encode(inputs):  # a map per slot, told apart by its operand
         assert inputs[3] is mask
@@ -129,7 +128,7 @@ def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(modul
     built = cuda._FwdParams(cuda._inputs(q, k, v, mask, bias, 0.125, 0.0), out.data_ptr(), lse.data_ptr(),
                             out.stride()[:3], lse.stride())
     if maps:
-        built = cuda._WsParams(forward=built, section_slices=6, item_columns=8, item_rows=1,
+        built = cuda._WsParams(forward=built, section_slices=6,
                                q_map=cuda._TensorMap.from_buffer_copy(b"\x01" * 128),
                                mask_map=cuda._TensorMap.from_buffer_copy(b"\x04" * 128))
     assert filled == bytes(built)

@@ -2,8 +2,7 @@
 (`configs/workloads/peers.yaml`, or `--workloads`), forward alone, GPU time
 (`timing.time_kernel`, L2 flushed): other sources of that kernel with the same host side
 (`--variants NAME=DIR,...`: each DIR a flash_fwd_ws.cu and the fwd_steps.cuh it includes, e.g.
-from `git show REV:...`), built beside it, a CTA per work item, then this tree's, a CTA per item
-and persistent (`launch.PERSISTENT_FORWARD`). Each variant's out and lse are
+from `git show REV:...`), built beside it, then this tree's. Each variant's out and lse are
 compared bitwise with the first variant's, and out against the Triton forward's
 (`flash_dmattn_func`).
 
@@ -47,10 +46,8 @@ def main():
         # the build cache keys the package's sources, not a variant's: its build name carries its own
         digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(folder).glob("*.cu*")))).hexdigest()[:12]
         build.SOURCES[f"fwd_ws_{name}_{digest}"] = Path(folder) / "flash_fwd_ws.cu"
-        variants.append((name, f"fwd_ws_{name}_{digest}", False))
-    # this tree's kernel in a CTA per item, then persistent (`launch.PERSISTENT_FORWARD`); the
-    # variants' sources, a CTA per item
-    variants += [("this tree, a CTA per item", "fwd_ws", False), ("this tree, persistent", "fwd_ws", True)]
+        variants.append((name, f"fwd_ws_{name}_{digest}"))
+    variants.append(("this tree", "fwd_ws"))
     rows = []
     for pw in load_peer_workloads(args.workloads):
         x, (q, k, v, mask, bias), options, _ = bench_call(pw, device)
@@ -59,9 +56,8 @@ def main():
         for text in args.configs.split(","):
             config = parse_config(text, "fwd")
             first = None
-            for label, source, persistent in variants:
+            for label, source in variants:
                 launch._built = building(source)
-                launch.PERSISTENT_FORWARD = persistent
                 launch._forward_launch.cache_clear()
                 results = dict(out=torch.empty_like(q), lse=torch.empty(q.shape[0], q.shape[2], q.shape[1], device=device))
 

@@ -284,25 +284,20 @@ struct HeadSlices {
   const elem_t* v;
 };
 
-// A warp-specialized kernel's work item `cta` in launch order (of `columns` head slices x `rows`
-// blocks): the head slices in sections of `section_slices`, whose operands re-read from L2 fit
-// it together (launch.section_slices); in a section, blocks in order, head slices varying
-// fastest, so the items in flight at once share blocks' worth of work and the section's
-// operands. The last section may be short.
+// A warp-specialized kernel's CTA in launch order (blockIdx.x + gridDim.x blockIdx.y): the head
+// slices (gridDim.x of them) in sections of `section_slices`, whose operands re-read from L2 fit
+// it together (launch.section_slices); in a section, blocks (gridDim.y of them) in order, head
+// slices varying fastest, so the CTAs resident at once share blocks' worth of work and the
+// section's operands. The last section may be short.
 struct SectionOrder {
   int slice, block;
 };
 
-__device__ __forceinline__ SectionOrder section_order(int cta, int columns, int rows, int section_slices) {
-  const int section_ctas = section_slices * rows;
-  const int section = cta / section_ctas, in_section = cta % section_ctas;
-  const int slices = min(section_slices, columns - section * section_slices);
-  return {section * section_slices + in_section % slices, in_section / slices};
-}
-
-// The CTA's own place: the grid is (slices, blocks).
 __device__ __forceinline__ SectionOrder section_order(int section_slices) {
-  return section_order(blockIdx.y * gridDim.x + blockIdx.x, gridDim.x, gridDim.y, section_slices);
+  const int cta = blockIdx.y * gridDim.x + blockIdx.x, section_ctas = section_slices * gridDim.y;
+  const int section = cta / section_ctas, in_section = cta % section_ctas;
+  const int slices = min(section_slices, int(gridDim.x) - section * section_slices);
+  return {section * section_slices + in_section % slices, in_section / slices};
 }
 
 // `slice` = batch * num_heads + query head: the grid index the kernel keeps for it.

@@ -116,7 +116,9 @@ struct BwdWsParams {  // `dmattn_kernels.cuda.launch._BwdWsParams` mirrors it
   int section_slices;  // the launch order's sections (common.cuh: section_order)
 };
 
-__device__ __forceinline__ void consumers_sync() { named_barrier_sync(1, CONSUMER_THREADS); }
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;\n" :: "n"(CONSUMER_THREADS) : "memory");
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(const __grid_constant__ BwdWsParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];

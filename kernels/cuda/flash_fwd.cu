@@ -128,9 +128,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_fwd_kernel(const Fw
       else
         scores<true, 0, 0>(s, rule, none, warp_row0, j * BLOCK_N, g, t);
 
-      float rescale[WARP_TILES][2];
-      softmax_tile(s, row_max, row_sum, rescale, log2_scale(in));
-      if (rows_moved(rescale, row_sum)) rescale_rows(acc, rescale);
+      online_softmax(s, row_max, row_sum, acc);
 
       // acc += P V: the S accumulators of two n8 tiles form one 16x16 A fragment
 #if WGMMA

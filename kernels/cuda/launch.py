@@ -9,8 +9,6 @@ no compiled extension.
 from __future__ import annotations
 
 import ctypes
-import heapq
-import itertools
 import threading
 from functools import lru_cache
 from typing import NamedTuple
@@ -75,10 +73,6 @@ NOT_STAGED, TILES_OF_ROWS, TILES_OF_KEYS = 0, 1, 2
 MAX_SCORE_STAGES = 2  # the deepest ring of staged mask and bias tiles (4: no faster, H100)
 # what the head slices a warp-specialized kernel runs at once re-read from L2 (`section_slices`)
 L2_SECTION_BYTES = 32 << 20
-# The warp-specialized forward runs one CTA per SM over a schedule of items (`persistent_schedule`)
-# where True, a CTA per item where False; an item's fixed cost in the schedule, in key tiles.
-PERSISTENT_FORWARD = True
-ITEM_TILES = 1
 
 class OutOfResources(RuntimeError):
     """The config needs more shared memory than this GPU gives a block (a trial's `unsupported`)."""
@@ -118,16 +112,12 @@ class _TensorMap(ctypes.Structure):
 _MAPS = ("q_map", "k_map", "v_map", "mask_map", "bias_map")
 
 
-class _WsFields(ctypes.Structure):
-    _fields_ = ([(name, _TensorMap) for name in _MAPS] + [("forward", _FwdParams)]
-                + [(name, ctypes.c_int) for name in ("section_slices", "item_columns", "item_rows")]
-                + [("schedule", ctypes.c_void_p)])
-
-
 class _WsParams(ctypes.Structure):
     """flash_fwd_ws.cu's WsParams, field for field, padded to its 128-byte multiple."""
 
-    _fields_ = _WsFields._fields_ + [("padding", ctypes.c_char * (-ctypes.sizeof(_WsFields) % 128))]
+    _fields_ = ([(name, _TensorMap) for name in _MAPS] + [("forward", _FwdParams), ("section_slices", ctypes.c_int)]
+                + [("padding", ctypes.c_char * (-(len(_MAPS) * ctypes.sizeof(_TensorMap) + ctypes.sizeof(_FwdParams)
+                                                  + ctypes.sizeof(ctypes.c_int)) % 128))])
 
 
 class _BwdParams(ctypes.Structure):
@@ -709,28 +699,6 @@ class _ForwardLaunch(NamedTuple):
     # mask, 4 bias; dims order, box rows, box line bytes, swizzle)
     maps: tuple[tuple[str, int, tuple[int, int, int, int], int, int, int], ...]
     section_slices: int = 0  # the warp-specialized forward's launch order (`section_slices`; flash_fwd.cu has none)
-    items: tuple[int, int] = (0, 0)  # the warp-specialized forward's items: head slices x query blocks
-    tiles: tuple[int, ...] = ()  # its query blocks' key tiles, where it launches persistent
-
-    def launch_grid(self, device: torch.device) -> tuple[tuple[int, int], torch.Tensor | None]:
-        """The grid on `device`, and a persistent launch's schedule (`persistent_schedule`)."""
-        if not self.tiles:
-            return self.grid, None
-        return _persistent_launch(device, self.items, self.section_slices, self.tiles)
-
-    def ws_params(self, forward: "_FwdParams", schedule: torch.Tensor | None, **maps) -> "_WsParams":
-        """The warp-specialized forward's parameters around a call's FwdParams."""
-        return _WsParams(forward=forward, section_slices=self.section_slices, item_columns=self.items[0],
-                         item_rows=self.items[1], schedule=0 if schedule is None else schedule.data_ptr(), **maps)
-
-
-@lru_cache(maxsize=256)
-def _persistent_launch(device: torch.device, items: tuple[int, int], sections: int,
-                       tiles: tuple[int, ...]) -> tuple[tuple[int, int], torch.Tensor]:
-    """A persistent forward's grid (a CTA per SM, at most one per item) and schedule on `device`."""
-    ctas = min(torch.cuda.get_device_properties(device).multi_processor_count, items[0] * items[1])
-    schedule = persistent_schedule(items, sections, list(tiles), ctas)
-    return (ctas, 1), torch.tensor(schedule, dtype=torch.int32, device=device)
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
@@ -795,33 +763,7 @@ def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: Fwd
     shared = forward_shared_bytes(config, head_dim, arch, mask_tiles, bias_tiles)
     kv_bytes = 2 * k.shape[1] * padded_head_dim(head_dim) * dtype.itemsize  # K and V, shared by a group's heads
     sections = section_slices(batch * num_heads, kv_bytes, num_heads // k.shape[2])
-    tiles = tuple(_key_tiles(block, config, seqlen_q, k.shape[1], is_causal) for block in range(grid[1]))
-    return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps), sections, grid,
-                          tiles if PERSISTENT_FORWARD else ())
-
-
-def _key_tiles(m_block: int, config: FwdConfig, seqlen_q: int, seqlen_k: int, is_causal: bool) -> int:
-    """The key tiles query block `m_block` walks (common.cuh's KeyTiles::block)."""
-    keys = min(seqlen_k, max(0, (m_block + 1) * config.block_m + seqlen_k - seqlen_q)) if is_causal else seqlen_k
-    return triton.cdiv(keys, config.block_n)
-
-
-def persistent_schedule(items: tuple[int, int], section_slices: int, tiles: list[int], ctas: int) -> list[int]:
-    """A persistent forward's items per CTA (flash_fwd_ws.cu's WsParams.schedule): the items of
-    the (head slices, query blocks) grid `items` in launch order (common.cuh's section_order),
-    each to the CTA that is free first, as the block scheduler hands out a grid's CTAs; an item
-    costs the key tiles of its query block (`tiles`) plus ITEM_TILES. Returns the CTAs' offsets
-    (ctas + 1) then their items."""
-    columns, rows = items
-    free = [(0, cta) for cta in range(ctas)]
-    taken: list[list[int]] = [[] for _ in range(ctas)]
-    for index in range(columns * rows):
-        section, in_section = divmod(index, section_slices * rows)
-        block = in_section // min(section_slices, columns - section * section_slices)
-        time, cta = heapq.heappop(free)
-        taken[cta].append(index)
-        heapq.heappush(free, (time + tiles[rows - 1 - block] + ITEM_TILES, cta))
-    return list(itertools.accumulate([0] + [len(t) for t in taken])) + [index for t in taken for index in t]
+    return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps), sections)
 
 
 def section_slices(slices: int, reread_bytes: int, sharing: int = 1) -> int:
@@ -858,24 +800,23 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
         return
     params = _FwdParams.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse.stride()))
     _fill_addresses(params, q, k, v, mask, bias, out, lse)
-    grid, schedule = plan.launch_grid(q.device)
     if plan.maps:
         operands, driver = (q, k, v, mask, bias), _the_driver()
-        params = plan.ws_params(params, schedule,
-                                **{field: driver.tensor_map(operands[index], order, rows, line, swizzle)
-                                   for field, index, order, rows, line, swizzle in plan.maps})
-    plan.launcher(plan.name, grid, config.num_warps, plan.shared, params)
+        params = _WsParams(forward=params, section_slices=plan.section_slices,
+                           **{field: driver.tensor_map(operands[index], order, rows, line, swizzle)
+                              for field, index, order, rows, line, swizzle in plan.maps})
+    plan.launcher(plan.name, plan.grid, config.num_warps, plan.shared, params)
 
 
 def _native_parameters(layouts: tuple, softmax_scale: float, softcap: float, lse_stride: tuple,
-                       plan: _ForwardLaunch, schedule: torch.Tensor | None) -> tuple[bytes, list, list]:
+                       maps: tuple, section_slices: int) -> tuple[bytes, list, list]:
     """A forward signature's parameters for a native program (`dmattn_bench.native.structure_spec`):
     the template (its FwdParams, inside a WsParams where the kernel reads tensor maps), the
     address slots (q, k, v, the mask and bias where given, then the program's out and lse
     allocations) and the map slots (`_ForwardLaunch.maps`' operands)."""
     forward = _FwdParams.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse_stride))
-    maps = plan.maps
-    params, base = (plan.ws_params(forward, schedule), _WsParams.forward.offset) if maps else (forward, 0)
+    params, base = ((_WsParams(forward=forward, section_slices=section_slices), _WsParams.forward.offset) if maps
+                    else (forward, 0))
     inputs = base + _FwdParams.inputs.offset
     pointers = [(inputs + getattr(_Inputs, name).offset, native.given(index))
                 for index, name in enumerate(("q", "k", "v", "mask", "bias")) if layouts[index] is not None]
@@ -935,9 +876,8 @@ class ForwardPlan:
         layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
         options = self.options
         plan = _forward_launch(layouts, options["is_causal"], options["softcap"], self.config)
-        grid, schedule = plan.launch_grid(q.device)
         template, pointers, descriptors = _native_parameters(layouts, options["softmax_scale"], options["softcap"],
-                                                             lse.stride(), plan, schedule)
+                                                             lse.stride(), plan.maps, plan.section_slices)
         encode = None
         if plan.maps:
             driver = _the_driver()
@@ -947,7 +887,7 @@ class ForwardPlan:
                 return [bytes(driver.tensor_map(operands[index], order, rows, line, swizzle))
                         for _, index, order, rows, line, swizzle in plan.maps]
 
-        spec = native.structure_spec(plan.launcher.function(plan.name, plan.shared), grid,
+        spec = native.structure_spec(plan.launcher.function(plan.name, plan.shared), plan.grid,
                                      32 * self.config.num_warps, plan.shared, template, pointers, descriptors, encode)
         return native.program_of_specs(q.device, 5, [(self.out_shape, self.out_dtype), (self.lse_shape, torch.float32)],
                                        [], [spec], (0, 1, -1), [plan.launcher])
