@@ -18,24 +18,12 @@ import torch
 from dmattn_bench import flash_dmattn_func
 from dmattn_bench.bench import load_peer_workloads
 from dmattn_bench.registry import get_backend
-from dmattn_bench.space import BwdConfig
 from dmattn_bench.timing import time_kernel
 from dmattn_kernels.cuda import build, launch
-from section_probe import bench_call  # benchmarks/cuda/section_probe.py, beside this script
+# benchmarks/cuda/section_probe.py, beside this script
+from section_probe import bench_call, building, parse_config, print_table
 
 BASELINE = "bwd_ws_baseline"  # the baseline's build name: its own cache key beside "bwd_ws"
-
-
-def parse_config(text: str) -> BwdConfig:
-    tiles, rest = text.split("w")
-    warps, stages = rest.split("s")
-    block_m, block_n = (int(n) for n in tiles.split("x"))
-    return BwdConfig(block_m, block_n, block_m, block_n, int(warps), int(stages))
-
-
-def building(source: str):
-    """launch's cubin lookup with the warp-specialized backward built from `source` ("bwd_ws" or BASELINE)."""
-    return lambda direction, arch, flags: build.build(source if direction == "bwd_ws" else direction, arch, flags)
 
 
 def main():
@@ -45,7 +33,7 @@ def main():
     parser.add_argument("--caps", default=str(launch.MAX_SCORE_STAGES), help="ring caps to time this tree's kernel at")
     args = parser.parse_args()
     device = torch.device("cuda")
-    config = parse_config(args.config)
+    config = parse_config(args.config, "bwd")
     cuda = get_backend("cuda")
     variants = [(f"this tree, ring <= {cap}", "bwd_ws", int(cap)) for cap in args.caps.split(",")]
     if args.baseline:
@@ -68,7 +56,7 @@ def main():
         first = None
         for label, source, cap in variants:
             slots = _slots(config, q, mask, bias, cap)
-            launch._built = building(source)
+            launch._built = building("bwd_ws", source)
             g = grads()
 
             def run(g=g):
@@ -85,10 +73,8 @@ def main():
             except Exception as exc:  # a failed variant is a row, not the end of the probe
                 rows.append((pw.name, label, "error", "-", str(exc).splitlines()[0][:160]))
             print(rows[-1], file=sys.stderr, flush=True)
-    print(f"GPU: {torch.cuda.get_device_name()}, config {args.config}")
-    print("\n| workload | backward | GPU ms | bitwise = first row | max diff vs triton |\n|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print_table(f"GPU: {torch.cuda.get_device_name()}, config {args.config}",
+                ("workload", "backward", "GPU ms", "bitwise = first row", "max diff vs triton"), rows)
 
 
 def _slots(config, q, mask, bias, cap):

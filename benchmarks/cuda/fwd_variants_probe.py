@@ -23,12 +23,8 @@ from dmattn_bench.bench import load_peer_workloads
 from dmattn_bench.registry import get_backend
 from dmattn_bench.timing import time_kernel
 from dmattn_kernels.cuda import build, launch
-from section_probe import bench_call, flops, parse_config  # benchmarks/cuda/section_probe.py, beside this script
-
-def building(source: str):
-    """launch's cubin lookup with the warp-specialized forward built from `source` (a build name:
-    "fwd_ws", or a variant's own, so each has its own cache key)."""
-    return lambda direction, arch, flags: build.build(source if direction == "fwd_ws" else direction, arch, flags)
+# benchmarks/cuda/section_probe.py, beside this script
+from section_probe import bench_call, building, flops, parse_config, print_table
 
 
 def main():
@@ -57,7 +53,7 @@ def main():
             config = parse_config(text, "fwd")
             first = None
             for label, source in variants:
-                launch._built = building(source)
+                launch._built = building("fwd_ws", source)
                 launch._forward_launch.cache_clear()
                 results = dict(out=torch.empty_like(q), lse=torch.empty(q.shape[0], q.shape[2], q.shape[1], device=device))
 
@@ -76,11 +72,8 @@ def main():
                 except Exception as exc:  # a failed variant is a row, not the end of the probe
                     rows.append((pw.name, text, label, "error", "-", "-", str(exc).splitlines()[0][:160]))
                 print(rows[-1], file=sys.stderr, flush=True)
-    print(f"GPU: {torch.cuda.get_device_name()}")
-    print("\n| workload | config | forward | GPU ms | TFLOP/s | bitwise = first row | max diff vs triton |\n"
-          "|---|---|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print_table(f"GPU: {torch.cuda.get_device_name()}", ("workload", "config", "forward", "GPU ms", "TFLOP/s",
+                                                         "bitwise = first row", "max diff vs triton"), rows)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from dmattn_bench.bench import build_bench_inputs, load_peer_workloads
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
 from dmattn_bench.timing import time_kernel
-from dmattn_kernels.cuda import launch
+from dmattn_kernels.cuda import build, launch
 
 
 def parse_config(text: str, direction: str) -> FwdConfig | BwdConfig:
@@ -46,6 +46,20 @@ def bench_call(pw, device):
 def flops(pw, direction: str) -> float:
     """The workload's FLOPs in one direction over the keys it reads (`bench.flops_needed`'s rule)."""
     return pw.workload.flops(direction) * pw.keys_read / pw.workload.seqlen_k
+
+
+def building(kernel: str, source: str):
+    """launch's cubin lookup with `kernel` ("fwd_ws", "bwd_ws") built from build name `source`:
+    the kernel's own, or a probe's variant's (`build.SOURCES`), so each has its own cache key."""
+    return lambda direction, arch, flags: build.build(source if direction == kernel else direction, arch, flags)
+
+
+def print_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A probe's result: a title line, then a markdown table (stdout)."""
+    print(title)
+    print("\n| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 def main():
@@ -90,11 +104,8 @@ def main():
                 except Exception as exc:  # a failed variant is a row, not the end of the probe
                     rows.append((pw.name, direction, text, str(budget), "error", str(exc).splitlines()[0][:160], "-"))
                 print(rows[-1], file=sys.stderr, flush=True)
-    print(f"GPU: {torch.cuda.get_device_name()}")
-    print("\n| workload | direction | config | L2 budget MiB | GPU ms | TFLOP/s | bitwise = first budget |\n"
-          "|---|---|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print_table(f"GPU: {torch.cuda.get_device_name()}", ("workload", "direction", "config", "L2 budget MiB", "GPU ms",
+                                                         "TFLOP/s", "bitwise = first budget"), rows)
 
 
 if __name__ == "__main__":
