@@ -50,22 +50,36 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Forward kernel tiles.
+    """Forward kernel tiles, and the kernel knobs of the CUDA warp-specialized forward.
+
+    A knob is 0 (off) or 1 (on); off, the kernel compiles to the code the knob was added to, so
+    `to_dict` leaves a knob out while it is 0 and a table, journal or space written before the
+    knob reads the same (`config_from_dict` and `expand_grid` take it as 0 where absent).
 
     Attributes:
         block_m: query rows per program.
         block_n: key columns per inner-loop step.
         num_warps: warps per program.
         num_stages: software-pipelining depth of the key loop.
+        overlap: 1: FlashAttention-3's consumers (flash_fwd_ws.cu's FWD_OVERLAP): a tile's S
+            issued with the tile before's P V, the two consumers taking turns, the scale in the
+            exp where scores are scaled dots, a row's max and sum reduced as trees.
+        persistent: 1 (with overlap): a CTA per SM walking a schedule of work items
+            (FWD_PERSISTENT, `launch.persistent_schedule`) instead of a CTA per item.
     """
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    overlap: int = field(default=0, metadata={"minimum": 0})
+    persistent: int = field(default=0, metadata={"minimum": 0})
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {name: value for name, value in asdict(self).items() if value or name not in FWD_KNOBS}
+
+
+FWD_KNOBS = ("overlap", "persistent")  # FwdConfig's kernel knobs, in label order
 
 
 @dataclass(frozen=True)
@@ -117,8 +131,9 @@ class DecodeConfig:
 
 
 def config_label(config: "FwdConfig | BwdConfig | DecodeConfig | None") -> str:
-    """Compact human label: fwd "128x64 w4 s3", bwd "32x64 dq64x32 w4 s2", decode "n64 w4 s3 splits
-    auto"; "-" for a direction not run."""
+    """Compact human label: fwd "128x64 w4 s3" (a knob on appended: "128x128 w12 s2 overlap
+    persistent"; a value other than 1 as "overlap=2"), bwd "32x64 dq64x32 w4 s2", decode "n64 w4
+    s3 splits auto"; "-" for a direction not run."""
     if config is None:
         return "-"
     if isinstance(config, DecodeConfig):
@@ -127,15 +142,21 @@ def config_label(config: "FwdConfig | BwdConfig | DecodeConfig | None") -> str:
     label = f"{config.block_m}x{config.block_n}"
     if isinstance(config, BwdConfig):
         label += f" dq{config.block_m_dq}x{config.block_n_dq}"
-    return f"{label} w{config.num_warps} s{config.num_stages}"
+    label += f" w{config.num_warps} s{config.num_stages}"
+    if isinstance(config, FwdConfig):
+        for name in FWD_KNOBS:
+            value = getattr(config, name)
+            label += "" if value == 0 else f" {name}" if value == 1 else f" {name}={value}"
+    return label
 
 
 def config_from_dict(cls: type, data: dict[str, Any]):
-    """Builds a config from a mapping, naming any unknown or non-integer field.
+    """Builds a config from a mapping, naming any unknown or non-integer field. A field left out
+    takes its default (a knob left out is off: `FwdConfig.to_dict`).
 
     Raises:
         ValueError: an unknown key or a value that is not a positive int (or 0, for a field whose
-            metadata allows it: `DecodeConfig.num_splits`).
+            metadata allows it: `DecodeConfig.num_splits`, `FwdConfig`'s knobs).
     """
     minimum = {f.name: f.metadata.get("minimum", 1) for f in fields(cls)}
     unknown = sorted(set(data) - set(minimum))
@@ -189,17 +210,18 @@ def arch_family(major: int, minor: int) -> str:
 
 def expand_grid(direction: str, axes: dict[str, list[int]], where: str) -> list[FwdConfig | BwdConfig | DecodeConfig]:
     """The Cartesian product of `axes` as configs of `direction` (field order of the dataclass).
+    Every tunable is an axis; a kernel knob (`FWD_KNOBS`) may be left out, and is then off.
 
     Raises:
         ValueError: a missing or unknown key, or a value that is not a positive int (names `where`).
     """
     cls = CONFIG_CLASSES[direction]
     names = [f.name for f in fields(cls)]
-    missing = [n for n in names if n not in axes]
+    missing = [n for n in cls().to_dict() if n not in axes]
     if missing:
         raise ValueError(f"{where}: missing key(s) {missing}; expected {names}")
     grid: list[dict[str, int]] = [{}]
-    for name in names:
+    for name in (n for n in names if n in axes):
         values = axes[name] if isinstance(axes[name], list) else [axes[name]]
         grid = [dict(point, **{name: value}) for point in grid for value in values]
     try:

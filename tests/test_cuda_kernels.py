@@ -165,7 +165,7 @@ def test_a_forward_signature_is_checked_and_planned_once(monkeypatch):
 
     monkeypatch.setattr(launch, "arch_of", lambda device: "sm90")
     monkeypatch.setattr(launch, "_Launcher", Recorder)
-    launch._forward_launch.cache_clear()
+    launch._signature_launch.cache_clear()
     cuda = torch.device("cuda", 0)
 
     def layout(shape, dtype=torch.bfloat16, offset=0):  # `offset`: the data's address modulo 16
@@ -189,7 +189,7 @@ def test_a_forward_signature_is_checked_and_planned_once(monkeypatch):
     monkeypatch.setattr(launch, "arch_of", lambda device: "sm80")
     with pytest.raises(ValueError, match=r"config: 128 rows on 12 warps .* sm90 only \(here: sm80\)"):
         launch._forward_launch((q, k, k, None, None, q), True, 0.0, config)
-    launch._forward_launch.cache_clear()
+    launch._signature_launch.cache_clear()
 
 
 @pytest.mark.parametrize("operands", ["none", "mask and bias"])
@@ -479,3 +479,148 @@ def test_the_launch_order_sections_hold_the_head_slices_whose_operands_fit_l2():
     # the section count sits after the parameters both kernels read (padding keeps the sizes)
     assert launch._WsParams.section_slices.offset == 5 * 128 + ctypes.sizeof(launch._FwdParams)
     assert launch._BwdWsParams.section_slices.offset == 7 * 128 + ctypes.sizeof(launch._BwdParams) + 16
+
+
+def test_a_persistent_forward_schedule_gives_every_item_once_in_launch_order_and_balances_the_ctas():
+    """launch.persistent_schedule: W3's causal grid (32 head slices x 32 query blocks of 128 rows,
+    4096 keys) over 132 CTAs."""
+    config = FwdConfig(128, 128, 12, 2, overlap=1, persistent=1)
+    tiles = [launch._key_tiles(block, config, 4096, 4096, True) for block in range(32)]
+    assert tiles[0] == 1 and tiles[31] == 32  # a causal block walks the key tiles up to its diagonal
+    schedule = launch.persistent_schedule((32, 32), 16, tiles, 132)
+    offsets, items = schedule[:133], schedule[133:]
+    assert offsets[0] == 0 and offsets[-1] == len(items) == 32 * 32
+    assert sorted(items) == list(range(32 * 32))
+    lists = [items[offsets[c]:offsets[c + 1]] for c in range(132)]
+    assert all(cta_items == sorted(cta_items) for cta_items in lists)  # each CTA walks the launch order
+
+    def cost(index):  # common.cuh's section_order: the item's query block, longest rows first
+        block = index % (16 * 32) // 16
+        return tiles[31 - block] + launch.ITEM_TILES
+
+    loads = [sum(cost(i) for i in cta_items) for cta_items in lists]
+    mean = sum(loads) / 132
+    assert max(loads) <= mean + max(tiles) + launch.ITEM_TILES  # no CTA waits on more than one item's worth
+
+
+# The warp-specialized forward's -D list at 128x128 w12 s2, D128, causal, bf16 mask and bias rows
+# staged: the variant as it was before the kernel knobs (a knob off must leave it so, for the
+# tables' per-entry code stamps and the cubin cache).
+WS_FLAGS = ("-DELEMENT=1", "-DBIAS_FP32=0", "-DHEAD_DIM=128", "-DNUM_WARPS=12", "-DSTAGES=2", "-DIS_CAUSAL=1",
+            "-DHAS_MASK=1", "-DHAS_BIAS=1", "-DHAS_SOFTCAP=0", "-DBLOCK_M=128", "-DBLOCK_N=128", "-DWGMMA=1",
+            "-DSCORE_STAGES=1", "-DMASK_TILES=1", "-DBIAS_TILES=1")
+
+
+def _ws_flags(config: FwdConfig, arch: str = "sm90") -> tuple[str, ...]:
+    return launch.variant(config, 128, torch.bfloat16, torch.bfloat16, arch=arch, is_causal=True, has_mask=True,
+                          softcap=0.0)
+
+
+def test_a_kernel_knob_off_adds_no_define_and_a_knob_on_adds_its_own():
+    ws = FwdConfig(128, 128, 12, 2)
+    assert _ws_flags(ws) == _ws_flags(replace(ws, overlap=0, persistent=0)) == WS_FLAGS
+    assert _ws_flags(replace(ws, overlap=1)) == (*WS_FLAGS, "-DFWD_OVERLAP=1")
+    assert _ws_flags(replace(ws, overlap=1, persistent=1)) == (*WS_FLAGS, "-DFWD_OVERLAP=1", "-DFWD_PERSISTENT=1")
+    assert not any("FWD_" in flag for flag in _ws_flags(FwdConfig(128, 64, 8, 2)))  # flash_fwd.cu has no knobs
+    with pytest.raises(ValueError, match=r"overlap=1: a knob of the warp-specialized forward only"):
+        _ws_flags(FwdConfig(128, 64, 8, 2, overlap=1))
+    with pytest.raises(ValueError, match=r"knobs of the warp-specialized forward, on sm90 only \(here: sm80\)"):
+        _ws_flags(replace(ws, overlap=1), arch="sm80")
+
+
+def test_the_kernel_knobs_are_0_or_1_on_the_warp_specialized_forward_and_persistent_needs_overlap():
+    shape = AttentionShape(1, 16, 16, 2, 1, 128)
+    ws = FwdConfig(128, 128, 12, 2)
+    assert launch.is_supported(replace(ws, overlap=1), shape) is None
+    assert launch.is_supported(replace(ws, overlap=1, persistent=1), shape) is None
+    assert launch.is_supported(replace(ws, overlap=2), shape) == "overlap=2 is not 0 or 1 (a kernel knob: off or on)"
+    assert launch.is_supported(replace(ws, overlap=1, persistent=3), shape) == (
+        "persistent=3 is not 0 or 1 (a kernel knob: off or on)")
+    assert launch.is_supported(replace(ws, persistent=1), shape) == (
+        "persistent=1 needs overlap=1 (the persistent launch walks the overlapped forward's work items)")
+    assert launch.is_supported(FwdConfig(128, 64, 8, 2, overlap=1, persistent=1), shape) == (
+        "overlap=1 and persistent=1: a knob of the warp-specialized forward only (block_m in (64, 128, 192) on "
+        "block_m / 16 + 4 warps), not of 128 rows on 8 warps")
+    # the warp-specialized forward's own rules still hold with a knob on
+    assert "head_dim=96 does not pad to a multiple of 64" in launch.is_supported(replace(ws, overlap=1),
+                                                                                 replace(shape, head_dim=96))
+    assert "sm90 only (here: sm80)" in launch.arch_reason(replace(ws, overlap=1), 128, "sm80")
+    triton = get_backend("triton").is_supported
+    assert triton(FwdConfig(64, 64, 4, 2), shape) is None
+    assert triton(FwdConfig(64, 64, 4, 2, overlap=1), shape) == (
+        "overlap and persistent are knobs of the CUDA warp-specialized forward; the Triton forward has neither "
+        "(leave them 0)")
+
+
+def test_the_warp_specialized_space_prunes_a_persistent_launch_without_overlap_before_compiling():
+    """configs/space/cuda-fwd-ws.yaml crosses both knobs; persistent without overlap is ruled out
+    by its structure (is_supported's reason), the other two pairs are candidates wherever their
+    tiles are."""
+    from dmattn_bench.hardware import parse_arch
+    from dmattn_bench.prune import load_space, precheck
+
+    def verdict(config):
+        return precheck("fwd", config, parse_arch("sm90"), 128, "bf16", "cuda")
+
+    configs = load_space(SPACE_DIR / "cuda-fwd-ws.yaml", "cuda", "fwd", "sm90")
+    assert {(c.overlap, c.persistent) for c in configs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for config in configs:
+        tiles_alone = verdict(replace(config, overlap=0, persistent=0))
+        if config.persistent and not config.overlap:
+            pruned = verdict(config)
+            assert (pruned.status, pruned.check) == ("unsupported", "structure")
+            assert pruned.reason.startswith("persistent=1 needs overlap=1")
+        else:
+            assert (verdict(config) is None) == (tiles_alone is None), config
+    assert sum(verdict(c) is None for c in configs) == 3 * sum(verdict(c) is None for c in configs if not c.overlap
+                                                               and not c.persistent)
+
+
+def test_a_persistent_forward_plans_its_items_and_launches_a_cta_per_sm_over_their_schedule(monkeypatch):
+    """The knobs travel in the plan: overlap alone launches the grid of items with WsParams,
+    persistent a CTA per SM (at most one per item) with the schedule in _PersistentWsParams."""
+    built = []
+    monkeypatch.setattr(launch, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(launch, "_Launcher", lambda source, device, flags: built.append(flags))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("SM", (), {"multi_processor_count": 3}))
+    launch._signature_launch.cache_clear()
+    launch._persistent_launch.cache_clear()
+    cpu = torch.device("cpu")
+    q = ((2, 300, 4, 128), torch.empty(2, 300, 4, 128, device="meta").stride(), torch.bfloat16, cpu, 0)
+    k = ((2, 300, 1, 128), torch.empty(2, 300, 1, 128, device="meta").stride(), torch.bfloat16, cpu, 0)
+    forward = launch._FwdParams()
+    try:
+        overlap = launch._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, overlap=1))
+        assert overlap.tiles == () and overlap.launch_grid(cpu) == ((8, 3), None) and built[-1][-1] == "-DFWD_OVERLAP=1"
+        assert type(overlap.ws_params(forward, None)) is launch._WsParams
+        plan = launch._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, 1, 1))
+        assert built[-1][-2:] == ("-DFWD_OVERLAP=1", "-DFWD_PERSISTENT=1")
+        assert plan.grid == plan.items == (8, 3) and plan.tiles == (1, 2, 3)  # 300 causal rows: 128, 256, 300 keys
+        grid, schedule = plan.launch_grid(cpu)
+        assert grid == (3, 1)
+        assert schedule.tolist() == launch.persistent_schedule((8, 3), plan.section_slices, [1, 2, 3], 3)
+        params = plan.ws_params(forward, schedule)
+        assert type(params) is launch._PersistentWsParams
+        assert (params.item_columns, params.item_rows, params.schedule) == (8, 3, schedule.data_ptr())
+    finally:
+        launch._signature_launch.cache_clear()
+        launch._persistent_launch.cache_clear()
+
+
+@needs_nvcc
+def test_the_forward_s_knobs_build_for_sm90_and_take_their_parameter_blocks(cubin_cache):
+    """Overlap alone keeps WsParams; persistent adds the work items and the schedule after the
+    section count (_PersistentWsParams), still one 1024-byte block."""
+    config = FwdConfig(128, 128, 12, 2, overlap=1)
+    assert _parameter_sizes(build.build("fwd_ws", "sm90", _ws_flags(config))) == [ctypes.sizeof(launch._WsParams)]
+    flags = _ws_flags(replace(config, persistent=1))
+    assert _parameter_sizes(build.build("fwd_ws", "sm90", flags)) == [ctypes.sizeof(launch._PersistentWsParams)] == [1024]
+    persistent, base = launch._PersistentWsParams, launch._WsParams.section_slices.offset
+    assert persistent.section_slices.offset == base and persistent.forward.offset == launch._WsParams.forward.offset
+    assert (persistent.item_columns.offset, persistent.item_rows.offset, persistent.schedule.offset) == (
+        base + 4, base + 8, base + 16)
+    # three consumers, a full mask and an fp32 bias read from global memory, softcap
+    for knobs in (dict(overlap=1), dict(overlap=1, persistent=1)):
+        build.build("fwd_ws", "sm90", launch.variant(FwdConfig(192, 64, 16, 2, **knobs), 128, torch.float16,
+                                                     torch.float32, arch="sm90", is_causal=False, has_mask=True,
+                                                     softcap=30.0))

@@ -1,5 +1,6 @@
 """Dispatch tables: schema round-trip, refusal of malformed files, run-time lookup and fallbacks."""
 
+import dataclasses
 import json
 import warnings
 
@@ -10,8 +11,11 @@ from click.testing import CliRunner
 from dmattn_bench.cli.show import show
 from dmattn_bench.dispatch import lookup
 from dmattn_bench.dispatch.lookup import DispatchWarning, choose, clear_cache, use_table
+from dmattn_bench.dispatch.stamps import entry_status, stamp_of
 from dmattn_bench.dispatch.table import (
+    LEGACY_PREFIX,
     MAX_TABLE_BYTES,
+    SCHEMA_VERSION,
     Entry,
     TableError,
     Timing,
@@ -67,16 +71,23 @@ def test_round_trip(tmp_path):
                      error_ratio={"out": 0.1, "dq": 0.2}),
                entry(key("bwd", bias="full+grad")), entry(key(head_dim=128), backend="reference")]
     table = new_table(entries, H200, interpreter=False)
+    # each entry is validated, on its own code, by the tuner's default suite, and measured on that code
+    for e in table.entries:
+        assert e.validated == Validation(stamp_of(e, H200), table.created, "quick") and e.stale is None
+        assert e.timed == Timing(e.validated.stamp, table.created)
+    assert len({e.validated.stamp for e in table.entries}) == len(entries)  # three entries of other code each
+    # a declared-stale entry and a never validated one keep what they say
+    fwd, bwd, other = table.entries  # in the order given
+    table = dataclasses.replace(table, entries=(fwd, dataclasses.replace(bwd, stale="kernel edit, its GPU away"),
+                                                dataclasses.replace(other, validated=None)))
     path = tmp_path / "t.yaml"
     dump_table(table, path)
     loaded = load_table(path)
+    assert loaded.schema_version == SCHEMA_VERSION == 3
     assert table_to_dict(loaded) == table_to_dict(table)
     assert {e.key: e for e in loaded.entries} == {e.key: e for e in table.entries}
-    assert {backend: set(per_dtype) for backend, per_dtype in loaded.validated.items()} == {
-        "triton": {"fp32"}, "reference": {"fp32"}}
-    assert loaded.validated["triton"]["fp32"].kernel_hash == kernel_source_hash("triton")
-    assert all(e.timed.kernel_hash == kernel_source_hash(e.backend) and e.timed.date == loaded.created
-               for e in loaded.entries)
+    assert {e.key: (e.stale, e.validated is None) for e in loaded.entries} == {
+        fwd.key: (None, False), bwd.key: ("kernel edit, its GPU away", False), other.key: (None, True)}
     text = path.read_text()
     assert text.startswith("# dmattn-bench dispatch table")
     dump_table(loaded, path)  # sorted, stable output: a second dump is byte-identical
@@ -86,6 +97,22 @@ def test_round_trip(tmp_path):
 
 def good_doc():
     return table_to_dict(new_table([entry(key())], CPU_FINGERPRINT, interpreter=True))
+
+
+def as_schema_2(doc: dict, kernel_hashes: dict | None = None) -> dict:
+    """`doc` (schema 3) rewritten in place as schema 2 wrote it: one validation per backend and
+    dtype on the backend's kernel sources (`kernel_hashes`, default those installed here)."""
+    hashes = kernel_hashes or {}
+    validated = {}
+    for item in doc["entries"]:
+        record = item.pop("validated")
+        del item["stale"]
+        backend = item["backend"]
+        validated.setdefault(backend, {})[item["key"]["dtype"]] = {
+            "kernel_hash": hashes.get(backend) or kernel_source_hash(backend), "date": record["date"],
+            "suite": record["suite"]}
+    doc.update(schema_version=2, validated=validated)
+    return doc
 
 
 @pytest.mark.parametrize("edit, field, problem", [
@@ -105,15 +132,26 @@ def good_doc():
     (lambda d: d["device"].__setitem__("sm_count", 1.5), "device.sm_count", "1.5"),
     (lambda d: d.__setitem__("interpreter", "no"), "interpreter", "true or false"),
     (lambda d: d.__setitem__("extra", 1), "(top level)", "unknown"),
-    (lambda d: d.__setitem__("schema_version", 3), "schema_version",
-     "unknown schema version 3 (this dmattn-bench reads 1 and 2)"),
+    (lambda d: d.__setitem__("schema_version", 4), "schema_version", "unknown schema version 4"),
     (lambda d: d["entries"][0].pop("timed"), "entries[0]", "missing key(s) ['timed']"),
     (lambda d: d["entries"][0]["timed"].__setitem__("kernel_hash", ""), "entries[0].timed.kernel_hash", "non-empty"),
-    (lambda d: d["validated"]["triton"]["fp32"].__setitem__("suite", "medium"), "validated.triton.fp32.suite",
-     "medium"),
-    (lambda d: d["validated"]["triton"].__setitem__("fp8", {}), "validated.triton", "fp8"),
-    (lambda d: d["validated"].__setitem__("cutlass", {}), "validated", "cutlass"),
+    (lambda d: d["entries"][0]["validated"].__setitem__("suite", "medium"), "entries[0].validated.suite", "medium"),
+    (lambda d: d["entries"][0]["validated"].__setitem__("stamp", ""), "entries[0].validated.stamp", "non-empty"),
+    (lambda d: d["entries"][0]["validated"].pop("date"), "entries[0].validated", "missing key(s) ['date']"),
+    (lambda d: d["entries"][0]["validated"].__setitem__("kernel_hash", "x"), "entries[0].validated", "unknown"),
+    (lambda d: d["entries"][0].__setitem__("validated", "yes"), "entries[0].validated", "expected a mapping"),
+    (lambda d: d["entries"][0].__setitem__("stale", ""), "entries[0].stale", "non-empty"),
+    (lambda d: d["entries"][0].__setitem__("stale", True), "entries[0].stale", "got True"),
+    (lambda d: d["entries"][0].pop("stale"), "entries[0]", "missing key(s) ['stale']"),
+    # schema 2's and 1's top-level records are not schema 3's
+    (lambda d: d.__setitem__("validated", {}), "(top level)", "unknown"),
     (lambda d: d.__setitem__("kernel_hashes", {}), "(top level)", "unknown"),
+    # a schema-2 document: its per-backend validations are checked as they were
+    (lambda d: as_schema_2(d)["validated"]["triton"]["fp32"].__setitem__("suite", "medium"),
+     "validated.triton.fp32.suite", "medium"),
+    (lambda d: as_schema_2(d)["validated"]["triton"].__setitem__("fp8", {}), "validated.triton", "fp8"),
+    (lambda d: as_schema_2(d)["validated"].__setitem__("cutlass", {}), "validated", "cutlass"),
+    (lambda d: as_schema_2(d)["entries"][0].__setitem__("stale", None), "entries[0]", "unknown"),
 ])
 def test_bad_field_is_named(tmp_path, edit, field, problem):
     doc = good_doc()
@@ -252,44 +290,83 @@ def test_foreign_table(tmp_path):
 OLD_HASH = "sha256:" + "0" * 32
 
 
-def test_stale_kernel_hash(tmp_path):
-    table = new_table([entry(key())], CPU_FINGERPRINT, interpreter=True)
-    doc = table_to_dict(table)
-    doc["validated"]["triton"]["fp32"]["kernel_hash"] = OLD_HASH
-    path = tmp_path / "t.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    assert_default_with_one_warning(str(path), "triton entries ignored")
+def _not_current(doc: dict, index: int, how: str) -> dict:
+    """`doc` with its entry `index` not current, `how`: validated on other code, declared stale,
+    or never validated."""
+    item = doc["entries"][index]
+    if how == "other code":
+        item["validated"]["stamp"] = OLD_HASH
+    elif how == "declared":
+        item["stale"] = "kernel edit X, its GPU away"
+    else:
+        item["validated"] = None
+    return doc
 
 
-def test_stale_backend_spares_the_others(tmp_path):
-    doc = table_to_dict(new_table([entry(key()), entry(key(head_dim=32), backend="reference")],
-                                  CPU_FINGERPRINT, interpreter=True))
-    doc["validated"]["triton"]["fp32"]["kernel_hash"] = OLD_HASH
-    path = tmp_path / "t.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    with pytest.warns(DispatchWarning, match="triton entries ignored"):
-        assert choose(key(), "cpu", table=str(path)).source == "default"
-    assert choose(key(head_dim=32), "cpu", table=str(path)).backend == "reference"
-
-
-def test_one_stale_dtype_makes_the_backend_stale(tmp_path):
-    """A backend's entries are used once every dtype of them was validated on these kernels: a
-    table re-validated in fp32 only still serves nothing of that backend."""
-    doc = table_to_dict(new_table([entry(key()), entry(key(dtype="fp16"))], CPU_FINGERPRINT, interpreter=True))
-    doc["validated"]["triton"]["fp16"]["kernel_hash"] = OLD_HASH
-    table = table_from_dict(doc, "t.yaml")
-    assert lookup.validation_status(table) == {"triton": {"fp16": "stale", "fp32": "current"}}
-    assert lookup.kernel_hash_status(table) == {"triton": "stale"}
+@pytest.mark.parametrize("how, says", [("other code", "validated on other code than is installed here"),
+                                       ("declared", "declared stale (kernel edit X, its GPU away)"),
+                                       ("never", "never validated")])
+def test_an_entry_that_is_not_current_is_skipped_with_one_warning(tmp_path, how, says):
+    doc = _not_current(table_to_dict(new_table([entry(key())], CPU_FINGERPRINT, interpreter=True)), 0, how)
     path = _copy(tmp_path / "t.yaml", doc)
-    with pytest.warns(DispatchWarning, match="its fp16 entries were not validated"):
+    assert entry_status(load_table(path).entries[0], CPU_FINGERPRINT) == ("unvalidated" if how == "never" else "stale")
+    assert_default_with_one_warning(path, says)
+
+
+@pytest.mark.parametrize("how", ["other code", "declared", "never"])
+def test_a_skipped_entry_gives_way_to_the_nearest_current_one(tmp_path, how):
+    """The lookup asks its entries nearest first and takes the first current one: a stale entry
+    at the key's own buckets gives way to one a bucket further, then to the default."""
+    near, far = FwdConfig(16, 16, 1, 1), FwdConfig(64, 64, 1, 1)
+    doc = table_to_dict(new_table([entry(key(q=1024, k=1024), near), entry(key(q=4096, k=4096), far)],
+                                  CPU_FINGERPRINT, interpreter=True))
+    index = next(i for i, item in enumerate(doc["entries"]) if item["key"]["seqlen_q_bucket"] == 1024)
+    path = _copy(tmp_path / "t.yaml", _not_current(doc, index, how))
+    with pytest.warns(DispatchWarning) as record:
+        assert choose(key(q=1024, k=1024), "cpu", table=path) == lookup.Choice("triton", far, f"table:{path}")
+        assert choose(key(q=512, k=512), "cpu", table=path).config == far
+    assert len(record) == 1 and "D64 (triton) skipped" in str(record[0].message)
+    _copy(tmp_path / "t.yaml", _not_current(doc, 1 - index, how))  # both entries now
+    clear_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DispatchWarning)  # this table's warning was given
+        assert choose(key(q=1024, k=1024), "cpu", table=path).source == "default"
+
+
+def test_a_stale_entry_spares_its_neighbours(tmp_path):
+    """A stale entry is skipped alone: entries of other backends, dtypes and head dims of the
+    same table still serve their keys."""
+    fp16, reference = FwdConfig(64, 32, 2, 1), FwdConfig(16, 32, 1, 1)
+    doc = table_to_dict(new_table([entry(key()), entry(key(dtype="fp16"), fp16),
+                                   entry(key(head_dim=32), reference, backend="reference")],
+                                  CPU_FINGERPRINT, interpreter=True))
+    index = next(i for i, item in enumerate(doc["entries"])
+                 if item["key"]["dtype"] == "fp32" and item["backend"] == "triton")
+    path = _copy(tmp_path / "t.yaml", _not_current(doc, index, "other code"))
+    assert lookup.status_counts(load_table(path)) == {"current": 2, "stale": 1, "unvalidated": 0}
+    with pytest.warns(DispatchWarning, match="fwd fp32 D64 \\(triton\\) skipped"):
         assert choose(key(), "cpu", table=path).source == "default"
-    del doc["validated"]["triton"]["fp16"]
-    assert lookup.validation_status(table_from_dict(doc, "t.yaml")) == {
-        "triton": {"fp16": "unvalidated", "fp32": "current"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DispatchWarning)
+        assert choose(key(dtype="fp16"), "cpu", table=path) == lookup.Choice("triton", fp16, f"table:{path}")
+        assert choose(key(head_dim=32), "cpu", table=path) == lookup.Choice("reference", reference, f"table:{path}")
+
+
+def test_status_counts_count_each_entry_by_its_own_status(tmp_path):
+    entries = [entry(key(q=2 ** i)) for i in range(6, 12)]
+    doc = table_to_dict(new_table(entries, CPU_FINGERPRINT, interpreter=True))
+    _not_current(doc, 0, "other code")
+    _not_current(doc, 1, "declared")
+    _not_current(doc, 2, "never")
+    _not_current(_not_current(doc, 3, "declared"), 3, "other code")
+    table = table_from_dict(doc, "t.yaml")
+    assert lookup.status_counts(table) == {"current": 2, "stale": 3, "unvalidated": 1}
+    assert [entry_status(e, table.device) for e in table.entries] == [
+        "stale", "stale", "unvalidated", "stale", "current", "current"]
 
 
 def test_timings_keep_their_own_hash(tmp_path):
-    """Entries measured on older kernels serve calls once the table was validated on these."""
+    """Entries measured on older kernels serve calls once they were validated on these."""
     doc = table_to_dict(new_table([entry(key())], CPU_FINGERPRINT, interpreter=True))
     doc["entries"][0]["timed"] = {"kernel_hash": OLD_HASH, "date": "2020-01-01T00:00:00+00:00"}
     path = _copy(tmp_path / "t.yaml", doc)
@@ -297,23 +374,64 @@ def test_timings_keep_their_own_hash(tmp_path):
     assert load_table(path).entries[0].timed.kernel_hash == OLD_HASH
 
 
+def test_schema_2_is_read_as_each_entry_validated_on_its_backends_sources(tmp_path):
+    """Schema 2 recorded one validation per backend and dtype on the backend's whole sources:
+    each entry reads it as its own, stamped `source:<hash>`, current while that hash is the
+    installed sources'. A dtype it recorded nothing for is unvalidated. Written back as schema 3,
+    the entries keep those validations (until a restamp replaces them)."""
+    entries = [entry(key()), entry(key(dtype="fp16")), entry(key(dtype="bf16")),
+               entry(key(head_dim=32), backend="reference")]
+    doc = as_schema_2(table_to_dict(new_table(entries, CPU_FINGERPRINT, interpreter=True)), {"reference": OLD_HASH})
+    doc["validated"]["triton"]["fp16"]["kernel_hash"] = OLD_HASH
+    del doc["validated"]["triton"]["bf16"]
+    table = table_from_dict(doc, "v2.yaml")
+    assert table.schema_version == 2
+    by_key = {(e.backend, e.key.dtype): e for e in table.entries}
+    fp32 = doc["validated"]["triton"]["fp32"]
+    assert by_key["triton", "fp32"].validated == Validation(LEGACY_PREFIX + kernel_source_hash("triton"),
+                                                             fp32["date"], fp32["suite"])
+    assert by_key["triton", "fp16"].validated.stamp == LEGACY_PREFIX + OLD_HASH
+    assert by_key["triton", "bf16"].validated is None
+    assert all(e.stale is None for e in table.entries)
+    status = {name: entry_status(e, CPU_FINGERPRINT) for name, e in by_key.items()}
+    assert status == {("triton", "fp32"): "current", ("triton", "fp16"): "stale", ("triton", "bf16"): "unvalidated",
+                      ("reference", "fp32"): "stale"}
+    path = _copy(tmp_path / "v2.yaml", doc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DispatchWarning)
+        assert choose(key(), "cpu", table=path) == lookup.Choice("triton", TUNED_FWD, f"table:{path}")
+    with pytest.warns(DispatchWarning, match="fp16 D64"):
+        assert choose(key(dtype="fp16"), "cpu", table=path).source == "default"
+    dump_table(table, tmp_path / "v3.yaml")
+    assert yaml.safe_load((tmp_path / "v3.yaml").read_text())["schema_version"] == 3
+    rewritten = load_table(tmp_path / "v3.yaml")
+    assert table_to_dict(rewritten) == table_to_dict(table)
+    assert [entry_status(e, CPU_FINGERPRINT) for e in rewritten.entries] == [
+        entry_status(e, CPU_FINGERPRINT) for e in table.entries]
+
+
 def test_schema_1_is_read_as_one_hash_for_everything(tmp_path):
     """Schema 1 had one `kernel_hashes` map: every validation and timing is read as that hash,
-    dated `created`, validated on the tuner's (quick) suite; it is written back as schema 2."""
+    dated `created`, validated on the tuner's (quick) suite; it is written back as schema 3."""
     entries = [entry(key()), entry(key(dtype="fp16")), entry(key(head_dim=32), backend="reference")]
     doc = table_to_dict(new_table(entries, CPU_FINGERPRINT, interpreter=True))
-    del doc["validated"]
     for item in doc["entries"]:
-        del item["timed"]
+        del item["timed"], item["validated"], item["stale"]
     doc.update(schema_version=1, kernel_hashes={"triton": OLD_HASH, "reference": kernel_source_hash("reference")})
     table = table_from_dict(doc, "v1.yaml")
-    assert table.validated["triton"] == {dtype: Validation(OLD_HASH, doc["created"], "quick")
-                                         for dtype in ("fp16", "fp32")}
-    assert {e.timed for e in table.entries if e.backend == "triton"} == {Timing(OLD_HASH, doc["created"])}
-    assert lookup.kernel_hash_status(table) == {"reference": "current", "triton": "stale"}
-    dump_table(table, tmp_path / "v2.yaml")
-    assert yaml.safe_load((tmp_path / "v2.yaml").read_text())["schema_version"] == 2
-    assert table_to_dict(load_table(tmp_path / "v2.yaml")) == table_to_dict(table)
+    for e in table.entries:
+        recorded = OLD_HASH if e.backend == "triton" else kernel_source_hash("reference")
+        assert e.validated == Validation(LEGACY_PREFIX + recorded, doc["created"], "quick")
+        assert e.timed == Timing(recorded, doc["created"]) and e.stale is None
+    assert {(e.backend, e.key.dtype): entry_status(e, CPU_FINGERPRINT) for e in table.entries} == {
+        ("triton", "fp32"): "stale", ("triton", "fp16"): "stale", ("reference", "fp32"): "current"}
+    doc["kernel_hashes"]["triton"] = kernel_source_hash("triton")
+    assert lookup.status_counts(table_from_dict(doc, "v1.yaml")) == {"current": 3, "stale": 0, "unvalidated": 0}
+    del doc["kernel_hashes"]["reference"]  # a backend it recorded no hash for: never validated
+    assert lookup.status_counts(table_from_dict(doc, "v1.yaml")) == {"current": 2, "stale": 0, "unvalidated": 1}
+    dump_table(table, tmp_path / "v3.yaml")
+    assert yaml.safe_load((tmp_path / "v3.yaml").read_text())["schema_version"] == 3
+    assert table_to_dict(load_table(tmp_path / "v3.yaml")) == table_to_dict(table)
 
 
 def test_shipped_tables_load():
@@ -375,14 +493,19 @@ def test_rewritten_table_is_reread_after_clear_cache(tmp_path):
 # -- show -----------------------------------------------------------------------------------------
 
 def test_show_human_and_json(tmp_path):
-    path = write(tmp_path / "t.yaml", [entry(key(), median_ms=0.5, tflops=123.4, speedup_vs_default=1.25)])
+    doc = table_to_dict(new_table([entry(key(), median_ms=0.5, tflops=123.4, speedup_vs_default=1.25),
+                                   entry(key(q=4096)), entry(key(q=8192))], CPU_FINGERPRINT, interpreter=True))
+    path = _copy(tmp_path / "t.yaml", _not_current(_not_current(doc, 1, "declared"), 2, "never"))
     human = CliRunner().invoke(show, [path])
     assert human.exit_code == 0, human.output
-    assert "cpu-interpreter" in human.output and "current" in human.output and "1.25x" in human.output
+    assert "cpu-interpreter" in human.output and "1.25x" in human.output
+    assert "3: 1 current, 1 stale, 1 unvalidated" in human.output
     result = CliRunner().invoke(show, [path, "--format", "json"])
-    doc = json.loads(result.output)
-    assert doc["kernel_hash_status"] == {"triton": "current"}
-    assert doc["entries"][0]["evidence"]["tflops"] == 123.4
+    shown = json.loads(result.output)
+    assert shown["status_counts"] == {"current": 1, "stale": 1, "unvalidated": 1}
+    assert [e["status"] for e in shown["entries"]] == ["current", "stale", "unvalidated"]
+    assert [e["stale"] for e in shown["entries"]] == [None, "kernel edit X, its GPU away", None]
+    assert shown["entries"][0]["evidence"]["tflops"] == 123.4
 
 
 def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
@@ -396,7 +519,7 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     result = CliRunner().invoke(show, [_copy(tmp_path / "all.yaml", shipped), "--coverage", workloads, "--format", "json"])
     assert result.exit_code == 0, result.output
     counts = json.loads(result.output)["coverage"]["counts"]
-    assert counts == {"exact": 16, "nearest bucket": 0, "similar entry": 0, "default": 0, "default (stale table)": 0}
+    assert counts == {"exact": 16, "nearest bucket": 0, "similar entry": 0, "default": 0, "default (stale entries)": 0}
     # drop the L4096 entries of one categorical key: its L1000 entry now serves them by nearest bucket;
     # drop every entry of another: those keys fall back to the defaults
     from dataclasses import asdict
@@ -418,6 +541,17 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     assert counts["exact"] == sum(tuple(sorted(e["key"].items())) in grid for e in kept)
     assert counts["nearest bucket"] >= 1 and counts["default"] >= 1
     assert sum(counts.values()) == 16
+    # the entries of one kind stale, the rest current: only that kind's keys lose their entries
+    stale_kind = dict(shipped, entries=[dict(e, validated=dict(e["validated"], stamp=OLD_HASH))
+                                        if same_kind(e["key"], second) else e for e in shipped["entries"]])
+    result = CliRunner().invoke(show, [_copy(tmp_path / "kind.yaml", stale_kind), "--coverage", workloads,
+                                       "--format", "json"])
+    shown = json.loads(result.output)
+    of_kind = sum(same_kind(dict(k), second) for k in grid)
+    assert shown["status_counts"]["stale"] == sum(same_kind(e["key"], second) for e in shipped["entries"]) > 0
+    counts = shown["coverage"]["counts"]
+    assert counts["exact"] == 16 - of_kind and counts["default (stale entries)"] >= 1
+    assert counts["default (stale entries)"] + counts["similar entry"] == of_kind
     full = CliRunner().invoke(show, [_copy(tmp_path / "all2.yaml", shipped), "--coverage", workloads, "--grid", "full",
                                      "--format", "json"])
     counts = json.loads(full.output)["coverage"]["counts"]
@@ -429,20 +563,23 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     assert counts["exact"] == sum(key in entry_keys for key in full_grid) > 16
     assert counts["nearest bucket"] > 0 and counts["default"] > counts["exact"]
     assert counts["similar entry"] > 0
-    # a table whose kernel sources changed serves nothing: the lookup skips it
+    # a table whose every entry's code changed serves nothing: the lookup skips them all
     stale = _validated_on(shipped, OLD_HASH)
     result = CliRunner().invoke(show, [_copy(tmp_path / "stale.yaml", stale), "--coverage", workloads, "--format", "json"])
     assert json.loads(result.output)["coverage"]["counts"] == {
-        "exact": 0, "nearest bucket": 0, "similar entry": 0, "default": 0, "default (stale table)": 16}
+        "exact": 0, "nearest bucket": 0, "similar entry": 0, "default": 0, "default (stale entries)": 16}
 
 
 def _validated_on(document: dict, kernel_hash: str | None) -> dict:
-    """`document` (a table of any readable schema) as a current table whose every validation was
-    on `kernel_hash` (None: on the kernel sources installed here)."""
+    """`document` (a table of any readable schema) as a table whose every entry was validated on
+    `kernel_hash` (None: on the kernel sources installed here, so current). The validations are
+    schema 2's (`source:<hash>`): their status costs a hash of the sources, where computing each
+    of a shipped table's entries' stamps takes seconds."""
     doc = table_to_dict(table_from_dict(document, "table"))
-    for backend, per_dtype in doc["validated"].items():
-        for record in per_dtype.values():
-            record["kernel_hash"] = kernel_hash or kernel_source_hash(backend)
+    for item in doc["entries"]:
+        source_hash = kernel_hash or kernel_source_hash(item["backend"])
+        item.update(validated={"stamp": LEGACY_PREFIX + source_hash, "date": doc["created"], "suite": "full"},
+                    stale=None)
     return doc
 
 

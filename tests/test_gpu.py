@@ -102,9 +102,14 @@ def test_the_wgmma_forward_at_the_widest_head_dims(dtype, record_property):
 
 # The warp-specialized forward's configs (flash_fwd_ws.cu): 128-key tiles (a mask tile is one
 # 128-byte swizzled line per row, one slot of staged tiles beside 2-stage K and V rings), 64-key
-# tiles (64-byte mask lines, two slots), and three consumer warpgroups.
+# tiles (64-byte mask lines, two slots), and three consumer warpgroups; with its kernel knobs on
+# (FwdConfig.overlap: the overlapped consumers taking turns with two of them, the scale in the
+# exp; persistent: a CTA per SM over a schedule of work items).
 WS_CONFIGS = {"fwd128x128w12s2": FwdConfig(128, 128, 12, 2), "fwd128x64w12s3": FwdConfig(128, 64, 12, 3),
-              "fwd192x64w16s2": FwdConfig(192, 64, 16, 2)}
+              "fwd192x64w16s2": FwdConfig(192, 64, 16, 2),
+              "fwd128x128w12s2-overlap": FwdConfig(128, 128, 12, 2, overlap=1),
+              "fwd128x64w12s3-overlap-persistent": FwdConfig(128, 64, 12, 3, overlap=1, persistent=1),
+              "fwd192x64w16s2-overlap-persistent": FwdConfig(192, 64, 16, 2, overlap=1, persistent=1)}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -515,6 +520,7 @@ def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch,
 # eager entry), and flash_fwd.cu with a mask and a bias read from global memory.
 CUDA_NATIVE_CALLS = {"ws-mask-bias": (FwdConfig(128, 128, 12, 2), 128, "rows"), "ws-default": (None, 128, None),
                      "ws-keys": (FwdConfig(128, 128, 12, 2), 128, "keys"),
+                     "ws-persistent-mask-bias": (FwdConfig(128, 128, 12, 2, overlap=1, persistent=1), 128, "rows"),
                      "flash-fwd-mask-bias": (FwdConfig(64, 64, 4, 2), 64, "rows")}
 
 
@@ -605,7 +611,7 @@ def test_the_warp_specialized_kernels_write_every_slice_in_any_section_order(mon
 
     def run(budget: int) -> dict[str, torch.Tensor]:
         monkeypatch.setattr(launch, "L2_SECTION_BYTES", budget)
-        launch._forward_launch.cache_clear()
+        launch._signature_launch.cache_clear()
         nan = dict(fill_value=float("nan"))
         out, lse = torch.full_like(q, **nan), torch.full((batch, heads, seqlen), device="cuda", **nan)
         cuda.forward(q, k, v, mask, bias, config=FwdConfig(128, 128, 12, 2), out=out, lse=lse, **options)

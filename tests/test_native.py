@@ -101,11 +101,12 @@ def test_descriptors_take_an_aligned_map_then_their_shape_and_strides():
     assert struct.unpack_from("<i", params, offsets[10]) == (40,) and callable(encode)
 
 
-@pytest.mark.parametrize("operands", ["none", "mask_bias_maps"])
+@pytest.mark.parametrize("operands", ["none", "mask_bias_maps", "mask_bias_maps_persistent"])
 def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(module, operands):
     """The CUDA forward's program copies its signature's parameters and fills in the call's
     addresses, its allocations' and (warp-specialized) its tensor maps: the bytes the Python
-    launch builds field by field."""
+    launch builds field by field; a persistent launch's (FwdConfig.persistent) with its work
+    items and schedule."""
     from dmattn_kernels.cuda import launch as cuda
 
     q = torch.randn(2, 40, 4, 64, dtype=torch.float16)
@@ -115,7 +116,10 @@ def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(modul
     # two of the maps a warp-specialized launch takes (fields and operands as `_forward_launch`'s)
     maps = (("q_map", 0, (3, 1, 2, 0), 128, 128, 128), ("mask_map", 3, (3, 2, 1, 0), 128, 64, 64)) if mask is not None else ()
     layouts = tuple(cuda._layout(t) for t in (q, k, v, mask, bias, torch.empty_like(q)))
-    template, pointers, descriptors = cuda._native_parameters(layouts, 0.125, 0.0, (160, 40, 1), maps, 6)
+    persistent = operands.endswith("persistent")
+    schedule = torch.zeros(3, dtype=torch.int32) if persistent else None  # the template holds its address
+    plan = cuda._ForwardLaunch(None, b"", (8, 2), 4096, maps, 6, (8, 2), (1, 1) if persistent else ())
+    template, pointers, descriptors = cuda._native_parameters(layouts, 0.125, 0.0, (160, 40, 1), plan, schedule)
 
     def encode(inputs):  # a map per slot, told apart by its operand
         assert inputs[3] is mask
@@ -127,10 +131,13 @@ def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(modul
     assert nothing is None and out.shape == q.shape and lse.shape == (2, 4, 40)
     built = cuda._FwdParams(cuda._inputs(q, k, v, mask, bias, 0.125, 0.0), out.data_ptr(), lse.data_ptr(),
                             out.stride()[:3], lse.stride())
-    if maps:
-        built = cuda._WsParams(forward=built, section_slices=6,
-                               q_map=cuda._TensorMap.from_buffer_copy(b"\x01" * 128),
-                               mask_map=cuda._TensorMap.from_buffer_copy(b"\x04" * 128))
+    encoded = dict(q_map=cuda._TensorMap.from_buffer_copy(b"\x01" * 128),
+                   mask_map=cuda._TensorMap.from_buffer_copy(b"\x04" * 128))
+    if persistent:
+        built = cuda._PersistentWsParams(forward=built, section_slices=6, item_columns=8, item_rows=2,
+                                         schedule=schedule.data_ptr(), **encoded)
+    elif mask is not None:
+        built = cuda._WsParams(forward=built, section_slices=6, **encoded)
     assert filled == bytes(built)
 
 

@@ -166,8 +166,13 @@ def test_the_table_records_the_suite_its_winners_passed(tmp_path, monkeypatch):
                                                "--suite", "full", "--format", "json"])
     assert result.exit_code == 0, result.output
     assert asked == ["full"]
-    validated = load_table(out).validated["triton"]["fp32"]
-    assert validated.suite == "full" and validated.kernel_hash == kernel_source_hash("triton")
+    from dmattn_bench.dispatch.stamps import stamp_of
+
+    table = load_table(out)
+    assert table.entries
+    for entry in table.entries:  # each validated, on the stamp of its own code
+        assert entry.validated.suite == "full" and entry.stale is None
+        assert entry.validated.stamp == stamp_of(entry, table.device)
 
 
 def _records(journal) -> list[dict]:
@@ -312,7 +317,7 @@ def test_info_shows_the_table_a_call_would_use_or_why_none(tmp_path, monkeypatch
 
     monkeypatch.setenv("DMATTN_BENCH_TABLE", str(tuned))
     active, note, _ = shown()
-    assert (active, note) == (str(tuned), "from DMATTN_BENCH_TABLE")
+    assert (active, note) == (str(tuned), "from DMATTN_BENCH_TABLE (1 current entries)")
     assert dispatch.choose(key, "cpu").source == f"table:{tuned}"  # what a call uses
 
     foreign = Path(__file__).resolve().parents[1] / "results/tables/nvidia-h100-80gb-hbm3-sm90.yaml"
@@ -324,7 +329,7 @@ def test_info_shows_the_table_a_call_would_use_or_why_none(tmp_path, monkeypatch
     shipped = shipped_dir / "cpu-interpreter.yaml"  # the runtime falls back to it past the foreign one
     shipped.write_bytes(tuned.read_bytes())
     active, note, _ = shown()
-    assert (active, note) == (str(shipped), "shipped for cpu-interpreter")
+    assert (active, note) == (str(shipped), "shipped for cpu-interpreter (1 current entries)")
     dispatch.clear_cache()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DispatchWarning)  # the foreign table's, checked above
@@ -656,8 +661,7 @@ def test_verify_says_when_a_table_is_stale(tmp_path):
     path = tmp_path / "stale.yaml"
     dump_table(table, path)
     document = yaml.safe_load(path.read_text())
-    for record in document["validated"]["triton"].values():
-        record["kernel_hash"] = "sha256:" + "0" * 32
+    document["entries"][0]["validated"]["stamp"] = "sha256:" + "0" * 32  # validated on other code
     path.write_text(yaml.safe_dump(document))
     result = CliRunner().invoke(verify, ["--table", str(path), "--dtype", "fp32", "--format", "json"])
     assert result.exit_code == 0, result.output
@@ -709,29 +713,30 @@ def test_a_decode_config_reads_num_splits_zero_as_auto_and_rejects_negatives(tmp
         load_table(tmp_path / "cuda.yaml")
 
 
-def _validation(kernel_hash: str, date: str, suite: str) -> Validation:
-    return Validation(kernel_hash, f"2026-11-{date}T00:00:00+00:00", suite)
-
-
-def test_a_merge_keeps_the_other_keys_and_the_weaker_validation():
+def test_a_merge_keeps_the_other_keys_and_each_entrys_own_validation():
+    """A merged table holds the tuned entries as the tune validated them and the kept entries of
+    other keys as they were: a kept stale entry stays stale, waiting for a restamp."""
     grid = load_workloads("configs/ci.yaml")[0]
     fwd, bwd, decode = (grid.key(d) for d in ("fwd", "bwd", "decode"))
 
-    def table(entries, validation):
-        built = new_table([Entry(k, "triton", c, {"median_ms": 1.0}) for k, c in entries], CPU_FINGERPRINT, True)
-        return dataclasses.replace(built, validated={"triton": {"fp32": validation}})
+    def table(entries, suite):
+        return new_table([Entry(k, "triton", c, {"median_ms": 1.0}) for k, c in entries], CPU_FINGERPRINT, True,
+                         suite=suite)
 
-    current = kernel_source_hash("triton")
-    kept = table([(fwd, CPU_FWD), (bwd, CPU_BWD)], _validation(current, "20", "full"))
-    tuned = table([(decode, DecodeConfig(32, 1, 1, 0)), (bwd, dataclasses.replace(CPU_BWD, block_n=32))],
-                  _validation(current, "26", "quick"))
+    kept = table([(fwd, CPU_FWD), (bwd, CPU_BWD)], "full")
+    tuned = table([(decode, DecodeConfig(32, 1, 1, 0)), (bwd, dataclasses.replace(CPU_BWD, block_n=32))], "quick")
     result = merged(kept, tuned)
-    assert {(e.key.direction, e.config) for e in result.entries} == {
-        ("decode", DecodeConfig(32, 1, 1, 0)), ("bwd", dataclasses.replace(CPU_BWD, block_n=32)), ("fwd", CPU_FWD)}
-    assert result.validated["triton"]["fp32"].suite == "quick"  # the weaker of full and quick
-    stale = dataclasses.replace(kept, validated={"triton": {"fp32": _validation("sha256:old", "20", "full")}})
-    assert merged(stale, tuned).validated["triton"]["fp32"].kernel_hash == "sha256:old"  # waits for a restamp
-    assert merged(kept, dataclasses.replace(tuned, entries=(), validated={})).validated == kept.validated
+    assert {(e.key.direction, e.config, e.validated.suite) for e in result.entries} == {
+        ("decode", DecodeConfig(32, 1, 1, 0), "quick"), ("bwd", dataclasses.replace(CPU_BWD, block_n=32), "quick"),
+        ("fwd", CPU_FWD, "full")}
+    (kept_fwd,) = [e for e in kept.entries if e.key == fwd]
+    assert [e for e in result.entries if e.key == fwd] == [kept_fwd]
+    old = Validation("sha256:" + "0" * 32, "2026-11-20T00:00:00+00:00", "full")
+    stale = dataclasses.replace(kept, entries=tuple(dataclasses.replace(e, validated=old, stale="kernel edit")
+                                                    if e.key == fwd else e for e in kept.entries))
+    (carried,) = [e for e in merged(stale, tuned).entries if e.key == fwd]
+    assert (carried.validated, carried.stale) == (old, "kernel edit")  # waits for a restamp
+    assert merged(kept, dataclasses.replace(tuned, entries=())).entries == kept.entries
     foreign = dataclasses.replace(kept, interpreter=False)
     with pytest.raises(TableError, match="cannot merge"):
         merged(foreign, tuned)

@@ -1,19 +1,23 @@
 """The warp-specialized CUDA forward (kernels/cuda/flash_fwd_ws.cu) on the bench's W1-W3 shapes
 (`configs/workloads/peers.yaml`, or `--workloads`), forward alone, GPU time
 (`timing.time_kernel`, L2 flushed): other sources of that kernel with the same host side
-(`--variants NAME=DIR,...`: each DIR a flash_fwd_ws.cu and the fwd_steps.cuh it includes, e.g.
-from `git show REV:...`), built beside it, then this tree's. Each variant's out and lse are
-compared bitwise with the first variant's, and out against the Triton forward's
-(`flash_dmattn_func`).
+(`--variants NAME=DIR,...`: each DIR a flash_fwd_ws.cu and the headers it includes, e.g. from
+`git show REV:...`), built beside it with the knobs off, then this tree's at each set of kernel
+knobs (`--knobs`: FwdConfig.overlap, persistent; "off" for none). Each variant's out and lse
+are compared bitwise with the first variant's (overlap's softmax rounds otherwise: the scale in
+the exp, rows reduced as trees; persistent moves work items, not arithmetic), and out against the
+Triton forward's (`flash_dmattn_func`).
 
     python3 benchmarks/cuda/fwd_variants_probe.py [--variants baseline=DIR,...]
-        [--configs 128x128w12s2,192x64w16s2] [--workloads configs/workloads/peers.yaml]
+        [--configs 128x128w12s2,192x64w16s2] [--knobs off,overlap,overlap+persistent]
+        [--workloads configs/workloads/peers.yaml]
 
 Prints one markdown table (stdout); progress to stderr."""
 
 import argparse
 import hashlib
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,6 +25,7 @@ import torch
 from dmattn_bench import flash_dmattn_func
 from dmattn_bench.bench import load_peer_workloads
 from dmattn_bench.registry import get_backend
+from dmattn_bench.space import FWD_KNOBS
 from dmattn_bench.timing import time_kernel
 from dmattn_kernels.cuda import build, launch
 # benchmarks/cuda/section_probe.py, beside this script
@@ -29,11 +34,18 @@ from section_probe import bench_call, building, flops, parse_config, print_table
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="", help="NAME=DIR,...: folders with a flash_fwd_ws.cu (and its "
-                        "fwd_steps.cuh) to time before this tree's")
+    parser.add_argument("--variants", default="", help="NAME=DIR,...: folders with a flash_fwd_ws.cu (and the "
+                        "headers it includes) to time, knobs off, before this tree's")
     parser.add_argument("--configs", default="128x128w12s2,192x64w16s2")
+    parser.add_argument("--knobs", default="off,overlap,overlap+persistent",
+                        help=f"sets of kernel knobs ({', '.join(FWD_KNOBS)}) joined by '+', 'off' for none: this "
+                        "tree's kernel is timed at each (default: off,overlap,overlap+persistent)")
     parser.add_argument("--workloads", default="configs/workloads/peers.yaml", help="a workloads file of peers.yaml's form")
     args = parser.parse_args()
+    knob_sets = [{} if text == "off" else dict.fromkeys(text.split("+"), 1) for text in args.knobs.split(",")]
+    unknown = sorted({name for knobs in knob_sets for name in knobs} - set(FWD_KNOBS))
+    if unknown:
+        parser.error(f"--knobs: unknown knob(s) {unknown}; expected {list(FWD_KNOBS)} joined by '+', or 'off'")
     device = torch.device("cuda")
     cuda = get_backend("cuda")
     variants = []
@@ -42,22 +54,23 @@ def main():
         # the build cache keys the package's sources, not a variant's: its build name carries its own
         digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(folder).glob("*.cu*")))).hexdigest()[:12]
         build.SOURCES[f"fwd_ws_{name}_{digest}"] = Path(folder) / "flash_fwd_ws.cu"
-        variants.append((name, f"fwd_ws_{name}_{digest}"))
-    variants.append(("this tree", "fwd_ws"))
+        variants.append((name, f"fwd_ws_{name}_{digest}", {}))
+    variants += [(f"this tree {'+'.join(knobs) or 'off'}", "fwd_ws", knobs) for knobs in knob_sets]
     rows = []
     for pw in load_peer_workloads(args.workloads):
         x, (q, k, v, mask, bias), options, _ = bench_call(pw, device)
         with torch.no_grad():
             reference = flash_dmattn_func(q, k, v, mask, bias, is_causal=x.is_causal, backend="triton")
         for text in args.configs.split(","):
-            config = parse_config(text, "fwd")
+            tiles = parse_config(text, "fwd")
             first = None
-            for label, source in variants:
+            for label, source, knobs in variants:
+                config = replace(tiles, **knobs)
                 launch._built = building("fwd_ws", source)
-                launch._forward_launch.cache_clear()
+                launch._signature_launch.cache_clear()  # a plan holds its launcher's cubin
                 results = dict(out=torch.empty_like(q), lse=torch.empty(q.shape[0], q.shape[2], q.shape[1], device=device))
 
-                def run(r=results):
+                def run(r=results, config=config):
                     cuda.forward(q, k, v, mask, bias, config=config, **r, **options)
 
                 try:

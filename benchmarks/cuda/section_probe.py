@@ -80,7 +80,7 @@ def main():
             first = None
             for budget in budgets:
                 launch.L2_SECTION_BYTES = (budget << 20) if budget else 1 << 62
-                launch._forward_launch.cache_clear()
+                launch._signature_launch.cache_clear()
                 if direction == "fwd":
                     results = dict(out=torch.empty_like(q), lse=torch.empty_like(lse))
 

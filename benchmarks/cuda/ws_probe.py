@@ -92,7 +92,7 @@ def with_score_stages(cap: int, call):
     def capped():
         if launch.MAX_SCORE_STAGES != cap:
             launch.MAX_SCORE_STAGES = cap
-            launch._forward_launch.cache_clear()
+            launch._signature_launch.cache_clear()
         return call()
     return capped
 

@@ -67,7 +67,11 @@ def _table_in_use(device: str) -> tuple[str | None, str]:
     fingerprint = device_fingerprint(device)
     shipped = Path(lookup.SHIPPED_TABLES_DIR) / f"{fingerprint.slug()}.yaml"
     if path is not None:
-        return path, f"from {ENV_VAR}" if path == env else f"shipped for {fingerprint.name}"
+        counts = lookup.status_counts(lookup.load_table(path))
+        stale = f"; {counts['stale']} stale and {counts['unvalidated']} unvalidated entries are skipped" \
+            if counts["stale"] or counts["unvalidated"] else ""
+        return path, (f"from {ENV_VAR}" if path == env else f"shipped for {fingerprint.name}") + \
+            f" ({counts['current']} current entries{stale})"
     # in the lookup's order: the variable's table, then the shipped one
     reasons = ([f"{ENV_VAR} is unset"] if env is None else []) + skipped
     if not shipped.exists():

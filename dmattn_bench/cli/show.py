@@ -6,10 +6,11 @@ import click
 from rich.table import Table as RichTable
 
 from dmattn_bench import output
-from dmattn_bench.dispatch.lookup import kernel_hash_status, most_similar, validation_status
+from dmattn_bench.dispatch.lookup import most_similar
+from dmattn_bench.dispatch.stamps import entry_status
 from dmattn_bench.dispatch.table import SCHEMA_VERSION, Table, TableError, load_table, table_to_dict
 from dmattn_bench.errors import DmattnError
-from dmattn_bench.space import CONFIG_CLASSES, config_label
+from dmattn_bench.space import CONFIG_CLASSES, TableKey, config_label
 from dmattn_bench.workloads import load_workloads
 
 KEY_COLUMNS = ("direction", "dtype", "head_dim", "causal", "mask", "bias", "gqa_ratio",
@@ -23,7 +24,7 @@ def _evidence(value) -> str:
     return "-" if value is None else str(value)
 
 
-def _summary(path: str, table: Table, status: dict[str, dict[str, str]]) -> RichTable:
+def _summary(path: str, table: Table, counts: dict[str, int]) -> RichTable:
     summary = RichTable(title=f"dispatch table {path}", show_header=False)
     summary.add_column("key")
     summary.add_column("value")
@@ -33,25 +34,21 @@ def _summary(path: str, table: Table, status: dict[str, dict[str, str]]) -> Rich
     summary.add_row("device", ", ".join(f"{k}={v}" for k, v in table.device.to_dict().items()))
     summary.add_row("interpreter", "yes (timings not meaningful)" if table.interpreter else "no")
     summary.add_row("software", ", ".join(f"{k}={v}" for k, v in sorted(table.software.items())))
-    for backend, per_dtype in status.items():
-        records = table.validated.get(backend, {})
-        for dtype, state in per_dtype.items():
-            record = records.get(dtype)
-            seen = "never" if record is None else f"{record.kernel_hash}, {record.date}, {record.suite} suite"
-            summary.add_row(f"validated {backend} {dtype}", f"{seen} ({state})")
-    summary.add_row("entries", str(len(table.entries)))
+    summary.add_row("entries", f"{len(table.entries)}: " + ", ".join(f"{n} {state}" for state, n in counts.items()))
+    declared = sum(entry.stale is not None for entry in table.entries)
+    summary.add_row("declared stale", f"{declared} (the runtime skips every entry that is not current)")
     return summary
 
 
 def _entries(doc: dict) -> RichTable:
     entries = RichTable(title="entries")
-    for header in KEY_HEADERS + ("backend", "config") + tuple(name for name, _ in EVIDENCE_COLUMNS):
+    for header in KEY_HEADERS + ("backend", "config", "status") + tuple(name for name, _ in EVIDENCE_COLUMNS):
         entries.add_column(header, justify="right" if header in ("D", "gqa", "Lq", "Lk") else "left")
     for entry in doc["entries"]:  # table_to_dict has sorted them by key
         key, evidence = entry["key"], entry["evidence"]
         cells = [str(key[name]) for name in KEY_COLUMNS]
         config_class = CONFIG_CLASSES[key["direction"]]
-        cells += [entry["backend"], config_label(config_class(**entry["config"]))]
+        cells += [entry["backend"], config_label(config_class(**entry["config"])), entry["status"]]
         for name, fmt in EVIDENCE_COLUMNS:
             value = evidence.get(name)
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -60,20 +57,20 @@ def _entries(doc: dict) -> RichTable:
     return entries
 
 
-COVERAGE_KINDS = ("exact", "nearest bucket", "similar entry", "default", "default (stale table)")
+COVERAGE_KINDS = ("exact", "nearest bucket", "similar entry", "default", "default (stale entries)")
 
 
-def coverage(table: Table, workloads_path: str, grid: str, stale: set[str] = frozenset()) -> list[dict]:
+def coverage(table: Table, workloads_path: str, grid: str, stale: set = frozenset()) -> list[dict]:
     """How the run-time lookup would serve each (workload, direction) of a grid from `table`:
     "exact" (an entry with the same key), "nearest bucket" (same categorical key, other
     sequence-length buckets), "similar entry" (an entry of other categories one step away,
     `lookup.most_similar`), "default" (nothing that close: the default config), or
-    "default (stale table)" (an entry exists but the table is stale for its backend: not
-    validated on the installed kernels, so the lookup skips it). Whether the table belongs to
-    this GPU is not considered: coverage is about the grid the table was tuned for."""
-    usable = [entry for entry in table.entries if entry.backend not in stale]
+    "default (stale entries)" (entries of its category exist but are `stale`, ids of entries
+    that are not current, so the lookup skips them). Whether the table belongs to this GPU is not considered: coverage is about the
+    grid the table was tuned for."""
+    usable = [entry for entry in table.entries if id(entry) not in stale]
     keys, categories = {e.key for e in usable}, {e.key.categorical() for e in usable}
-    stale_categories = {e.key.categorical() for e in table.entries if e.backend in stale}
+    stale_categories = {e.key.categorical() for e in table.entries if id(e) in stale}
     rows = []
     for workload in load_workloads(workloads_path, grid):
         for direction in workload.directions():
@@ -85,7 +82,7 @@ def coverage(table: Table, workloads_path: str, grid: str, stale: set[str] = fro
             elif most_similar(key, usable) is not None:
                 served = "similar entry"
             else:
-                served = "default (stale table)" if key.categorical() in stale_categories else "default"
+                served = "default (stale entries)" if key.categorical() in stale_categories else "default"
             rows.append({"workload": workload.label, "direction": direction, "served_by": served})
     return rows
 
@@ -120,13 +117,16 @@ def show(table_path: str, coverage_path: str | None, grid: str, fmt: str) -> Non
         table = load_table(table_path)
     except TableError as exc:
         raise DmattnError(str(exc), fix="fix the field or re-create the table with `dmattn-bench tune`") from None
-    status = kernel_hash_status(table)
-    per_dtype = validation_status(table)
-    doc = {"path": table_path, "kernel_hash_status": status, "validation_status": per_dtype, **table_to_dict(table)}
-    tables = [_summary(table_path, table, per_dtype), _entries(doc)]
+    status = {id(entry): entry_status(entry, table.device) for entry in table.entries}
+    counts = {state: sum(s == state for s in status.values()) for state in ("current", "stale", "unvalidated")}
+    doc = {"path": table_path, "status_counts": counts, **table_to_dict(table)}
+    by_key = {entry.key: status[id(entry)] for entry in table.entries}
+    for item in doc["entries"]:
+        item["status"] = by_key[TableKey(**item["key"])]
+    tables = [_summary(table_path, table, counts), _entries(doc)]
     if coverage_path is not None:
         try:
-            rows = coverage(table, coverage_path, grid, {name for name, state in status.items() if state == "stale"})
+            rows = coverage(table, coverage_path, grid, {id(e) for e in table.entries if status[id(e)] != "current"})
         except ValueError as exc:
             raise click.BadParameter(str(exc).splitlines()[0], param_hint="--coverage/--grid") from None
         counts = coverage_counts(rows)

@@ -224,7 +224,7 @@ def _how_to_use(out: Path, dtypes: list[str]) -> None:
               help="Table to write. Default: ./<device>.yaml (e.g. nvidia-h200-sm90.yaml).")
 @click.option("--merge", "merge_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Write --out as this tune's entries plus those of this table (of the same GPU) whose keys it did "
-                   "not tune, e.g. decode keys tuned into a shipped table; mixed validations keep the weaker one.")
+                   "not tune, e.g. decode keys tuned into a shipped table; each entry keeps its own validation.")
 @click.option("--resume", is_flag=True, default=False,
               help="Continue the trial journal (<out>.trials.jsonl), skipping the trials it holds. Without it, "
                    "a completed run's journal is replaced (the run starts over), and that of a run interrupted "

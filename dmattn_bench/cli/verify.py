@@ -10,11 +10,12 @@ from dmattn_bench import output
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
 from dmattn_bench.errors import NoGpuError, ValidationFailed
 from dmattn_bench.dispatch import TableError, load_table
-from dmattn_bench.dispatch.lookup import ENV_VAR, kernel_hash_status, validation_status
+from dmattn_bench.dispatch.lookup import ENV_VAR
+from dmattn_bench.dispatch.stamps import entry_status, stamp_of
+from dmattn_bench.dispatch.table import declare_stale
 from dmattn_bench.dispatch.table import restamp as restamp_table
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint
-from dmattn_bench.registry import kernel_source_hash
 from dmattn_bench.space import DTYPES, config_label
 from dmattn_bench.validator import (CHECKED, SuiteResult, plan_decode, plan_default_configs, plan_table_entries,
                                     run_plan)
@@ -52,9 +53,9 @@ def _failure_table(results: list[tuple[str, SuiteResult]]) -> Table | None:
     return table
 
 
-def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: str | None):
+def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: str | None, only_stale: bool = False):
     """The table's entries of `dtype` and `backend` (or that backend's defaults when no table is
-    given or set).
+    given or set); with `only_stale`, those that are not current (`stamps.entry_status`).
 
     Returns:
         (source, plan, table, verified): the table (None for the defaults) and its entries the
@@ -73,22 +74,26 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
         fix = ("fix the field or re-create the table with `dmattn-bench tune`" if os.path.exists(table_path)
                else f"check the path (from --table or {ENV_VAR})")
         raise DmattnError(str(exc), fix) from None
-    entries = [e for e in table.entries if backend is None or e.backend == backend]
-    stale = sorted(name for name, state in kernel_hash_status(table).items()
-                   if state == "stale" and any(e.backend == name for e in entries))
-    if stale:
-        output.warn(f"{table_path}: not validated on the {' and '.join(stale)} kernel sources installed here "
-                    f"(stale): the runtime skips those entries; verifying their configs on these kernels "
-                    f"(`--suite full --restamp` records a pass)")
+    entries = [e for e in table.entries if (backend is None or e.backend == backend) and e.key.dtype == dtype]
+    not_current = [e for e in entries if entry_status(e, table.device) != "current"]
+    if only_stale:
+        output.info(f"{table_path}: {len(not_current)} of its {len(entries)} {dtype} entries are stale or "
+                    f"unvalidated: verifying those")
+        entries = not_current
+        if not entries:
+            return str(table_path), [], table, []
+    elif not_current:
+        output.warn(f"{table_path}: {len(not_current)} of its {dtype} entries are stale or unvalidated (the runtime "
+                    f"skips them); verifying them with the rest (`--suite full --restamp` re-validates those alone)")
     plan = plan_table_entries(entries, dtype, device, suite)
-    if plan:
+    if plan and not only_stale:
         plan += _decode(backend, device, suite)
     if not plan:
         which = f"{dtype} {backend}" if backend else dtype
         raise DmattnError(f"{table_path}: no {which} entries to verify",
                           f"pass a --dtype and --backend the table has "
                           f"({sorted({(e.key.dtype, e.backend) for e in table.entries})})")
-    return str(table_path), plan, table, [e for e in entries if e.key.dtype == dtype]
+    return str(table_path), plan, table, entries
 
 
 def _decode(backend: str | None, device: str, suite: str) -> list:
@@ -105,24 +110,30 @@ def _check_restamp(table_path: str | None, suite: str) -> None:
                                  param_hint="--restamp")
 
 
-def _restamp(table_path: str, verified, dtype: str, suite: str, hashes: dict[str, str]) -> dict:
-    """Records the pass in the table file; returns what was recorded and what the table is now."""
+def _restamp(table_path: str, stamped: dict, suite: str) -> dict:
+    """Records the pass of each verified entry on its stamp; returns what was recorded."""
     try:
-        written = restamp_table(table_path, verified, dtype, suite, hashes)
+        restamp_table(table_path, stamped, suite)
     except TableError as exc:
         raise DmattnError(str(exc), "nothing was recorded") from None
     except OSError as exc:
         raise DmattnError(f"{table_path}: cannot rewrite: {exc.strerror or exc}", "nothing was recorded") from None
-    per_dtype, status = validation_status(written), kernel_hash_status(written)
-    for backend in sorted(hashes):
-        missing = [d for d, state in per_dtype[backend].items() if state != "current"]
-        now = ("are current" if not missing else
-               f"stay stale until its {'/'.join(missing)} entries pass too "
-               f"(`dmattn-bench verify --table {table_path} --suite full --dtype {missing[0]} --restamp`)")
-        output.info(f"restamped {table_path}: {backend} {dtype} validated on {hashes[backend]} "
-                    f"({suite} suite); its {backend} entries {now}")
-    return {"validated": {b: {dtype: {"kernel_hash": hashes[b], "suite": suite}} for b in sorted(hashes)},
-            "kernel_hash_status": status}
+    output.info(f"restamped {table_path}: {len(stamped)} entries validated on their code ({suite} suite)")
+    return {"restamped": len(stamped), "suite": suite}
+
+
+def _declare_stale(table_path: str, reason: str, fmt: str) -> None:
+    """`--declare-stale`: marks the entries whose code changed, without running anything."""
+    try:
+        table, changed = declare_stale(table_path, reason)
+    except TableError as exc:
+        raise DmattnError(str(exc), "nothing was recorded") from None
+    except OSError as exc:
+        raise DmattnError(f"{table_path}: cannot rewrite: {exc.strerror or exc}", "nothing was recorded") from None
+    declared = sum(e.stale is not None for e in table.entries)
+    output.info(f"{table_path}: {changed} entries newly declared stale, {declared} of {len(table.entries)} in all")
+    output.render({"table": table_path, "newly_stale": changed, "stale": declared, "entries": len(table.entries)},
+                  [], fmt)
 
 
 @click.command()
@@ -136,19 +147,27 @@ def _restamp(table_path: str, verified, dtype: str, suite: str, hashes: dict[str
 @click.option("--suite", type=click.Choice(["quick", "full"]), default=None,
               help="Adversarial suite. Default: full on a GPU, quick (interpreter sized) on the CPU.")
 @click.option("--restamp", is_flag=True, default=False,
-              help="When every verified entry passes, record in the --table file that its entries of this dtype "
-                   "(and --backend) were validated on the installed kernel sources. Needs --suite full and this "
-                   "table's device.")
+              help="Verify only the --table file's entries of this dtype (and --backend) that are stale or "
+                   "unvalidated, and when all pass record each as validated on the code installed here. Needs "
+                   "--suite full and this table's device.")
+@click.option("--declare-stale", "stale_reason", default=None, metavar="REASON",
+              help="Run nothing: declare stale, with REASON, the --table file's entries whose code changed since "
+                   "their validation (for a change that lands while their GPU is not at hand). No GPU needed.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
 def verify(table_path: str | None, dtype: str | None, backend: str | None, suite: str | None, restamp: bool,
-           fmt: str) -> None:
+           stale_reason: str | None, fmt: str) -> None:
     """Validate every entry of a table (or the default configs) with the adversarial suite.
 
-    With --restamp, a table whose verified entries all pass is marked as validated on the kernel
-    sources installed here for this dtype; the runtime uses a backend's entries once every dtype
-    of them is. Exits 3 when any case fails (and restamps nothing).
+    With --restamp, only the entries that are stale or unvalidated run, and when they all pass
+    each is recorded as validated on the code it runs here (its stamp). Exits 3 when any case
+    fails (and restamps nothing).
     """
+    if stale_reason is not None:
+        if table_path is None or restamp:
+            raise click.BadParameter("needs --table and no --restamp", param_hint="--declare-stale")
+        _declare_stale(table_path, stale_reason, fmt)
+        return
     has_gpu = torch.cuda.is_available()
     dtype = dtype or ("bf16" if has_gpu else "fp32")
     reject_bf16_without_gpu([dtype], has_gpu)
@@ -165,7 +184,10 @@ def verify(table_path: str | None, dtype: str | None, backend: str | None, suite
     if not has_gpu:
         output.info("no CUDA GPU: running the Triton kernels through the interpreter "
                     f"(TRITON_INTERPRET=1) on the {suite} suite")
-    source, plan, table, verified = _plan(table_path, dtype, device, suite, backend)
+    source, plan, table, verified = _plan(table_path, dtype, device, suite, backend, only_stale=restamp)
+    if restamp and not plan:
+        output.render({"dtype": dtype, "source": source, "restamp": {"restamped": 0, "suite": suite}}, [], fmt)
+        return
     if restamp:
         local = device_fingerprint(device)
         if table.device != local:
@@ -173,8 +195,8 @@ def verify(table_path: str | None, dtype: str | None, backend: str | None, suite
                 f"{table_path} is a table of {table.device.name} (sm{table.device.compute_capability}, "
                 f"{table.device.sm_count} SMs), this is {local.name}: restamp it on its own device",
                 param_hint="--restamp")
-    # taken before the kernels run: the sources that were verified, even if a file changes meanwhile
-    hashes = {b: kernel_source_hash(b) for b in {e.backend for e in verified}} if restamp else {}
+    # taken before the kernels run: the code that was verified, even if a file changes meanwhile
+    stamped = {entry: stamp_of(entry, table.device) for entry in verified} if restamp else {}
     with output.progress(f"verify {dtype}", total=sum(len(item.cases) for item in plan)) as advance:
         results = run_plan(DTYPES[dtype], device, plan, on_case=lambda r: advance(f"{r.case}: {r.status}"))
     device_name = torch.cuda.get_device_name() if has_gpu else "cpu (interpreter)"
@@ -187,7 +209,7 @@ def verify(table_path: str | None, dtype: str | None, backend: str | None, suite
     # strict: a default config that cannot run a case would fail that shape at run time
     failed = [label for label, r in results if r.status != "ok"]
     if restamp and not failed:
-        document["restamp"] = _restamp(table_path, verified, dtype, suite, hashes)
+        document["restamp"] = _restamp(table_path, stamped, suite)
     elif restamp:
         output.warn(f"{table_path}: not restamped: some entries failed")
     output.render(document, tables, fmt)

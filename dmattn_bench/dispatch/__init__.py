@@ -22,6 +22,7 @@ from dmattn_bench.dispatch.table import (
     TableError,
     Timing,
     Validation,
+    declare_stale,
     dump_table,
     load_table,
     merged,
@@ -33,6 +34,6 @@ from dmattn_bench.dispatch.table import (
 
 __all__ = [
     "DISPATCHER", "ENV_VAR", "MAX_TABLE_BYTES", "SCHEMA_VERSION", "Choice", "DispatchWarning", "Dispatcher",
-    "Entry", "Table", "TableError", "Timing", "Validation", "choose", "clear_cache", "dump_table", "load_table",
+    "Entry", "Table", "TableError", "Timing", "Validation", "choose", "clear_cache", "declare_stale", "dump_table", "load_table",
     "merged", "nearest", "new_table", "restamp", "table_from_dict", "table_to_dict", "use_table",
 ]

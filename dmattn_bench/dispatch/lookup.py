@@ -6,9 +6,11 @@ else the default of `registry.default_configs` (learned from the trials for the 
 key's direction, head dim and bias kind where `configs/defaults.yaml` has one, else heuristic).
 A table that cannot be used (unreadable,
 invalid, tuned on another device) never breaks a call: it is skipped with one `DispatchWarning`
-per (file, reason) per process, and the next source is tried. So are a backend's entries when the
-table is stale for it: some dtype of them was not validated on the kernel sources installed here
-(`validation_status`).
+per (file, reason) per process, and the next source is tried. Within a table, only current
+entries are used (`stamps.entry_status`: validated on the code installed here and not declared
+stale); a stale or unvalidated one is passed over for the nearest current one, with one warning
+per table. An entry's status is computed when the lookup first reaches it (its stamp costs tens
+of milliseconds), so a call pays for the entries near its key only.
 
 Within the chosen table: the entries of the key's categories (direction, dtype, head dim, causal,
 mask, bias, GQA ratio), at the nearest sequence-length buckets (log2 distance); without any, the
@@ -39,7 +41,8 @@ import torch
 import dmattn_bench
 from dmattn_bench.dispatch.table import Entry, Table, TableError, load_table
 from dmattn_bench.hardware import DeviceFingerprint, device_fingerprint
-from dmattn_bench.registry import decode_config, default_configs, kernel_source_hash
+from dmattn_bench.dispatch.stamps import entry_status
+from dmattn_bench.registry import decode_config, default_configs
 from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey
 
 ENV_VAR = "DMATTN_BENCH_TABLE"
@@ -79,11 +82,18 @@ class Choice:
 
 @dataclass(frozen=True)
 class _Usable:
-    """A parsed table reduced to what lookup needs: fresh entries grouped by categorical key."""
+    """A parsed table reduced to what lookup needs: its entries grouped by categorical key, and
+    each entry's status (`stamps.entry_status`) once it was needed."""
 
     table: Table
     by_category: dict[tuple, tuple[Entry, ...]]
-    stale: dict[str, tuple[str, ...]]  # backend -> its dtypes not validated on the installed kernels
+    status: dict[int, str]  # by id() of the entry (entries hold dicts: not hashable)
+
+    def is_current(self, entry: Entry) -> bool:
+        state = self.status.get(id(entry))
+        if state is None:
+            state = self.status[id(entry)] = entry_status(entry, self.table.device)
+        return state == "current"
 
 
 # Weights of `similarity_distance` per key field: per octave of head dim, GQA ratio and length
@@ -137,13 +147,24 @@ def by_category(entries) -> dict[tuple, tuple[Entry, ...]]:
     return {category: tuple(group) for category, group in groups.items()}
 
 
-def table_entry(key: TableKey, by_category: dict[tuple, tuple[Entry, ...]]) -> Entry | None:
+def table_entry(key: TableKey, by_category: dict[tuple, tuple[Entry, ...]], is_current=None) -> Entry | None:
     """The entry a table (its entries grouped by `TableKey.categorical`) offers `key`: one of its
-    categories at the nearest lengths, else the most similar one within reach, else None."""
+    categories at the nearest lengths, else the most similar one within reach, else None; only
+    entries `is_current` accepts (all where None), asked nearest first."""
+    def first_current(pick, entries):
+        entries = list(entries)
+        while entries:
+            entry = pick(key, entries)
+            if entry is None or is_current is None or is_current(entry):
+                return entry
+            entries.remove(entry)
+        return None
+
     matches = by_category.get(key.categorical())
-    if matches:
-        return nearest(key, matches)
-    return most_similar(key, [entry for group in by_category.values() for entry in group])
+    entry = first_current(nearest, matches) if matches else None
+    if entry is not None:
+        return entry
+    return first_current(most_similar, [entry for group in by_category.values() for entry in group])
 
 
 def _log_distance(key: TableKey, entry: Entry) -> float:
@@ -160,34 +181,13 @@ def nearest(key: TableKey, entries: tuple[Entry, ...]) -> Entry:
     return min(entries, key=lambda e: (_log_distance(key, e), -e.key.seqlen_q_bucket, -e.key.seqlen_k_bucket))
 
 
-def _current_hash(backend: str) -> str | None:
-    try:
-        return kernel_source_hash(backend)
-    except (ValueError, OSError, SyntaxError):  # sources not found or unreadable: the entries are stale
-        return None
-
-
-def validation_status(table: Table) -> dict[str, dict[str, str]]:
-    """Per backend and dtype of the table's entries: "current" if they were last validated on the
-    kernel sources installed here, "stale" if on others, "unvalidated" if no validation is recorded."""
-    dtypes: dict[str, set[str]] = {}
+def status_counts(table: Table) -> dict[str, int]:
+    """How many of the table's entries are current, stale (declared or by their stamp) and
+    unvalidated (`stamps.entry_status`; computes every entry's stamp)."""
+    counts = {"current": 0, "stale": 0, "unvalidated": 0}
     for entry in table.entries:
-        dtypes.setdefault(entry.backend, set()).add(entry.key.dtype)
-    status: dict[str, dict[str, str]] = {}
-    for backend, names in sorted(dtypes.items()):
-        current, records = _current_hash(backend), table.validated.get(backend, {})
-        status[backend] = {
-            dtype: "unvalidated" if dtype not in records
-            else "current" if current is not None and records[dtype].kernel_hash == current else "stale"
-            for dtype in sorted(names)}
-    return status
-
-
-def kernel_hash_status(table: Table) -> dict[str, str]:
-    """Per backend of the table: "current" if every dtype of its entries was validated on the
-    kernel sources installed here (`validation_status`), else "stale" (the lookup skips its entries)."""
-    return {backend: "current" if all(state == "current" for state in per_dtype.values()) else "stale"
-            for backend, per_dtype in validation_status(table).items()}
+        counts[entry_status(entry, table.device)] += 1
+    return counts
 
 
 class Dispatcher:
@@ -282,9 +282,9 @@ class Dispatcher:
             usable = self._usable(path, local)
             if usable is None:
                 continue
-            entry = table_entry(key, usable.by_category)
+            entry = table_entry(key, usable.by_category, lambda e: self._is_current(path, usable, e))
             if entry is None:
-                break  # the chosen table has nothing near this key: the default, silently
+                break  # the chosen table has nothing current near this key: the default
             return Choice(entry.backend, entry.config, f"table:{path}")
         return self._default(key, device)
 
@@ -309,14 +309,22 @@ class Dispatcher:
                        f"(sm{device.compute_capability}, {device.sm_count} SMs), this is {local.name} "
                        f"(sm{local.compute_capability}, {local.sm_count} SMs); re-tune with `dmattn-bench tune`")
             return None
-        for backend, dtypes in loaded.stale.items():
-            self._warn(path, f"stale:{backend}", f"dispatch table {path}: {backend} entries ignored, its "
-                       f"{'/'.join(dtypes)} entries were not validated on the {backend} kernel sources installed "
-                       f"here; on its GPU, run `dmattn-bench verify --table {path} --suite full --restamp` for "
-                       f"each dtype of the table, or re-tune with `dmattn-bench tune`")
         if not loaded.by_category:
-            return None  # nothing fresh left: as if there were no table here
+            return None  # no entries: as if there were no table here
         return loaded
+
+    def _is_current(self, path: str, usable: _Usable, entry: Entry) -> bool:
+        """Whether `entry` may be used; warns once per table when one may not."""
+        if usable.is_current(entry):
+            return True
+        state = usable.status[id(entry)]
+        why = f"declared stale ({entry.stale})" if entry.stale else (
+            "never validated" if state == "unvalidated" else "validated on other code than is installed here")
+        self._warn(path, "stale", f"dispatch table {path}: entry {entry.key.direction} {entry.key.dtype} "
+                   f"D{entry.key.head_dim} ({entry.backend}) skipped, {why}; the nearest current entry or the "
+                   f"default runs instead (`dmattn-bench show {path}` counts them; on its GPU, "
+                   f"`dmattn-bench verify --table {path} --suite full --restamp` re-validates them)")
+        return False
 
     def _load(self, path: str) -> _Usable | str:
         """Parses `path` (cached by mtime and size); a string is the reason it cannot be used."""
@@ -336,10 +344,7 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - a table must never break an attention call
             result = f"{path}: {type(exc).__name__}: {exc}"
         else:
-            stale = {backend: tuple(d for d, state in per_dtype.items() if state != "current")
-                     for backend, per_dtype in validation_status(table).items()}
-            stale = {backend: dtypes for backend, dtypes in stale.items() if dtypes}
-            result = _Usable(table, by_category(e for e in table.entries if e.backend not in stale), stale)
+            result = _Usable(table, by_category(table.entries), {})
         self._tables[cache_key] = (signature, result)
         return result
 
@@ -348,7 +353,7 @@ class Dispatcher:
             if (path, reason) in self._warned:
                 return
             self._warned.add((path, reason))
-        # stacklevel 5: _warn, _usable, _choose, Dispatcher.choose, then the caller of choose().
+        # stacklevel 5: _warn, _usable (or _is_current), _choose, Dispatcher.choose, then the caller of choose().
         warnings.warn(message, DispatchWarning, stacklevel=5)
 
 

@@ -2,29 +2,33 @@
 
 Layout (DESIGN §3)::
 
-    schema_version: 2
+    schema_version: 3
     created: '2025-01-01T00:00:00+00:00'
     device: {name, compute_capability, sm_count, shared_memory_per_block}
     software: {torch, triton, cuda, driver, dmattn_bench}
-    validated:                  # per backend and dtype: the last validation its entries passed
-      triton:
-        bf16: {kernel_hash: 'sha256:...', date: '2025-01-02T00:00:00+00:00', suite: full}
     interpreter: false
     entries:
     - key: {direction, dtype, head_dim, causal, mask, bias, gqa_ratio, seqlen_q_bucket, seqlen_k_bucket}
       backend: triton
       config: {block_m, block_n, num_warps, num_stages}
+      validated: {stamp: 'sha256:...', date: '2025-01-02T00:00:00+00:00', suite: full}  # the last validation it passed
+      stale: null               # or why its GPU could not re-validate it after a change of its code
       timed: {kernel_hash: 'sha256:...', date: '2025-01-01T00:00:00+00:00'}  # when its evidence was measured
       evidence: {median_ms, tflops, speedup_vs_default, ...}
 
-`kernel_hash` is `registry.kernel_source_hash` of the entry's backend. A table is current for a
-backend when every dtype of that backend's entries was validated on the installed kernels' hash:
-the tuner validates what it writes (its adversarial suite, usually `quick`), and
-`dmattn-bench verify --suite full --restamp` re-validates a table on new kernel sources
-(`restamp`) without touching its timings, which keep the hash and date they were measured on.
+An entry's `stamp` is the fingerprint of the code it runs (`stamps.entry_stamp`), taken before
+the validation it records ran. An entry is current while that stamp equals the installed code's
+and it is not declared `stale` (`stamps.entry_status`); the lookup uses current entries only.
+The tuner validates what it writes (its adversarial suite, usually `quick`);
+`dmattn-bench verify --suite full --restamp` re-validates the entries that are not current
+(`restamp`) without touching their timings; `verify --declare-stale` marks, without a GPU, the
+entries whose code changed since their validation.
 
-Schema 1 had one `kernel_hashes: {backend: hash}` map, stamped at tuning; it is read as that
-hash for every validation and timing, dated `created`, suite `quick` (the tuner's default).
+Schema 2 recorded one validation per backend and dtype, on `registry.kernel_source_hash` (the
+whole sources of the backend): each entry reads it as its own, with the stamp
+`source:<hash>`, current while that hash is the installed sources'. Schema 1 had one
+`kernel_hashes: {backend: hash}` map, stamped at tuning; it is read as that hash for every
+validation and timing, dated `created`, suite `quick` (the tuner's default).
 
 A table is data from disk, possibly hand-edited or from another version: it is read with
 `yaml.safe_load` only, size-capped before parsing, and every field is checked so that a bad file
@@ -45,13 +49,14 @@ from typing import Any
 import yaml
 
 from dmattn_bench.hardware import DeviceFingerprint, software_versions
-from dmattn_bench.registry import BACKEND_NAMES, kernel_source_hash
+from dmattn_bench.registry import BACKEND_NAMES
 from dmattn_bench import space
 from dmattn_bench.space import (CONFIG_CLASSES, OPERAND_KINDS, TUNED_DIRECTIONS, BwdConfig, DecodeConfig, FwdConfig,
                                 TableKey)
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)  # 1: one `kernel_hashes` map, converted on load (module docstring)
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)  # 1 and 2: per-backend validations, converted on load (module docstring)
+LEGACY_PREFIX = "source:"  # the stamp of a validation read from schema 1 or 2: a backend's source hash
 SUITES = ("quick", "full")  # the adversarial suites a validation can name (`adversarial.SUITES`)
 # Real tables hold hundreds of entries (~100 KiB); the cap keeps a wrong or hostile file from
 # costing the YAML parser (pure Python per node) minutes and gigabytes.
@@ -59,11 +64,13 @@ MAX_TABLE_BYTES = 16 * 1024 * 1024
 DTYPES = tuple(space.DTYPES)  # the spellings of `dmattn-bench verify --dtype`
 GRAD_SUFFIX = "+grad"  # a bwd bias with grad: dBias changes the kernel, so it is its own key
 
-TOP_KEYS = ("schema_version", "created", "device", "software", "validated", "interpreter", "entries")
+TOP_KEYS = ("schema_version", "created", "device", "software", "interpreter", "entries")
+TOP_KEYS_V2 = ("schema_version", "created", "device", "software", "validated", "interpreter", "entries")
 TOP_KEYS_V1 = ("schema_version", "created", "device", "software", "kernel_hashes", "interpreter", "entries")
 DEVICE_KEYS = tuple(f.name for f in fields(DeviceFingerprint))
 KEY_KEYS = tuple(f.name for f in fields(TableKey))
-ENTRY_KEYS = ("key", "backend", "config", "timed", "evidence")
+ENTRY_KEYS = ("key", "backend", "config", "validated", "stale", "timed", "evidence")
+ENTRY_KEYS_V2 = ("key", "backend", "config", "timed", "evidence")
 ENTRY_KEYS_V1 = ("key", "backend", "config", "evidence")
 
 
@@ -81,10 +88,10 @@ class Timing:
 
 @dataclass(frozen=True)
 class Validation:
-    """A validation a backend's entries of one dtype passed: on which kernel sources, when, and
-    with which adversarial suite (`quick` or `full`)."""
+    """A validation an entry passed: on which code (its stamp, `stamps.entry_stamp`, or a
+    schema-2 `source:<hash>`), when, and with which adversarial suite (`quick` or `full`)."""
 
-    kernel_hash: str
+    stamp: str
     date: str
     suite: str
 
@@ -99,6 +106,8 @@ class Entry:
         config: FwdConfig, BwdConfig or DecodeConfig, as `key.direction` says.
         evidence: measurements behind the choice (median_ms, tflops, speedup_vs_default, ...).
         timed: the kernel sources and date of those measurements (None until `new_table` stamps it).
+        validated: the last validation it passed (None: never validated).
+        stale: why it is declared stale (its code changed and its GPU could not re-validate it), else None.
     """
 
     key: TableKey
@@ -106,6 +115,13 @@ class Entry:
     config: FwdConfig | BwdConfig | DecodeConfig
     evidence: dict
     timed: Timing | None = None
+    validated: Validation | None = None
+    stale: str | None = None
+
+    def __hash__(self) -> int:
+        # `evidence` is a dict, so the generated hash would raise: an entry hashes as what it runs
+        # (equal entries run the same), which lets `restamp` take {entry: stamp}
+        return hash((self.key, self.backend, self.config))
 
 
 @dataclass(frozen=True)
@@ -113,15 +129,13 @@ class Table:
     """A parsed dispatch table (see the module docstring for the file layout).
 
     `schema_version` is the file's; an older one was converted on load and is written back as
-    `SCHEMA_VERSION`. `validated[backend][dtype]` is the last validation that backend's entries
-    of that dtype passed.
+    `SCHEMA_VERSION`.
     """
 
     schema_version: int
     created: str
     device: DeviceFingerprint
     software: dict
-    validated: dict[str, dict[str, Validation]]
     interpreter: bool
     entries: tuple[Entry, ...]
 
@@ -255,7 +269,8 @@ def _timing(doc: Any, where: str) -> Timing:
                   date=_date(doc["date"], f"{where}.date"))
 
 
-def _validated(doc: Any) -> dict[str, dict[str, Validation]]:
+def _legacy_validated(doc: Any) -> dict[str, dict[str, Validation]]:
+    """Schema 2's per-backend, per-dtype validations, each on the stamp `source:<hash>`."""
     validated = {}
     for backend, per_dtype in _mapping(doc, "validated", None).items():
         _str(backend, "validated", BACKEND_NAMES)
@@ -263,23 +278,39 @@ def _validated(doc: Any) -> dict[str, dict[str, Validation]]:
         for dtype, record in _mapping(per_dtype, f"validated.{backend}", None).items():
             where = f"validated.{backend}.{dtype}"
             _str(dtype, f"validated.{backend}", DTYPES)
-            record = _mapping(record, where, tuple(f.name for f in fields(Validation)))
+            record = _mapping(record, where, ("kernel_hash", "date", "suite"))
             validated[backend][dtype] = Validation(
-                kernel_hash=_str(record["kernel_hash"], f"{where}.kernel_hash"),
+                stamp=LEGACY_PREFIX + _str(record["kernel_hash"], f"{where}.kernel_hash"),
                 date=_date(record["date"], f"{where}.date"),
                 suite=_str(record["suite"], f"{where}.suite", SUITES),
             )
     return validated
 
 
-def _entry(doc: Any, where: str, v1_stamp: dict[str, Timing] | None) -> Entry:
-    """An entry; a schema-1 entry has no `timed` and gets its backend's `v1_stamp`."""
-    doc = _mapping(doc, where, ENTRY_KEYS if v1_stamp is None else ENTRY_KEYS_V1)
+def _validation(doc: Any, where: str) -> Validation | None:
+    if doc is None:
+        return None
+    record = _mapping(doc, where, tuple(f.name for f in fields(Validation)))
+    return Validation(stamp=_str(record["stamp"], f"{where}.stamp"), date=_date(record["date"], f"{where}.date"),
+                      suite=_str(record["suite"], f"{where}.suite", SUITES))
+
+
+def _entry(doc: Any, where: str, version: int, v1_stamp: dict[str, Timing] | None) -> Entry:
+    """An entry; a schema-1 entry has no `timed` and gets its backend's `v1_stamp`; the
+    validation of a schema-1 or -2 entry is filled in by `_table`."""
+    doc = _mapping(doc, where, {1: ENTRY_KEYS_V1, 2: ENTRY_KEYS_V2}.get(version, ENTRY_KEYS))
     key = _key(doc["key"], f"{where}.key")
     cls = CONFIG_CLASSES[key.direction]
-    # Every tunable is written out: a table must not depend on this version's dataclass defaults.
+    # Every tunable is written out (a table must not depend on this version's dataclass
+    # defaults), but for a kernel knob left off, which `to_dict` omits: its off state is the
+    # code the knob was added to (DESIGN §3).
     tunables = {f.name: f for f in fields(cls)}
-    config = _mapping(doc["config"], f"{where}.config", tuple(tunables))
+    config = _mapping(doc["config"], f"{where}.config", None)
+    unknown = sorted(str(name) for name in config if name not in tunables)
+    missing = [name for name in cls().to_dict() if name not in config]
+    if unknown or missing:
+        raise _Bad(f"{where}.config", f"unknown key(s) {unknown}; expected {list(tunables)}" if unknown
+                   else f"missing key(s) {missing}")
     values = {name: _int(value, f"{where}.config.{name}", tunables[name].metadata.get("minimum", 1))
               for name, value in config.items()}
     backend = _str(doc["backend"], f"{where}.backend", BACKEND_NAMES)
@@ -292,6 +323,8 @@ def _entry(doc: Any, where: str, v1_stamp: dict[str, Timing] | None) -> Entry:
         config=cls(**values),
         evidence=_plain(_mapping(doc["evidence"], f"{where}.evidence", None), f"{where}.evidence"),
         timed=_timing(doc["timed"], f"{where}.timed") if v1_stamp is None else v1_stamp[backend],
+        validated=_validation(doc["validated"], f"{where}.validated") if version >= 3 else None,
+        stale=None if version < 3 or doc["stale"] is None else _str(doc["stale"], f"{where}.stale"),
     )
 
 
@@ -303,7 +336,7 @@ def _table(doc: Any) -> Table:
     if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_SCHEMAS:
         raise _Bad("schema_version", f"unknown schema version {_show(version)} "
                                      f"(this dmattn-bench reads {' and '.join(map(str, READABLE_SCHEMAS))})")
-    doc = _mapping(doc, "(top level)", TOP_KEYS if version == SCHEMA_VERSION else TOP_KEYS_V1)
+    doc = _mapping(doc, "(top level)", {1: TOP_KEYS_V1, 2: TOP_KEYS_V2}.get(version, TOP_KEYS))
     created = _date(doc["created"], "created")
     software = {}
     for name, value in _mapping(doc["software"], "software", None).items():
@@ -319,28 +352,27 @@ def _table(doc: Any) -> Table:
             _str(value, f"kernel_hashes.{name}")
         # a backend schema 1 recorded no hash for matches no kernel sources: its entries are stale
         v1_stamp = {name: Timing(hashes.get(name, "unknown"), created) for name in BACKEND_NAMES}
+        legacy = {name: {dtype: Validation(LEGACY_PREFIX + value, created, "quick") for dtype in DTYPES}
+                  for name, value in hashes.items()}
     else:
-        validated, v1_stamp = _validated(doc["validated"]), None
+        legacy = _legacy_validated(doc["validated"]) if version == 2 else {}
+        v1_stamp = None
     if not isinstance(doc["entries"], list):
         raise _Bad("entries", f"expected a list, got {type(doc['entries']).__name__} {_show(doc['entries'])}")
-    entries = tuple(_entry(item, f"entries[{i}]", v1_stamp) for i, item in enumerate(doc["entries"]))
+    entries = tuple(_entry(item, f"entries[{i}]", version, v1_stamp) for i, item in enumerate(doc["entries"]))
+    if version < 3:
+        entries = tuple(replace(entry, validated=legacy.get(entry.backend, {}).get(entry.key.dtype))
+                        for entry in entries)
     seen: dict[TableKey, int] = {}
     for i, entry in enumerate(entries):
         if entry.key in seen:
             raise _Bad(f"entries[{i}].key", f"duplicate of entries[{seen[entry.key]}].key (one choice per key)")
         seen[entry.key] = i
-    if version == 1:
-        validated = {}
-        for entry in entries:
-            if entry.backend in hashes:
-                validated.setdefault(entry.backend, {})[entry.key.dtype] = Validation(
-                    hashes[entry.backend], created, "quick")
     return Table(
         schema_version=version,
         created=created,
         device=_device(doc["device"]),
         software=software,
-        validated=validated,
         interpreter=_bool(doc["interpreter"], "interpreter"),
         entries=entries,
     )
@@ -377,11 +409,10 @@ def table_to_dict(table: Table) -> dict:
         "created": table.created,
         "device": table.device.to_dict(),
         "software": dict(sorted(table.software.items())),
-        "validated": {backend: {dtype: asdict(record) for dtype, record in sorted(per_dtype.items())}
-                      for backend, per_dtype in sorted(table.validated.items())},
         "interpreter": table.interpreter,
         "entries": [
             {"key": entry.key.to_dict(), "backend": entry.backend, "config": entry.config.to_dict(),
+             "validated": None if entry.validated is None else asdict(entry.validated), "stale": entry.stale,
              "timed": None if entry.timed is None else asdict(entry.timed),
              "evidence": dict(sorted(entry.evidence.items()))}
             for entry in sorted(table.entries, key=_sort_key)
@@ -474,27 +505,27 @@ def _now() -> str:
 
 
 def new_table(entries, device: DeviceFingerprint, interpreter: bool, suite: str = "quick") -> Table:
-    """A table for `entries` stamped with now (UTC), this software and the current kernel hashes.
+    """A table for `entries` stamped with now (UTC) and this software.
 
-    The tuner validated every entry before choosing it, so each backend and dtype of the entries
-    is recorded as validated now on the current kernels with `suite` (the tuner's adversarial
-    suite); an entry not yet `timed` is stamped as measured now on them.
+    The tuner validated every entry before choosing it, on the code installed here, so each is
+    recorded as validated now with `suite` (the tuner's adversarial suite) on its stamp; an entry
+    not yet `timed` is recorded as measured now on that code.
     """
-    created, entries = _now(), tuple(entries)
-    hashes = {backend: kernel_source_hash(backend) for backend in sorted({e.backend for e in entries})}
-    entries = tuple(entry if entry.timed is not None else replace(entry, timed=Timing(hashes[entry.backend], created))
-                    for entry in entries)
-    validated: dict[str, dict[str, Validation]] = {}
+    from dmattn_bench.dispatch.stamps import stamp_of
+
+    created = _now()
+    stamped = []
     for entry in entries:
-        validated.setdefault(entry.backend, {})[entry.key.dtype] = Validation(hashes[entry.backend], created, suite)
+        stamp = stamp_of(entry, device)
+        stamped.append(replace(entry, validated=Validation(stamp, created, suite), stale=None,
+                               timed=entry.timed or Timing(stamp, created)))
     return Table(
         schema_version=SCHEMA_VERSION,
         created=created,
         device=device,
         software={name: None if value is None else str(value) for name, value in software_versions().items()},
-        validated=validated,
         interpreter=bool(interpreter),
-        entries=entries,
+        entries=tuple(stamped),
     )
 
 
@@ -502,10 +533,8 @@ def merged(kept: Table, tuned: Table) -> Table:
     """`tuned` plus the entries of `kept` whose keys it does not hold (a tune of some keys added
     to a table of others: `dmattn-bench tune --merge`).
 
-    A backend and dtype with entries from both keeps the weaker validation of the two: `kept`'s
-    when it was on other kernel sources (its entries, and the new ones with them, then wait for
-    `verify --restamp`), else the `quick` one, else the older; so a merge never records entries
-    as more validated than they were.
+    Each entry keeps its own validation and staleness, so a merge never records an entry as more
+    validated than it was.
 
     Raises:
         TableError: the two tables are of different devices, or one is an interpreter table.
@@ -515,50 +544,59 @@ def merged(kept: Table, tuned: Table) -> Table:
                          f"into one of {tuned.device.name}{' (interpreter)' if tuned.interpreter else ''}")
     tuned_keys = {entry.key for entry in tuned.entries}
     carried = tuple(entry for entry in kept.entries if entry.key not in tuned_keys)
-    validated = {backend: dict(per_dtype) for backend, per_dtype in tuned.validated.items()}
-    for backend, dtype in {(entry.backend, entry.key.dtype) for entry in carried}:
-        old = kept.validated.get(backend, {}).get(dtype)
-        per_dtype = validated.setdefault(backend, {})
-        new = per_dtype.get(dtype)
-        if old is None:  # an unvalidated entry leaves its backend and dtype unvalidated
-            per_dtype.pop(dtype, None)
-        elif new is None or new.kernel_hash != old.kernel_hash:
-            per_dtype[dtype] = old
-        else:
-            per_dtype[dtype] = min(old, new, key=lambda v: (v.suite == "full", v.date))
-    return replace(tuned, entries=tuned.entries + carried, validated=validated)
+    return replace(tuned, entries=tuned.entries + carried)
 
 
-def _choices(entries, backend: str, dtype: str) -> set[tuple]:
-    return {(e.key, e.config) for e in entries if e.backend == backend and e.key.dtype == dtype}
+def restamp(path: str | os.PathLike, stamped: dict, suite: str) -> Table:
+    """Records in the table at `path` that each entry of `stamped` ({entry: its stamp, taken
+    before it ran}) passed `suite`, dated now, and is no longer stale.
 
-
-def restamp(path: str | os.PathLike, verified, dtype: str, suite: str, kernel_hashes: dict[str, str]) -> Table:
-    """Records in the table at `path` that its `dtype` entries of each backend in `verified` passed
-    `suite` on the kernel sources of `kernel_hashes` (taken before they ran), dated now.
-
-    Read, changed and written under the directory's lock, atomically; entries and their timings
-    are left as they are. Nothing is written unless the file still holds, for each such backend,
-    exactly the `dtype` entries (keys and configs) that were verified.
+    Read, changed and written under the directory's lock, atomically; other entries and every
+    timing are left as they are. Nothing is written unless the file still holds each verified
+    entry (key, backend and config) as it was verified.
 
     Returns:
         the table as written.
 
     Raises:
-        TableError: the file no longer reads as a table, or its verified entries changed meanwhile.
+        TableError: the file no longer reads as a table, or a verified entry changed meanwhile.
         OSError: the directory is not writable.
     """
     path = Path(path)
-    verified = tuple(verified)
     with _directory_lock(path):
         table = load_table(path)
-        validated = {backend: dict(per_dtype) for backend, per_dtype in table.validated.items()}
         date = _now()
-        for backend in sorted({e.backend for e in verified}):
-            if _choices(table.entries, backend, dtype) != _choices(verified, backend, dtype):
-                raise TableError(f"{path}: its {backend} {dtype} entries changed while they were verified; "
-                                 f"verify the table again")
-            validated.setdefault(backend, {})[dtype] = Validation(kernel_hashes[backend], date, suite)
-        table = replace(table, validated=validated)
+        wanted = {(e.key, e.backend, e.config): stamp for e, stamp in stamped.items()}
+        held = {(e.key, e.backend, e.config) for e in table.entries}
+        if not set(wanted) <= held:
+            raise TableError(f"{path}: some verified entries changed while they were verified; verify the table again")
+        entries = tuple(replace(e, validated=Validation(wanted[(e.key, e.backend, e.config)], date, suite), stale=None)
+                        if (e.key, e.backend, e.config) in wanted else e for e in table.entries)
+        table = replace(table, entries=entries)
         _write(table, path)
     return table
+
+
+def declare_stale(path: str | os.PathLike, reason: str) -> tuple[Table, int]:
+    """Declares stale, with `reason`, the entries of the table at `path` whose code changed since
+    their validation (`stamps.entry_status`), for a change that lands while their GPU cannot
+    re-validate them. Computed without a GPU; written atomically under the directory's lock.
+
+    Returns:
+        the table as written and how many entries were newly declared stale.
+    """
+    from dmattn_bench.dispatch.stamps import entry_status
+
+    path = Path(path)
+    with _directory_lock(path):
+        table = load_table(path)
+        changed = 0
+        entries = []
+        for entry in table.entries:
+            if entry.stale is None and entry_status(entry, table.device) != "current":
+                entry, changed = replace(entry, stale=reason), changed + 1
+            entries.append(entry)
+        table = replace(table, entries=tuple(entries))
+        if changed:
+            _write(table, path)
+    return table, changed

@@ -293,12 +293,27 @@ struct SectionOrder {
   int slice, block;
 };
 
+#if FWD_OVERLAP  // flash_fwd_ws.cu's overlapped forward walks work items, a CTA's own or a schedule's
+// Work item `cta` in that order, of `columns` head slices x `rows` blocks.
+__device__ __forceinline__ SectionOrder section_order(int cta, int columns, int rows, int section_slices) {
+  const int section_ctas = section_slices * rows;
+  const int section = cta / section_ctas, in_section = cta % section_ctas;
+  const int slices = min(section_slices, columns - section * section_slices);
+  return {section * section_slices + in_section % slices, in_section / slices};
+}
+
+// The CTA's own place: the grid is (slices, blocks).
+__device__ __forceinline__ SectionOrder section_order(int section_slices) {
+  return section_order(blockIdx.y * gridDim.x + blockIdx.x, gridDim.x, gridDim.y, section_slices);
+}
+#else
 __device__ __forceinline__ SectionOrder section_order(int section_slices) {
   const int cta = blockIdx.y * gridDim.x + blockIdx.x, section_ctas = section_slices * gridDim.y;
   const int section = cta / section_ctas, in_section = cta % section_ctas;
   const int slices = min(section_slices, int(gridDim.x) - section * section_slices);
   return {section * section_slices + in_section % slices, in_section / slices};
 }
+#endif
 
 // `slice` = batch * num_heads + query head: the grid index the kernel keeps for it.
 __device__ __forceinline__ HeadSlices head_slices(const Inputs& in, int slice) {

@@ -17,17 +17,43 @@
 // Loads run up to STAGES tiles ahead of the products with no CTA-wide barrier, and the
 // consumers issue no copies and compute no addresses for K and V. A consumer's two products and
 // its softmax run in turn; the two consumers interleave one's softmax with the other's products.
-// Issuing tile j's S with tile j-1's P V in one consumer (FlashAttention-3's intra-warpgroup
-// overlap, first tile peeled so ptxas keeps the wgmma asynchronous) was slower: H200, bf16 B2
-// H16 L4096 D128 causal, 128x128 w12 s2, 0.372 against 0.290 ms (`benchmarks/cuda/ws_probe.py`).
-// So was FlashAttention-3's ping-pong, consumers taking turns on the tensor cores (named
-// barriers; a turn issues tile j - 1's P V with tile j's S, then hands over): H100, same shape,
-// 0.310 against 0.295 ms, and 0.322 with that order but no turns. Waiting for tile j's P V only
-// at tile j + 1's S (the slot released then) and reading a mask row's 16 bytes at once for
-// both n8 tiles were slower or no faster (H200, bench W1 and W2, 128x128 w12 s2, each variant
-// against this kernel in one `ws_probe.py --suite none` call: W1 0.381 and 0.388 against 0.377
-// ms, W2 0.383 and 0.373 against 0.367), and so was an L2 prefetch of the next tile's mask and
-// bias by the producer (W1 0.414 against 0.377).
+// Waiting for tile j's P V only at tile j + 1's S (the slot released then) and reading a mask
+// row's 16 bytes at once for both n8 tiles were slower or no faster (H200, bench W1 and W2,
+// 128x128 w12 s2, each variant against this kernel in one `ws_probe.py --suite none` call: W1
+// 0.381 and 0.388 against 0.377 ms, W2 0.383 and 0.373 against 0.367), and so was an L2
+// prefetch of the next tile's mask and bias by the producer (W1 0.414 against 0.377).
+//
+// FWD_OVERLAP (launch: FwdConfig.overlap = 1) compiles FlashAttention-3's intra-warpgroup
+// overlap instead. K's slot is refilled once every consumer thread has arrived on its `k_empty`
+// (S taken), V's on its `v_empty` (P V taken). Per key tile j a consumer does:
+//     wait k_full[j], v_full[j-1];  issue S_j = Q K_j^T and acc += P_{j-1} V_{j-1} (wgmma);
+//     wait for S_j;  arrive k_empty;  scores (mask and bias from the staged tiles);  softmax;
+//     wait for P_{j-1} V_{j-1};  arrive v_empty;  rescale acc;  P_j to registers
+//   so tile j's scores and softmax run while the tensor cores multiply tile j - 1's P V. With
+//   two consumers they also take turns issuing (FlashAttention-3's ping-pong, named barriers),
+//   so one's products run during the other's softmax. Where scores are plain scaled dots (no
+//   bias, no softcap) the scale moves into the exp's FFMA, and a row's max and sum reduce as
+//   trees (fwd_steps.cuh). The CTA walks work items (a block of query rows of one head slice):
+//   its own, one per CTA, or with FWD_PERSISTENT its list of a schedule.
+// H200, bf16 B2 H16 L4096 D128 causal, 128x128 w12 s2, forward alone (`fwd_variants_probe.py`):
+// the one-tile-at-a-time consumer took 0.291 ms dense, 0.379 with a kv-head mask and a per-key
+// bias (GQA 4), 0.371 with a full mask and bias; the overlapped one, in a kernel of one item
+// per CTA without the items' hand-over, 0.262, 0.347 and 0.378 (the full mask and bias tiles
+// fill one ring slot, whose next load the tighter loop waits for). Three consumers taking turns
+// in a ring were no faster (192x64 w16 s2: 0.302 against 0.287 dense).
+// What it took for ptxas to keep the overlap: every barrier wait before the fence (a wait between
+// fence and wgmma serialized each k-step), K and V released apart (the V slot frees a tile
+// later than K's), and the wait for P V in both branches of a vote on the row sums (with one
+// wait after the softmax, ptxas scheduled the wait first and the softmax after the product).
+//
+// FWD_PERSISTENT (FwdConfig.persistent = 1, with overlap): a CTA per SM walks its list of work
+// items (launch.persistent_schedule: launch order, each item to the CTA free first, as the block
+// scheduler would hand them out); the producer hands each item's index to the consumers through
+// shared memory (item_full / item_empty), and loads the next item's Q once the consumers' last
+// S of the item before has landed (q_empty), so it and the next item's first tiles load while
+// the consumers finish the last P V and store the rows. H200, 128x128 w12 s2, a CTA per item
+// (FWD_OVERLAP alone) against persistent in one call: dense 0.262 -> 0.254 ms, kv-head mask
+// 0.361 -> 0.356, full mask and bias 0.378 -> 0.371.
 //
 // Mask and bias (MASK_TILES, BIAS_TILES): an operand with keys contiguous (a mask, a 16-bit bias)
 // is staged too, in a ring of SCORE_STAGES slots (one or two: what fits beside the K and V rings;
@@ -39,7 +65,7 @@
 //
 // Causal: the producer loads the tiles the CTA's last row reaches; a consumer whose 64 rows see
 // none of a tile skips its products but still waits for it and arrives, so every `empty` phase
-// counts exactly one arrival per consumer thread.
+// counts exactly one arrival per consumer thread (and, overlapped, still takes its turns).
 //
 // Layouts: TMA writes each 64-column block of a tile as rows of 128 bytes in the 128-byte
 // swizzle, the layout sm90.cuh's descriptors read. Rows past Lq or Lk and columns past HEAD_DIM
@@ -48,7 +74,7 @@
 // (D, Lk, Hkv, B), fastest dim first, with boxes of 64 columns by BLOCK_M or BLOCK_N rows.
 //
 // Compile-time parameters: those of common.cuh (WGMMA = 1), BLOCK_M, BLOCK_N, SCORE_STAGES,
-// MASK_TILES and BIAS_TILES.
+// MASK_TILES and BIAS_TILES; FWD_OVERLAP and FWD_PERSISTENT where defined (to 1).
 
 #include <cuda.h>  // CUtensorMap
 
@@ -59,10 +85,21 @@ constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
 static_assert(CONSUMERS >= 1 && NUM_WARPS % GROUP_WARPS == 0 && BLOCK_M == CONSUMERS * GROUP_ROWS,
               "one producer warpgroup and a consumer warpgroup per 64 query rows");
 static_assert(is_wgmma_width(BLOCK_N), "wgmma: no m64nN product for this BLOCK_N");
+#if FWD_OVERLAP
+// Two consumers take turns issuing their products: consumer c syncs on named barrier 1 + c (its
+// own 128 threads and the other's 128 arriving). In a ring of three it was slower (header).
+constexpr bool PINGPONG = CONSUMERS == 2;
+constexpr int TURN_THREADS = 2 * GROUP_WARPS * 32;
+// One thread issues every copy: the producer keeps 40 registers (at 24 its item decoding
+// spilled), and each consumer thread claims its share of the rest of the SM's 64K (a multiple
+// of 8, at most 240 as FlashAttention-3's consumers).
+constexpr int PRODUCER_REGISTERS = 40;
+#else
 // One thread issues every copy: the producer keeps the fewest registers setmaxnreg allows, and
 // each consumer thread claims its share of the rest of the SM's 64K (a multiple of 8, at most
 // 240 as FlashAttention-3's consumers).
 constexpr int PRODUCER_REGISTERS = 24;
+#endif
 constexpr int CONSUMER_REGISTERS_LEFT = (65536 - GROUP_WARPS * 32 * PRODUCER_REGISTERS) / (CONSUMERS * GROUP_WARPS * 32) / 8 * 8;
 constexpr int CONSUMER_REGISTERS = CONSUMER_REGISTERS_LEFT < 240 ? CONSUMER_REGISTERS_LEFT : 240;
 static_assert(!(MASK_TILES || BIAS_TILES) || (SCORE_STAGES >= 1 && (BLOCK_N == 64 || BLOCK_N == 128)),
@@ -84,12 +121,297 @@ constexpr uint32_t KV_BYTES = BLOCK_N * BLOCK_D * sizeof(elem_t);
 constexpr uint32_t SCORE_BYTES = (MASK_ROWS + BIAS_ROWS * sizeof(elem_t)) * BLOCK_N;
 constexpr int SCORE_SLOTS = SCORE_TILES ? SCORE_STAGES : 1;  // barrier arrays need a size
 
-struct WsParams {  // `dmattn_kernels.cuda.launch._WsParams` mirrors it
+struct WsParams {  // `dmattn_kernels.cuda.launch._WsParams` mirrors it (`_PersistentWsParams` with FWD_PERSISTENT)
   CUtensorMap q_map, k_map, v_map, mask_map, bias_map;  // mask_map, bias_map: only where staged
   FwdParams fwd;
   int section_slices;  // the launch order's sections (below)
+#if FWD_PERSISTENT
+  int item_columns, item_rows;  // the work items: head slices x query blocks
+  // A persistent launch's items (`launch.persistent_schedule`): CTA c of G takes items
+  // schedule[G + 1 + schedule[c]] .. schedule[G + 1 + schedule[c + 1] - 1], in order. Null: one
+  // item per CTA, the CTA's own.
+  const int* schedule;
+#endif
 };
 
+#if FWD_OVERLAP
+// One work item: a block of BLOCK_M query rows of one head slice.
+struct Item {
+  HeadSlices at;
+  ScoreRule rule;
+  int block_row0, n_tiles;  // its first row; the key tiles its last row reaches
+};
+
+// Launch order: sections of head slices whose K and V fit L2 (common.cuh), in a section the
+// longest causal rows first (flash_fwd.cu), so the items in flight at once walk as many key
+// tiles and re-read K and V from L2, not memory. A slice's query blocks adjacent instead
+// (sections of one slice) was slower: H100, W3 0.319 against 0.296 ms, W2 0.419 against 0.368.
+__device__ __forceinline__ Item item_at(const WsParams& p, int index) {
+#if FWD_PERSISTENT
+  const SectionOrder order = section_order(index, p.item_columns, p.item_rows, p.section_slices);
+#else
+  const SectionOrder order = section_order(index, gridDim.x, gridDim.y, p.section_slices);  // the grid is the items
+#endif
+  Item item;
+  item.at = head_slices(p.fwd.in, order.slice);
+  item.rule = score_rule(p.fwd.in, item.at);
+#if FWD_PERSISTENT
+  item.block_row0 = (p.item_rows - 1 - order.block) * BLOCK_M;
+#else
+  item.block_row0 = (gridDim.y - 1 - order.block) * BLOCK_M;
+#endif
+  item.n_tiles = key_tiles<BLOCK_N>(item.rule, item.block_row0 + BLOCK_M, item.block_row0, BLOCK_M).block;
+  return item;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(const __grid_constant__ WsParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t q_full, q_empty, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+  __shared__ __align__(8) uint64_t score_full[SCORE_SLOTS], score_empty[SCORE_SLOTS];
+  __shared__ __align__(8) uint64_t item_full[2], item_empty[2];
+  __shared__ int item_index[2];  // the producer's hand-over of the items it takes
+  elem_t* q_smem = shared_tiles(smem_raw);
+  elem_t* k_smem = q_smem + BLOCK_M * BLOCK_D;
+  elem_t* v_smem = k_smem + STAGES * BLOCK_N * BLOCK_D;
+  // the score ring's slots (SCORE_SLOT_BYTES each: the mask tile, then the bias tile, on 1 KiB bounds)
+  unsigned char* score_smem = reinterpret_cast<unsigned char*>(v_smem + STAGES * BLOCK_N * BLOCK_D);
+
+  const Inputs& in = p.fwd.in;
+#if FWD_PERSISTENT
+  const int items = p.item_columns * p.item_rows;
+#else
+  const int items = gridDim.x * gridDim.y;  // a CTA per item: the grid is the items
+#endif
+  constexpr int CONSUMER_THREADS = CONSUMERS * GROUP_WARPS * 32;
+
+  if (threadIdx.x == 0) {
+    barrier_init(&q_full, 1);
+    barrier_init(&q_empty, CONSUMER_THREADS);
+    for (int slot = 0; slot < STAGES; ++slot) {
+      barrier_init(&k_full[slot], 1);
+      barrier_init(&v_full[slot], 1);
+      barrier_init(&k_empty[slot], CONSUMER_THREADS);
+      barrier_init(&v_empty[slot], CONSUMER_THREADS);
+    }
+    for (int slot = 0; slot < SCORE_SLOTS; ++slot) {
+      barrier_init(&score_full[slot], 1);
+      barrier_init(&score_empty[slot], CONSUMER_THREADS);
+    }
+    for (int slot = 0; slot < 2; ++slot) {
+      barrier_init(&item_full[slot], 1);
+      barrier_init(&item_empty[slot], CONSUMER_THREADS);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < GROUP_WARPS * 32) {
+    // -- producer --
+    registers_release<PRODUCER_REGISTERS>();
+    if (threadIdx.x != 0) return;
+    // Items: the CTA's list in a persistent launch, else its own; `items` ends them. Key tiles
+    // are counted across items (`ring`), so the rings' slots and phases run on from one item to
+    // the next, and the next item's Q and first tiles load while the consumers finish the last.
+#if FWD_PERSISTENT
+    const int cta = blockIdx.y * gridDim.x + blockIdx.x, ctas = gridDim.x * gridDim.y;
+    const int first = p.schedule ? p.schedule[cta] : 0, count = p.schedule ? p.schedule[cta + 1] - first : 1;
+    for (int k = 0, ring = 0;; ++k) {
+      const int index = k >= count ? items : p.schedule ? p.schedule[ctas + 1 + first + k] : cta;
+#else
+    const int cta = blockIdx.y * gridDim.x + blockIdx.x;
+    for (int k = 0, ring = 0;; ++k) {
+      const int index = k >= 1 ? items : cta;  // its own item, then the end
+#endif
+      if (k >= 2) barrier_wait(&item_empty[k % 2], (k / 2 - 1) & 1);
+      item_index[k % 2] = index;
+      barrier_arrive(&item_full[k % 2]);  // releases the index to the consumers' wait
+      if (index >= items) break;
+      const Item item = item_at(p, index);
+      const HeadSlices& at = item.at;
+      if (k >= 1) barrier_wait(&q_empty, (k - 1) & 1);  // the item before has taken its last S
+      barrier_arrive_expecting(&q_full, Q_BYTES);
+      load_tile_tma<BLOCK_M>(q_smem, &p.q_map, item.block_row0, at.head, at.batch, &q_full);
+      for (int j = 0; j < item.n_tiles; ++j, ++ring) {
+        const int slot = ring % STAGES;
+        if (ring >= STAGES) barrier_wait(&k_empty[slot], (ring / STAGES - 1) & 1);  // S of tile ring - STAGES is done
+        barrier_arrive_expecting(&k_full[slot], KV_BYTES);
+        load_tile_tma<BLOCK_N>(k_smem + slot * BLOCK_N * BLOCK_D, &p.k_map, j * BLOCK_N, at.kv_head, at.batch,
+                               &k_full[slot]);
+        if (SCORE_TILES) {
+          const int score_slot = ring % SCORE_SLOTS;
+          if (ring >= SCORE_SLOTS) barrier_wait(&score_empty[score_slot], (ring / SCORE_SLOTS - 1) & 1);
+          unsigned char* tile = score_smem + score_slot * SCORE_SLOT_BYTES;
+          barrier_arrive_expecting(&score_full[score_slot], SCORE_BYTES);
+          // a broadcast dim (stride 0) is a size-1 dim of the map: coordinate 0
+          if (MASK_TILES)
+            tma_load(tile, &p.mask_map, j * BLOCK_N, MASK_ROWS == 1 ? 0 : item.block_row0,
+                     in.mask_stride[1] ? at.head / in.mask_head_div : 0, in.mask_stride[0] ? at.batch : 0,
+                     &score_full[score_slot]);
+          if (BIAS_TILES) {
+#pragma unroll
+            for (int block = 0; block < BIAS_BOXES; ++block)
+              tma_load(tile + MASK_SLOT_BYTES + block * BIAS_ROWS * BIAS_LINE, &p.bias_map,
+                       j * BLOCK_N + block * BIAS_LINE / int(sizeof(elem_t)), BIAS_ROWS == 1 ? 0 : item.block_row0,
+                       in.bias_stride[1] ? at.head / in.bias_head_div : 0, in.bias_stride[0] ? at.batch : 0,
+                       &score_full[score_slot]);
+          }
+        }
+        if (ring >= STAGES) barrier_wait(&v_empty[slot], (ring / STAGES - 1) & 1);  // P V of tile ring - STAGES is done
+        barrier_arrive_expecting(&v_full[slot], KV_BYTES);
+        load_tile_tma<BLOCK_N>(v_smem + slot * BLOCK_N * BLOCK_D, &p.v_map, j * BLOCK_N, at.kv_head, at.batch,
+                               &v_full[slot]);
+      }
+    }
+    return;
+  }
+
+  // -- consumers --
+  registers_claim<CONSUMER_REGISTERS>();
+  const int warp = threadIdx.x / 32 - GROUP_WARPS, lane = threadIdx.x % 32;  // warp among the consumers
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, column pair
+  const int group = warp / GROUP_WARPS;
+  const int group_row0 = group * GROUP_ROWS;  // the warpgroup's rows of the Q tile
+  const float exp_scale = log2_scale(in);
+
+  for (int k = 0, ring = 0;; ++k) {
+    barrier_wait(&item_full[k % 2], (k / 2) & 1);
+    const int index = item_index[k % 2];
+    barrier_arrive(&item_empty[k % 2]);
+    if (index >= items) break;
+    const Item item = item_at(p, index);
+    const int n_tiles = item.n_tiles, block_row0 = item.block_row0;
+    const int warp_row0 = block_row0 + warp * WARP_ROWS;
+    const KeyTiles tiles = key_tiles<BLOCK_N>(item.rule, block_row0 + BLOCK_M, warp_row0, WARP_ROWS);
+    const int reached = min(tiles.reached, n_tiles);
+
+    float acc[1][BLOCK_D / 8][4] = {};
+    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+    float s[1][BLOCK_N / 8][4];
+    uint32_t p_frag[BLOCK_N / 16][4];  // P of the tile before, the A operand of its P V
+    float rescale[1][2];
+
+    // Tile j of the item is tile `ring + j` of the rings. The products, issued; the caller has
+    // waited for their tiles (the `full` barriers) and fenced.
+    auto issue_s = [&](int j) {  // S = Q K_j^T
+      wgmma_abt(s[0], q_smem, BLOCK_M, group_row0, k_smem + (ring + j) % STAGES * BLOCK_N * BLOCK_D);
+      wgmma_commit();
+    };
+    auto issue_pv = [&](int j) {  // acc += P V_j
+      wgmma_ab(acc[0], p_frag, v_smem + (ring + j) % STAGES * BLOCK_N * BLOCK_D);
+      wgmma_commit();
+    };
+    auto wait_k = [&](int j) { barrier_wait(&k_full[(ring + j) % STAGES], ((ring + j) / STAGES) & 1); };
+    auto wait_v = [&](int j) { barrier_wait(&v_full[(ring + j) % STAGES], ((ring + j) / STAGES) & 1); };
+    // Tile j's S has landed: K_j's slot is free; S -> scores -> P, acc's factors in `rescale`.
+    auto softmax_of = [&](int j) {
+      touch(s[0]);
+      barrier_arrive(&k_empty[(ring + j) % STAGES]);
+      const int score_slot = (ring + j) % SCORE_SLOTS;
+      StagedScores staged = {nullptr, nullptr, block_row0};
+      if (SCORE_TILES) {
+        const unsigned char* tile = score_smem + score_slot * SCORE_SLOT_BYTES;
+        staged.mask = tile;
+        staged.bias = tile + MASK_SLOT_BYTES;
+        barrier_wait(&score_full[score_slot], ((ring + j) / SCORE_SLOTS) & 1);
+      }
+      if (j < tiles.inside)
+        scores<false, MASK_ROWS, BIAS_ROWS>(s, item.rule, staged, warp_row0, j * BLOCK_N, g, t);
+      else
+        scores<true, MASK_ROWS, BIAS_ROWS>(s, item.rule, staged, warp_row0, j * BLOCK_N, g, t);
+      if (SCORE_TILES) barrier_arrive(&score_empty[score_slot]);  // read: the producer may refill it
+      softmax_tile(s, row_max, row_sum, rescale, exp_scale);
+    };
+    // Tile j - 1's P V has landed (acc rescaled for tile j): V_{j-1}'s slot is free; P_j staged.
+    auto next_p = [&](int j) {
+      touch(acc[0]);  // the rescale's writes stay before the next fence (PTX: no register writes after it)
+      if (j > 0) barrier_arrive(&v_empty[(ring + j - 1) % STAGES]);
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) accumulator_to_a(p_frag[kk], s[0], kk);
+    };
+
+    // FlashAttention-3's intra-warpgroup overlap: tile j's S is issued with tile j - 1's P V,
+    // so tile j's scores and softmax run while the tensor cores multiply P_{j-1} V_{j-1}; only
+    // acc's rescale waits for that product. The first tile is peeled (no P V before it; acc is
+    // 0 and needs no rescale) so every wgmma_wait count is a constant and ptxas keeps the
+    // products asynchronous; every barrier wait comes before the fence, as a wait between
+    // fence and wgmma had ptxas serialize each k-step.
+    // Turns (PINGPONG) at issue points 0 .. n_tiles (point p: S_p and P V_{p-1}): each consumer
+    // takes one at every point, work or not, so both take n_tiles + 1. Consumer 1 opens
+    // consumer 0's first turn and does not pass its last, so no arrival is left over.
+    auto take_turn = [&]() {
+      if (PINGPONG) named_barrier_sync(1 + group, TURN_THREADS);
+    };
+    auto pass_turn = [&](int point) {
+      if (PINGPONG && !(group == 1 && point == n_tiles)) named_barrier_arrive(1 + (group ^ 1), TURN_THREADS);
+    };
+    if (PINGPONG && group == 1) named_barrier_arrive(1, TURN_THREADS);
+    barrier_wait(&q_full, k & 1);
+    if (reached > 0) {
+      wait_k(0);
+      take_turn();
+      wgmma_fence();
+      issue_s(0);
+      pass_turn(0);
+      wgmma_wait<0>();
+      softmax_of(0);
+      next_p(0);
+    }
+    for (int j = 1; j < reached; ++j) {
+      wait_k(j);
+      wait_v(j - 1);
+      take_turn();
+      wgmma_fence();
+      issue_s(j);
+      issue_pv(j - 1);
+      pass_turn(j);
+      wgmma_wait<1>();  // S_j
+      softmax_of(j);
+      // P_{j-1} V_{j-1}, waited for in both branches of the vote on the rows' sums: with one
+      // wait after the softmax, ptxas scheduled the wait first and the softmax after the product.
+      if (rows_moved(rescale, row_sum)) {
+        wgmma_wait<0>();
+        touch(acc[0]);
+        rescale_rows(acc, rescale);
+      } else {
+        wgmma_wait<0>();
+      }
+      next_p(j);
+    }
+    barrier_arrive(&q_empty);  // every S of the item has landed: the producer may load the next Q
+    if (reached > 0) {
+      wait_v(reached - 1);
+      take_turn();
+      wgmma_fence();
+      issue_pv(reached - 1);
+      pass_turn(reached);
+      wgmma_wait<0>();
+      touch(acc[0]);
+      barrier_arrive(&v_empty[(ring + reached - 1) % STAGES]);
+    }
+    // Tiles past the warpgroup's causal reach: nothing to compute, but each phase counts every
+    // consumer thread (the producer refills a slot only once all have arrived), and a thread's
+    // arrival on a slot waits for the slot's load, so it never counts toward the phase before.
+    for (int point = reached > 0 ? reached + 1 : 0; point <= n_tiles; ++point) {
+      take_turn();
+      pass_turn(point);
+    }
+    for (int j = reached; j < n_tiles; ++j) {
+      const int slot = (ring + j) % STAGES, parity = ((ring + j) / STAGES) & 1;
+      barrier_wait(&k_full[slot], parity);
+      barrier_arrive(&k_empty[slot]);
+      if (SCORE_TILES) {
+        barrier_wait(&score_full[(ring + j) % SCORE_SLOTS], ((ring + j) / SCORE_SLOTS) & 1);
+        barrier_arrive(&score_empty[(ring + j) % SCORE_SLOTS]);
+      }
+      barrier_wait(&v_full[slot], parity);
+      barrier_arrive(&v_empty[slot]);
+    }
+
+    store_rows(p.fwd, item.at, acc, row_max, row_sum, warp_row0, g, t);
+    ring += n_tiles;
+  }
+}
+#else
 extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(const __grid_constant__ WsParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t q_full, k_full[STAGES], v_full[STAGES], empty[STAGES];
@@ -229,3 +551,4 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
 
   store_rows(p.fwd, at, acc, row_max, row_sum, warp_row0, g, t);
 }
+#endif

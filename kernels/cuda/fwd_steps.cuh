@@ -3,6 +3,10 @@
 // softmax, and the epilogue. A warp owns MT m16 tiles of query rows; S holds N8 n8 tiles of one
 // key tile. Fragment (mt, n, c) of S sits at row `warp_row0 + 16 mt + g + 8 (c / 2)`, column
 // `col0 + 8 n + 2 t + c % 2` (common.cuh's fragment coordinates).
+//
+// FWD_OVERLAP (flash_fwd_ws.cu's overlapped consumers only; flash_fwd.cu is never built with it)
+// splits the online softmax into `softmax_tile`, `rows_moved` and `rescale_rows`, so that acc is
+// rescaled apart from the exps, and keeps scores as dots where the scale can go into the exp.
 #pragma once
 
 #include "common.cuh"
@@ -14,6 +18,25 @@ struct FwdParams {  // `dmattn_kernels.cuda.launch._FwdParams` mirrors it
   int64_t out_stride[3];   // batch, row, head
   int64_t lse_stride[3];   // batch, head, query
 };
+
+#if FWD_OVERLAP  // flash_fwd_ws.cu's overlapped consumers (FwdConfig.overlap)
+// Without bias or softcap a score is scale * dot: `scores` leaves the dot, the scale goes into
+// the exp's FFMA (`log2_scale`), and a row's max is kept in dots (`store_rows` scales it).
+constexpr bool SCALE_IN_EXP = !HAS_BIAS && !HAS_SOFTCAP;
+
+// The softmax's exp2 factor: log2(e), times the scale where the scores are dots.
+__device__ __forceinline__ float log2_scale(const Inputs& in) { return SCALE_IN_EXP ? in.softmax_scale * LOG2E : LOG2E; }
+
+// v[0] op ... op v[N - 1] as a tree: log2(N) dependent steps, not N (a row's max, its sum).
+template <int N, typename Op>
+__device__ __forceinline__ float tree_reduce(float (&v)[N], Op op) {
+#pragma unroll
+  for (int level = 0; (1 << level) < N; ++level)
+#pragma unroll
+    for (int i = 0; i + (1 << level) < N; i += 2 << level) v[i] = op(v[i], v[i + (1 << level)]);
+  return v[0];
+}
+#endif
 
 // S of one key tile -> scores, in place: -inf where excluded. REACH == false is a tile the
 // caller knows every row reaches (KeyTiles::inside): no bound or causal test, only the mask's.
@@ -59,7 +82,11 @@ __device__ __forceinline__ void scores(float (&s)[MT][N8][4], const ScoreRule& r
             if (HAS_MASK)
               allowed = allowed && (MASK_ROWS ? ((kept >> (8 * e)) & 0xff) != 0
                                               : rule.mask[row * rule.mask_row + (col + e) * rule.mask_col] != 0);
+#if FWD_OVERLAP
+            const float capped = SCALE_IN_EXP ? s[mt][n][2 * r + e] : rule.capped(s[mt][n][2 * r + e]);  // a dot, or a score
+#else
             const float capped = rule.capped(s[mt][n][2 * r + e]);
+#endif
             const float staged_bias = e == 0 ? bias.x : bias.y;
             // the global bias is read only where allowed: excluded positions may lie outside it
             s[mt][n][2 * r + e] = !allowed                ? -INFINITY
@@ -72,6 +99,74 @@ __device__ __forceinline__ void scores(float (&s)[MT][N8][4], const ScoreRule& r
   }
 }
 
+#if FWD_OVERLAP
+// One key tile of the online softmax: scores s -> P (in place, fp32), the row max and sum
+// updated, and the factor each row's acc is to be rescaled by (`rescale_rows`; apart, so a
+// kernel can run this while a product still writes acc). P = exp2(s L - m L) with L =
+// `log2_scale`. r = 0: row g (c = 0, 1), r = 1: row g + 8 (c = 2, 3) of tile mt.
+template <int MT, int N8>
+__device__ __forceinline__ void softmax_tile(float (&s)[MT][N8][4], float (&row_max)[MT][2], float (&row_sum)[MT][2],
+                                             float (&rescale)[MT][2], float log2_scale) {
+  const auto max = [](float a, float b) { return fmaxf(a, b); };
+  const auto add = [](float a, float b) { return a + b; };
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float part[N8];  // the row's pairs, reduced
+#pragma unroll
+      for (int n = 0; n < N8; ++n) part[n] = fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]);
+      float tile_max = tree_reduce(part, max);
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+      // An ulp up: the FFMA below takes the exact product S L, up to half an ulp above the
+      // rounded base; at |S| ~ 1e9 (a -1e9 fp32 bias on a whole row) P was 2^64, inf in fp16.
+      const float new_max = fmaxf(row_max[mt][r], above_by_an_ulp(tile_max));
+      // a row with nothing allowed yet keeps max -inf: subtract 0 so exp(-inf - -inf) never runs
+      const float shift = new_max == -INFINITY ? 0.f : new_max;
+      // Difference first, so an unchanged max rescales by exactly 1. exp2(m L - round(m L))
+      // (one FFMA) is 2^delta with delta up to half an ulp of m L: applied once per key tile
+      // it weights early and late tiles apart, 0.6% over 64 tiles at a row max of -1e4.
+      rescale[mt][r] = exp2_ftz((row_max[mt][r] - shift) * log2_scale);
+      const float base = shift * log2_scale;  // P = exp2(S L - base): the same base for every P of the tile
+      row_max[mt][r] = new_max;
+#pragma unroll
+      for (int n = 0; n < N8; ++n) {
+        s[mt][n][2 * r] = exp2_ftz(fmaf(s[mt][n][2 * r], log2_scale, -base));
+        s[mt][n][2 * r + 1] = exp2_ftz(fmaf(s[mt][n][2 * r + 1], log2_scale, -base));
+        part[n] = s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+      }
+      row_sum[mt][r] = row_sum[mt][r] * rescale[mt][r] + tree_reduce(part, add);
+    }
+  }
+}
+
+// Whether acc is to be rescaled: some row of the warp moved its max (a factor other than 1).
+// Once the rows' maxes have settled (most later tiles) the multiplies are skipped. The row sums
+// take part, though never negative, so that the vote comes after the tile's exps: a kernel that
+// waits for a product only in the branches of this vote (flash_fwd_ws.cu) gets the softmax
+// scheduled before that wait.
+template <int MT>
+__device__ __forceinline__ bool rows_moved(const float (&rescale)[MT][2], const float (&row_sum)[MT][2]) {
+  bool settled = true;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) settled = settled && rescale[mt][r] == 1.f && row_sum[mt][r] >= 0.f;
+  return !__all_sync(0xffffffff, settled);
+}
+
+// acc's rows times softmax_tile's factors.
+template <int MT>
+__device__ __forceinline__ void rescale_rows(float (&acc)[MT][BLOCK_D / 8][4], const float (&rescale)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int d = 0; d < BLOCK_D / 8; ++d)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mt][d][c] *= rescale[mt][c / 2];
+}
+#else
 // One key tile of the online softmax: scores s -> P (in place, fp32), the row max and sum
 // updated, acc rescaled. r = 0: row g (c = 0, 1), r = 1: row g + 8 (c = 2, 3) of tile mt.
 template <int MT, int N8>
@@ -117,9 +212,10 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][N8][4], float (&ro
     }
   }
 }
+#endif
 
-// out = acc / l, lse = m + log l for this warp's rows; rows with l == 0 saw no allowed key (dead
-// rows: out 0, lse -inf).
+// out = acc / l, lse = m + log l for this warp's rows (m scaled where FWD_OVERLAP keeps it in
+// dots); rows with l == 0 saw no allowed key (dead rows: out 0, lse -inf).
 template <int MT>
 __device__ __forceinline__ void store_rows(const FwdParams& p, const HeadSlices& at, const float (&acc)[MT][BLOCK_D / 8][4],
                                            const float (&row_max)[MT][2], const float (&row_sum)[MT][2], int warp_row0,
@@ -144,7 +240,11 @@ __device__ __forceinline__ void store_rows(const FwdParams& p, const HeadSlices&
       }
       if (t == 0)
         p.lse[at.batch * p.lse_stride[0] + at.head * p.lse_stride[1] + row * p.lse_stride[2]] =
+#if FWD_OVERLAP
+            dead ? -INFINITY : row_max[mt][r] * (SCALE_IN_EXP ? p.in.softmax_scale : 1.f) + logf(sum);
+#else
             dead ? -INFINITY : row_max[mt][r] + logf(sum);
+#endif
     }
   }
 }

@@ -9,6 +9,8 @@ no compiled extension.
 from __future__ import annotations
 
 import ctypes
+import heapq
+import itertools
 import threading
 from functools import lru_cache
 from typing import NamedTuple
@@ -18,6 +20,7 @@ import triton
 
 from dmattn_bench import native
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, as_4d
+from dmattn_kernels import target
 from dmattn_kernels.cuda.build import build, defines
 # One compile-only switch for every bundled kernel (the tuner's compile workers: within
 # `compile_only()` the launchers build what a launch needs and launch nothing), the one
@@ -73,6 +76,9 @@ NOT_STAGED, TILES_OF_ROWS, TILES_OF_KEYS = 0, 1, 2
 MAX_SCORE_STAGES = 2  # the deepest ring of staged mask and bias tiles (4: no faster, H100)
 # what the head slices a warp-specialized kernel runs at once re-read from L2 (`section_slices`)
 L2_SECTION_BYTES = 32 << 20
+# A work item's fixed cost in a persistent forward's schedule (`persistent_schedule`), in key tiles:
+# its Q load and its rows' store
+ITEM_TILES = 1
 
 class OutOfResources(RuntimeError):
     """The config needs more shared memory than this GPU gives a block (a trial's `unsupported`)."""
@@ -118,6 +124,18 @@ class _WsParams(ctypes.Structure):
     _fields_ = ([(name, _TensorMap) for name in _MAPS] + [("forward", _FwdParams), ("section_slices", ctypes.c_int)]
                 + [("padding", ctypes.c_char * (-(len(_MAPS) * ctypes.sizeof(_TensorMap) + ctypes.sizeof(_FwdParams)
                                                   + ctypes.sizeof(ctypes.c_int)) % 128))])
+
+
+class _PersistentWsFields(ctypes.Structure):
+    _fields_ = (_WsParams._fields_[:-1] + [(name, ctypes.c_int) for name in ("item_columns", "item_rows")]
+                + [("schedule", ctypes.c_void_p)])
+
+
+class _PersistentWsParams(ctypes.Structure):
+    """flash_fwd_ws.cu's WsParams built with FWD_PERSISTENT (FwdConfig.persistent): `_WsParams`'
+    fields, then the work items and the schedule, padded to its 128-byte multiple."""
+
+    _fields_ = _PersistentWsFields._fields_ + [("padding", ctypes.c_char * (-ctypes.sizeof(_PersistentWsFields) % 128))]
 
 
 class _BwdParams(ctypes.Structure):
@@ -258,6 +276,9 @@ def _the_driver() -> _Driver:
 
 
 def arch_of(device: torch.device) -> str:
+    planned = target.planned_arch()
+    if planned is not None:
+        return planned
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
 
@@ -456,6 +477,10 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
         return f"head_dim={shape.head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
     if shape.num_heads % shape.num_heads_kv:
         return f"num_heads={shape.num_heads} is not a multiple of num_heads_kv={shape.num_heads_kv}"
+    if isinstance(config, FwdConfig) and (config.overlap or config.persistent):
+        reason = _knob_reason(config)
+        if reason:
+            return reason
     if isinstance(config, BwdConfig) and _is_warp_specialized_shape(config):  # `backward_warp_specialized`
         return _warp_specialized_backward_reason(config, shape.head_dim)
     if _is_warp_specialized_shape(config):  # the SM90 warp-specialized forward (`warp_specialized`)
@@ -485,6 +510,23 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
             return f"{name}={getattr(config, name)} is not one of {INNER_CHOICES}"
     if not 1 <= config.num_stages <= MAX_STAGES:
         return f"num_stages={config.num_stages} is not in [1, {MAX_STAGES}]"
+    return None
+
+
+def _knob_reason(config: FwdConfig) -> str | None:
+    """`is_supported` for the forward's kernel knobs: `overlap` (flash_fwd_ws.cu's FWD_OVERLAP)
+    and `persistent` (FWD_PERSISTENT), each 0 or 1, on the warp-specialized forward only, and a
+    persistent launch only of the overlapped forward (whose consumers walk work items)."""
+    for name in ("overlap", "persistent"):
+        value = getattr(config, name)
+        if value not in (0, 1):
+            return f"{name}={value} is not 0 or 1 (a kernel knob: off or on)"
+    if config.persistent and not config.overlap:
+        return "persistent=1 needs overlap=1 (the persistent launch walks the overlapped forward's work items)"
+    if not _is_warp_specialized_shape(config):
+        knobs = " and ".join(f"{name}=1" for name in ("overlap", "persistent") if getattr(config, name))
+        return (f"{knobs}: a knob of the warp-specialized forward only (block_m in {WS_BLOCK_M} on block_m / 16 + "
+                f"{WARPGROUP} warps), not of {config.block_m} rows on {config.num_warps} warps")
     return None
 
 
@@ -525,7 +567,8 @@ def _element(dtype: torch.dtype) -> str:
 
 
 def _check_tensor(q: torch.Tensor) -> None:
-    if q.device.type != "cuda":
+    planning = q.device.type == "meta" and target.planned_arch() is not None  # data-less tensors of a plan
+    if q.device.type != "cuda" and not planning:
         raise ValueError(f"query: the cuda backend runs on CUDA tensors, got device {q.device}")
     _element(q.dtype)
 
@@ -540,11 +583,22 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
             bias_tiles: int = TILES_OF_ROWS) -> tuple[str, ...]:
     """The -D list of the forward variant a call needs on `arch` ("sm90"). The warp-specialized
     forward stages the mask and a 16-bit bias in shared memory where there is room, as the call's
-    operands allow (`mask_tiles`, `bias_tiles`: `staged_tiles`)."""
+    operands allow (`mask_tiles`, `bias_tiles`: `staged_tiles`). Its knobs, where on, add
+    FWD_OVERLAP and FWD_PERSISTENT; a knob off adds nothing, so its variant is the code the knob
+    was added to.
+
+    Raises:
+        ValueError: a knob on for a config that is not the warp-specialized forward on `arch`.
+    """
     own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n)
     if warp_specialized(config, head_dim, arch):
         stages, mask_tiles, bias_tiles = _staging(config, head_dim, has_mask, bias_dtype, mask_tiles, bias_tiles)
         own.update(WGMMA=True, SCORE_STAGES=stages, MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles)
+        own.update({name: True for name, on in (("FWD_OVERLAP", config.overlap), ("FWD_PERSISTENT", config.persistent))
+                    if on})
+    elif config.overlap or config.persistent:
+        reason = _knob_reason(config) or "overlap and persistent: knobs of the warp-specialized forward, on sm90 only"
+        raise ValueError(f"config: {reason} (here: {arch})")
     else:
         own.update(WGMMA=uses_wgmma(config, head_dim, arch))
     return defines(_element(dtype), head_dim, config.num_warps, config.num_stages,
@@ -661,6 +715,8 @@ class _Launcher:
     compile-only mode, only makes sure the cubin is built)."""
 
     def __init__(self, direction: str, device: torch.device, flags: tuple[str, ...]):
+        if target.record(target.Program("cuda", direction, None, tuple(sorted(("-D", flag) for flag in flags)))):
+            return  # planning only: nothing is built
         self.cubin = str(_built(direction, arch_of(device), flags))
         self.device = device.index if device.index is not None else torch.cuda.current_device()
 
@@ -699,6 +755,32 @@ class _ForwardLaunch(NamedTuple):
     # mask, 4 bias; dims order, box rows, box line bytes, swizzle)
     maps: tuple[tuple[str, int, tuple[int, int, int, int], int, int, int], ...]
     section_slices: int = 0  # the warp-specialized forward's launch order (`section_slices`; flash_fwd.cu has none)
+    items: tuple[int, int] = (0, 0)  # the warp-specialized forward's work items: head slices x query blocks
+    tiles: tuple[int, ...] = ()  # its query blocks' key tiles where it launches persistent (FwdConfig.persistent)
+
+    def launch_grid(self, device: torch.device) -> tuple[tuple[int, int], torch.Tensor | None]:
+        """The grid on `device`, and a persistent launch's schedule (`persistent_schedule`)."""
+        if not self.tiles:
+            return self.grid, None
+        return _persistent_launch(device, self.items, self.section_slices, self.tiles)
+
+    def ws_params(self, forward: _FwdParams, schedule: torch.Tensor | None, **maps) -> ctypes.Structure:
+        """The warp-specialized forward's parameters around a call's FwdParams: a `_WsParams`, or
+        for a persistent launch a `_PersistentWsParams` with its schedule."""
+        if not self.tiles:
+            return _WsParams(forward=forward, section_slices=self.section_slices, **maps)
+        return _PersistentWsParams(forward=forward, section_slices=self.section_slices, item_columns=self.items[0],
+                                   item_rows=self.items[1], schedule=schedule.data_ptr(), **maps)
+
+
+@lru_cache(maxsize=256)
+def _persistent_launch(device: torch.device, items: tuple[int, int], sections: int,
+                       tiles: tuple[int, ...]) -> tuple[tuple[int, int], torch.Tensor]:
+    """A persistent forward's grid (a CTA per SM, at most one per item) and schedule on `device`,
+    made on the signature's first launch (a plan may be built for a GPU that is not here)."""
+    ctas = min(torch.cuda.get_device_properties(device).multi_processor_count, items[0] * items[1])
+    schedule = persistent_schedule(items, sections, list(tiles), ctas)
+    return (ctas, 1), torch.tensor(schedule, dtype=torch.int32, device=device)
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
@@ -715,8 +797,13 @@ def _meta_tensors(layouts: tuple) -> list[torch.Tensor | None]:
             for layout in layouts]
 
 
-@lru_cache(maxsize=256)
 def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig) -> _ForwardLaunch:
+    """`_signature_launch` for the arch of the layouts' device (or the one planned for)."""
+    return _signature_launch(layouts, is_causal, softcap, config, arch_of(layouts[0][3]))
+
+
+@lru_cache(maxsize=256)
+def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig, arch: str) -> _ForwardLaunch:
     """The checks, variant, cubin and launch geometry of a forward signature, done once: a call
     then only fills its pointers (and its tensor maps) and launches."""
     (q_shape, _, dtype, device, _), _, _, mask_layout, bias_layout, _ = layouts
@@ -726,7 +813,6 @@ def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: Fwd
     for name, layout in zip(("query", "key", "value", None, None, "out"), layouts):
         if name is not None:
             _check_rows(name, layout[1], layout[4])
-    arch = arch_of(device)
     reason = arch_reason(config, head_dim, arch)
     if reason:
         raise ValueError(f"config: {reason}")
@@ -763,7 +849,33 @@ def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: Fwd
     shared = forward_shared_bytes(config, head_dim, arch, mask_tiles, bias_tiles)
     kv_bytes = 2 * k.shape[1] * padded_head_dim(head_dim) * dtype.itemsize  # K and V, shared by a group's heads
     sections = section_slices(batch * num_heads, kv_bytes, num_heads // k.shape[2])
-    return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps), sections)
+    tiles = (tuple(_key_tiles(block, config, seqlen_q, k.shape[1], is_causal) for block in range(grid[1]))
+             if config.persistent else ())
+    return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps), sections, grid, tiles)
+
+
+def _key_tiles(m_block: int, config: FwdConfig, seqlen_q: int, seqlen_k: int, is_causal: bool) -> int:
+    """The key tiles query block `m_block` walks (common.cuh's KeyTiles::block)."""
+    keys = min(seqlen_k, max(0, (m_block + 1) * config.block_m + seqlen_k - seqlen_q)) if is_causal else seqlen_k
+    return triton.cdiv(keys, config.block_n)
+
+
+def persistent_schedule(items: tuple[int, int], section_slices: int, tiles: list[int], ctas: int) -> list[int]:
+    """A persistent forward's items per CTA (flash_fwd_ws.cu's WsParams.schedule): the items of
+    the (head slices, query blocks) grid `items` in launch order (common.cuh's section_order),
+    each to the CTA that is free first, as the block scheduler hands out a grid's CTAs; an item
+    costs the key tiles of its query block (`tiles`) plus ITEM_TILES. Returns the CTAs' offsets
+    (ctas + 1) then their items."""
+    columns, rows = items
+    free = [(0, cta) for cta in range(ctas)]
+    taken: list[list[int]] = [[] for _ in range(ctas)]
+    for index in range(columns * rows):
+        section, in_section = divmod(index, section_slices * rows)
+        block = in_section // min(section_slices, columns - section * section_slices)
+        time, cta = heapq.heappop(free)
+        taken[cta].append(index)
+        heapq.heappush(free, (time + tiles[rows - 1 - block] + ITEM_TILES, cta))
+    return list(itertools.accumulate([0] + [len(t) for t in taken])) + [index for t in taken for index in t]
 
 
 def section_slices(slices: int, reread_bytes: int, sharing: int = 1) -> int:
@@ -800,28 +912,30 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
         return
     params = _FwdParams.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse.stride()))
     _fill_addresses(params, q, k, v, mask, bias, out, lse)
+    grid, schedule = plan.launch_grid(q.device)
     if plan.maps:
         operands, driver = (q, k, v, mask, bias), _the_driver()
-        params = _WsParams(forward=params, section_slices=plan.section_slices,
-                           **{field: driver.tensor_map(operands[index], order, rows, line, swizzle)
-                              for field, index, order, rows, line, swizzle in plan.maps})
-    plan.launcher(plan.name, plan.grid, config.num_warps, plan.shared, params)
+        params = plan.ws_params(params, schedule,
+                                **{field: driver.tensor_map(operands[index], order, rows, line, swizzle)
+                                   for field, index, order, rows, line, swizzle in plan.maps})
+    plan.launcher(plan.name, grid, config.num_warps, plan.shared, params)
 
 
 def _native_parameters(layouts: tuple, softmax_scale: float, softcap: float, lse_stride: tuple,
-                       maps: tuple, section_slices: int) -> tuple[bytes, list, list]:
+                       plan: _ForwardLaunch, schedule: torch.Tensor | None) -> tuple[bytes, list, list]:
     """A forward signature's parameters for a native program (`dmattn_bench.native.structure_spec`):
-    the template (its FwdParams, inside a WsParams where the kernel reads tensor maps), the
-    address slots (q, k, v, the mask and bias where given, then the program's out and lse
-    allocations) and the map slots (`_ForwardLaunch.maps`' operands)."""
+    the template (its FwdParams, inside a WsParams where the kernel reads tensor maps, with a
+    persistent launch's schedule), the address slots (q, k, v, the mask and bias where given, then
+    the program's out and lse allocations) and the map slots (`_ForwardLaunch.maps`' operands)."""
     forward = _FwdParams.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse_stride))
-    params, base = ((_WsParams(forward=forward, section_slices=section_slices), _WsParams.forward.offset) if maps
-                    else (forward, 0))
+    maps = plan.maps
+    params = plan.ws_params(forward, schedule) if maps else forward
+    base = type(params).forward.offset if maps else 0
     inputs = base + _FwdParams.inputs.offset
     pointers = [(inputs + getattr(_Inputs, name).offset, native.given(index))
                 for index, name in enumerate(("q", "k", "v", "mask", "bias")) if layouts[index] is not None]
     pointers += [(base + _FwdParams.out.offset, native.allocated(0)), (base + _FwdParams.lse.offset, native.allocated(1))]
-    descriptors = [(getattr(_WsParams, field).offset, operand) for field, operand, *_ in maps]
+    descriptors = [(getattr(type(params), field).offset, operand) for field, operand, *_ in maps]
     return bytes(params), pointers, descriptors
 
 
@@ -876,8 +990,9 @@ class ForwardPlan:
         layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
         options = self.options
         plan = _forward_launch(layouts, options["is_causal"], options["softcap"], self.config)
+        grid, schedule = plan.launch_grid(q.device)
         template, pointers, descriptors = _native_parameters(layouts, options["softmax_scale"], options["softcap"],
-                                                             lse.stride(), plan.maps, plan.section_slices)
+                                                             lse.stride(), plan, schedule)
         encode = None
         if plan.maps:
             driver = _the_driver()
@@ -887,10 +1002,12 @@ class ForwardPlan:
                 return [bytes(driver.tensor_map(operands[index], order, rows, line, swizzle))
                         for _, index, order, rows, line, swizzle in plan.maps]
 
-        spec = native.structure_spec(plan.launcher.function(plan.name, plan.shared), plan.grid,
+        spec = native.structure_spec(plan.launcher.function(plan.name, plan.shared), grid,
                                      32 * self.config.num_warps, plan.shared, template, pointers, descriptors, encode)
+        # the schedule's address is in the template: the program keeps it, whatever the cache drops
+        owners = [plan.launcher] + ([schedule] if schedule is not None else [])
         return native.program_of_specs(q.device, 5, [(self.out_shape, self.out_dtype), (self.lse_shape, torch.float32)],
-                                       [], [spec], (0, 1, -1), [plan.launcher])
+                                       [], [spec], (0, 1, -1), owners)
 
 
 def has_broadcast_dim(t: torch.Tensor) -> bool:

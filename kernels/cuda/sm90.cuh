@@ -129,6 +129,17 @@ __device__ __forceinline__ void barrier_wait(uint64_t* bar, int parity) {
       :: "r"(shared_address(bar)), "r"(parity) : "memory");
 }
 
+#if FWD_OVERLAP  // flash_fwd_ws.cu's consumers taking turns (FwdConfig.overlap)
+// Named barrier `id` (1..15; 0 is __syncthreads') of `count` threads: sync waits for the
+// phase to complete, arrive counts toward it without waiting.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
+#endif
+
 // A box of a 4-D tensor map at coordinates (c0 fastest) into shared memory, completing its bytes
 // on `bar`. Elements outside the tensor arrive as zeros.
 __device__ __forceinline__ void tma_load(void* dst, const void* map, int c0, int c1, int c2, int c3, uint64_t* bar) {

@@ -28,6 +28,7 @@ from triton import knobs
 from dmattn_bench import native
 from dmattn_bench.plan import PlanCache
 from dmattn_bench.space import AttentionShape, BwdConfig, DecodeConfig, FwdConfig
+from dmattn_kernels import target
 from dmattn_kernels.triton.activity import CELL, WORD_BYTES, block_list_kernel, tile_activity_kernel
 from dmattn_kernels.triton.flash_bwd import (
     flash_bwd_dkdv_kernel,
@@ -109,6 +110,9 @@ def is_supported(config: FwdConfig | BwdConfig | DecodeConfig, shape: AttentionS
         return f"head_dim={shape.head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
     if shape.num_heads % shape.num_heads_kv:
         return f"num_heads={shape.num_heads} is not a multiple of num_heads_kv={shape.num_heads_kv}"
+    if isinstance(config, FwdConfig) and (config.overlap or config.persistent):
+        return ("overlap and persistent are knobs of the CUDA warp-specialized forward; the Triton forward has "
+                "neither (leave them 0)")
     if isinstance(config, DecodeConfig):
         from dmattn_kernels.triton.decode_launch import MAX_SPLITS  # that module imports this one
 
@@ -163,6 +167,7 @@ class _Launch:
         self.descriptors = descriptors or {}
         self.options = options
         self.launcher = None  # `launcher(stream, args)`, after the first run compiled the kernel
+        target.record(target.Program("triton", self.name, kernel, tuple(sorted({**constexprs, **options}.items()))))
 
     def __call__(self, *tensors) -> None:
         self.run(launch_stream(), *tensors)
@@ -295,7 +300,10 @@ def kv_by_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
     constant, and with it the pipelined descriptor variant crashed Triton 3.6's ptxas (error
     -11; H200, adversarial case single_key_lk1, every config with num_stages > 1).
     """
-    if not k.is_cuda or k.shape[1] == 1 or torch.cuda.get_device_capability(k.device)[0] not in TMA_ARCH_MAJORS:
+    major = target.planned_major()
+    if major is None:
+        major = torch.cuda.get_device_capability(k.device)[0] if k.is_cuda else None
+    if k.shape[1] == 1 or major not in TMA_ARCH_MAJORS:
         return False
     return all(t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
                for t in (k, v))
