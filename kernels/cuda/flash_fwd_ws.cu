@@ -134,7 +134,7 @@ struct WsParams {  // `dmattn_kernels.cuda.launch._WsParams` mirrors it (`_Persi
 #endif
 };
 
-#if FWD_OVERLAP
+#if FWD_OVERLAP  // the overlapped consumers over work items; below #else, one tile at a time
 // One work item: a block of BLOCK_M query rows of one head slice.
 struct Item {
   HeadSlices at;
@@ -411,7 +411,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
     ring += n_tiles;
   }
 }
-#else
+#else  // FWD_OVERLAP: the consumer that takes one key tile at a time
 extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(const __grid_constant__ WsParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t q_full, k_full[STAGES], v_full[STAGES], empty[STAGES];
@@ -551,4 +551,4 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
 
   store_rows(p.fwd, at, acc, row_max, row_sum, warp_row0, g, t);
 }
-#endif
+#endif  // FWD_OVERLAP

@@ -126,7 +126,7 @@ class _WsParams(ctypes.Structure):
                                                   + ctypes.sizeof(ctypes.c_int)) % 128))])
 
 
-class _PersistentWsFields(ctypes.Structure):
+class _PersistentWsFields(ctypes.Structure):  # `_PersistentWsParams` before its padding, for its size
     _fields_ = (_WsParams._fields_[:-1] + [(name, ctypes.c_int) for name in ("item_columns", "item_rows")]
                 + [("schedule", ctypes.c_void_p)])
 
