@@ -11,6 +11,8 @@ mask is read as bytes, and q/k/v only need a contiguous last dim.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import numbers
 
@@ -265,7 +267,7 @@ def flash_dmattn_func(
             block_table=block_table,
         )
         return (out, lse.float()) if return_lse else out
-    as_list = (lambda config: None if config is None else list(config.to_dict().values()))
+    as_list = (lambda config: None if config is None else list(dataclasses.astuple(config)))  # every field, knobs at 0 too
     out, lse, _ = ops.attention_fwd(
         query, key, value, as_4d(attn_mask), as_4d(attn_bias), is_causal, softmax_scale,
         float(softcap), backend, table, as_list(fwd_config), as_list(bwd_config), cache_seqlens, block_table,

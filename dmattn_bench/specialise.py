@@ -11,6 +11,7 @@ Triton 3.6 and nvcc 13.0, CI Triton 3.9):
   on constants dropped (Triton's front end drops them too), then, recursively, every jit helper
   the live code calls, specialised for the constant arguments of that call. Printed as
   `sourcehash.canonical` text: comments, docstrings, formatting and line numbers are not in it.
+  Triton's own jit functions (`tl.max`) are not followed: they are the compiler's.
 - **CUDA** (`cuda_text`): the translation unit preprocessed for the variant's -D list: its
   `#include "..."` headers inlined once each (`#pragma once`), `#if`/`#ifdef`/`#elif` branches
   not taken dropped, comments and whitespace normalised (`sourcehash.normalise_c`). Macros are
@@ -27,7 +28,6 @@ Both err towards staleness, never away from it.
 from __future__ import annotations
 
 import ast
-import copy
 import inspect
 import operator
 import re
@@ -36,7 +36,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from dmattn_bench.sourcehash import _strip_docstrings, canonical, normalise_c
+from dmattn_bench.sourcehash import _keeps_space, _strip_docstrings, canonical, normalise_c
 
 # -- Triton ----------------------------------------------------------------------------------------
 
@@ -48,6 +48,9 @@ _UNARY = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
             ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not}
 _PLAIN = (bool, int, float, str, type(None))
+# Triton's own jit functions (`tl.max`, `tl.cdiv`, ...) belong to the compiler, whose version the
+# table records: their sources differ between Triton releases, so they are not followed.
+LIBRARY_PREFIX = "triton."
 
 
 def plain_value(value: Any) -> Any:
@@ -178,7 +181,7 @@ class _Specialiser(ast.NodeTransformer):
     def visit_Call(self, node: ast.Call):
         node = self.generic_visit(node)
         fn = _jit_function(self._global(node.func))
-        if fn is not None:
+        if fn is not None and not fn.__module__.startswith(LIBRARY_PREFIX):
             self.helpers.update(_helper_texts(fn, node))
         return node
 
@@ -201,17 +204,29 @@ def _assignment_counts(function: ast.FunctionDef) -> dict[str, int]:
     return counts
 
 
-@lru_cache(maxsize=None)
 def _parsed(fn) -> ast.FunctionDef:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    """`fn`'s definition, docstrings and decorators removed: a new tree each call (parsing the
+    cached source is several times faster than deep-copying a tree)."""
+    tree = ast.parse(_source(fn))
     function = _strip_docstrings(tree).body[0]
     function.decorator_list = []
     return function
 
 
+@lru_cache(maxsize=None)
+def _definition(fn) -> ast.FunctionDef:
+    """`_parsed(fn)` to read, never to change (the parameters and their defaults)."""
+    return _parsed(fn)
+
+
+@lru_cache(maxsize=None)
+def _source(fn) -> str:
+    return textwrap.dedent(inspect.getsource(fn))
+
+
 def _specialised(fn, bindings: dict[str, Any]) -> tuple[str, dict[tuple, str]]:
     """`fn`'s specialised canonical text and those of the helpers it calls (by (module, name, bindings))."""
-    function = copy.deepcopy(_parsed(fn))
+    function = _parsed(fn)
     helpers: dict[tuple, str] = {}
     specialiser = _Specialiser(fn, bindings, helpers)
     specialiser.assigned = _assignment_counts(function)
@@ -232,7 +247,7 @@ def _drop_bound_parameters(arguments: ast.arguments, bindings: dict[str, Any]) -
 def _constexpr_bindings(fn, call: ast.Call | None, given: dict[str, Any]) -> dict[str, Any]:
     """The constexpr parameters of `fn` bound to constants: `given` (a launch's constexprs), the
     constant arguments of `call` (a helper's call site), else the parameter's default."""
-    function = _parsed(fn)
+    function = _definition(fn)
     params = function.args.args
     defaults = dict(zip([p.arg for p in params[len(params) - len(function.args.defaults):]], function.args.defaults))
     passed: dict[str, ast.AST] = {}
@@ -323,17 +338,38 @@ def _condition(expression: str, macros: dict[str, str | None], where: str) -> bo
         raise PreprocessError(f"{where}: cannot evaluate `#if {expression}` ({exc})") from None
 
 
+def _normalised_lines(path: Path) -> list[str]:
+    """`normalise_c` of a file's text, as lines; read again only when the file changes."""
+    stat = path.stat()
+    return _normalised_file(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=64)
+def _normalised_file(path: Path, mtime_ns: int, size: int) -> list[str]:
+    del mtime_ns, size  # the cache key: a changed file is read again
+    return normalise_c(path.read_text(encoding="utf-8")).splitlines()
+
+
+def _append_code(out: list[str], line: str) -> None:
+    """Appends a run of code, joined to a run it directly follows (a dropped directive split
+    them) with a space only where `normalise_c` would keep one."""
+    if out and not out[-1].startswith("#"):
+        out[-1] += (" " if _keeps_space(out[-1][-1], line[0]) else "") + line
+    else:
+        out.append(line)
+
+
 def _preprocess(path: Path, macros: dict[str, str | None], once: set[Path], out: list[str], depth: int = 0) -> None:
     if depth > 32:
         raise PreprocessError(f"{path.name}: includes nest deeper than 32")
     # each frame: (this branch is taken, some branch of this #if was taken, the enclosing one is taken)
     stack: list[list[bool]] = []
     active = True
-    for line in normalise_c(path.read_text(encoding="utf-8")).splitlines():
+    for line in _normalised_lines(path):
         directive = _DIRECTIVE.match(line) if line.startswith("#") else None
         if directive is None:
             if active:
-                out.append(line)
+                _append_code(out, line)
             continue
         name, rest = directive.group(1), directive.group(2).strip()
         where = f"{path.name}: #{name} {rest}"
@@ -380,8 +416,7 @@ def cuda_text(source: Path, flags) -> str:
     macros: dict[str, str | None] = dict(defines)
     lines: list[str] = []
     _preprocess(Path(source), macros, set(), lines)
-    # normalised once more: code that a dropped directive split in two reads as one run again
-    text = normalise_c("\n".join(lines))
+    text = "\n".join(lines) + "\n"
     names = set(_IDENTIFIER.findall(text))
     named = [f"-D{name}={value}" for name, value in sorted(defines.items()) if name in names]
     return "\n".join([Path(source).name, *named, text])

@@ -195,3 +195,32 @@ def load_workloads(path: str | Path, grid: str = "default", dtypes: list[str] | 
     workloads = [w for index, product in enumerate(products)
                  for w in _expand(product, f"{path}:{grid}" + (f"[{index}]" if len(products) > 1 else ""), dtypes)]
     return list(dict.fromkeys(workloads))  # a shape two products share is tuned once
+
+
+STALE_TOKENS, STALE_HEADS = 8192, 16  # the shape of a re-tuned key: default.yaml's tokens and heads
+
+
+def workload_of_key(key: TableKey, small: bool = False) -> Workload | None:
+    """A workload whose `key(key.direction)` is `key` (`tune --stale`: a table entry tuned again),
+    with default.yaml's tokens and heads; None for a key no workload describes (a GQA ratio that
+    does not divide the heads, a kind only a broadcast of other dims gives).
+
+    A workload's operand kinds name shapes (`operand_dims`), a key's what the kernels see: at one
+    query row a per-key padding mask is "shared" and a per-key bias "kv_head", so each workload
+    kind is tried until the key matches. `small`: one sequence and two KV heads (the interpreter's
+    size)."""
+    heads = 2 * key.gqa_ratio if small else STALE_HEADS
+    if heads % key.gqa_ratio:
+        return None
+    bias = key.bias.removesuffix("+grad")
+    for mask_kind, bias_kind in itertools.product(OPERAND_KINDS, _BIAS_KINDS):
+        if (mask_kind == "none") != (key.mask == "none") or (bias_kind == "none") != (bias == "none"):
+            continue
+        workload = Workload(
+            batch=1 if small else max(1, STALE_TOKENS // key.seqlen_k_bucket), heads=heads,
+            heads_kv=heads // key.gqa_ratio, seqlen_q=key.seqlen_q_bucket, seqlen_k=key.seqlen_k_bucket,
+            head_dim=key.head_dim, causal=key.causal, mask=mask_kind, bias=bias_kind,
+            bias_grad=bias_kind != "none" and (key.bias.endswith("+grad") or key.direction != "bwd"), dtype=key.dtype)
+        if key.direction in workload.directions() and workload.key(key.direction) == key:
+            return workload
+    return None

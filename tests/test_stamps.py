@@ -316,7 +316,7 @@ def _clear_caches():
     stamps.entry_stamp.cache_clear()
     stamps.program_digest.cache_clear()
     specialise._cached_text.cache_clear()
-    specialise._parsed.cache_clear()
+    specialise._source.cache_clear()
 
 
 def test_an_entry_stamp_is_deterministic_within_and_across_processes():

@@ -817,3 +817,34 @@ def test_a_call_without_gradient_runs_the_decode_entry_of_its_workloads_key(tmp_
     with torch.no_grad():
         out = flash_dmattn_func(inputs.q, k, v, **options)
     assert built == [tuned] and torch.isfinite(out).all()
+
+
+def test_tune_stale_retunes_exactly_the_stale_entries(tmp_path):
+    """`tune --stale --merge T` tunes again only T's entries that are not current, on a workload of
+    each one's key, and leaves the others as they were (validation dates included)."""
+    from dmattn_bench.workloads import workload_of_key
+
+    stale_key = TableKey("fwd", "fp32", 32, True, "kv_head", "per_key", 2, 16, 16)
+    kept_key = dataclasses.replace(stale_key, head_dim=64)
+    assert workload_of_key(stale_key, small=True).key("fwd") == stale_key
+    entries = [Entry(key, "triton", CPU_FWD, {"median_ms": 1.0}) for key in (stale_key, kept_key)]
+    table = new_table(entries, CPU_FINGERPRINT, interpreter=True)
+    old = Validation("sha256:" + "0" * 32, "2020-01-01T00:00:00+00:00", "quick")  # validated on other code
+    table = dataclasses.replace(table, entries=(dataclasses.replace(table.entries[0], validated=old),
+                                                table.entries[1]))
+    path = tmp_path / "T.yaml"
+    dump_table(table, path)
+    space = _write(tmp_path / "ci.yaml", {"space": {"triton": {
+        "fwd": {k: [v] for k, v in CPU_FWD.to_dict().items()},
+        "bwd": {k: [v] for k, v in CPU_BWD.to_dict().items()}}}})
+    result = CliRunner().invoke(tune_command, ["--stale", "--merge", str(path), "--space", space])
+    assert result.exit_code == 0, result.output
+    written = {entry.key: entry for entry in load_table(path).entries}
+    assert set(written) == {stale_key, kept_key}  # the stale key's bwd was tuned too, but not written
+    assert written[stale_key].validated.date != old.date and written[stale_key].stale is None
+    assert written[kept_key].validated == table.entries[1].validated
+    before = path.read_text()
+    again = CliRunner().invoke(tune_command, ["--stale", "--merge", str(path), "--space", space])
+    assert again.exit_code == 0 and "no stale or unvalidated entries" in again.output and path.read_text() == before
+    usage = CliRunner().invoke(tune_command, ["--stale"])
+    assert usage.exit_code == 2 and "--merge TABLE" in usage.output

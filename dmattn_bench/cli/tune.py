@@ -22,7 +22,8 @@ from dmattn_bench.prune import load_ci_space, load_space, read_yaml_mapping
 from dmattn_bench.space import CONFIGS_DIR, TUNED_DIRECTIONS, config_label
 from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, combine_backends,
                                 planned_trial_ids, tune)
-from dmattn_bench.workloads import load_workloads
+from dmattn_bench.dispatch.stamps import entry_status
+from dmattn_bench.workloads import load_workloads, workload_of_key
 
 CI_FILE = CONFIGS_DIR / "ci.yaml"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)?\s*$")
@@ -205,6 +206,33 @@ def _how_to_use(out: Path, dtypes: list[str]) -> None:
                                                     for dtype in dtypes))
 
 
+def _stale_workloads(table_path: str, dtypes, on_gpu: bool) -> tuple[list, set]:
+    """The workloads of the table's entries that are not current (`stamps.entry_status`), in the
+    given dtypes (all where none), and those entries' keys (interpreter-sized without a GPU).
+
+    Raises:
+        DmattnError: the table cannot be read.
+    """
+    try:
+        table = load_table(table_path)
+    except TableError as exc:
+        raise DmattnError(f"--merge {table_path}: {exc}", "merge a valid table of this GPU") from None
+    keys = [e.key for e in table.entries
+            if entry_status(e, table.device) != "current" and (not dtypes or e.key.dtype in dtypes)]
+    if not keys:
+        return [], set()
+    workloads, described = [], set()
+    for key in keys:
+        workload = workload_of_key(key, small=not on_gpu)
+        if workload is None:
+            output.warn(f"{table_path}: no workload describes the stale key {key}; it stays stale")
+            continue
+        workloads.append(workload)
+        described.add(key)
+    output.info(f"{table_path}: tuning its {len(described)} stale or unvalidated entries again")
+    return list(dict.fromkeys(workloads)), described
+
+
 @click.command("tune")
 @click.option("--space", "space_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Search-space YAML (repeat for fwd and bwd). Default: configs/space/<backend>-{fwd,bwd}.yaml "
@@ -225,6 +253,11 @@ def _how_to_use(out: Path, dtypes: list[str]) -> None:
 @click.option("--merge", "merge_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Write --out as this tune's entries plus those of this table (of the same GPU) whose keys it did "
                    "not tune, e.g. decode keys tuned into a shipped table; each entry keeps its own validation.")
+@click.option("--stale", "stale_only", is_flag=True, default=False,
+              help="Tune again only the --merge table's entries that are stale or unvalidated (their code changed "
+                   "since their validation: `dmattn-bench show` counts them), each on a workload of its key "
+                   "(16 heads, about 8192 key tokens; one sequence without a GPU), and write them into it. "
+                   "Default --out: the --merge table.")
 @click.option("--resume", is_flag=True, default=False,
               help="Continue the trial journal (<out>.trials.jsonl), skipping the trials it holds. Without it, "
                    "a completed run's journal is replaced (the run starts over), and that of a run interrupted "
@@ -247,7 +280,7 @@ def _how_to_use(out: Path, dtypes: list[str]) -> None:
               help="Adversarial suite every winner must pass on its own tiles.")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
-def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, merge_path, resume, budget,
+def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, merge_path, stale_only, resume, budget,
                  trial_timeout, suite_timeout, gpus, ray_address, suite, fmt) -> None:
     """Tune the kernels on this machine's GPU and write a dispatch table.
 
@@ -257,6 +290,9 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     journal lacks) or for the journal to be deleted.
     """
     budget_s = parse_duration(budget)
+    if stale_only and (merge_path is None or workloads_files):
+        raise click.BadParameter("re-tunes the stale entries of a table: pass --merge TABLE and no --workloads",
+                                 param_hint="--stale")
     on_gpu = torch.cuda.is_available()
     reject_bf16_without_gpu(dtypes, on_gpu)
     backends = BACKENDS if backend == "all" else (backend,)
@@ -285,7 +321,15 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     workloads_files = workloads_files or (str(CONFIGS_DIR / "workloads" / "default.yaml" if on_gpu else CI_FILE),)
     try:
         # the union, in file order; a shape listed twice is tuned once
-        workloads = list(dict.fromkeys(w for path in workloads_files for w in load_workloads(path, grid, list(dtypes) or None)))
+        if stale_only:
+            workloads, stale_keys = _stale_workloads(merge_path, dtypes, on_gpu)
+            out_path = out_path or merge_path
+            if not workloads:
+                output.info(f"{merge_path}: no stale or unvalidated entries to tune (`dmattn-bench show` lists them)")
+                return
+        else:
+            workloads = list(dict.fromkeys(w for path in workloads_files
+                                           for w in load_workloads(path, grid, list(dtypes) or None)))
         spaces = {name: _spaces(space_files, name, on_gpu, several=backend == "all") for name in backends}
     except ValueError as exc:
         raise DmattnError(str(exc).splitlines()[0], "fix the YAML file") from None
@@ -327,7 +371,8 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     except JournalError as exc:
         raise DmattnError(str(exc)) from None
     result = results[backends[0]] if len(backends) == 1 else combine_backends(results)
-    entries = [Entry(w.key, w.backend, w.config, w.evidence) for w in result.winners]
+    entries = [Entry(w.key, w.backend, w.config, w.evidence) for w in result.winners
+               if not stale_only or w.key in stale_keys]  # a stale key's workload tunes its other direction too
     table = new_table(entries, fingerprint, interpreter=not on_gpu, suite=suite)
     if kept is not None:
         table = merged(kept, table)

@@ -593,7 +593,7 @@ def declare_stale(path: str | os.PathLike, reason: str) -> tuple[Table, int]:
         changed = 0
         entries = []
         for entry in table.entries:
-            if entry.stale is None and entry_status(entry, table.device) != "current":
+            if entry.stale is None and entry_status(entry, table.device) == "stale":
                 entry, changed = replace(entry, stale=reason), changed + 1
             entries.append(entry)
         table = replace(table, entries=tuple(entries))
