@@ -69,10 +69,7 @@ def planned_major() -> int | None:
     return None if arch is None else int(arch[2:-1])
 
 
-def record(program: Program) -> bool:
-    """Records `program` when planning; True then (the caller builds and launches nothing)."""
-    planning = getattr(_STATE, "planning", None)
-    if planning is None:
-        return False
-    planning.programs.append(program)
-    return True
+def record(program: Program) -> None:
+    """Records `program` for the plan being built within `planning_for` (the caller checks
+    `planned_arch()` first, and then builds and launches nothing)."""
+    _STATE.planning.programs.append(program)

@@ -174,10 +174,6 @@ def program_digest(program, arch: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _program_key(program) -> tuple:
-    return program.backend, program.name, id(program.kernel), program.parameters
-
-
 @lru_cache(maxsize=4096)
 def entry_stamp(backend_name: str, key: TableKey, config: FwdConfig | BwdConfig | DecodeConfig, arch: str,
                 num_sms: int) -> str:
@@ -189,8 +185,7 @@ def entry_stamp(backend_name: str, key: TableKey, config: FwdConfig | BwdConfig 
         if programs is None:
             digest.update(f"{call.label()}: not supported\n".encode())
             continue
-        unique = {_program_key(p): p for p in programs}.values()
-        digests = sorted(f"{p.backend}:{p.name}:{program_digest(p, arch)}" for p in unique)
+        digests = sorted(f"{p.backend}:{p.name}:{program_digest(p, arch)}" for p in set(programs))
         digest.update(f"{call.label()}: {' '.join(digests)}\n".encode())
     return "sha256:" + digest.hexdigest()[:DIGEST_HEX_CHARS]
 
@@ -208,18 +203,11 @@ def entry_status(entry, device) -> str:
     if entry.validated is None:
         return "unvalidated"
     recorded = entry.validated.stamp
-    if recorded.startswith(LEGACY_PREFIX):
-        from dmattn_bench.registry import kernel_source_hash
-
-        return "current" if recorded[len(LEGACY_PREFIX):] == _source_hash(kernel_source_hash, entry.backend) else "stale"
     try:
+        if recorded.startswith(LEGACY_PREFIX):
+            from dmattn_bench.registry import kernel_source_hash
+
+            return "current" if recorded[len(LEGACY_PREFIX):] == kernel_source_hash(entry.backend) else "stale"
         return "current" if recorded == stamp_of(entry, device) else "stale"
-    except (OSError, SyntaxError, specialise.PreprocessError):  # sources unreadable here: not this code
+    except (ValueError, OSError, SyntaxError, specialise.PreprocessError):  # sources unreadable: not this code
         return "stale"
-
-
-def _source_hash(kernel_source_hash, backend: str) -> str | None:
-    try:
-        return kernel_source_hash(backend)
-    except (ValueError, OSError, SyntaxError):
-        return None

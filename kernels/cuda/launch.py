@@ -276,9 +276,13 @@ def _the_driver() -> _Driver:
 
 
 def arch_of(device: torch.device) -> str:
+    """The arch kernels are built for on `device` ("sm90"), or the one being planned for."""
     planned = target.planned_arch()
-    if planned is not None:
-        return planned
+    return planned if planned is not None else _device_arch(device)
+
+
+@lru_cache(maxsize=None)
+def _device_arch(device: torch.device) -> str:  # read once per device: a forward call asks every time
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
 
@@ -715,8 +719,9 @@ class _Launcher:
     compile-only mode, only makes sure the cubin is built)."""
 
     def __init__(self, direction: str, device: torch.device, flags: tuple[str, ...]):
-        if target.record(target.Program("cuda", direction, None, tuple(sorted(("-D", flag) for flag in flags)))):
-            return  # planning only: nothing is built
+        if target.planned_arch() is not None:  # planning a table entry's stamp: nothing is built
+            target.record(target.Program("cuda", direction, None, tuple(sorted(("-D", flag) for flag in flags))))
+            return
         self.cubin = str(_built(direction, arch_of(device), flags))
         self.device = device.index if device.index is not None else torch.cuda.current_device()
 
