@@ -56,6 +56,7 @@ class Case:
     window: int = 0  # for mask="window": keys i - window < j <= i (bottom-right aligned)
     cache_lengths: bool = False  # per-sequence `cache_seqlens` (CACHE_LENGTHS), K/V NaN past them
     page: int = 0  # > 0: k and v are a paged cache of pages this long (`build_inputs`)
+    pages_out_of_range: bool = False  # with page: some used table entries name no block (`paged_cache`)
     tile_m: int = 16  # tile sizes the tile-aware masks are built on (set from the config)
     tile_n: int = 16
     tags: tuple[str, ...] = field(default=())
@@ -247,15 +248,21 @@ def build_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Input
             v[index, length:] = float("nan")
     block_table = None
     if case.page:
-        k, v, block_table = paged_cache(k, v, case.page, generator, cache_seqlens)
+        k, v, block_table = paged_cache(k, v, case.page, generator, cache_seqlens, case.pages_out_of_range)
     return Inputs(q, k, v, mask, bias, dout, cache_seqlens, block_table)
 
 
-def paged_cache(k, v, page: int, generator, cache_seqlens=None):
+# Table entries that name no block of a pool of n: before it, just past it, and far past it
+OUT_OF_RANGE_PAGES = (lambda n: -1, lambda n: n, lambda n: 2 ** 31 - 1)
+
+
+def paged_cache(k, v, page: int, generator, cache_seqlens=None, out_of_range: bool = False):
     """k and v (B, Lk, Hkv, D) as a paged cache: (blocks, page, Hkv, D) with every sequence's pages
     scattered in a shuffled pool of NaN-filled blocks, and the (B, pages) int32 block table; with
     `cache_seqlens`, a table entry whose keys all lie past a sequence's length holds -1 (it must
-    never be read)."""
+    never be read). `out_of_range`: every third entry of a row (from its second) names no block
+    (`OUT_OF_RANGE_PAGES` in turn), so its keys are excluded; the pool is then a view between two
+    NaN blocks, which a read of block -1 or of block n would reach."""
     batch, seqlen_k, heads_kv, head_dim = k.shape
     pages = -(-seqlen_k // page)
     spare = 3  # blocks no sequence uses
@@ -269,6 +276,12 @@ def paged_cache(k, v, page: int, generator, cache_seqlens=None):
         padded[:, :seqlen_k] = t
         pool[table.view(-1).long()] = padded.view(batch * pages, page, heads_kv, head_dim)
         pools.append(pool)
+    if out_of_range:
+        blocks = batch * pages + spare
+        pools = [torch.cat([torch.full_like(pool[:1], float("nan")), pool, torch.full_like(pool[:1], float("nan"))])
+                 [1:-1] for pool in pools]
+        for index, (b, p) in enumerate((b, p) for b in range(batch) for p in range(1, pages, 3)):
+            table[b, p] = OUT_OF_RANGE_PAGES[index % len(OUT_OF_RANGE_PAGES)](blocks)
     if cache_seqlens is not None:
         unused = torch.arange(pages, device=k.device) * page >= cache_seqlens.unsqueeze(1)
         table = torch.where(unused, torch.full_like(table, -1), table)
@@ -364,6 +377,12 @@ def _cache_cases() -> list[Case]:
              mask="random", mask_shape="key", bias="per_key", cache_lengths=True),
         Case("paged_48_causal_lq4", batch=2, heads=4, heads_kv=1, seqlen_q=4, seqlen_k=144, page=48, causal=True,
              bias="kv_head"),
+        # table entries naming no block (-1, the pool's size, 2^31 - 1): their keys are excluded,
+        # and nothing outside the pool is read
+        Case("paged_16_pages_out_of_range", batch=4, heads=8, heads_kv=2, seqlen_q=1, seqlen_k=96, page=16,
+             mask="random", mask_shape="key", bias="per_key", cache_lengths=True, pages_out_of_range=True),
+        Case("paged_48_pages_out_of_range_causal", batch=3, heads=4, heads_kv=1, seqlen_q=4, seqlen_k=240, page=48,
+             causal=True, bias="kv_head", pages_out_of_range=True),
         # a sliding window's last 300 keys of a cache long enough for the padding mask's span pass
         # (`decode_launch.MASK_SPAN_MIN_KEYS`): the splits cut the window, not the cache
         Case("sliding_window_long_cache", batch=2, heads=8, heads_kv=2, seqlen_q=1, seqlen_k=LONG_CACHE_KEYS,

@@ -12,9 +12,9 @@ mask is read as bytes, and q/k/v only need a contiguous last dim.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import numbers
+import os
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -23,6 +23,36 @@ from dmattn_bench import native, ops, reference
 from dmattn_bench import plan as plans
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, as_4d, is_valid_head_dim
+
+
+# DMATTN_BENCH_CHECK_PAGES=1 (read at import): every eager paged call checks its block table
+# first and raises on an index outside the cache, at the cost of a host sync; without it such
+# an entry's keys are excluded (the kernel never reads outside the cache), as the contract says
+CHECK_PAGES = os.environ.get("DMATTN_BENCH_CHECK_PAGES", "0") not in ("", "0")
+
+
+def check_flag(name: str, value, optional: bool = False) -> None:
+    """Raises TypeError unless `value` is a bool (or None where `optional`): a string such as
+    "no" is truthy, and an int would key another launch plan than the bool it equals."""
+    if not (value is True or value is False or (optional and value is None)):
+        expected = "True, False or None" if optional else "True or False"
+        raise TypeError(f"{name}: got {type(value).__name__} {value!r}, expected {expected}")
+
+
+def _check_pages(block_table: torch.Tensor, num_blocks: int, page: int, cache_seqlens) -> None:
+    """DMATTN_BENCH_CHECK_PAGES: raises ValueError naming the first entry of `block_table` that a
+    kept key reads (one before cache_seqlens) and that no block of the cache has. Skipped while a
+    CUDA graph is captured, where no sync is allowed."""
+    if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    first_key = torch.arange(block_table.shape[1], device=block_table.device) * page
+    used = first_key < (block_table.shape[1] * page if cache_seqlens is None
+                        else cache_seqlens.to(torch.int64).unsqueeze(1))
+    outside = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(outside.any()):
+        b, p = (int(i) for i in outside.nonzero()[0])
+        raise ValueError(f"block_table: entry [{b}, {p}] is {int(block_table[b, p])}, outside the cache's "
+                         f"{num_blocks} blocks (DMATTN_BENCH_CHECK_PAGES is set; without it those keys are excluded)")
 
 
 def _check_strides_and_head_dim(query, key, value) -> None:
@@ -51,8 +81,7 @@ def _check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scal
                     ("attn_bias", attn_bias), ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal: got {type(is_causal).__name__} {is_causal!r}, expected True or False")
+    check_flag("is_causal", is_causal)
     reference.check_inputs(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: got {type(softcap).__name__} {softcap!r}, expected a float >= 0 (0 disables)")
@@ -180,8 +209,8 @@ def flash_dmattn_func(
         is_causal: bottom-right aligned causal rule, combined with the mask by AND.
         softmax_scale: > 0; defaults to 1/sqrt(D).
         softcap: > 0 applies `softcap * tanh(S / softcap)` before the bias; 0 disables.
-        return_lse: also return the (B, H, Lq) fp32 natural-log sum-exp; a loss may use it (its
-            gradient flows into dq, dk and dbias, as for merging partial attentions).
+        return_lse: a bool: also return the (B, H, Lq) fp32 natural-log sum-exp; a loss may use it
+            (its gradient flows into dq, dk and dbias, as for merging partial attentions).
         backend: "auto" (the dispatch table, else the heuristic default), "triton", "cuda" (GPU only)
             or "reference".
         cache_seqlens: (B,) int32, sequence b's key length when key/value are (slices of) a KV
@@ -191,7 +220,9 @@ def flash_dmattn_func(
         block_table: (B, pages) int32, a paged KV cache (FlashAttention's and vLLM's layout):
             key/value are (blocks, page, Hkv, D), page a multiple of 16, and key j of sequence b
             is row j % page of block block_table[b, j // page] (Lk = pages * page). Entries whose
-            keys all lie at or past cache_seqlens are never read. Same calls as cache_seqlens.
+            keys all lie at or past cache_seqlens are never read; the keys of an entry outside
+            [0, blocks) are excluded, as if masked (DMATTN_BENCH_CHECK_PAGES=1 raises on one
+            instead, at the cost of a host sync). Same calls as cache_seqlens.
         table: a dispatch-table path for this call (overrides `use_table` and DMATTN_BENCH_TABLE).
         fwd_config, bwd_config: explicit kernel tiles, overriding the table for that direction.
 
@@ -207,16 +238,18 @@ def flash_dmattn_func(
 
     Raises:
         ValueError / TypeError: a bad shape, stride, device or dtype, naming the argument, the
-            shape received and the shape expected; a non-bool `is_causal`; an integer mask
+            shape received and the shape expected; a non-bool `is_causal` or `return_lse`; an
+            explicit config the backend cannot run on this shape; an integer mask
             holding values other than 0 and 1 (checked on every call: prefer a bool mask).
     """
     entry = native.ENTRY
-    if entry is not None and not torch.compiler.is_compiling():
+    if entry is not None and not torch.compiler.is_compiling() and not CHECK_PAGES:
         # a call without gradient whose arguments ran before: one C++ call (`native.learn` below)
         result = entry(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, return_lse, backend,
                        cache_seqlens, block_table, table, fwd_config, bwd_config)
         if result is not None:
             return result
+    check_flag("return_lse", return_lse)  # not in a plan's signature: checked on every call
     if backend != "reference" and not torch.compiler.is_compiling() and not _traced(query):
         if _NATIVE_PENDING and getattr(query, "is_cuda", False):
             _load_native()
@@ -246,6 +279,8 @@ def flash_dmattn_func(
             _check_no_gradient_with_cache(cache_seqlens, block_table, needs_grad)  # no grad flag in the signature
         if attn_mask is not None and attn_mask.dtype is not torch.bool:
             _check_mask_values(attn_mask)
+        if CHECK_PAGES and block_table is not None:
+            _check_pages(block_table, key.shape[0], key.shape[1], cache_seqlens)
         if needs_grad:
             out, lse = _Attention.apply(plan, query, key, value, attn_mask, attn_bias)
         else:
@@ -260,6 +295,8 @@ def flash_dmattn_func(
                                 fwd_config, bwd_config, cache_seqlens, block_table)
     needs_grad = _needs_grad(query, key, value, attn_bias)
     _check_no_gradient_with_cache(cache_seqlens, block_table, needs_grad)
+    if CHECK_PAGES and block_table is not None and not torch.compiler.is_compiling() and not _traced(query):
+        _check_pages(block_table, key.shape[0], key.shape[1], cache_seqlens)
     if backend == "reference":
         out, lse = reference.attention(
             query, key, value, attn_mask, attn_bias, is_causal=is_causal,

@@ -38,7 +38,7 @@ from dmattn_bench.reference import PAGE_MULTIPLE, attention
 from dmattn_bench.space import DTYPES, MAX_DECODE_QUERIES, is_valid_head_dim, load_yaml
 from dmattn_bench.timing import eager_wall_ms, time_kernel
 from dmattn_bench.validator import TensorCheck, compare
-from dmattn_bench.workloads import Workload, positive_int
+from dmattn_bench.workloads import Workload, positive_int, reject_table
 
 DIRECTIONS = ("fwd", "fwd+bwd")
 _MASK_KINDS = ("full", "kv_head")
@@ -197,6 +197,8 @@ def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[
     """
     path = Path(path)
     document = load_yaml(path)
+    if isinstance(document, dict):
+        reject_table(path, document)
     if not isinstance(document, dict) or not isinstance(document.get("workloads"), list):
         raise ValueError(f"{path}: expected a mapping with a `workloads:` list")
     workloads = [workload for i, entry in enumerate(document["workloads"])

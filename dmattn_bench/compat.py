@@ -104,6 +104,9 @@ def flash_dmattn_func(
     Returns:
         out (B, Lq, H, D) in the query's dtype.
     """
+    for name, flag in (("is_causal", is_causal), ("deterministic", deterministic),
+                       ("return_attn_probs", return_attn_probs)):
+        api.check_flag(name, flag, optional=True)
     del deterministic  # every configuration we ship is deterministic
     if return_attn_probs:
         raise NotImplementedError(
@@ -125,6 +128,7 @@ def triton_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_cau
     docstring). flash-dmattn's Triton function has no softcap, deterministic or
     return_attn_probs arguments, so neither does this one.
     """
+    api.check_flag("is_causal", is_causal)
     return api.flash_dmattn_func(
         query, key, value, _bool_mask(attn_mask), attn_bias, is_causal=bool(is_causal),
         softmax_scale=softmax_scale,

@@ -117,6 +117,33 @@ def _driver_version() -> str | None:
     return result.stdout.strip().splitlines()[0] if result.stdout.strip() else None
 
 
+# The torch and triton releases this project runs on (pyproject's dependency ranges, which a test
+# keeps equal to these): torch 2.13 / triton 3.9 on the CPU tier, torch 2.11 / triton 3.6 on the
+# GPUs (H100, H200); between and at those ends, what the device image and the registry give.
+TESTED_RELEASES = {"torch": ((2, 11), (2, 13)), "triton": ((3, 6), (3, 9))}
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string such as '2.13.0+cpu' or '3.6.0'; None if unreadable."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def untested_releases(versions: dict[str, str | None] | None = None) -> list[str]:
+    """One line per installed torch or triton outside `TESTED_RELEASES` (none when all are in)."""
+    versions = versions or software_versions()
+    lines = []
+    for name, (low, high) in TESTED_RELEASES.items():
+        release = _release(versions.get(name) or "")
+        if release is None or not low <= release <= high:
+            lines.append(f"{name} {versions.get(name)} is outside the releases dmattn-bench was tested on "
+                         f"({low[0]}.{low[1]} to {high[0]}.{high[1]}); install one of those if anything fails")
+    return lines
+
+
 def software_versions() -> dict[str, str | None]:
     """torch, triton, CUDA runtime, driver and dmattn-bench versions (for tables)."""
     import triton

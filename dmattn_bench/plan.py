@@ -27,8 +27,8 @@ import torch
 from dmattn_bench import dispatch, registry
 from dmattn_bench.registry import decode_config, default_configs, get_backend
 from dmattn_bench.reference import cache_length
-from dmattn_bench.space import (DTYPE_NAMES, MAX_DECODE_QUERIES, BwdConfig, FwdConfig, TableKey, as_4d, operand_kind,
-                                seqlen_bucket)
+from dmattn_bench.space import (DTYPE_NAMES, MAX_DECODE_QUERIES, AttentionShape, BwdConfig, FwdConfig, TableKey, as_4d,
+                                operand_kind, seqlen_bucket)
 
 MIN_KEY_TILE = 16  # tl.dot's smallest tile dim: the fp32-bias fit stops halving there
 INTERPRETER_SMS = 4
@@ -79,6 +79,16 @@ def _choose(key: TableKey, device: torch.device, head_dim: int, backend: str, ta
         return get_backend(backend), fwd if key.direction == "fwd" else bwd
     choice = dispatch.choose(key, device, table=table, env=env)
     return get_backend(choice.backend), choice.config
+
+
+def _check_explicit(backend: str, shape: AttentionShape, **configs) -> None:
+    """Raises ValueError when the backend a call asked for cannot run an explicit config on this
+    call's shape (a table's entries and the defaults were checked when they were tuned)."""
+    runner = get_backend("triton" if backend == "auto" else backend)
+    for name, config in configs.items():
+        reason = None if config is None else runner.is_supported(config, shape)
+        if reason:
+            raise ValueError(f"{name}: {reason} (the {runner.name} backend cannot run it)")
 
 
 def direction_key(keys: tuple[TableKey, TableKey], direction: str) -> TableKey:
@@ -154,6 +164,10 @@ class AttentionPlan:
             tuple(q.shape), seqlen_k, k.shape[2], q.dtype, None if mask is None else tuple(mask.shape),
             None if bias is None else tuple(bias.shape), is_causal, bias_requires_grad)
         self._env = os.environ.get(dispatch.ENV_VAR)
+        if not (self.no_rows or self.no_keys):
+            shape = AttentionShape(batch, seqlen_q, seqlen_k, num_heads, k.shape[2], q.shape[-1], is_causal,
+                                   mask is not None, bias is not None, bias_requires_grad, softcap)
+            _check_explicit(backend, shape, fwd_config=fwd_config, bwd_config=bwd_config)
         self.fwd_backend = self.fwd_config = None
         if not (self.no_rows or self.no_keys or block_table is not None):  # a paged cache only decodes
             self.fwd_backend, config = self._choose("fwd", fwd_config)

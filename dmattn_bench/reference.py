@@ -14,7 +14,8 @@ with ``cache_seqlens``, sequence b has Lk_b = clamp(cache_seqlens[b], 0, Lk) key
 Lk_b are excluded (their K and V never reach a product) and Lk_b replaces Lk in the causal rule.
 With ``block_table`` (B, pages) the cache is paged: key and value are (blocks, page, Hkv, D), and
 key j of sequence b is block ``block_table[b, j // page]``'s row ``j % page`` (Lk = pages * page);
-an entry whose keys all lie at or past Lk_b is never used.
+an entry whose keys all lie at or past Lk_b is never used, and the keys of an entry outside
+``[0, blocks)`` (-1, ``blocks``, any index no block has) are excluded, as if masked.
     lse[i]  = log(sum_j exp(S[i, j]))
     out[i]  = sum_j exp(S[i, j] - lse[i]) * v_j
 
@@ -170,14 +171,18 @@ def cache_length(key: torch.Tensor, block_table: torch.Tensor | None) -> int:
 
 
 def _gather_pages(key, value, block_table, cache_seqlens):
-    """A paged cache's (B, pages * page, Hkv, D) key and value; an entry no kept key reads (past
-    cache_seqlens) may hold anything, so it reads block 0 instead."""
+    """A paged cache's (B, pages * page, Hkv, D) key and value, and which of those keys lie on a
+    block of the cache ((B, pages * page) bool). An entry no kept key reads (past cache_seqlens)
+    may hold anything, and an entry outside the cache names no block: both read block 0 instead."""
     page = key.shape[1]
     pages = block_table.to(torch.int64)
+    on_cache = (pages >= 0) & (pages < key.shape[0])
+    used = on_cache
     if cache_seqlens is not None:
         first_key = torch.arange(pages.shape[1], device=pages.device) * page
-        pages = torch.where(first_key < cache_seqlens.to(torch.int64).unsqueeze(1), pages, 0)
-    return key[pages].flatten(1, 2), value[pages].flatten(1, 2)
+        used = used & (first_key < cache_seqlens.to(torch.int64).unsqueeze(1))
+    pages = torch.where(used, pages, 0)
+    return key[pages].flatten(1, 2), value[pages].flatten(1, 2), on_cache.repeat_interleave(page, dim=1)
 
 
 def attention(
@@ -233,8 +238,9 @@ def attention(
     check_inputs(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table)
     if softcap < 0:
         raise ValueError(f"softcap: got {softcap}, expected >= 0 (0 disables soft-capping)")
+    on_cache = None  # (B, Lk): the keys of a paged cache that lie on one of its blocks
     if block_table is not None:
-        key, value = _gather_pages(key, value, block_table, cache_seqlens)
+        key, value, on_cache = _gather_pages(key, value, block_table, cache_seqlens)
     B, Lq, H, D = query.shape
     Lk, Hkv = key.shape[1], key.shape[2]
     group = H // Hkv
@@ -247,11 +253,15 @@ def attention(
     q = query.to(compute_dtype).transpose(1, 2)
     k = key.to(compute_dtype).transpose(1, 2).repeat_interleave(group, dim=1)
     v = value.to(compute_dtype).transpose(1, 2).repeat_interleave(group, dim=1)
-    key_lengths = None
+    key_lengths = in_cache = None
     if cache_seqlens is not None:
         # (B, 1, 1, 1) lengths; K and V past them are zeroed so a NaN tail never reaches a product
         key_lengths = cache_seqlens.to(torch.int64).clamp(0, Lk).view(B, 1, 1, 1)
         in_cache = torch.arange(Lk, device=query.device) < key_lengths  # (B, 1, 1, Lk)
+    if on_cache is not None:
+        on_cache = on_cache.view(B, 1, 1, Lk)
+        in_cache = on_cache if in_cache is None else in_cache & on_cache
+    if in_cache is not None:
         zero = torch.zeros((), dtype=compute_dtype, device=query.device)
         k, v = (torch.where(in_cache.transpose(-1, -2), t, zero) for t in (k, v))
 
@@ -269,7 +279,7 @@ def attention(
         visible = _expand_scores_like(mask, "attn_mask", B, H, Hkv, Lq, Lk)
     rows = torch.arange(Lq, device=query.device).unsqueeze(-1)
     cols = torch.arange(Lk, device=query.device)
-    if key_lengths is not None:
+    if in_cache is not None:
         visible = in_cache if visible is None else visible & in_cache
     if is_causal:
         causal = cols <= rows + ((Lk if key_lengths is None else key_lengths) - Lq)

@@ -2,7 +2,8 @@
 
 A field name here is also the YAML key in `configs/` and the column of the dispatch table
 (`block_m`, `block_n`, `num_warps`, `num_stages`, ...). Configs are frozen so they can key
-caches and tables.
+caches and tables, and checked when built: a value no kernel could run raises there, naming the
+field, instead of deep inside a compiler.
 """
 
 from __future__ import annotations
@@ -47,6 +48,40 @@ def load_yaml(path: str | Path) -> Any:
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
+# -- kernel configs ------------------------------------------------------------------------------
+# What any config must hold, whatever runs it; a backend's `is_supported` adds its own rules (a
+# Triton tile is a power of two, a CUDA warp owns 16 or 32 rows, ...).
+TILE_STEP = 16  # tile dims are whole MMA tiles: tl.dot's minimum, the CUDA kernels' m16 fragments
+MAX_TILE = 256
+MAX_WARPS = 16  # 512 threads: the warp-specialized forward at 192 rows (12 consumer + 4 producer warps)
+MAX_STAGES = 8
+MAX_SPLITS = 64  # the short-query forward's combine kernel holds one lse per split
+
+
+def _field_problem(name: str, value: Any) -> str | None:
+    """What is wrong with a config field's value, as "expected ..." (None when it is right)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return "expected an int"
+    if name.startswith("block_"):
+        fits = value % TILE_STEP == 0 and TILE_STEP <= value <= MAX_TILE
+        return None if fits else f"expected a multiple of {TILE_STEP} in [{TILE_STEP}, {MAX_TILE}]"
+    if name == "num_warps":
+        return None if 1 <= value <= MAX_WARPS else f"expected 1 to {MAX_WARPS} warps"
+    if name == "num_stages":
+        return None if 1 <= value <= MAX_STAGES else f"expected 1 to {MAX_STAGES} stages"
+    if name == "num_splits":
+        return None if 0 <= value <= MAX_SPLITS else f"expected 0 (auto) to {MAX_SPLITS}"
+    return None if value in (0, 1) else "expected 0 (off) or 1 (on)"  # a kernel knob (`FWD_KNOBS`)
+
+
+def _check_fields(config) -> None:
+    """Raises ValueError naming the first field of `config` that no kernel could run."""
+    for item in fields(config):
+        value = getattr(config, item.name)
+        problem = _field_problem(item.name, value)
+        if problem:
+            raise ValueError(f"{type(config).__name__}.{item.name}: got {value!r}, {problem}")
+
 
 @dataclass(frozen=True)
 class FwdConfig:
@@ -75,6 +110,9 @@ class FwdConfig:
     overlap: int = field(default=0, metadata={"minimum": 0})
     persistent: int = field(default=0, metadata={"minimum": 0})
 
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
     def to_dict(self) -> dict[str, int]:
         return {name: value for name, value in asdict(self).items() if value or name not in FWD_KNOBS}
 
@@ -102,6 +140,9 @@ class BwdConfig:
     num_warps: int = 4
     num_stages: int = 1
 
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
@@ -126,16 +167,38 @@ class DecodeConfig:
     num_stages: int = 2
     num_splits: int = field(default=0, metadata={"minimum": 0})  # 0 means "auto"
 
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
 
-def config_label(config: "FwdConfig | BwdConfig | DecodeConfig | None") -> str:
+@dataclass(frozen=True)
+class InvalidConfig:
+    """A dispatch-table entry's config that fails its class's checks, kept as the file wrote it so
+    that `show` lists the entry and `verify` fails on it; the runtime never runs it.
+
+    Attributes:
+        values: the fields as written, in file order.
+        problem: the check's message (`FwdConfig.block_m: got 24, expected ...`).
+    """
+
+    values: tuple[tuple[str, int], ...]
+    problem: str
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.values)
+
+
+def config_label(config: "FwdConfig | BwdConfig | DecodeConfig | InvalidConfig | None") -> str:
     """Compact human label: fwd "128x64 w4 s3" (a knob on appended: "128x128 w12 s2 overlap
-    persistent"; a value other than 1 as "overlap=2"), bwd "32x64 dq64x32 w4 s2", decode "n64 w4
-    s3 splits auto"; "-" for a direction not run."""
+    persistent"), bwd "32x64 dq64x32 w4 s2", decode "n64 w4 s3 splits auto", a table entry's
+    invalid config "invalid: block_m=24 ..."; "-" for a direction not run."""
     if config is None:
         return "-"
+    if isinstance(config, InvalidConfig):
+        return "invalid: " + " ".join(f"{name}={value}" for name, value in config.values)
     if isinstance(config, DecodeConfig):
         splits = config.num_splits or "auto"
         return f"n{config.block_n} w{config.num_warps} s{config.num_stages} splits {splits}"
@@ -146,7 +209,7 @@ def config_label(config: "FwdConfig | BwdConfig | DecodeConfig | None") -> str:
     if isinstance(config, FwdConfig):
         for name in FWD_KNOBS:
             value = getattr(config, name)
-            label += "" if value == 0 else f" {name}" if value == 1 else f" {name}={value}"
+            label += f" {name}" if value else ""
     return label
 
 

@@ -39,7 +39,8 @@ CHECKED = ("out", "lse", "dq", "dk", "dv", "dbias")
 # "triton" calls without gradient, `plan.AttentionPlan.decodes`), checked on `decode_cases`
 DECODE = "triton-decode"
 # Failure statuses, most severe first; "ok" is success.
-STATUSES = ("crash", "launch_error", "oom", "timeout", "compile_error", "nonfinite", "mismatch", "unsupported", "ok")
+STATUSES = ("crash", "launch_error", "oom", "timeout", "compile_error", "nonfinite", "mismatch", "invalid", "unsupported",
+            "ok")
 
 
 @dataclass

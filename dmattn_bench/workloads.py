@@ -173,6 +173,14 @@ def _products(grid) -> list:
     return [product for item in grid for product in _products(item)]
 
 
+def reject_table(path: Path, document: dict) -> None:
+    """Raises ValueError when a file given as workloads is a dispatch table (a mistake both `tune`
+    and `bench` name the same way)."""
+    if "entries" in document and "schema_version" in document:
+        raise ValueError(f"{path}: this is a dispatch table (the dispatch table's format: what `tune` writes and "
+                         f"`--table` reads), not a workloads file")
+
+
 def load_workloads(path: str | Path, grid: str = "default", dtypes: list[str] | None = None) -> list[Workload]:
     """The workloads of `grid` in a workloads YAML (or the `workloads:` section of configs/ci.yaml).
 
@@ -183,6 +191,7 @@ def load_workloads(path: str | Path, grid: str = "default", dtypes: list[str] | 
     document = load_yaml(path)
     if not isinstance(document, dict):
         raise ValueError(f"{path}: expected a mapping of grids")
+    reject_table(path, document)
     grids = document.get("workloads", document)
     if not isinstance(grids, dict):
         raise ValueError(f"{path}: `workloads:` is not a mapping of grids (a list of named workloads is "

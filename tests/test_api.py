@@ -439,9 +439,40 @@ def _negative_softmax_scale():
     return _err_inputs(), {"softmax_scale": -0.125}, ValueError, ["softmax_scale", "-0.125"]
 
 
+def _return_lse_string():
+    """Issue 54: "no" is truthy, and returned a tuple on 0f8f85e."""
+    return _err_inputs(), {"return_lse": "no"}, TypeError, ["return_lse", "'no'", "True or False"]
+
+
+def _return_lse_int():
+    return _err_inputs(), {"return_lse": 1}, TypeError, ["return_lse", "int 1"]
+
+
+def _is_causal_none():
+    return _err_inputs(), {"is_causal": None}, TypeError, ["is_causal", "NoneType"]
+
+
+def _fwd_tile_the_backend_cannot_run():
+    """A multiple of 16 that is no power of two: a config any kernel may take, but not Triton's."""
+    return _err_inputs(), {"fwd_config": FwdConfig(48, 16, 1, 1)}, ValueError, [
+        "fwd_config", "block_m=48 is not a power of two", "triton backend"]
+
+
+def _knob_on_the_triton_backend():
+    """On 0f8f85e the knobs of the CUDA forward ran silently on the Triton one."""
+    return _err_inputs(), {"fwd_config": FwdConfig(128, 128, 12, 2, overlap=1)}, ValueError, [
+        "fwd_config", "overlap and persistent", "triton backend"]
+
+
+def _bwd_tile_the_backend_cannot_run():
+    q, k, v = (t.requires_grad_() for t in _err_inputs())
+    return (q, k, v), {"bwd_config": BwdConfig(block_n=48)}, ValueError, ["bwd_config", "block_n=48"]
+
+
 ERROR_CASES = [_wrong_mask, _key_other_d, _heads_not_divisible, _float_mask, _head_dim_36,
                _bf16_on_cpu, _query_stride, _unknown_backend, _non_tensor_query, _negative_softcap,
-               _zero_softmax_scale, _negative_softmax_scale]
+               _zero_softmax_scale, _negative_softmax_scale, _return_lse_string, _return_lse_int, _is_causal_none,
+               _fwd_tile_the_backend_cannot_run, _knob_on_the_triton_backend, _bwd_tile_the_backend_cannot_run]
 
 
 @pytest.mark.parametrize("make", ERROR_CASES, ids=[f.__name__.lstrip("_") for f in ERROR_CASES])
@@ -498,3 +529,24 @@ def test_a_forward_without_a_summary_leaves_the_backward_to_read_the_mask():
     assert plan.AttentionPlan(q, k, k, mask, None, backend="triton", **options).fills_activity
     assert not plan.AttentionPlan(q, k, k, mask, None, backend="reference", **options).fills_activity
     assert not plan.AttentionPlan(q, k, k, None, None, backend="triton", **options).fills_activity
+
+
+@pytest.mark.parametrize("flag", ["is_causal", "deterministic", "return_attn_probs"])
+def test_the_compat_flags_are_bools_or_none(flag):
+    """flash-dmattn's signature takes None for its flags; anything else but a bool is named."""
+    from dmattn_bench import compat
+
+    q, k, v = _err_inputs()
+    assert compat.flash_dmattn_func(q, k, v, **{flag: None}).shape == q.shape
+    with pytest.raises(TypeError, match=f"{flag}: got str 'yes', expected True, False or None"):
+        compat.flash_dmattn_func(q, k, v, **{flag: "yes"})
+    with pytest.raises(TypeError, match="is_causal: got int 1, expected True or False"):
+        compat.triton_dmattn_func(q, k, v, is_causal=1)
+
+
+def test_a_cached_plan_still_checks_return_lse():
+    """return_lse is not in a plan's signature: a call of a known signature checks it too."""
+    q, k, v = _err_inputs()
+    assert isinstance(flash_dmattn_func(q, k, v, return_lse=True), tuple)
+    with pytest.raises(TypeError, match="return_lse: got str 'no'"):
+        flash_dmattn_func(q, k, v, return_lse="no")

@@ -229,6 +229,57 @@ def test_a_paged_cache_gives_the_contiguous_result(page):
     _check(q, k_pool, v_pool, mask, bias, seqlens, is_causal=True, block_table=table)
 
 
+def _pool_between_nan_blocks(blocks, page, heads_kv, head_dim, generator):
+    """A (blocks, page, Hkv, D) pool that is a view between two NaN blocks: a read of block -1 or
+    of block `blocks` reaches NaN."""
+    pool = torch.full((blocks + 2, page, heads_kv, head_dim), float("nan"))
+    pool[1:-1] = torch.randn(blocks, page, heads_kv, head_dim, generator=generator)
+    return pool[1:-1]
+
+
+@pytest.mark.parametrize("seqlens", [None, [48, 40, 48]], ids=["full", "cache_seqlens"])
+def test_pages_outside_the_cache_are_excluded_and_never_read(seqlens):
+    """Issue 54: on 0f8f85e an entry of 99 or -1 with 4 blocks, inside the sequence's length,
+    returned finite output from memory the caller never passed. Entries of -1, the pool's size
+    and 2^31 - 1 now exclude their keys (the reference's rule); a sequence whose pages all lie
+    outside is dead (out 0, lse -inf)."""
+    generator = torch.Generator().manual_seed(3)
+    k_pool, v_pool = (_pool_between_nan_blocks(4, 16, 2, 32, generator) for _ in range(2))
+    q = torch.randn(3, 2, 8, 32, generator=generator)
+    table = torch.tensor([[2, -1, 0], [4, 1, 2 ** 31 - 1], [-1, 4, -1]], dtype=torch.int32)
+    lengths = None if seqlens is None else torch.tensor(seqlens, dtype=torch.int32)
+    out, lse = _check(q, k_pool, v_pool, None, None, lengths, block_table=table)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and (lse[2] == float("-inf")).all()
+    assert torch.isfinite(lse[:2]).all()
+    # the same keys as a contiguous cache whose out-of-range pages are masked out
+    k, v = (torch.cat([pool[2], pool[0], pool[0]]).unsqueeze(0) for pool in (k_pool, v_pool))
+    keep = torch.tensor([True] * 16 + [False] * 16 + [True] * 16).view(1, 1, 1, 48)
+    with torch.no_grad():
+        alone = flash_dmattn_func(q[:1], k, v, keep, return_lse=True,
+                                  cache_seqlens=None if lengths is None else lengths[:1])
+    assert torch.allclose(alone[0], out[:1], atol=1e-5) and torch.allclose(alone[1], lse[:1], atol=1e-5)
+
+
+def test_the_page_check_mode_raises_on_a_page_outside_the_cache(monkeypatch):
+    """DMATTN_BENCH_CHECK_PAGES=1 (`api.CHECK_PAGES`): a used entry outside the cache raises,
+    naming it; an entry past cache_seqlens (-1: vLLM's unused page) does not."""
+    from dmattn_bench import api
+
+    monkeypatch.setattr(api, "CHECK_PAGES", True)
+    k = v = torch.randn(4, 16, 2, 32)
+    q = torch.randn(2, 1, 8, 32)
+    table = torch.tensor([[2, 0, 3], [1, -1, 2]], dtype=torch.int32)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"block_table: entry \[1, 1\] is -1, outside the "
+                                                          r"cache's 4 blocks"):
+        flash_dmattn_func(q, k, v, block_table=table)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"entry \[0, 2\] is 4"):
+        flash_dmattn_func(q, k, v, block_table=torch.tensor([[2, 0, 4], [1, 0, 2]], dtype=torch.int32))
+    with torch.no_grad():
+        out = flash_dmattn_func(q, k, v, block_table=table, cache_seqlens=torch.tensor([48, 16], dtype=torch.int32))
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("table, key_shape, error, match", [
     (torch.zeros(1, 2, dtype=torch.int64), (4, 16, 2, 16), TypeError, "block_table: got dtype torch.int64"),
     (torch.zeros(2, 2, dtype=torch.int32), (4, 16, 2, 16), ValueError, r"block_table: got shape \(2, 2\), expected \(B, pages\) = \(1, pages\)"),

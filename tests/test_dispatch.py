@@ -343,7 +343,7 @@ def test_a_stale_entry_spares_its_neighbours(tmp_path):
     index = next(i for i, item in enumerate(doc["entries"])
                  if item["key"]["dtype"] == "fp32" and item["backend"] == "triton")
     path = _copy(tmp_path / "t.yaml", _not_current(doc, index, "other code"))
-    assert lookup.status_counts(load_table(path)) == {"current": 2, "stale": 1, "unvalidated": 0}
+    assert lookup.status_counts(load_table(path)) == {"current": 2, "stale": 1, "unvalidated": 0, "invalid": 0}
     with pytest.warns(DispatchWarning, match="fwd fp32 D64 \\(triton\\) skipped"):
         assert choose(key(), "cpu", table=path).source == "default"
     with warnings.catch_warnings():
@@ -360,7 +360,7 @@ def test_status_counts_count_each_entry_by_its_own_status(tmp_path):
     _not_current(doc, 2, "never")
     _not_current(_not_current(doc, 3, "declared"), 3, "other code")
     table = table_from_dict(doc, "t.yaml")
-    assert lookup.status_counts(table) == {"current": 2, "stale": 3, "unvalidated": 1}
+    assert lookup.status_counts(table) == {"current": 2, "stale": 3, "unvalidated": 1, "invalid": 0}
     assert [entry_status(e, table.device) for e in table.entries] == [
         "stale", "stale", "unvalidated", "stale", "current", "current"]
 
@@ -426,9 +426,9 @@ def test_schema_1_is_read_as_one_hash_for_everything(tmp_path):
     assert {(e.backend, e.key.dtype): entry_status(e, CPU_FINGERPRINT) for e in table.entries} == {
         ("triton", "fp32"): "stale", ("triton", "fp16"): "stale", ("reference", "fp32"): "current"}
     doc["kernel_hashes"]["triton"] = kernel_source_hash("triton")
-    assert lookup.status_counts(table_from_dict(doc, "v1.yaml")) == {"current": 3, "stale": 0, "unvalidated": 0}
+    assert lookup.status_counts(table_from_dict(doc, "v1.yaml")) == {"current": 3, "stale": 0, "unvalidated": 0, "invalid": 0}
     del doc["kernel_hashes"]["reference"]  # a backend it recorded no hash for: never validated
-    assert lookup.status_counts(table_from_dict(doc, "v1.yaml")) == {"current": 2, "stale": 0, "unvalidated": 1}
+    assert lookup.status_counts(table_from_dict(doc, "v1.yaml")) == {"current": 2, "stale": 0, "unvalidated": 1, "invalid": 0}
     dump_table(table, tmp_path / "v3.yaml")
     assert yaml.safe_load((tmp_path / "v3.yaml").read_text())["schema_version"] == 3
     assert table_to_dict(load_table(tmp_path / "v3.yaml")) == table_to_dict(table)
@@ -502,7 +502,7 @@ def test_show_human_and_json(tmp_path):
     assert "3: 1 current, 1 stale, 1 unvalidated" in human.output
     result = CliRunner().invoke(show, [path, "--format", "json"])
     shown = json.loads(result.output)
-    assert shown["status_counts"] == {"current": 1, "stale": 1, "unvalidated": 1}
+    assert shown["status_counts"] == {"current": 1, "stale": 1, "unvalidated": 1, "invalid": 0}
     assert [e["status"] for e in shown["entries"]] == ["current", "stale", "unvalidated"]
     assert [e["stale"] for e in shown["entries"]] == [None, "kernel edit X, its GPU away", None]
     assert shown["entries"][0]["evidence"]["tflops"] == 123.4
@@ -621,3 +621,57 @@ def test_a_wheel_install_carries_the_shipped_tables(installed_wheel, tmp_path):
     # the search spaces and workloads travel too: a wheel install can tune and bench
     assert printed[2] == str(site / "dmattn_bench" / "configs")
     assert printed[3].split() == sorted(str(p.relative_to(root / "configs")) for p in (root / "configs").rglob("*.yaml"))
+
+
+# -- an entry whose config no kernel can run (issue 54) -------------------------------------------
+
+def _with_bad_tile(tmp_path) -> str:
+    """A tuned table with its first entry's block_m hand-edited to 24 (no kernel runs that), and a
+    second, good entry."""
+    doc = table_to_dict(new_table([entry(key()), entry(key(dtype="fp16"), FwdConfig(64, 32, 2, 1))],
+                                  CPU_FINGERPRINT, interpreter=True))
+    bad = next(item for item in doc["entries"] if item["key"]["dtype"] == "fp32")
+    bad["config"]["block_m"] = 24
+    return _copy(tmp_path / "t.yaml", doc)
+
+
+def test_an_entry_with_a_bad_tile_is_skipped_with_one_warning_and_its_neighbours_serve(tmp_path):
+    """On 0f8f85e a block_m of 24 loaded, was chosen, and every call of its key died in Triton."""
+    path = _with_bad_tile(tmp_path)
+    table = load_table(path)
+    assert [entry_status(e, table.device) for e in table.entries] == ["current", "invalid"]  # fp16 sorts first
+    assert lookup.status_counts(table) == {"current": 1, "stale": 0, "unvalidated": 0, "invalid": 1}
+    with pytest.warns(DispatchWarning, match=r"fwd fp32 D64 \(triton\) skipped, its config cannot run "
+                                             r"\(FwdConfig.block_m: got 24, expected a multiple of 16"):
+        assert choose(key(), "cpu", table=path).source == "default"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DispatchWarning)  # warned once per table
+        assert choose(key(q=2048), "cpu", table=path).source == "default"
+        assert choose(key(dtype="fp16"), "cpu", table=path).config == FwdConfig(64, 32, 2, 1)
+    assert load_table(path).entries == table.entries  # read the same each time; written back as read
+    dump_table(table, tmp_path / "again.yaml")
+    assert yaml.safe_load(open(tmp_path / "again.yaml"))["entries"][1]["config"]["block_m"] == 24
+
+
+def test_show_marks_an_entry_with_a_bad_tile(tmp_path):
+    path = _with_bad_tile(tmp_path)
+    human = CliRunner().invoke(show, [path])
+    assert human.exit_code == 0, human.output
+    assert "1 invalid" in human.output and "invalid: block_m=24" in human.output
+    shown = json.loads(CliRunner().invoke(show, [path, "--format", "json"]).output)
+    assert shown["status_counts"]["invalid"] == 1
+    bad = next(e for e in shown["entries"] if e["status"] == "invalid")
+    assert bad["problem"].startswith("FwdConfig.block_m: got 24") and bad["config"]["block_m"] == 24
+
+
+def test_verify_fails_on_an_entry_with_a_bad_tile(tmp_path, capsys):
+    from dmattn_bench.cli import main
+
+    doc = yaml.safe_load(open(_with_bad_tile(tmp_path)))
+    doc["entries"] = [item for item in doc["entries"] if item["key"]["dtype"] == "fp32"]  # the bad one alone
+    with pytest.raises(SystemExit) as done:
+        main(["verify", "--table", _copy(tmp_path / "bad.yaml", doc), "--dtype", "fp32", "--format", "json"])
+    assert done.value.code == 3
+    report = json.loads(capsys.readouterr().out)
+    (suite,) = report["entries"]
+    assert suite["status"] == "invalid" and suite["cases"][0]["reason"].startswith("FwdConfig.block_m: got 24")

@@ -1,5 +1,6 @@
 """Fitting the ecosystem: torch.compile with no graph break, CUDA-graph capture (GPU), and the
-README's usage examples, which run here exactly as written."""
+README's usage examples, which run here exactly as written: every python block of the README is
+an example named by its first line (`# example: <name>`), and every example runs in a test."""
 
 from __future__ import annotations
 
@@ -14,14 +15,35 @@ from dmattn_bench.hardware import CPU_FINGERPRINT
 from dmattn_bench.space import FwdConfig, TableKey
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+EXAMPLE_NAME = re.compile(r"# example: (\S+)\n")
+
+
+def readme_blocks() -> list[str]:
+    """Every python code block of the README, in order."""
+    return PYTHON_BLOCK.findall(README.read_text())
+
+
+def example_name(block: str) -> str | None:
+    """The name a block's first line gives it (`# example: <name>`), None without one."""
+    match = EXAMPLE_NAME.match(block)
+    return match.group(1) if match else None
 
 
 def readme_example(name: str) -> str:
     """The README code block that starts with `# example: <name>`."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    matches = [b for b in blocks if b.startswith(f"# example: {name}\n")]
+    matches = [b for b in readme_blocks() if example_name(b) == name]
     assert len(matches) == 1, f"README has {len(matches)} '# example: {name}' blocks"
     return matches[0]
+
+
+# Examples that need a fixture of their own, each with the test that runs it; every other example
+# runs as it stands in `test_readme_example_runs`, so a new block is tested once it has a name.
+SPECIAL_EXAMPLES = {"tune": "test_readme_tune_example_selects_the_table"}
+GENERIC_EXAMPLES = sorted({name for name in map(example_name, readme_blocks())
+                           if name is not None and name not in SPECIAL_EXAMPLES})
+# What an example imports that the CPU tier may lack: its test is skipped without it.
+EXAMPLE_NEEDS = {"transformers": "transformers"}
 
 
 def _inputs(requires_grad: bool = True, device: str = "cpu", dtype=torch.float32):
@@ -57,12 +79,25 @@ def test_custom_op_passes_torch_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_readme_training_example_runs():
-    exec(compile(readme_example("training"), "README.md:training", "exec"), {})
+def test_every_readme_python_block_is_a_named_example_with_a_test():
+    """A named block runs in `test_readme_example_runs` unless a test of its own runs it
+    (`SPECIAL_EXAMPLES`), so an unnamed block is the one way an example escapes CI."""
+    blocks = readme_blocks()
+    names = [example_name(block) for block in blocks]
+    unnamed = [block.splitlines()[0] if block else "(empty)" for block, name in zip(blocks, names) if name is None]
+    assert not unnamed, f"README python blocks without a '# example: <name>' first line, starting: {unnamed}"
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    assert not duplicates, f"README example names used twice: {duplicates}"
+    missing = sorted(set(SPECIAL_EXAMPLES) - set(names))
+    assert not missing, f"tests for README examples the README no longer has: {missing}"
+    assert all(callable(globals().get(test)) for test in SPECIAL_EXAMPLES.values())
 
 
-def test_readme_serving_example_runs():
-    exec(compile(readme_example("serving"), "README.md:serving", "exec"), {})
+@pytest.mark.parametrize("name", GENERIC_EXAMPLES)
+def test_readme_example_runs(name):
+    if name in EXAMPLE_NEEDS:
+        pytest.importorskip(EXAMPLE_NEEDS[name])
+    exec(compile(readme_example(name), f"README.md:{name}", "exec"), {})
 
 
 def test_readme_tune_example_selects_the_table(tmp_path, monkeypatch):

@@ -305,6 +305,40 @@ def test_decode_steps_in_a_cuda_graph_with_changing_lengths(dtype):
         k.copy_(k_cache), v.copy_(v_cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_paged_decode_with_pages_outside_the_cache_excludes_them(dtype):
+    """Issue 54 on the GPU: table entries of -1, the pool's size and 2^31 - 1 (the pool a view
+    between two NaN blocks) exclude their keys; every call, through the JIT, the Python launch and
+    the native entry, is finite, equal to the reference by DESIGN §2 and to the first bitwise
+    (B4 H32 Hkv8 D128, pages of 64 keys, 4096 keys a sequence, cache lengths)."""
+    from dmattn_bench.adversarial import paged_cache
+    from dmattn_bench.reference import attention
+
+    batch, heads, heads_kv, seqlen_k, head_dim = 4, 32, 8, 4096, 128
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q = torch.randn(batch, 1, heads, head_dim, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=dtype, generator=g)
+            for _ in range(2))
+    bias = torch.randn(batch, heads_kv, 1, seqlen_k, device="cuda", dtype=dtype, generator=g)
+    lengths = torch.tensor([4096, 3000, 65, 1], dtype=torch.int32, device="cuda")
+    k_pool, v_pool, table = paged_cache(k, v, 64, g, lengths, out_of_range=True)
+    used = torch.arange(table.shape[1], device="cuda") * 64 < lengths.unsqueeze(1)
+    assert (used & ((table < 0) | (table >= k_pool.shape[0]))).sum() >= 30  # entries a kept key reads, naming no block
+    with torch.no_grad():
+        runs = [flash_dmattn_func(q, k_pool, v_pool, None, bias, cache_seqlens=lengths, block_table=table,
+                                  return_lse=True) for _ in range(4)]
+    high = attention(q, k_pool, v_pool, None, bias, cache_seqlens=lengths, block_table=table, return_lse=True)
+    low = attention(q, k_pool, v_pool, None, bias, cache_seqlens=lengths, block_table=table, return_lse=True,
+                    compute_dtype=dtype)
+    out, lse = runs[0]
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:3]).all()
+    for name, got, ref, ref_low in (("out", out, high[0], low[0]), ("lse", lse, high[1], low[1])):
+        check = compare(name, got, ref, ref_low, dtype)
+        assert check.passed, f"{name}: {check}"
+    for later in runs[1:]:
+        assert torch.equal(later[0], out) and torch.equal(later[1], lse)
+
+
 def _counted_entry(entry, served: list):
     """`native.ENTRY` that appends to `served` whether it ran each call."""
     def counted(*arguments):

@@ -128,7 +128,7 @@ def test_declare_stale_then_restamp(tmp_path):
     assert {k: restamped[k] for k in (LONGER, OTHER_DTYPE, BACKWARD)} == {k: after[k] for k in (LONGER, OTHER_DTYPE,
                                                                                                   BACKWARD)}
     assert {e.timed for e in restamped.values()} == {OLD}
-    assert lookup.status_counts(load_table(path)) == {"current": 3, "stale": 1, "unvalidated": 0}
+    assert lookup.status_counts(load_table(path)) == {"current": 3, "stale": 1, "unvalidated": 0, "invalid": 0}
     clear_cache()
     with warnings.catch_warnings():
         warnings.simplefilter("error", DispatchWarning)

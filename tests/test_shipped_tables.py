@@ -86,7 +86,10 @@ def _edited(tmp_path: Path, edits: dict[str, list[tuple[str, str]]]) -> Path:
 
 
 def _stale(statuses: dict[str, list[str]]) -> dict[str, set[int]]:
-    return {Path(path).name: {i for i, state in enumerate(states) if state != "current"}
+    """The entries an edit stales: those not current, but for the ones the shipped file already
+    declares stale (stale whatever the edit)."""
+    declared = {path.name: {i for i, e in enumerate(load_table(path).entries) if e.stale is not None} for path in SHIPPED}
+    return {Path(path).name: {i for i, state in enumerate(states) if state != "current"} - declared[Path(path).name]
             for path, states in statuses.items()}
 
 

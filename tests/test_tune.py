@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from pathlib import Path
 
 import click
 import pytest
@@ -225,6 +226,24 @@ def test_the_same_tune_again_starts_over_after_a_completed_run_and_resumes_only_
     assert [r["kind"] for r in _records(journal)].count("trial") == 3
 
 
+def test_a_tune_without_out_writes_into_the_tuned_folder_and_draws_no_speed_from_the_interpreter(
+        tmp_path, monkeypatch):
+    """Issue 54: the main command wrote cpu-interpreter.yaml and its journal into the checkout's
+    root, which .gitignore did not cover, and printed a geometric-mean speed-up beside "timings
+    not meaningful"."""
+    workloads, space = _tiny_inputs(tmp_path, CPU_FWD.to_dict())
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(tune_command, ["--workloads", workloads, "--space", space, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == [
+        "cpu-interpreter.yaml", "cpu-interpreter.yaml.trials.jsonl"]
+    assert not list(tmp_path.glob("cpu-interpreter.yaml*"))
+    assert "speed-up" not in result.stderr and "timings are not meaningful" in result.stderr
+    assert json.loads(result.stdout)["geomean_speedup_vs_default"] is None
+    gitignore = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().split()
+    assert "/tuned/" in gitignore
+
+
 def test_resume_without_a_journal_is_a_usage_error(tmp_path):
     workloads, space = _tiny_inputs(tmp_path, CPU_FWD.to_dict())
     out = tmp_path / "T.yaml"
@@ -309,7 +328,8 @@ def test_info_shows_the_table_a_call_would_use_or_why_none(tmp_path, monkeypatch
     assert "DMATTN_BENCH_TABLE is unset" in note and "no table ships for cpu-interpreter" in note
 
     key = load_workloads(_tiny_inputs(tmp_path, CPU_FWD.to_dict())[0])[0].key("fwd")
-    tuned = tmp_path / "cpu-interpreter.yaml"  # where `tune` writes on this machine by default
+    (tmp_path / "tuned").mkdir()
+    tuned = tmp_path / "tuned" / "cpu-interpreter.yaml"  # where `tune` writes on this machine by default
     dump_table(new_table([Entry(key, "triton", CPU_FWD, {"median_ms": 1.0})], CPU_FINGERPRINT, interpreter=True),
                tuned)
     active, note, _ = shown()
@@ -613,12 +633,14 @@ def _bad_inputs(tmp_path) -> dict[str, str]:
 
 
 BAD_INPUTS = [  # (arguments, exit code, what the one-line error says)
-    (["tune", "--workloads", "{malformed}"], 1, "not valid YAML at line"),
-    (["tune", "--space", "{list}"], 1, "expected a mapping"),
-    (["tune", "--workloads", "{peers}"], 1, "the bench's format"),
-    (["tune", "--workloads", "{zero_seqlen}"], 1, "seqlen: got 0, expected a positive integer"),
-    (["tune", "--resume"], 2, "nothing to resume: the journal cpu-interpreter.yaml.trials.jsonl does not exist"),
-    (["tune", "--workloads", "{head_dim_512}"], 1, "head_dim: got 512, expected a multiple of 8"),
+    (["tune", "--workloads", "{malformed}"], 2, "not valid YAML at line"),
+    (["tune", "--space", "{list}"], 2, "expected a mapping"),
+    (["tune", "--workloads", "{peers}"], 2, "the bench's format"),
+    (["tune", "--workloads", "{zero_seqlen}"], 2, "seqlen: got 0, expected a positive integer"),
+    (["tune", "--resume"], 2, "nothing to resume: the journal tuned/cpu-interpreter.yaml.trials.jsonl does not exist"),
+    (["tune", "--workloads", "{table}"], 2, "the dispatch table's format"),
+    (["bench", "--workloads", "{table}"], 2, "the dispatch table's format"),
+    (["tune", "--workloads", "{head_dim_512}"], 2, "head_dim: got 512, expected a multiple of 8"),
     (["tune", "--workloads", "{bf16}"], 2, "bf16 workloads need a CUDA GPU"),
     (["tune", "--out", "{no_folder}"], 2, "its folder does not exist"),
     (["tune", "--trial-timeout", "nan"], 2, "expected a positive number of seconds"),

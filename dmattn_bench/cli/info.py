@@ -14,6 +14,7 @@ import torch
 from rich.table import Table
 
 from dmattn_bench import __version__, output
+from dmattn_bench.hardware import untested_releases
 from dmattn_bench.registry import BACKEND_NAMES, default_entries, interpreter_enabled
 
 
@@ -68,8 +69,8 @@ def _table_in_use(device: str) -> tuple[str | None, str]:
     shipped = Path(lookup.SHIPPED_TABLES_DIR) / f"{fingerprint.slug()}.yaml"
     if path is not None:
         counts = lookup.status_counts(lookup.load_table(path))
-        stale = f"; {counts['stale']} stale and {counts['unvalidated']} unvalidated entries are skipped" \
-            if counts["stale"] or counts["unvalidated"] else ""
+        skipped = [f"{n} {state}" for state, n in counts.items() if state != "current" and n]
+        stale = f"; {', '.join(skipped)} entries are skipped" if skipped else ""
         return path, (f"from {ENV_VAR}" if path == env else f"shipped for {fingerprint.name}") + \
             f" ({counts['current']} current entries{stale})"
     # in the lookup's order: the variable's table, then the shipped one
@@ -79,7 +80,9 @@ def _table_in_use(device: str) -> tuple[str | None, str]:
     for candidate in (env, str(shipped) if shipped.exists() else None):
         if candidate is not None and not any(candidate in message for message in skipped):
             reasons.append(f"{candidate} has no entries a call could use")
-    tuned_here = Path(f"{fingerprint.slug()}.yaml")  # where `dmattn-bench tune` writes by default
+    from dmattn_bench.cli.tune import default_table_path
+
+    tuned_here = default_table_path(fingerprint)
     if tuned_here.is_file():
         reasons.append(f"the table tuned here is used once you export {ENV_VAR}={tuned_here.resolve()}")
     return None, "none, the default configs apply: " + "; ".join(reasons)
@@ -108,6 +111,9 @@ def info(measure_dispatch: bool, fmt: str) -> None:
     DMATTN_BENCH_TABLE, else shipped for this device); when there is none, it says why.
     """
     doc = _environment()
+    doc["untested_releases"] = untested_releases({"torch": doc["torch"], "triton": doc["triton"]})
+    for line in doc["untested_releases"]:
+        output.warn(line)
     if measure_dispatch:
         from dmattn_bench.ops import dispatch_overhead_us
 

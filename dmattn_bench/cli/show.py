@@ -7,10 +7,10 @@ from rich.table import Table as RichTable
 
 from dmattn_bench import output
 from dmattn_bench.dispatch.lookup import most_similar
-from dmattn_bench.dispatch.stamps import entry_status
+from dmattn_bench.dispatch.stamps import STATUSES, entry_status
 from dmattn_bench.dispatch.table import SCHEMA_VERSION, Table, TableError, load_table, table_to_dict
 from dmattn_bench.errors import DmattnError
-from dmattn_bench.space import CONFIG_CLASSES, TableKey, config_label
+from dmattn_bench.space import InvalidConfig, TableKey, config_label
 from dmattn_bench.workloads import load_workloads
 
 KEY_COLUMNS = ("direction", "dtype", "head_dim", "causal", "mask", "bias", "gqa_ratio",
@@ -47,8 +47,8 @@ def _entries(doc: dict) -> RichTable:
     for entry in doc["entries"]:  # table_to_dict has sorted them by key
         key, evidence = entry["key"], entry["evidence"]
         cells = [str(key[name]) for name in KEY_COLUMNS]
-        config_class = CONFIG_CLASSES[key["direction"]]
-        cells += [entry["backend"], config_label(config_class(**entry["config"])), entry["status"]]
+        status = entry["status"] + (f" ({entry['problem']})" if "problem" in entry else "")
+        cells += [entry["backend"], entry["config_label"], status]
         for name, fmt in EVIDENCE_COLUMNS:
             value = evidence.get(name)
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -118,11 +118,14 @@ def show(table_path: str, coverage_path: str | None, grid: str, fmt: str) -> Non
     except TableError as exc:
         raise DmattnError(str(exc), fix="fix the field or re-create the table with `dmattn-bench tune`") from None
     status = {id(entry): entry_status(entry, table.device) for entry in table.entries}
-    counts = {state: sum(s == state for s in status.values()) for state in ("current", "stale", "unvalidated")}
+    counts = {state: sum(s == state for s in status.values()) for state in STATUSES}
     doc = {"path": table_path, "status_counts": counts, **table_to_dict(table)}
-    by_key = {entry.key: status[id(entry)] for entry in table.entries}
+    by_key = {entry.key: entry for entry in table.entries}
     for item in doc["entries"]:
-        item["status"] = by_key[TableKey(**item["key"])]
+        entry = by_key[TableKey(**item["key"])]
+        item["status"], item["config_label"] = status[id(entry)], config_label(entry.config)
+        if isinstance(entry.config, InvalidConfig):
+            item["problem"] = entry.config.problem
     tables = [_summary(table_path, table, counts), _entries(doc)]
     if coverage_path is not None:
         try:

@@ -206,6 +206,14 @@ def _how_to_use(out: Path, dtypes: list[str]) -> None:
                                                     for dtype in dtypes))
 
 
+TUNED_DIR = "tuned"  # where a tune writes without --out (the repository's .gitignore covers it)
+
+
+def default_table_path(fingerprint) -> Path:
+    """The table a tune without --out writes (its journal beside it): ./tuned/<device>.yaml."""
+    return Path(TUNED_DIR) / f"{fingerprint.slug()}.yaml"
+
+
 def _stale_workloads(table_path: str, dtypes, on_gpu: bool) -> tuple[list, set]:
     """The workloads of the table's entries that are not current (`stamps.entry_status`), in the
     given dtypes (all where none), and those entries' keys (interpreter-sized without a GPU).
@@ -249,7 +257,8 @@ def _stale_workloads(table_path: str, dtypes, on_gpu: bool) -> tuple[list, set]:
 @click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["bf16", "fp16", "fp32"]),
               help="Kernel dtype(s); repeat for several. Default: the workloads file's.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
-              help="Table to write. Default: ./<device>.yaml (e.g. nvidia-h200-sm90.yaml).")
+              help=f"Table to write. Default: ./{TUNED_DIR}/<device>.yaml (e.g. {TUNED_DIR}/nvidia-h200-sm90.yaml; "
+                   "the folder is created).")
 @click.option("--merge", "merge_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Write --out as this tune's entries plus those of this table (of the same GPU) whose keys it did "
                    "not tune, e.g. decode keys tuned into a shipped table; each entry keeps its own validation.")
@@ -331,15 +340,17 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
             workloads = list(dict.fromkeys(w for path in workloads_files
                                            for w in load_workloads(path, grid, list(dtypes) or None)))
         spaces = {name: _spaces(space_files, name, on_gpu, several=backend == "all") for name in backends}
-    except ValueError as exc:
-        raise DmattnError(str(exc).splitlines()[0], "fix the YAML file") from None
+    except ValueError as exc:  # a file given for an option that is not what it should be: usage, as in `bench`
+        raise click.BadParameter(str(exc).splitlines()[0], param_hint="--workloads/--space") from None
     uncovered = {"fwd", "bwd"} - {direction for space in spaces.values() for direction in space}
     if uncovered and merge_path is None:  # a merged table keeps its entries of the other direction
         raise click.BadParameter(f"no backend has a search space for {sorted(uncovered)} (or pass --merge)",
                                  param_hint="--space")
     reject_bf16_without_gpu({w.dtype for w in workloads}, on_gpu, param_hint="--workloads")
     fingerprint = device_fingerprint(device)
-    out = Path(out_path or f"{fingerprint.slug()}.yaml")
+    out = Path(out_path) if out_path else default_table_path(fingerprint)
+    if out_path is None:
+        out.parent.mkdir(exist_ok=True)
     if not out.resolve().parent.is_dir():
         raise click.BadParameter(f"{out}: its folder does not exist", param_hint="--out")
     trials_path = out.with_name(out.name + ".trials.jsonl")
@@ -383,7 +394,8 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
         mark_finished(trials_path, out, len(entries), unmeasured=result.counts().get("skipped", 0))
     except JournalError as exc:
         raise DmattnError(str(exc)) from None
-    speedup = geometric_mean_speedup(result)
+    # interpreter timings rank candidates for the pipeline's sake only: no speed figure is drawn from them
+    speedup = geometric_mean_speedup(result) if result.meaningful_timings else None
     regret = current_choice_regret(result)
     document = {"table": str(out), "trials_file": str(trials_path), "wall_s": round(result.wall_s, 1),
                 "phases_s": result.phases, "phase_pools": result.pools, "gpus": gpu_count,
@@ -395,9 +407,10 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                             for w in result.winners]}
     output.render(document, [_winners_table(result), _counts_table(result)], fmt)
     merged_note = f", {len(table.entries)} with those of {merge_path}" if kept is not None else ""
-    output.info(f"wrote {out} ({len(entries)} entries{merged_note}); geometric-mean speed-up over the defaults: "
-                + (f"{speedup:.3f}x" if speedup else "n/a"))
-    if regret["geomean"] is not None:
+    output.info(f"wrote {out} ({len(entries)} entries{merged_note})" + (
+        "" if not result.meaningful_timings else "; geometric-mean speed-up over the defaults: "
+        + (f"{speedup:.3f}x" if speedup else "n/a")))
+    if regret["geomean"] is not None and result.meaningful_timings:
         output.info(f"before this tune, calls of these keys ran {regret['geomean']:.3f}x the tuned time in geometric "
                     f"mean ({regret['worst']:.3f}x at worst, {regret['keys']} keys"
                     + (f"; {regret['not_timed']} keys' choices were not timed" if regret["not_timed"] else "") + ")")

@@ -16,8 +16,8 @@ from dmattn_bench.dispatch.table import declare_stale
 from dmattn_bench.dispatch.table import restamp as restamp_table
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint
-from dmattn_bench.space import DTYPES, config_label
-from dmattn_bench.validator import (CHECKED, SuiteResult, plan_decode, plan_default_configs, plan_table_entries,
+from dmattn_bench.space import DTYPES, InvalidConfig, config_label
+from dmattn_bench.validator import (CHECKED, CaseResult, SuiteResult, plan_decode, plan_default_configs, plan_table_entries,
                                     run_plan)
 
 
@@ -67,7 +67,7 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
     if table_path is None:
         backend = backend or "triton"
         output.info(f"no table given (--table or DMATTN_BENCH_TABLE): verifying the {backend} default configs")
-        return "defaults", plan_default_configs(device, suite, backend, dtype) + _decode(backend, device, suite), None, []
+        return "defaults", plan_default_configs(device, suite, backend, dtype) + _decode(backend, device, suite), None, [], []
     try:
         table = load_table(table_path)
     except TableError as exc:
@@ -81,19 +81,29 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
                     f"unvalidated: verifying those")
         entries = not_current
         if not entries:
-            return str(table_path), [], table, []
+            return str(table_path), [], table, [], [_rejected(e) for e in entries if isinstance(e.config, InvalidConfig)]
     elif not_current:
         output.warn(f"{table_path}: {len(not_current)} of its {dtype} entries are stale or unvalidated (the runtime "
                     f"skips them); verifying them with the rest (`--suite full --restamp` re-validates those alone)")
+    rejected = [_rejected(entry) for entry in entries if isinstance(entry.config, InvalidConfig)]
+    entries = [entry for entry in entries if not isinstance(entry.config, InvalidConfig)]
     plan = plan_table_entries(entries, dtype, device, suite)
     if plan and not only_stale:
         plan += _decode(backend, device, suite)
-    if not plan:
+    if not plan and not rejected:
         which = f"{dtype} {backend}" if backend else dtype
         raise DmattnError(f"{table_path}: no {which} entries to verify",
                           f"pass a --dtype and --backend the table has "
                           f"({sorted({(e.key.dtype, e.backend) for e in table.entries})})")
-    return str(table_path), plan, table, entries
+    return str(table_path), plan, table, entries, rejected
+
+
+def _rejected(entry) -> tuple[str, SuiteResult]:
+    """A (label, result) row failing an entry whose config no kernel can run (`InvalidConfig`)."""
+    key = entry.key
+    label = f"{entry.backend} {key.direction} entry D{key.head_dim} Lq{key.seqlen_q_bucket} Lk{key.seqlen_k_bucket}"
+    configs = (entry.config, None) if key.direction != "bwd" else (None, entry.config)
+    return label, SuiteResult(entry.backend, *configs, key.dtype, [CaseResult("config", "invalid", entry.config.problem)])
 
 
 def _decode(backend: str | None, device: str, suite: str) -> list:
@@ -184,8 +194,8 @@ def verify(table_path: str | None, dtype: str | None, backend: str | None, suite
     if not has_gpu:
         output.info("no CUDA GPU: running the Triton kernels through the interpreter "
                     f"(TRITON_INTERPRET=1) on the {suite} suite")
-    source, plan, table, verified = _plan(table_path, dtype, device, suite, backend, only_stale=restamp)
-    if restamp and not plan:
+    source, plan, table, verified, rejected = _plan(table_path, dtype, device, suite, backend, only_stale=restamp)
+    if restamp and not plan and not rejected:
         output.render({"dtype": dtype, "source": source, "restamp": {"restamped": 0, "suite": suite}}, [], fmt)
         return
     if restamp:
@@ -198,7 +208,7 @@ def verify(table_path: str | None, dtype: str | None, backend: str | None, suite
     # taken before the kernels run: the code that was verified, even if a file changes meanwhile
     stamped = {entry: stamp_of(entry, table.device) for entry in verified} if restamp else {}
     with output.progress(f"verify {dtype}", total=sum(len(item.cases) for item in plan)) as advance:
-        results = run_plan(DTYPES[dtype], device, plan, on_case=lambda r: advance(f"{r.case}: {r.status}"))
+        results = rejected + run_plan(DTYPES[dtype], device, plan, on_case=lambda r: advance(f"{r.case}: {r.status}"))
     device_name = torch.cuda.get_device_name() if has_gpu else "cpu (interpreter)"
     tables = [_summary_table(results, dtype, device_name)]
     failures = _failure_table(results)

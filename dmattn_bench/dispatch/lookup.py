@@ -41,7 +41,7 @@ import torch
 import dmattn_bench
 from dmattn_bench.dispatch.table import Entry, Table, TableError, load_table
 from dmattn_bench.hardware import DeviceFingerprint, device_fingerprint
-from dmattn_bench.dispatch.stamps import entry_status
+from dmattn_bench.dispatch.stamps import STATUSES, entry_status
 from dmattn_bench.registry import decode_config, default_configs
 from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey
 
@@ -182,9 +182,9 @@ def nearest(key: TableKey, entries: tuple[Entry, ...]) -> Entry:
 
 
 def status_counts(table: Table) -> dict[str, int]:
-    """How many of the table's entries are current, stale (declared or by their stamp) and
-    unvalidated (`stamps.entry_status`; computes every entry's stamp)."""
-    counts = {"current": 0, "stale": 0, "unvalidated": 0}
+    """How many of the table's entries are current, stale (declared or by their stamp),
+    unvalidated and invalid (`stamps.entry_status`; computes every entry's stamp)."""
+    counts = {state: 0 for state in STATUSES}
     for entry in table.entries:
         counts[entry_status(entry, table.device)] += 1
     return counts
@@ -318,9 +318,13 @@ class Dispatcher:
         if usable.is_current(entry):
             return True
         state = usable.status[id(entry)]
-        why = f"declared stale ({entry.stale})" if entry.stale else (
-            "never validated" if state == "unvalidated" else "validated on other code than is installed here")
-        self._warn(path, "stale", f"dispatch table {path}: entry {entry.key.direction} {entry.key.dtype} "
+        if state == "invalid":
+            why = f"its config cannot run ({entry.config.problem})"
+        elif entry.stale:
+            why = f"declared stale ({entry.stale})"
+        else:
+            why = "never validated" if state == "unvalidated" else "validated on other code than is installed here"
+        self._warn(path, "invalid" if state == "invalid" else "stale", f"dispatch table {path}: entry {entry.key.direction} {entry.key.dtype} "
                    f"D{entry.key.head_dim} ({entry.backend}) skipped, {why}; the nearest current entry or the "
                    f"default runs instead (`dmattn-bench show {path}` counts them; on its GPU, "
                    f"`dmattn-bench verify --table {path} --suite full --restamp` re-validates them)")

@@ -33,7 +33,7 @@ import torch
 from dmattn_bench import specialise
 from dmattn_bench.dispatch.table import LEGACY_PREFIX
 from dmattn_bench.sourcehash import DIGEST_HEX_CHARS
-from dmattn_bench.space import DTYPES, BwdConfig, DecodeConfig, FwdConfig, TableKey
+from dmattn_bench.space import DTYPES, BwdConfig, DecodeConfig, FwdConfig, InvalidConfig, TableKey
 
 STAMP_RULES = b"dmattn-bench entry stamp, rules 1\n"  # bumped when what a stamp covers changes
 
@@ -196,8 +196,14 @@ def stamp_of(entry, device) -> str:
                        device.sm_count)
 
 
+STATUSES = ("current", "stale", "unvalidated", "invalid")  # what `entry_status` says, in report order
+
+
 def entry_status(entry, device) -> str:
-    """"current", "stale" or "unvalidated" (module docstring) for an entry of a table of `device`."""
+    """"current", "stale", "unvalidated" (module docstring) or "invalid" (a config no kernel can
+    run: `space.InvalidConfig`) for an entry of a table of `device`."""
+    if isinstance(entry.config, InvalidConfig):
+        return "invalid"
     if entry.stale is not None:
         return "stale"
     if entry.validated is None:

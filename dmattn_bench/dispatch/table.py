@@ -32,7 +32,10 @@ validation and timing, dated `created`, suite `quick` (the tuner's default).
 
 A table is data from disk, possibly hand-edited or from another version: it is read with
 `yaml.safe_load` only, size-capped before parsing, and every field is checked so that a bad file
-fails with one line naming the file and the field.
+fails with one line naming the file and the field. An entry whose config has the right fields
+but values no kernel could run (`space._check_fields`: a `block_m` of 24) is kept as an
+`InvalidConfig`: the table still loads, the lookup skips the entry with a warning
+(`stamps.entry_status` says "invalid"), `show` lists it and `verify` fails on it.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from dmattn_bench.hardware import DeviceFingerprint, software_versions
 from dmattn_bench.registry import BACKEND_NAMES
 from dmattn_bench import space
 from dmattn_bench.space import (CONFIG_CLASSES, OPERAND_KINDS, TUNED_DIRECTIONS, BwdConfig, DecodeConfig, FwdConfig,
-                                TableKey)
+                                InvalidConfig, TableKey)
 
 SCHEMA_VERSION = 3
 READABLE_SCHEMAS = (1, 2, 3)  # 1 and 2: per-backend validations, converted on load (module docstring)
@@ -103,7 +106,8 @@ class Entry:
     Attributes:
         key: the categorical key and the sequence-length buckets it was tuned at.
         backend: a name of `registry.BACKEND_NAMES`.
-        config: FwdConfig, BwdConfig or DecodeConfig, as `key.direction` says.
+        config: FwdConfig, BwdConfig or DecodeConfig, as `key.direction` says (an InvalidConfig
+            where the file's values fail its checks).
         evidence: measurements behind the choice (median_ms, tflops, speedup_vs_default, ...).
         timed: the kernel sources and date of those measurements (None until `new_table` stamps it).
         validated: the last validation it passed (None: never validated).
@@ -112,7 +116,7 @@ class Entry:
 
     key: TableKey
     backend: str
-    config: FwdConfig | BwdConfig | DecodeConfig
+    config: FwdConfig | BwdConfig | DecodeConfig | InvalidConfig
     evidence: dict
     timed: Timing | None = None
     validated: Validation | None = None
@@ -313,6 +317,10 @@ def _entry(doc: Any, where: str, version: int, v1_stamp: dict[str, Timing] | Non
                    else f"missing key(s) {missing}")
     values = {name: _int(value, f"{where}.config.{name}", tunables[name].metadata.get("minimum", 1))
               for name, value in config.items()}
+    try:
+        checked = cls(**values)
+    except ValueError as exc:  # kept, so that `show` lists it and `verify` fails on it; never run
+        checked = InvalidConfig(tuple(values.items()), str(exc))
     backend = _str(doc["backend"], f"{where}.backend", BACKEND_NAMES)
     if key.direction == "decode" and backend != "triton":
         raise _Bad(f"{where}.backend", f"got {backend!r} for a decode entry, expected 'triton' (the short-query "
@@ -320,7 +328,7 @@ def _entry(doc: Any, where: str, version: int, v1_stamp: dict[str, Timing] | Non
     return Entry(
         key=key,
         backend=backend,
-        config=cls(**values),
+        config=checked,
         evidence=_plain(_mapping(doc["evidence"], f"{where}.evidence", None), f"{where}.evidence"),
         timed=_timing(doc["timed"], f"{where}.timed") if v1_stamp is None else v1_stamp[backend],
         validated=_validation(doc["validated"], f"{where}.validated") if version >= 3 else None,

@@ -519,12 +519,8 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
 
 def _knob_reason(config: FwdConfig) -> str | None:
     """`is_supported` for the forward's kernel knobs: `overlap` (flash_fwd_ws.cu's FWD_OVERLAP)
-    and `persistent` (FWD_PERSISTENT), each 0 or 1, on the warp-specialized forward only, and a
+    and `persistent` (FWD_PERSISTENT) (each 0 or 1: `FwdConfig`), on the warp-specialized forward only, and a
     persistent launch only of the overlapped forward (whose consumers walk work items)."""
-    for name in ("overlap", "persistent"):
-        value = getattr(config, name)
-        if value not in (0, 1):
-            return f"{name}={value} is not 0 or 1 (a kernel knob: off or on)"
     if config.persistent and not config.overlap:
         return "persistent=1 needs overlap=1 (the persistent launch walks the overlapped forward's work items)"
     if not _is_warp_specialized_shape(config):

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from dmattn_bench import native
-from dmattn_bench.space import DecodeConfig
+from dmattn_bench.space import MAX_SPLITS, DecodeConfig
 from dmattn_kernels.triton import launch
 from dmattn_kernels.triton.flash_decode import decode_combine_kernel, decode_mask_span_kernel, flash_decode_kernel
 from dmattn_kernels.triton.launch import _Launch, _Workspace, head_block, launch_stream
@@ -28,7 +28,6 @@ MIN_BLOCK_M, MAX_BLOCK_M = 16, 64  # packed rows per program: tl.dot's minimum, 
 # B64 Lk2k-4k without a mask, 3 splits against 1: 5-10% slower). A tunable (`num_splits`).
 SPLIT_WAVES, AUTO_MAX_SPLITS = 2, 64
 MASKED_SPLIT_WAVES, MASKED_AUTO_MAX_SPLITS = 8, 16
-MAX_SPLITS = 64  # the combine kernel holds one lse per split
 # keys of a padding mask a program scans per step for the span it keeps (`flash_decode.py`): a
 # vector of this many flags per program, few steps over a split's range
 MASK_SCAN_KEYS = 1024
@@ -120,7 +119,7 @@ class DecodePlan:
         self.decode = _Launch(
             flash_decode_kernel, (self.splits, batch * num_heads_kv, row_blocks),
             (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out_strides, *lse_strides,
-             0 if block_table is None else block_table.stride(0),
+             *((0, 0) if block_table is None else (block_table.stride(0), k.shape[0])),
              num_heads_kv, seqlen_q, seqlen_k, keys_per_split, span_chunks, mask_head_div, bias_head_div,
              softmax_scale, softcap if softcap > 0 else 1.0),
             dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -6,7 +6,9 @@ L_b = clamp(seqlens[b], 0, Lk) keys and every rule reads L_b for Lk, so no key a
 loaded (a cache's tail may hold anything, NaN included). PAGED: k and v are (blocks, PAGE_SIZE,
 Hkv, D) and key j of sequence b is row j % PAGE_SIZE of block `block_table[b, j // PAGE_SIZE]`
 (Lk = pages * PAGE_SIZE); a key tile never straddles two pages (BLOCK_N divides PAGE_SIZE), so
-each tile reads one table entry and then loads as from a contiguous cache.
+each tile reads one table entry and then loads as from a contiguous cache. An entry outside
+[0, num_blocks) names no block of the cache: its keys are excluded, as if masked, and no load
+reaches past the cache.
 
 Rows: one program owns up to BLOCK_M rows r of one (batch, kv head), r = i * GROUP + g for query
 i < Lq and group member g < GROUP (query head h = h_kv * GROUP + g): a K, V, mask and bias tile
@@ -53,7 +55,7 @@ def flash_decode_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_os, stride_ob, stride_om, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lh, stride_lm,
-    stride_tb,
+    stride_tb, num_blocks,
     num_heads_kv, seqlen_q, seqlen_k, keys_per_split, num_span_chunks,
     mask_head_div, bias_head_div,
     softmax_scale, softcap,
@@ -146,17 +148,21 @@ def flash_decode_kernel(
     for start_n in range(start, end, BLOCK_N):
         # -- load k, v: keys outside the range and lanes past HEAD_DIM read as 0, never as memory --
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        key_in = offs_n < end
-        if HAS_MASK and MASK_SHARED:
-            key_in = key_in & (offs_n >= first)  # nor the keys before the span in its first tile
-        kv_in = key_in[:, None] & (offs_d[None, :] < HEAD_DIM)
+        tile_end = end
         rows = offs_n
         k_tile, v_tile = k_base, v_base
         if PAGED:
             block = tl.load(pages + start_n // PAGE_SIZE).to(tl.int64)
+            page_in = (block >= 0) & (block < num_blocks)
+            tile_end = tl.where(page_in, end, start_n)  # an entry naming no block: its keys are excluded
+            block = tl.where(page_in, block, 0)
             rows = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
             k_tile = k_ptr + block * stride_kb + h_kv * stride_kh
             v_tile = v_ptr + block * stride_vb + h_kv * stride_vh
+        key_in = offs_n < tile_end
+        if HAS_MASK and MASK_SHARED:
+            key_in = key_in & (offs_n >= first)  # nor the keys before the span in its first tile
+        kv_in = key_in[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_tile + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
         v = tl.load(v_tile + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
         visible = row_in[:, None] & key_in[None, :] & (offs_n[None, :] <= last_key[:, None])

@@ -113,11 +113,7 @@ def is_supported(config: FwdConfig | BwdConfig | DecodeConfig, shape: AttentionS
     if isinstance(config, FwdConfig) and (config.overlap or config.persistent):
         return ("overlap and persistent are knobs of the CUDA warp-specialized forward; the Triton forward has "
                 "neither (leave them 0)")
-    if isinstance(config, DecodeConfig):
-        from dmattn_kernels.triton.decode_launch import MAX_SPLITS  # that module imports this one
-
-        if config.num_splits > MAX_SPLITS:
-            return f"num_splits={config.num_splits} is above {MAX_SPLITS}"
+    if isinstance(config, DecodeConfig):  # num_splits is checked when the config is built
         blocks = ["block_n"]
     else:
         blocks = ["block_m", "block_n"] + (["block_m_dq", "block_n_dq"] if isinstance(config, BwdConfig) else [])
