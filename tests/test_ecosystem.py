@@ -178,3 +178,11 @@ def test_cuda_graph_replay_of_a_training_step_equals_eager():
     _attention(*fresh).backward(grad_out)
     for name, captured, leaf in zip(("dq", "dk", "dv", "dbias"), captured_grads, (fresh[0], fresh[1], fresh[2], fresh[4])):
         assert torch.equal(captured, leaf.grad), name
+
+
+def test_the_readme_points_to_the_contract_in_the_repository():
+    """Issue 54: the README named `../shared/DESIGN.md`, a file in neither the clone nor the wheel."""
+    text = README.read_text()
+    assert "../shared" not in text and "docs/CONTRACT.md" in text
+    contract = README.parent / "docs" / "CONTRACT.md"
+    assert "DMATTN_BENCH_CHECK_PAGES" in contract.read_text()

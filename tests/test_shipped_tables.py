@@ -153,3 +153,33 @@ def test_a_kernel_edit_stales_exactly_the_entries_whose_code_changed(tmp_path):
         assert expected, f"{path.name}: the edits touch no entry of this table; pick other edits"
         assert stale[path.name] == expected, (
             f"{path.name}: stale {sorted(stale[path.name] - expected)} beyond, missing {sorted(expected - stale[path.name])}")
+
+
+def _counts(path: Path) -> dict:
+    """A table's entry count, per direction, and per (direction, backend)."""
+    entries = load_table(path).entries
+    counts = {"all": len(entries)}
+    for entry in entries:
+        for name in (entry.key.direction, (entry.key.direction, entry.backend)):
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def test_the_readme_s_table_figures_are_the_files():
+    """Issue 54: the README said "41 of 58" CUDA forward keys where the H100 table held 45 of 62.
+    Its figures of the shipped tables are checked against the files here."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    tables = {"nvidia-h100-80gb-hbm3-sm90.yaml": "H100", "nvidia-h200-sm90.yaml": "H200"}
+    for name, gpu in tables.items():
+        counts = _counts(ROOT / "results" / "tables" / name)
+        said = re.search(rf"`(?:results/tables/)?{re.escape(name)}`: (\d+) entries: (\d+) forward \((\d+) CUDA, (\d+) "
+                         rf"Triton\), (\d+) backward \((\d+) CUDA, (\d+) Triton\) and (\d+) decode", readme)
+        assert said, f"README: no entry counts of {name}"
+        assert tuple(map(int, said.groups())) == (
+            counts["all"], counts["fwd"], counts[("fwd", "cuda")], counts[("fwd", "triton")], counts["bwd"],
+            counts[("bwd", "cuda")], counts[("bwd", "triton")], counts["decode"]), f"{gpu}: {said.group(0)}"
+    said = re.search(r"the H100 table holds CUDA entries for (\d+) of its (\d+) forward keys, the H200's for (\d+) "
+                     r"of (\d+)", readme)
+    h100, h200 = (_counts(ROOT / "results" / "tables" / name) for name in tables)
+    assert said and tuple(map(int, said.groups())) == (
+        h100[("fwd", "cuda")], h100["fwd"], h200[("fwd", "cuda")], h200["fwd"]), said
