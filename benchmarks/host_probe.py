@@ -14,7 +14,7 @@ flash, host µs, GPU µs and eager wall µs per call, and the wall over the GPU 
 (an A/B of the host path alone, each in its own process):
 
     python host_probe.py --decode --label after
-    git show HEAD~1:dmattn_bench/native_launch.cpp > /tmp/before.cpp
+    git show HEAD~1:kernels/runtime/native_launch.cpp > /tmp/before.cpp
     python host_probe.py --decode --label before --native-source /tmp/before.cpp
 
 Prints one markdown table (stdout).
@@ -100,14 +100,14 @@ def pieces(device) -> list[tuple[str, float]]:
 
 
 def ab(device) -> list[tuple[str, float]]:
-    """Our launch paths in one process: one native call per run (`native.py`), the C launcher
+    """Our launch paths in one process: one native call per run (`kernels/runtime/native.py`), the C launcher
     per kernel (`handles.DirectLaunch`) and Triton's `CompiledKernel.run`; medians of
     interleaved rounds of the small step (forward without and with a gradient, forward+backward)
     and of a decode step (B1 Lk8192, padding mask)."""
     from contextlib import nullcontext
 
     from dmattn_bench import plan as plans
-    from dmattn_bench import native
+    from dmattn_bench import entry as eager_entry
     from dmattn_kernels.triton import launch
 
     shape = next(s for n, s in host_overhead._scenarios(device).items() if n.startswith("small"))
@@ -124,8 +124,8 @@ def ab(device) -> list[tuple[str, float]]:
     }
     direct = launch.direct_launch
     ways = {"native call (native.Program)": (direct, nullcontext),
-            "C launcher (handles.DirectLaunch)": (direct, native.switched_off),
-            "Triton's CompiledKernel.run": (lambda *a: None, native.switched_off)}
+            "C launcher (handles.DirectLaunch)": (direct, eager_entry.switched_off),
+            "Triton's CompiledKernel.run": (lambda *a: None, eager_entry.switched_off)}
     samples: dict[str, list[float]] = {}
     for _ in range(5):
         for way, (launcher, context) in ways.items():
@@ -142,15 +142,15 @@ def ab(device) -> list[tuple[str, float]]:
 def cuda_forward(device) -> list[tuple[str, float]]:
     """The CUDA backend's forward without gradient in one process, medians of interleaved rounds
     per scenario (W1-W3, the small step): its native program (through the eager entry), its
-    launch from Python (`native.switched_off`), and the Triton forward beside."""
+    launch from Python (`eager_entry.switched_off`), and the Triton forward beside."""
     from contextlib import nullcontext
 
-    from dmattn_bench import native
+    from dmattn_bench import entry as eager_entry
     from dmattn_bench import plan as plans
 
     samples: dict[str, list[float]] = {}
     scenarios = {n.split(" (")[0]: s for n, s in host_overhead._scenarios(device).items() if n[:2] in ("W1", "W2", "W3", "sm")}
-    ways = {"cuda, native": ("cuda", nullcontext), "cuda, Python launch": ("cuda", native.switched_off),
+    ways = {"cuda, native": ("cuda", nullcontext), "cuda, Python launch": ("cuda", eager_entry.switched_off),
             "triton, native": ("triton", nullcontext)}
     for name, shape in scenarios.items():
         q, k, v, mask, bias, causal, _ = host_overhead._inputs(shape, device, False)
@@ -169,8 +169,8 @@ def breakdown(device) -> list[tuple[str, float]]:
     """Where a forward's host time goes (no gradient; W1 and W2 masked, W3 dense): the whole call,
     the plan's run, its lookup, its native program, a native program of the allocations alone and
     an empty one, and SDPA beside it (memory-efficient with the float mask; W3: flash)."""
-    from dmattn_bench import native
     from dmattn_bench import plan as plans
+    from dmattn_kernels.runtime import native
     from dmattn_kernels.triton import launch
 
     rows = []
@@ -242,7 +242,7 @@ def main() -> None:
     if args.native_source:
         from pathlib import Path
 
-        from dmattn_bench import native
+        from dmattn_kernels.runtime import native
 
         native.SOURCE = Path(args.native_source).resolve()
     if args.decode:

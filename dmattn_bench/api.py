@@ -19,7 +19,8 @@ import os
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from dmattn_bench import native, ops, reference
+from dmattn_bench import entry as eager_entry
+from dmattn_bench import ops, reference
 from dmattn_bench import plan as plans
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, as_4d, is_valid_head_dim
@@ -149,7 +150,7 @@ def _load_native() -> None:
     from then on (`plan.use_tensor_layouts`), so no GPU plan is built under the Python key and
     left behind."""
     global _NATIVE_PENDING
-    native.module()
+    eager_entry.load()
     _NATIVE_PENDING = False
 
 
@@ -242,9 +243,9 @@ def flash_dmattn_func(
             explicit config the backend cannot run on this shape; an integer mask
             holding values other than 0 and 1 (checked on every call: prefer a bool mask).
     """
-    entry = native.ENTRY
+    entry = eager_entry.ENTRY
     if entry is not None and not torch.compiler.is_compiling() and not CHECK_PAGES:
-        # a call without gradient whose arguments ran before: one C++ call (`native.learn` below)
+        # a call without gradient whose arguments ran before: one C++ call (`eager_entry.learn` below)
         result = entry(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, return_lse, backend,
                        cache_seqlens, block_table, table, fwd_config, bwd_config)
         if result is not None:
@@ -286,7 +287,7 @@ def flash_dmattn_func(
         else:
             out, lse = plan.infer(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table, return_lse)
             if entry is not None:
-                native.learn(plan.native_program(return_lse), query, key, value, attn_mask, attn_bias, is_causal,
+                eager_entry.learn(plan.native_program(return_lse), query, key, value, attn_mask, attn_bias, is_causal,
                              softmax_scale, softcap, return_lse, backend, cache_seqlens, block_table, table,
                              fwd_config, bwd_config)
         return (out, lse) if return_lse else out

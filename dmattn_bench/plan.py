@@ -17,8 +17,6 @@ The one place a call's configs are chosen: the table lookup (`dispatch`), the de
 from __future__ import annotations
 
 import os
-import threading
-from collections import OrderedDict
 from dataclasses import replace
 from typing import Callable
 
@@ -29,6 +27,7 @@ from dmattn_bench.registry import decode_config, default_configs, get_backend
 from dmattn_bench.reference import cache_length
 from dmattn_bench.space import (DTYPE_NAMES, MAX_DECODE_QUERIES, AttentionShape, BwdConfig, FwdConfig, TableKey, as_4d,
                                 operand_kind, seqlen_bucket)
+from dmattn_kernels.runtime.plan_cache import PlanCache
 
 MIN_KEY_TILE = 16  # tl.dot's smallest tile dim: the fp32-bias fit stops halving there
 INTERPRETER_SMS = 4
@@ -334,44 +333,13 @@ def signature(q, k, v, mask, bias, cache_seqlens, block_table, *options) -> tupl
             os.environ.get(dispatch.ENV_VAR), dispatch.DISPATCHER.generation, registry.overrides, *options)
 
 
-class PlanCache:
-    """Plans by signature, at most `size` of them, the oldest built dropped first. A lookup is one
-    dict read, without the lock (a training or serving loop repeats a handful of signatures);
-    adding and clearing take it."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._plans: OrderedDict[tuple, object] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple):
-        return self._plans.get(key)
-
-    def put(self, key: tuple, plan) -> None:
-        with self._lock:
-            self._plans[key] = plan
-            while len(self._plans) > self.size:
-                self._plans.popitem(last=False)
-
-    def get_or_build(self, key: tuple, build: Callable[[], object]):
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = build()
-            self.put(key, plan)
-        return plan
-
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
-
-
 PLANS = PlanCache(1024)  # the runtime's plans (a training or serving loop repeats a handful of signatures)
 
 
 def clear() -> None:
     """Forgets every plan (tests; a process that edits its kernels' configs at run time), and the
     programs the native entry runs for them."""
-    from dmattn_bench import native
+    from dmattn_bench import entry
 
     PLANS.clear()
-    native.forget()
+    entry.forget()

@@ -12,20 +12,9 @@ from dmattn_bench.cli.show import show
 from dmattn_bench.dispatch import lookup
 from dmattn_bench.dispatch.lookup import DispatchWarning, choose, clear_cache, use_table
 from dmattn_bench.dispatch.stamps import entry_status, stamp_of
-from dmattn_bench.dispatch.table import (
-    LEGACY_PREFIX,
-    MAX_TABLE_BYTES,
-    SCHEMA_VERSION,
-    Entry,
-    TableError,
-    Timing,
-    Validation,
-    dump_table,
-    load_table,
-    new_table,
-    table_from_dict,
-    table_to_dict,
-)
+from dmattn_bench.dispatch.table import (LEGACY_PREFIX, MAX_TABLE_BYTES, SCHEMA_VERSION, Entry, TableError, Timing,
+                                         Validation, load_table, table_from_dict)
+from dmattn_bench.dispatch.writer import dump_table, new_table, table_to_dict
 from dmattn_bench.hardware import CPU_FINGERPRINT, DeviceFingerprint, device_fingerprint
 from dmattn_bench.registry import default_configs, kernel_source_hash
 from dmattn_bench.space import BwdConfig, FwdConfig, TableKey

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dmattn_bench import dispatch, flash_dmattn_func
+from dmattn_bench.dispatch import writer
 from dmattn_bench.hardware import CPU_FINGERPRINT
 from dmattn_bench.space import FwdConfig, TableKey
 
@@ -103,7 +104,7 @@ def test_readme_example_runs(name):
 def test_readme_tune_example_selects_the_table(tmp_path, monkeypatch):
     key = TableKey("fwd", "fp32", 32, True, "none", "none", 2, 16, 16)
     chosen = FwdConfig(32, 16, 1, 1)
-    dispatch.dump_table(dispatch.new_table([dispatch.Entry(key, "triton", chosen, {})], CPU_FINGERPRINT, True),
+    writer.dump_table(writer.new_table([dispatch.Entry(key, "triton", chosen, {})], CPU_FINGERPRINT, True),
                         tmp_path / "my-gpu.yaml")
     monkeypatch.chdir(tmp_path)
     try:

@@ -198,7 +198,8 @@ def test_later_calls_through_the_compiled_launchers_repeat_the_first_bitwise(mon
     call, or call the compiled launchers and hand the kernels their scratch buffers (delta, block
     lists, GQA shares, dBias partials) by address. Every output of three later calls equals the
     first call's bitwise, and the later backward runs took the path they should."""
-    from dmattn_bench import native, plan
+    from dmattn_bench import plan
+    from dmattn_kernels.runtime import native
     from dmattn_kernels.triton import launch
 
     plan.clear()  # the first call below builds the plan and runs it through the JIT
@@ -340,7 +341,7 @@ def test_paged_decode_with_pages_outside_the_cache_excludes_them(dtype):
 
 
 def _counted_entry(entry, served: list):
-    """`native.ENTRY` that appends to `served` whether it ran each call."""
+    """`dmattn_bench.entry.ENTRY` that appends to `served` whether it ran each call."""
     def counted(*arguments):
         result = entry(*arguments)
         served.append(result is not None)
@@ -352,7 +353,8 @@ def _counted_entry(entry, served: list):
 def _counted_native_runs(monkeypatch) -> tuple[list, list]:
     """A fresh plan cache, and lists that fill as calls run: one item per `native.Program` run
     from Python, and per eager-entry call whether the entry served it."""
-    from dmattn_bench import native, plan
+    from dmattn_bench import entry, plan
+    from dmattn_kernels.runtime import native
 
     if native.module() is None:
         pytest.fail("the native launch path did not build")
@@ -360,7 +362,7 @@ def _counted_native_runs(monkeypatch) -> tuple[list, list]:
     native_runs, served = [], []
     run = native.Program.__call__
     monkeypatch.setattr(native.Program, "__call__", lambda self, *args: native_runs.append(1) or run(self, *args))
-    monkeypatch.setattr(native, "ENTRY", _counted_entry(native.ENTRY, served))
+    monkeypatch.setattr(entry, "ENTRY", _counted_entry(entry.ENTRY, served))
     return native_runs, served
 
 
@@ -369,14 +371,15 @@ def test_the_eager_entry_serves_a_repeated_call_until_its_plan_would_change(monk
     the Python path; it declines what that path checks or plans anew: an integer mask (its values
     are checked every call), a gradient, explicit configs, watched launches, another dispatch
     state (a table chosen in the process or named by the environment)."""
-    from dmattn_bench import dispatch, native, plan
+    from dmattn_bench import dispatch, entry, plan
+    from dmattn_kernels.runtime import native
     from dmattn_kernels.triton import launch
 
     if native.module() is None:
         pytest.fail("the native launch path did not build")
     plan.clear()
     served = []
-    monkeypatch.setattr(native, "ENTRY", _counted_entry(native.ENTRY, served))
+    monkeypatch.setattr(entry, "ENTRY", _counted_entry(entry.ENTRY, served))
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = (torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     mask = torch.rand(2, 1, 200, 200, device="cuda", generator=g) > 0.4
@@ -426,7 +429,8 @@ def test_one_program_run_from_two_threads_gives_each_run_its_own_inputs_result()
     running one signature on different inputs each get their own inputs' result."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dmattn_bench import native, plan
+    from dmattn_bench import plan
+    from dmattn_kernels.runtime import native
 
     if native.module() is None:
         pytest.fail("the native launch path did not build")
@@ -453,7 +457,8 @@ def test_a_graph_run_that_repeats_the_last_addresses_and_one_that_does_not_both_
     last run (`run_as_graph`): a decode loop whose outputs are dropped gets its freed buffers back,
     so every node repeats; a call on another cache changes the split kernel's node alone. Either
     way each call gets its own inputs' result."""
-    from dmattn_bench import native, plan
+    from dmattn_bench import plan
+    from dmattn_kernels.runtime import native
 
     if native.module() is None:
         pytest.fail("the native launch path did not build")
@@ -491,7 +496,7 @@ def _pin_backends(monkeypatch, fwd: str, bwd: str) -> None:
 @pytest.mark.parametrize("call", NATIVE_CALLS)
 def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch, call):
     """Once a plan's kernels are compiled, its later eager calls (forward, decode, backward) run
-    as one native call each (`dmattn_bench/native.py`): the same kernels on the same inputs give
+    as one native call each (`kernels/runtime/native.py`): the same kernels on the same inputs give
     the same bits, and so do copies at new addresses (new K/V addresses: TMA descriptors encoded
     again). After the CUDA forward, which leaves no tile activity, the Triton backward's program
     runs the activity pass itself."""

@@ -1,4 +1,4 @@
-"""The native launch path (`dmattn_bench/native.py`, `native_launch.cpp`) on the CPU: the module
+"""The native launch path (`kernels/runtime/native.py`, `native_launch.cpp`) on the CPU: the module
 builds against the installed torch, keys tensors as exactly as the Python plan key does, and puts
 each parameter of a compiled kernel where Triton's launchers put it (`pack` runs a program
 without launching: each kernel's filled parameter bytes). The GPU tier launches real kernels
@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from dmattn_bench import native
+from dmattn_kernels.runtime import native
 from dmattn_kernels.triton import handles
 
 nvidia = pytest.importorskip("triton.backends.nvidia.driver")
@@ -189,7 +189,7 @@ def test_a_failed_build_is_recorded_and_not_retried_by_later_processes(monkeypat
 
 
 def test_the_eager_entry_learns_only_calls_it_can_serve(module):
-    """The eager entry (`native.ENTRY`) serves plain CUDA tensors only: a CPU call is neither
+    """The eager entry (`dmattn_bench.entry.ENTRY`) serves plain CUDA tensors only: a CPU call is neither
     learned nor served, and a call of the wrong arity is a TypeError, not a silent None."""
     q = k = v = torch.zeros(1, 16, 1, 16)
     arguments = (q, k, v, None, None, False, None, 0.0, False, "auto", None, None, None, None, None)

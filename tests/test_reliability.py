@@ -216,7 +216,8 @@ def test_a_fresh_run_replaces_only_the_journal_of_a_completed_run(tmp_path):
 
 def _dump_many(path: str, block_m: int) -> None:
     """A writer process: dumps its own one-entry table 30 times."""
-    from dmattn_bench.dispatch import Entry, dump_table, new_table
+    from dmattn_bench.dispatch import Entry
+    from dmattn_bench.dispatch.writer import dump_table, new_table
     from dmattn_bench.hardware import CPU_FINGERPRINT
     from dmattn_bench.space import FwdConfig, TableKey
 

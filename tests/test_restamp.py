@@ -20,17 +20,8 @@ from dmattn_bench.cli.verify import verify
 from dmattn_bench.dispatch import lookup
 from dmattn_bench.dispatch.lookup import DispatchWarning, choose, clear_cache
 from dmattn_bench.dispatch.stamps import entry_status, stamp_of
-from dmattn_bench.dispatch.table import (
-    Entry,
-    TableError,
-    Timing,
-    Validation,
-    dump_table,
-    load_table,
-    new_table,
-    restamp,
-    table_to_dict,
-)
+from dmattn_bench.dispatch.table import Entry, TableError, Timing, Validation, load_table
+from dmattn_bench.dispatch.writer import dump_table, new_table, restamp, table_to_dict
 from dmattn_bench.errors import ValidationFailed
 from dmattn_bench.hardware import CPU_FINGERPRINT, DeviceFingerprint
 from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
@@ -244,7 +235,8 @@ def test_restamp_records_each_entry_on_its_own_stamp_and_clears_its_staleness(tm
 
 def _restamp_many(path: str, key: TableKey, stamp: str) -> None:
     """A writer process: restamps its own entry of the table 20 times."""
-    from dmattn_bench.dispatch.table import load_table, restamp
+    from dmattn_bench.dispatch.table import load_table
+    from dmattn_bench.dispatch.writer import restamp
 
     (entry,) = [e for e in load_table(path).entries if e.key == key]
     for _ in range(20):

@@ -19,8 +19,8 @@ from dmattn_bench.adversarial import build_inputs, paged_cache
 from dmattn_bench.cli.show import show
 from dmattn_bench.cli.tune import parse_duration, tune_command
 from dmattn_bench.cli.verify import verify
-from dmattn_bench.dispatch import (DispatchWarning, Entry, TableError, Validation, dump_table, load_table, merged,
-                                   new_table)
+from dmattn_bench.dispatch import DispatchWarning, Entry, TableError, Validation, load_table
+from dmattn_bench.dispatch.writer import dump_table, merged, new_table
 from dmattn_bench.hardware import CPU_FINGERPRINT
 from dmattn_bench.registry import default_configs, kernel_source_hash
 from dmattn_bench.space import (CONFIGS_DIR, DecodeConfig, FwdConfig, TableKey, as_4d, config_from_dict,
@@ -309,7 +309,8 @@ def test_info_shows_the_table_a_call_would_use_or_why_none(tmp_path, monkeypatch
 
     from dmattn_bench.cli.info import info
     from dmattn_bench.dispatch import lookup
-    from dmattn_bench.dispatch.table import Entry, dump_table, new_table
+    from dmattn_bench.dispatch.table import Entry
+    from dmattn_bench.dispatch.writer import dump_table, new_table
 
     shipped_dir = tmp_path / "shipped"
     shipped_dir.mkdir()
@@ -675,7 +676,8 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys, monkeypatch, arguments,
 def test_verify_says_when_a_table_is_stale(tmp_path):
     """A table tuned on other kernel sources is skipped at run time: verify still checks its
     configs, and says so."""
-    from dmattn_bench.dispatch.table import new_table, dump_table, Entry
+    from dmattn_bench.dispatch.table import Entry
+    from dmattn_bench.dispatch.writer import new_table, dump_table
     from dmattn_bench.hardware import CPU_FINGERPRINT
 
     key = load_workloads(_tiny_inputs(tmp_path, CPU_FWD.to_dict())[0])[0].key("fwd")

@@ -14,7 +14,8 @@ from rich.table import Table
 
 from dmattn_bench import output
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
-from dmattn_bench.dispatch import ENV_VAR, Entry, TableError, dump_table, load_table, merged, new_table
+from dmattn_bench.dispatch import ENV_VAR, Entry, TableError, load_table
+from dmattn_bench.dispatch.writer import dump_table, merged, new_table
 from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.journal import JournalError, JournalState, mark_finished, read_state

@@ -12,8 +12,8 @@ from dmattn_bench.errors import NoGpuError, ValidationFailed
 from dmattn_bench.dispatch import TableError, load_table
 from dmattn_bench.dispatch.lookup import ENV_VAR
 from dmattn_bench.dispatch.stamps import entry_status, stamp_of
-from dmattn_bench.dispatch.table import declare_stale
-from dmattn_bench.dispatch.table import restamp as restamp_table
+from dmattn_bench.dispatch.writer import declare_stale
+from dmattn_bench.dispatch.writer import restamp as restamp_table
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint
 from dmattn_bench.space import DTYPES, InvalidConfig, config_label

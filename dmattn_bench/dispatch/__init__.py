@@ -1,6 +1,7 @@
-"""Dispatch tables: the YAML schema (`table`) and run-time selection (`lookup`).
+"""Dispatch tables: the YAML schema and its reader (`table`), run-time selection (`lookup`) and,
+imported only by the tuner and the CLI, the writer (`writer`).
 
-Imported by the attention call path, so nothing here imports click, rich or pytest.
+Imported by the attention call path, so nothing here imports click, rich or pytest, nor the writer.
 """
 
 from dmattn_bench.dispatch.lookup import (
@@ -22,18 +23,12 @@ from dmattn_bench.dispatch.table import (
     TableError,
     Timing,
     Validation,
-    declare_stale,
-    dump_table,
     load_table,
-    merged,
-    new_table,
-    restamp,
     table_from_dict,
-    table_to_dict,
 )
 
 __all__ = [
     "DISPATCHER", "ENV_VAR", "MAX_TABLE_BYTES", "SCHEMA_VERSION", "Choice", "DispatchWarning", "Dispatcher",
-    "Entry", "Table", "TableError", "Timing", "Validation", "choose", "clear_cache", "declare_stale", "dump_table", "load_table",
-    "merged", "nearest", "new_table", "restamp", "table_from_dict", "table_to_dict", "use_table",
+    "Entry", "Table", "TableError", "Timing", "Validation", "choose", "clear_cache", "load_table", "nearest",
+    "table_from_dict", "use_table",
 ]

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import torch
 import triton
 
-from dmattn_bench import native
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, as_4d
+from dmattn_kernels.runtime import native
+from dmattn_kernels.configs import AttentionShape, BwdConfig, FwdConfig, as_4d
 from dmattn_kernels import target
 from dmattn_kernels.cuda.build import build, defines
 # One compile-only switch for every bundled kernel (the tuner's compile workers: within

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from dmattn_bench import native
-from dmattn_bench.space import MAX_SPLITS, DecodeConfig
+from dmattn_kernels.runtime import native
+from dmattn_kernels.configs import MAX_SPLITS, DecodeConfig
 from dmattn_kernels.triton import launch
 from dmattn_kernels.triton.flash_decode import decode_combine_kernel, decode_mask_span_kernel, flash_decode_kernel
 from dmattn_kernels.triton.launch import _Launch, _Workspace, head_block, launch_stream

@@ -25,9 +25,9 @@ import torch
 import triton
 from triton import knobs
 
-from dmattn_bench import native
-from dmattn_bench.plan import PlanCache
-from dmattn_bench.space import AttentionShape, BwdConfig, DecodeConfig, FwdConfig
+from dmattn_kernels.runtime import native
+from dmattn_kernels.runtime.plan_cache import PlanCache
+from dmattn_kernels.configs import AttentionShape, BwdConfig, DecodeConfig, FwdConfig
 from dmattn_kernels import target
 from dmattn_kernels.triton.activity import CELL, WORD_BYTES, block_list_kernel, tile_activity_kernel
 from dmattn_kernels.triton.flash_bwd import (

@@ -15,6 +15,10 @@ anything else: another Triton, a kernel that needs scratch memory, clusters, coo
 programmatic launch, an unknown argument type, a launcher `handles.direct_launch` did not build.
 The caller keeps its Python launches then.
 
+The module also holds the front end's eager entry (`entry`, `learn`, `configure`), which
+`dmattn_bench.entry` wires to the dispatcher when the module loads (`on_load`): this package
+imports nothing of the front end.
+
 The module is compiled with the system C++ compiler against the installed torch on the first
 GPU plan (about 15 s, once per torch and Python version: cached under $DMATTN_BENCH_CACHE or
 ~/.cache/dmattn_bench/native). A run of several kernels is one CUDA graph launch, its nodes'
@@ -71,10 +75,7 @@ def allocated(index: int, offset: int = 0) -> tuple[int, int, int]:
 
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "module": the loaded module, or None after a failed or disabled build
-# The eager entry of the loaded module (`native_launch.cpp`): `ENTRY(*flash_dmattn_func's arguments)`
-# runs a call without gradient whose arguments ran before (`learn`) as one C++ call, or answers None.
-# None while no module is loaded or the path is switched off.
-ENTRY = None
+_ON_LOAD: list = []  # callables given the module once it loads (`on_load`)
 
 
 def _compile_command(output: Path) -> list[str]:
@@ -148,10 +149,19 @@ def _load(path: Path):
     return loaded
 
 
+def on_load(callback) -> None:
+    """Calls `callback(module)` when the module loads (at once if it has): the front end wires its
+    entry there. A callback's RuntimeError, OSError or ImportError turns the path off, as a
+    failed build does."""
+    _ON_LOAD.append(callback)
+    loaded_now = _STATE.get("module")
+    if loaded_now is not None:
+        callback(loaded_now)
+
+
 def module():
     """The native module, built on first use; None when `DMATTN_BENCH_NATIVE=0` or its build
     failed (warned once)."""
-    global ENTRY
     if "module" in _STATE:
         return _STATE["module"]
     with _LOCK:
@@ -160,13 +170,10 @@ def module():
             if os.environ.get(ENV_VAR, "1") != "0":
                 try:
                     loaded = _load(build())
-                    from dmattn_bench import dispatch, plan, registry
-                    from dmattn_kernels.triton import launch
-
-                    plan.use_tensor_layouts(loaded.signature)
-                    loaded.configure(dispatch.DISPATCHER, registry, launch, launch.launch_stream, dispatch.ENV_VAR)
-                    ENTRY = loaded.entry
+                    for callback in _ON_LOAD:
+                        callback(loaded)
                 except (RuntimeError, OSError, ImportError) as error:
+                    loaded = None
                     warnings.warn(f"dmattn-bench: the native launch path is off ({error}); kernels launch "
                                   f"through Triton's launchers", RuntimeWarning, stacklevel=2)
             _STATE["module"] = loaded
@@ -178,36 +185,16 @@ def loaded():
     return _STATE.get("module")
 
 
-def learn(program, *arguments) -> bool:
-    """Has the entry run `program` (a `Program`, or None: nothing to learn) for later calls keyed
-    as `arguments` (`flash_dmattn_func`'s, in order); whether it will."""
-    loaded = _STATE.get("module")
-    return program is not None and loaded is not None and loaded.learn(program, *arguments)
-
-
-def forget() -> None:
-    """The entry serves no call until it learns again (`plan.clear`)."""
-    loaded = _STATE.get("module")
-    if loaded is not None:
-        loaded.forget()
-
-
 @contextmanager
-def switched_off():
-    """Plans built inside launch from Python and key calls as Python does (an in-process A/B of
-    the two paths; `plan.clear()` first so that no plan built outside is reused)."""
-    global ENTRY
-    from dmattn_bench import plan
-
-    before, entry = module(), ENTRY
-    _STATE["module"], ENTRY = None, None
-    plan.use_tensor_layouts(plan.python_tensor_layouts)
+def disabled():
+    """Programs asked for inside are None (their plans launch from Python); the module stays
+    loaded for afterwards."""
+    before = module()
+    _STATE["module"] = None
     try:
-        yield
+        yield before
     finally:
-        _STATE["module"], ENTRY = before, entry
-        if before is not None:
-            plan.use_tensor_layouts(before.signature)
+        _STATE["module"] = before
 
 
 # -- programs ----------------------------------------------------------------------------------------
