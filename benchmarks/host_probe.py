@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -32,24 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import host_overhead
 from dmattn_bench import flash_dmattn_func
-
-N, ROUNDS, SPIN_CYCLES = 100, 9, 60_000_000
-
-
-def host_us(fn, n: int = N) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(ROUNDS):
-        torch.cuda._sleep(SPIN_CYCLES)
-        begin = time.perf_counter()
-        for _ in range(n):
-            fn()
-        rounds.append((time.perf_counter() - begin) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(rounds)
-
+from dmattn_bench.timing import host_us
 
 def _decode_inputs(batch, seqlen_k, padded, device):
     g = torch.Generator(device=device).manual_seed(0)

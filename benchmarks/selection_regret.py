@@ -23,18 +23,16 @@ missing, not as a regret.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import yaml
 
-import learn_defaults  # noqa: E402
+from dmattn_bench import defaults
+from dmattn_bench.dispatch import lookup
+from dmattn_bench.dispatch.table import Entry
+from dmattn_bench.registry import GPU_DEFAULTS
+from dmattn_bench.space import CONFIG_CLASSES, TableKey
 
-from dmattn_bench import defaults  # noqa: E402
-from dmattn_bench.dispatch import lookup  # noqa: E402
-from dmattn_bench.dispatch.table import Entry  # noqa: E402
-from dmattn_bench.registry import GPU_DEFAULTS  # noqa: E402
-from dmattn_bench.space import CONFIG_CLASSES, TableKey  # noqa: E402
 
 def similarity_distance(a: dict, b: dict) -> float | None:
     """`lookup.similarity_distance` of two journal keys (dicts)."""
@@ -99,10 +97,13 @@ def _summary(values: list[float | None]) -> str:
 
 
 def main() -> None:
-    journals, tables = learn_defaults.JOURNALS, learn_defaults.VALIDATED
+    # the journals and tables the committed defaults were learned from, as that file lists them
+    root = Path(__file__).resolve().parents[1]
+    learned_from = yaml.safe_load(defaults.DEFAULTS_FILE.read_text())
+    journals = [root / name for name in learned_from["journals"]]
+    tables = [root / name for name in learned_from["validated_tables"]]
     qualified = defaults.qualified_configs(tables)
     rows = held_out_regrets(read_keys(journals), qualified)
-    root = learn_defaults.ROOT
     print("# Selection regret on held-out shapes (sm90, offline from the committed journals)\n")
     print(f"Command: `python benchmarks/selection_regret.py`. Journals: "
           f"{', '.join(f'`{p.relative_to(root)}`' for p in journals)} (H100 and H200, the kernels of their "

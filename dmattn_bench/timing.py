@@ -169,3 +169,23 @@ def eager_wall_ms(fn: Callable[[], None], device: torch.device | str, calls: int
         synchronize()
         per_call.append((time.perf_counter() - begin) * 1e3 / calls)
     return statistics.median(per_call)
+
+
+HOST_CALLS, HOST_ROUNDS, HOST_SPIN_CYCLES = 100, 9, 60_000_000
+
+
+def host_us(fn: Callable[[], None], n: int = HOST_CALLS) -> float:
+    """Warm host microseconds per call of `fn`: the median over HOST_ROUNDS rounds of `n`
+    back-to-back calls enqueued behind a GPU spin (so no call waits on the GPU), divided by `n`."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(HOST_ROUNDS):
+        torch.cuda._sleep(HOST_SPIN_CYCLES)
+        begin = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rounds.append((time.perf_counter() - begin) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(rounds)

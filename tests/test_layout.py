@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,14 @@ print(" ".join(sorted(sys.modules)))
     loaded = done.stdout.split()
     assert "dmattn_bench.plan" in loaded
     assert not [name for name in loaded if name.startswith(RUNTIME_FORBIDDEN)]
+
+
+def test_no_source_or_test_reads_a_journal_under_results():
+    """results/ holds evidence; the code and its tests depend on none of its journals, directly or
+    through a script of benchmarks/ (the learned defaults are written by
+    `benchmarks/learn_defaults.py` from the journals it is given)."""
+    root = KERNELS.parent
+    reader = re.compile(r"results/[\w./-]*\.jsonl|[\"']benchmarks[\"']")
+    readers = [str(path.relative_to(root)) for folder in ("dmattn_bench", "kernels", "tests")
+               for path in sorted((root / folder).rglob("*.py")) if reader.search(path.read_text())]
+    assert not readers

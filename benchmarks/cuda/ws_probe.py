@@ -2,7 +2,7 @@
 (forward alone) through its configs at head dims 64 and 128 in bf16 and fp16, then the bench's
 W1-W3 forward (`configs/workloads/peers.yaml`, no gradient) against the Triton forward the
 runtime picks, the CUDA wgmma forward and SDPA, GPU time (`timing.time_kernel`, L2 flushed) and
-the host's time to enqueue a call (`host_probe.host_us`: warm, behind a GPU spin).
+the host's time to enqueue a call (`timing.host_us`: warm, behind a GPU spin).
 
     python3 benchmarks/cuda/ws_probe.py [--suite quick|full] [--configs 128x128w12s2,...]
         [--score-stages 2,4]
@@ -15,7 +15,6 @@ Prints one markdown table (stdout); progress to stderr."""
 import argparse
 import sys
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -31,8 +30,7 @@ from dmattn_bench.timing import time_kernel
 from dmattn_bench.validator import check_case, config_tiles
 from dmattn_kernels.cuda import build, launch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from host_probe import host_us  # noqa: E402 (benchmarks/host_probe.py)
+from dmattn_bench.timing import host_us
 
 
 def parse_config(text: str) -> FwdConfig:
