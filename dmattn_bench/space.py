@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import yaml
 
-from dmattn_kernels.configs import (FWD_KNOBS, MAX_SPLITS, AttentionShape, BwdConfig, DecodeConfig,  # noqa: F401
-                                    FwdConfig, as_4d)
+from dmattn_kernels.configs import (FWD_KNOBS, MAX_HEAD_DIM, MAX_SPLITS, AttentionShape, BwdConfig,  # noqa: F401
+                                    DecodeConfig, FwdConfig, as_4d)
 
 
 def _configs_dir() -> Path:
@@ -183,8 +183,8 @@ def bias_has_rows(kind: str) -> bool:
 
 
 def is_valid_head_dim(head_dim: int) -> bool:
-    """DESIGN §1: any D <= 256 that is a multiple of 8."""
-    return head_dim % 8 == 0 and 8 <= head_dim <= 256
+    """The contract's head dims (docs/CONTRACT.md §1): any D <= MAX_HEAD_DIM (256) that is a multiple of 8."""
+    return head_dim % 8 == 0 and 8 <= head_dim <= MAX_HEAD_DIM
 
 
 def seqlen_bucket(seqlen: int) -> int:

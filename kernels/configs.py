@@ -156,6 +156,19 @@ class AttentionShape:
     softcap: float = 0.0
 
 
+MAX_HEAD_DIM = 256  # the largest head dim whose fp32 accumulator tile fits a program's registers
+
+
+def shape_problem(shape: AttentionShape) -> str | None:
+    """What no kernel here can run in `shape` (the head dim, the head grouping), else None: the
+    rules every backend's `is_supported` starts from."""
+    if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 8:
+        return f"head_dim={shape.head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
+    if shape.num_heads % shape.num_heads_kv:
+        return f"num_heads={shape.num_heads} is not a multiple of num_heads_kv={shape.num_heads_kv}"
+    return None
+
+
 def as_4d(t: torch.Tensor | None) -> torch.Tensor | None:
     """Left-pads a broadcastable mask/bias to 4-D (a view, never a copy)."""
     if t is None or t.dim() == 4:

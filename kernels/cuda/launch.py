@@ -19,7 +19,7 @@ import torch
 import triton
 
 from dmattn_kernels.runtime import native
-from dmattn_kernels.configs import AttentionShape, BwdConfig, FwdConfig, as_4d
+from dmattn_kernels.configs import AttentionShape, BwdConfig, FwdConfig, as_4d, shape_problem
 from dmattn_kernels import target
 from dmattn_kernels.cuda.build import build, defines
 # One compile-only switch for every bundled kernel (the tuner's compile workers: within
@@ -30,7 +30,6 @@ from dmattn_kernels.triton.launch import (  # noqa: F401 (compile_only, is_compi
     LAUNCH_OBSERVERS, _finish_dbias, compile_only, delta_with_lse_grad, is_compile_only, launch_stream)
 from dmattn_kernels.triton.layouts import zero_size1_strides
 
-MAX_HEAD_DIM = 256
 WARP_CHOICES = (2, 4, 8)
 # Rows a warp owns, as m16 tiles: forward block_m = 16 or 32 x num_warps (flash_fwd.cu: WARP_TILES),
 # backward block_n and block_m_dq = 16 x num_warps.
@@ -477,10 +476,9 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
 
     Shared memory per arch is checked at launch (`OutOfResources`) and by compile-check.
     """
-    if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 8:
-        return f"head_dim={shape.head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
-    if shape.num_heads % shape.num_heads_kv:
-        return f"num_heads={shape.num_heads} is not a multiple of num_heads_kv={shape.num_heads_kv}"
+    reason = shape_problem(shape)
+    if reason:
+        return reason
     if isinstance(config, FwdConfig) and (config.overlap or config.persistent):
         reason = _knob_reason(config)
         if reason:

@@ -27,7 +27,7 @@ from triton import knobs
 
 from dmattn_kernels.runtime import native
 from dmattn_kernels.runtime.plan_cache import PlanCache
-from dmattn_kernels.configs import AttentionShape, BwdConfig, DecodeConfig, FwdConfig
+from dmattn_kernels.configs import AttentionShape, BwdConfig, DecodeConfig, FwdConfig, shape_problem
 from dmattn_kernels import target
 from dmattn_kernels.triton.activity import CELL, WORD_BYTES, block_list_kernel, tile_activity_kernel
 from dmattn_kernels.triton.flash_bwd import (
@@ -47,7 +47,6 @@ _MODE = threading.local()  # compile-only switch of the current thread (see `com
 # for tests and instrumentation. Empty in normal use, where it costs one truth test per launch.
 LAUNCH_OBSERVERS: list[Callable[[str], None]] = []
 
-MAX_HEAD_DIM = 256  # the largest head dim whose fp32 accumulator tile fits the register file
 MIN_BLOCK = CELL  # tl.dot needs every tile dim >= 16; the activity cells are that size
 MAX_BLOCK = 256
 WARP_CHOICES = (1, 2, 4, 8, 16)
@@ -106,10 +105,9 @@ def is_supported(config: FwdConfig | BwdConfig | DecodeConfig, shape: AttentionS
     Only structural limits live here; shared-memory and register fit per arch are pruned by
     cross-compilation in the tuner.
     """
-    if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 8:
-        return f"head_dim={shape.head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]"
-    if shape.num_heads % shape.num_heads_kv:
-        return f"num_heads={shape.num_heads} is not a multiple of num_heads_kv={shape.num_heads_kv}"
+    reason = shape_problem(shape)
+    if reason:
+        return reason
     if isinstance(config, FwdConfig) and (config.overlap or config.persistent):
         return ("overlap and persistent are knobs of the CUDA warp-specialized forward; the Triton forward has "
                 "neither (leave them 0)")
