@@ -25,22 +25,21 @@ if [ "$step" = verify ]; then
   cp $table "$logs/"
   dmattn-bench show $table > "$logs/show.txt" 2>&1; grep -m1 "entries" "$logs/show.txt"
 else
-  start=$SECONDS
-  dmattn-bench bench --workloads configs/workloads/peers-decode.yaml --format json > "$logs/h200-decode.json" \
-    2> "$logs/bench.txt"
-  echo "bench rc $? in $((SECONDS - start)) s"
-  dmattn-bench bench --from-json "$logs/h200-decode.json" --format markdown > "$logs/h200-decode.md"
+  decode_bench() {  # NAME: the decode bench as NAME.json and NAME.md
+    local start=$SECONDS
+    dmattn-bench bench --workloads configs/workloads/peers-decode.yaml --format json > "$logs/$1.json" \
+      2> "$logs/$1.txt"
+    echo "bench $1 rc $? in $((SECONDS - start)) s"
+    dmattn-bench bench --from-json "$logs/$1.json" --format markdown > "$logs/$1.md"
+  }
+  decode_bench h200-decode
   # the same bench on the short-query forward before the change (909e692), in the same run. The
   # table's decode entries are current on one of the two kernels only, so the other side runs the
   # decode defaults: a comparison of kernel and config together, not of the kernel alone
   for file in kernels/triton/flash_decode.py kernels/triton/decode_launch.py; do
     cp "$file" "/tmp/$(basename "$file")" && git show "909e692:$file" > "$file"
   done
-  start=$SECONDS
-  dmattn-bench bench --workloads configs/workloads/peers-decode.yaml --format json > "$logs/before.json" \
-    2> "$logs/bench-before.txt"
-  echo "bench before rc $? in $((SECONDS - start)) s"
-  dmattn-bench bench --from-json "$logs/before.json" --format markdown > "$logs/before.md"
+  decode_bench before
   cp /tmp/flash_decode.py /tmp/decode_launch.py kernels/triton/
 fi
 tar czf "$out/$step.tgz" -C "$out" logs && rm -rf "$logs"

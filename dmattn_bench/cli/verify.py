@@ -17,8 +17,8 @@ from dmattn_bench.dispatch.writer import restamp as restamp_table
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint
 from dmattn_bench.space import DTYPES, InvalidConfig, config_label
-from dmattn_bench.validator import (CHECKED, CaseResult, SuiteResult, plan_decode, plan_default_configs, plan_table_entries,
-                                    run_plan)
+from dmattn_bench.validator import (CHECKED, CaseResult, SuiteResult, plan_decode, plan_default_configs,
+                                    plan_table_entries, run_plan)
 
 
 
@@ -67,7 +67,8 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
     if table_path is None:
         backend = backend or "triton"
         output.info(f"no table given (--table or DMATTN_BENCH_TABLE): verifying the {backend} default configs")
-        return "defaults", plan_default_configs(device, suite, backend, dtype) + _decode(backend, device, suite), None, [], []
+        plan = plan_default_configs(device, suite, backend, dtype) + _decode(backend, device, suite)
+        return "defaults", plan, None, [], []
     try:
         table = load_table(table_path)
     except TableError as exc:
@@ -81,7 +82,7 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
                     f"unvalidated: verifying those")
         entries = not_current
         if not entries:
-            return str(table_path), [], table, [], [_rejected(e) for e in entries if isinstance(e.config, InvalidConfig)]
+            return str(table_path), [], table, [], []
     elif not_current:
         output.warn(f"{table_path}: {len(not_current)} of its {dtype} entries are stale or unvalidated (the runtime "
                     f"skips them); verifying them with the rest (`--suite full --restamp` re-validates those alone)")
@@ -103,7 +104,8 @@ def _rejected(entry) -> tuple[str, SuiteResult]:
     key = entry.key
     label = f"{entry.backend} {key.direction} entry D{key.head_dim} Lq{key.seqlen_q_bucket} Lk{key.seqlen_k_bucket}"
     configs = (entry.config, None) if key.direction != "bwd" else (None, entry.config)
-    return label, SuiteResult(entry.backend, *configs, key.dtype, [CaseResult("config", "invalid", entry.config.problem)])
+    failed = CaseResult("config", "invalid", entry.config.problem)
+    return label, SuiteResult(entry.backend, *configs, key.dtype, [failed])
 
 
 def _decode(backend: str | None, device: str, suite: str) -> list:

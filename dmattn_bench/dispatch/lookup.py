@@ -324,9 +324,10 @@ class Dispatcher:
             why = f"declared stale ({entry.stale})"
         else:
             why = "never validated" if state == "unvalidated" else "validated on other code than is installed here"
-        self._warn(path, "invalid" if state == "invalid" else "stale", f"dispatch table {path}: entry {entry.key.direction} {entry.key.dtype} "
-                   f"D{entry.key.head_dim} ({entry.backend}) skipped, {why}; the nearest current entry or the "
-                   f"default runs instead (`dmattn-bench show {path}` counts them; on its GPU, "
+        self._warn(path, "invalid" if state == "invalid" else "stale",
+                   f"dispatch table {path}: entry {entry.key.direction} {entry.key.dtype} D{entry.key.head_dim} "
+                   f"({entry.backend}) skipped, {why}; the nearest current entry or the default runs instead "
+                   f"(`dmattn-bench show {path}` counts them; on its GPU, "
                    f"`dmattn-bench verify --table {path} --suite full --restamp` re-validates them)")
         return False
 
