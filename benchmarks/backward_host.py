@@ -6,13 +6,13 @@ median) of:
 - fwd / fwd (grad): our forward without and with inputs that need a gradient;
 - fwd+bwd grad / fwd+bwd .backward: the forward and `torch.autograd.grad`, or `.backward()`
   accumulating into `.grad` (what `dmattn-bench bench` times);
-- inside backward: the time spent in `_Attention.backward` on the engine's thread;
+- inside backward: the time spent in `plan.Attention.backward` on the engine's thread;
 - plan.backward: the same backward called directly on the calling thread (no engine), and the
   time of its kernel launches;
 and, as floors: one C++ op (`x * 2`) and one Python `autograd.Function` (identity) through
 `torch.autograd.grad`, and SDPA's dense flash forward+backward on the W3 shape.
 
-    python benchmarks/backward_host.py [--profile W2]
+    python -m benchmarks backward-host [--profile W2]
 
 Prints one markdown table (stdout); with --profile, the top functions of the forward and of the
 direct backward.
@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import host_overhead
+from benchmarks import host_overhead
+from dmattn_bench.bench.operators import operator
 
 SPIN_CYCLES = 2_000_000  # about 1 ms on an H100: longer than one call's host time
 CALLS = 60
@@ -95,8 +96,9 @@ def _print_profile(title: str, fn, calls: int = 200, top: int = 20) -> None:
 
 
 def ours(name, shape, device, profile: bool) -> list[tuple[str, float]]:
-    from dmattn_bench import api, flash_dmattn_func
-    import dmattn_kernels.triton.launch as launch
+    from dmattn_bench import flash_dmattn_func
+    from dmattn_bench import plan as plans
+    import dmattn_kernels.triton.launching as launching
 
     q, k, v, mask, bias, causal, leaves = host_overhead._inputs(shape, device, True)
     grad_out = torch.randn_like(q)
@@ -115,18 +117,18 @@ def ours(name, shape, device, profile: bool) -> list[tuple[str, float]]:
     rows.append((f"{name}: fwd+bwd .backward", warm_host_ms(accumulate)))
 
     inside = []
-    original = api._Attention.backward
+    original = plans.Attention.backward
 
     def timed_backward(ctx, dout, dlse):
         begin = time.perf_counter()
         result = original(ctx, dout, dlse)
         inside.append(time.perf_counter() - begin)
         return result
-    api._Attention.backward = staticmethod(timed_backward)
+    plans.Attention.backward = staticmethod(timed_backward)
     try:
         warm_host_ms(lambda: torch.autograd.grad(call(), leaves, grad_out))
     finally:
-        api._Attention.backward = staticmethod(original)
+        plans.Attention.backward = staticmethod(original)
     rows.append((f"{name}: inside backward", statistics.median(inside) * 1e3))
 
     kept = call()  # alive while its saved tensors are read (an output's saved copy needs it)
@@ -139,21 +141,21 @@ def ours(name, shape, device, profile: bool) -> list[tuple[str, float]]:
     rows.append((f"{name}: plan.backward direct", warm_host_ms(direct)))
 
     launch_time = []
-    method = "run" if hasattr(launch._Launch, "run") else "__call__"  # what a plan calls per kernel
-    original_call = getattr(launch._Launch, method)
+    method = "run" if hasattr(launching.Launch, "run") else "__call__"  # what a plan calls per kernel
+    original_call = getattr(launching.Launch, method)
 
     def timed_call(self, *args):
         begin = time.perf_counter()
         original_call(self, *args)
         launch_time.append(time.perf_counter() - begin)
-    setattr(launch._Launch, method, timed_call)
+    setattr(launching.Launch, method, timed_call)
     try:
         direct()
         launch_time.clear()
         direct()
         count = len(launch_time)
     finally:
-        setattr(launch._Launch, method, original_call)
+        setattr(launching.Launch, method, original_call)
     rows.append((f"{name}: its {count} launches", sum(launch_time) * 1e3))
     torch.cuda.synchronize()
 
@@ -164,10 +166,11 @@ def ours(name, shape, device, profile: bool) -> list[tuple[str, float]]:
     return rows
 
 
-def main() -> None:
+@operator("backward-host", help="Host time of an eager forward+backward against the autograd engine's own floor")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="append", default=[], help="scenario name prefix to profile")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     rows = floors(device)
     for name, shape in host_overhead._scenarios(device).items():
@@ -177,7 +180,3 @@ def main() -> None:
     print("| what | host ms |\n|---|---|")
     for what, ms in rows:
         print(f"| {what} | {ms:.3f} |")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,14 +1,14 @@
 """Regret of the runtime's choice today, offline, on the keys of a tune's trial journal.
 
 For each (workload, direction) of the journal, the config a call gets today on the table's GPU
-(`dispatch.choose` with that table: an entry of the key's categories at the nearest lengths, else
+(`tiles.choose` with that table: an entry of the key's categories at the nearest lengths, else
 the most similar entry within reach, else the learned or heuristic default of the GPU's arch) is
 looked up among the journal's timed candidates; its regret is its median over the fastest
 candidate's. Keys are split by how the choice was made: an entry tuned for these exact buckets
 (in the table), an entry of the same categories at other lengths, a similar entry of other
 categories, or the default; all but the first are held out.
 
-    python benchmarks/current_choice_regret.py results/tune/h100-shipped-grid.trials.jsonl \
+    python -m benchmarks current-choice-regret results/tune/h100-shipped-grid.trials.jsonl \
         --table results/tables/nvidia-h100-80gb-hbm3-sm90.yaml > results/regret/h100-shipped-grid.md
 
 The fastest candidate passed validation on its workload; whether it also passes the adversarial
@@ -19,43 +19,34 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
-from dmattn_bench import defaults
+from dmattn_bench import tiles
+from dmattn_bench.bench.operators import operator
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.dispatch.lookup import Choice, Dispatcher
-from dmattn_bench.registry import decode_config, default_entries_for
-from dmattn_bench.space import TableKey, bias_has_rows, config_label
+from dmattn_bench.space import TableKey, config_label
+from dmattn_bench.tuning.learn_defaults import config_items, timed_trials
 
 SOURCES = ("exact entry", "entry at other lengths", "similar entry", "default")
 
 
 class OfflineDispatcher(Dispatcher):
-    """The runtime's lookup for a GPU this machine does not have: the table's device stands in
-    for the local one, and the defaults are those of its arch family."""
+    """The runtime's table lookup for a GPU this machine does not have: the table's device stands
+    in for the local one."""
 
-    def __init__(self, table_path: Path, arch: str):
+    def __init__(self, table_path: Path):
         super().__init__()
         self.device = load_table(table_path).device
-        self.arch = arch
 
     def _fingerprint(self, device):
         return self.device
-
-    def _default(self, key: TableKey, device) -> Choice:
-        if key.direction == "decode":
-            return Choice("triton", decode_config(key.head_dim, "cuda"), "default")
-        fwd, bwd = next((fwd, bwd) for low, high, fwd, bwd
-                        in default_entries_for(self.arch, "triton", key.dtype, bias_rows=bias_has_rows(key.bias))
-                        if low <= key.head_dim <= high)
-        return Choice("triton", fwd if key.direction == "fwd" else bwd, "default")
 
 
 def read_shapes(journal: Path) -> dict[tuple, tuple[TableKey, dict[tuple, float]]]:
     """{(workload, direction): (key, {config items: median ms})} of the journal's timed trials."""
     shapes: dict[tuple, tuple[TableKey, dict]] = {}
-    for _, trial, config in defaults.timed_trials([journal]):
+    for _, trial, config in timed_trials([journal]):
         key = TableKey(**trial["key"])
         shapes.setdefault((trial["workload"], key.direction), (key, {}))[1][config] = trial["median_ms"]
     return shapes
@@ -74,26 +65,29 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(map(math.log, values)) / len(values))
 
 
-def main() -> None:
+@operator("current-choice-regret", help="Regret of the runtime's choice today on a tune journal's keys (offline)")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("journal", type=Path)
     parser.add_argument("--table", type=Path, required=True, help="the table a call would use")
     parser.add_argument("--arch", default="sm90", help="arch family of the table's GPU (default: sm90)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    dispatcher = OfflineDispatcher(args.table, args.arch)
+    dispatcher = OfflineDispatcher(args.table)
     table_keys = {entry.key for entry in load_table(args.table).entries}
     rows = []  # (source, regret or None, workload, direction, choice label, best label)
     for (workload, direction), (key, times) in sorted(read_shapes(args.journal).items()):
-        choice = dispatcher.choose(key, "cuda", table=args.table, env=None)
+        # what `tiles.choose` does, with the table's GPU's arch family for the defaults
+        choice = (dispatcher.table_choice(key, "cuda", table=args.table, env=None)
+                  or tiles.default_choice(key, "cuda", arch=args.arch))
         best = min(times, key=times.get)
-        chosen = times.get(defaults.config_items(choice.config))
+        chosen = times.get(config_items(choice.config))
         regret = chosen / times[best] if chosen is not None else None
         rows.append((source_of(choice, key, table_keys), regret, workload, direction, config_label(choice.config),
                      config_label(type(choice.config)(**dict(best)))))
 
     print(f"# Regret of today's choice on {args.journal.name} ({dispatcher.device.name})\n")
-    print(f"Command: `python benchmarks/current_choice_regret.py {args.journal} --table {args.table}`. "
+    print(f"Command: `python -m benchmarks current-choice-regret {args.journal} --table {args.table}`. "
           "Regret: the chosen config's median over the fastest validated candidate's on the same workload "
           "(module docstring).\n")
     print("| how the choice is made | keys | geomean regret | worst regret | not timed |\n|---|---|---|---|---|")
@@ -114,7 +108,3 @@ def main() -> None:
                                                                                           -(row[1] or math.inf))):
         print(f"| {workload} | {direction} | {source} | {chosen} | "
               f"{f'{regret:.3f}' if regret is not None else 'not timed'} | {best} |")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,25 +1,28 @@
 """Where an eager step's host time goes around our backward: timestamps at the call of
-`torch.autograd.grad`, at the entry and exit of `_Attention.backward` (run on the autograd
+`torch.autograd.grad`, at the entry and exit of `plan.Attention.backward` (run on the autograd
 engine's device thread) and at the return, medians over calls with a GPU spin ahead of each; and,
 as the engine's floor, the same for an identity Function and for a Function with our signature
 whose backward returns precomputed gradients at once.
 
-    python benchmarks/engine_probe.py
+    python -m benchmarks engine-probe
 
 Prints one markdown table (stdout).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
 
 import torch
 
-import host_overhead
-from backward_host import CALLS, SPIN_CYCLES
-from dmattn_bench import api, flash_dmattn_func
+from benchmarks import host_overhead
+from benchmarks.backward_host import CALLS, SPIN_CYCLES
+from dmattn_bench import flash_dmattn_func
+from dmattn_bench import plan as plans
+from dmattn_bench.bench.operators import operator
 
 STAMPS: dict[str, float] = {}  # "grad" (autograd.grad called), "enter" / "exit" (the backward)
 
@@ -89,9 +92,11 @@ class Precomputed(torch.autograd.Function):
         return None, dq, dk, dv, None, dbias
 
 
-def main() -> None:
+@operator("engine-probe", help="Where an eager step's host time goes around our backward in the autograd engine")
+def main(argv: list[str]) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     device = torch.device("cuda")
-    original = api._Attention.backward
+    original = plans.Attention.backward
 
     def stamped_backward(ctx, dout, dlse):
         STAMPS["enter"] = time.perf_counter()
@@ -99,7 +104,7 @@ def main() -> None:
         STAMPS["exit"] = time.perf_counter()
         return result
 
-    api._Attention.backward = staticmethod(stamped_backward)
+    plans.Attention.backward = staticmethod(stamped_backward)
     rows = []
     x = torch.randn(1 << 20, device=device, requires_grad=True)
     x_grad = torch.randn_like(x)
@@ -126,7 +131,3 @@ def main() -> None:
     for name, legs in rows:
         print(f"| {name} | {legs['total']:.3f} | {legs.get('to_backward', 0):.3f} | {legs.get('in_backward', 0):.3f} "
               f"| {legs.get('after_backward', 0):.3f} |")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,14 +2,15 @@
 padding, sliding window), one checkout against another on the same GPU: run it once with the
 other checkout's packages first on PYTHONPATH (a folder holding its dmattn_bench, its kernels as
 dmattn_kernels, and its configs) and once with this one's, so both run the same tiles whatever
-table each would pick, and the second compares its outputs with the first's:
+table each would pick, and the second compares its outputs with the first's. From the repository
+root (`-P` keeps the current folder's packages from coming before PYTHONPATH's):
 
-    cd benchmarks
-    PYTHONPATH=old python forward_ab.py --label before --table T.yaml --write-configs c.json --save b.pt
-    python forward_ab.py --label after --read-configs c.json --compare b.pt
+    PYTHONPATH=old:$PWD python -P -m benchmarks forward-ab --label before --table T.yaml \
+        --write-configs c.json --save b.pt
+    python -m benchmarks forward-ab --label after --read-configs c.json --compare b.pt
 
 Prints one markdown table (stdout): GPU ms (`timing.time_kernel`), host µs per call
-(`host_probe.host_us`), the largest difference from the saved outputs."""
+(`timing.host_us`), the largest difference from the saved outputs."""
 
 import argparse
 import json
@@ -19,9 +20,9 @@ import torch
 
 from dmattn_bench import flash_dmattn_func
 from dmattn_bench import plan as plans
+from dmattn_bench.bench.operators import operator
+from dmattn_bench.bench.timing import host_us, time_kernel
 from dmattn_bench.space import FwdConfig, as_4d
-from dmattn_bench.timing import time_kernel
-from host_probe import host_us
 
 
 def workloads(device):
@@ -52,7 +53,8 @@ def workloads(device):
                                                                    generator=g), True)
 
 
-def main():
+@operator("forward-ab", help="GPU and host time of masked forwards, one checkout against another on one GPU")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", required=True)
     parser.add_argument("--table")
@@ -60,7 +62,7 @@ def main():
     parser.add_argument("--read-configs")
     parser.add_argument("--save")
     parser.add_argument("--compare")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     configs = json.loads(Path(args.read_configs).read_text()) if args.read_configs else {}
     earlier = torch.load(args.compare) if args.compare else {}
@@ -84,7 +86,3 @@ def main():
     print(f"| workload | config | {args.label}: GPU ms | host us | max diff |\n|---|---|---|---|---|")
     for name, config, gpu, host, diff in rows:
         print(f"| {name} | {config} | {gpu:.3f} | {host:.1f} | {diff:.3g} |")
-
-
-if __name__ == "__main__":
-    main()

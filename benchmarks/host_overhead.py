@@ -5,10 +5,11 @@ For each scenario and each implementation, medians of:
 - gpu: CUDA-event time of one call, enqueued behind a spin (so it is GPU time alone);
 - wall: eager wall time per call of a loop of calls with no spin, synchronised once at the end.
 
-Run it with another checkout's package first on PYTHONPATH to compare versions on one machine:
+Run it with another checkout's package first on PYTHONPATH to compare versions on one machine,
+from the repository root (`-P` keeps the current folder's packages from coming before PYTHONPATH's):
 
-    python benchmarks/host_overhead.py --label after --json after.json
-    PYTHONPATH=/path/to/old/checkout-as-packages python benchmarks/host_overhead.py --label before
+    python -m benchmarks host-overhead --label after --json after.json
+    PYTHONPATH=/path/to/old/checkout-as-packages:$PWD python -P -m benchmarks host-overhead --label before
 
 Prints one markdown table (stdout); progress to stderr.
 """
@@ -25,6 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from dmattn_bench.bench.operators import operator
 
 SPIN_CYCLES = 20_000_000  # ~10 ms of GPU spin: longer than any call's host time here
 HOST_REPEATS, GPU_REPEATS, WALL_LOOPS, WALL_CALLS = 50, 20, 5, 30
@@ -140,13 +143,14 @@ def _measure(fn):
                 wall_ms=statistics.median(wall) * 1e3)
 
 
-def main() -> None:
+@operator("host-overhead", help="Host, GPU and eager wall time per call of flash_dmattn_func against SDPA")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default="ours")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--no-sdpa", action="store_true")
     parser.add_argument("--only", action="append", help="scenario name prefix (repeatable); default: all")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     rows = []
     for name, shape in _scenarios(device).items():
@@ -175,7 +179,3 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,10 +2,11 @@
 
 Each figure is the median over rounds of N back-to-back calls enqueued behind a GPU spin (so no
 call waits on the GPU), divided by N. Run it with another checkout's packages first on
-PYTHONPATH to compare versions on one machine:
+PYTHONPATH to compare versions on one machine, from the repository root (`-P` keeps the current
+folder's packages from coming before PYTHONPATH's):
 
-    cd benchmarks && python host_probe.py --label after
-    PYTHONPATH=/path/to/old/packages python host_probe.py --label before
+    python -m benchmarks host-probe --label after
+    PYTHONPATH=/path/to/old/packages:$PWD python -P -m benchmarks host-probe --label before
 
 `--decode` times the bench's B1 decode steps instead (`configs/workloads/peers-decode.yaml`, D1
 and D2, each length variant) as `dmattn-bench bench` does, with more eager loops: ours and SDPA
@@ -13,9 +14,9 @@ flash, host µs, GPU µs and eager wall µs per call, and the wall over the GPU 
 `--native-source FILE` ours runs a native launch path built from another `native_launch.cpp`
 (an A/B of the host path alone, each in its own process):
 
-    python host_probe.py --decode --label after
+    python -m benchmarks host-probe --decode --label after
     git show HEAD~1:kernels/runtime/native_launch.cpp > /tmp/before.cpp
-    python host_probe.py --decode --label before --native-source /tmp/before.cpp
+    python -m benchmarks host-probe --decode --label before --native-source /tmp/before.cpp
 
 Prints one markdown table (stdout).
 """
@@ -29,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import host_overhead
+from benchmarks import host_overhead
 from dmattn_bench import flash_dmattn_func
-from dmattn_bench.timing import host_us
+from dmattn_bench.bench.operators import operator
+from dmattn_bench.bench.timing import host_us
 
 def _decode_inputs(batch, seqlen_k, padded, device):
     g = torch.Generator(device=device).manual_seed(0)
@@ -48,8 +50,8 @@ def _plan_key(q, k, v, mask, bias, causal) -> tuple:
     """The plan key `flash_dmattn_func` builds for a call with these tensors and default options."""
     from dmattn_bench import plan as plans
 
-    return plans.signature(q, k, v, mask, bias, None, None, bool, causal, type(None), None, float, 0.0, "auto", None,
-                           None, None, False)
+    return plans.signature(plans.tensor_layouts(q, k, v, mask, bias, None, None), bool, causal, type(None), None,
+                           float, 0.0, "auto", None, None, None, False)
 
 
 def pieces(device) -> list[tuple[str, float]]:
@@ -57,7 +59,7 @@ def pieces(device) -> list[tuple[str, float]]:
     from torch._subclasses.fake_tensor import is_fake
 
     from dmattn_bench import api
-    from dmattn_kernels.triton import launch
+    from dmattn_kernels.runtime import launch_context
 
     q, k, v, mask, bias, causal, _ = host_overhead._inputs(next(iter(host_overhead._scenarios(device).values())),
                                                             device, False)
@@ -69,7 +71,7 @@ def pieces(device) -> list[tuple[str, float]]:
         ("q.new_empty(shape)", host_us(lambda: q.new_empty(q.shape))),
         ("q.new_empty(n, dtype=uint8)", host_us(lambda: q.new_empty(1 << 16, dtype=torch.uint8))),
         ("torch.empty(n, dtype=uint8, device)", host_us(lambda: torch.empty(1 << 16, dtype=torch.uint8, device=device))),
-        ("launch_stream", host_us(launch.launch_stream)),
+        ("launch_stream", host_us(launch_context.launch_stream)),
         ("slice + view dtype + view shape", host_us(lambda: buffer[256:256 + 4 * 2 * 16 * 4096].view(torch.float32)
                                                     .view(shape))),
         ("view dtype + as_strided", host_us(lambda: buffer.view(torch.float32).as_strided(shape, (65536, 4096, 1), 64))),
@@ -90,7 +92,7 @@ def ab(device) -> list[tuple[str, float]]:
 
     from dmattn_bench import plan as plans
     from dmattn_bench import entry as eager_entry
-    from dmattn_kernels.triton import launch
+    from dmattn_kernels.triton import launch, launching
 
     shape = next(s for n, s in host_overhead._scenarios(device).items() if n.startswith("small"))
     q, k, v, mask, bias, causal, leaves = host_overhead._inputs(shape, device, True)
@@ -104,20 +106,20 @@ def ab(device) -> list[tuple[str, float]]:
                                                grad_out),
         "decode B1 Lk8192, padding mask": lambda: flash_dmattn_func(dq, dk, dv, dmask),
     }
-    direct = launch.direct_launch
+    direct = launching.direct_launch
     ways = {"native call (native.Program)": (direct, nullcontext),
             "C launcher (handles.DirectLaunch)": (direct, eager_entry.switched_off),
             "Triton's CompiledKernel.run": (lambda *a: None, eager_entry.switched_off)}
     samples: dict[str, list[float]] = {}
     for _ in range(5):
         for way, (launcher, context) in ways.items():
-            launch.direct_launch = launcher
+            launching.direct_launch = launcher
             with context():
                 plans.clear()
                 launch.clear_plans()
                 for name, fn in calls.items():
                     samples.setdefault(f"{name}, {way}", []).append(host_us(fn, n=30))
-    launch.direct_launch = direct
+    launching.direct_launch = direct
     return [(name, statistics.median(values)) for name, values in samples.items()]
 
 
@@ -152,8 +154,7 @@ def breakdown(device) -> list[tuple[str, float]]:
     the plan's run, its lookup, its native program, a native program of the allocations alone and
     an empty one, and SDPA beside it (memory-efficient with the float mask; W3: flash)."""
     from dmattn_bench import plan as plans
-    from dmattn_kernels.runtime import native
-    from dmattn_kernels.triton import launch
+    from dmattn_kernels.runtime import launch_context, native
 
     rows = []
     for name in ("W2", "W1", "W3"):
@@ -166,7 +167,7 @@ def breakdown(device) -> list[tuple[str, float]]:
         rows.append((f"{name}: plan.infer", host_us(lambda: plan.infer(q, k, v, mask, bias, None, None, False))))
         rows.append((f"{name}: plan lookup (signature + get)",
                      host_us(lambda: plans.PLANS.get(_plan_key(q, k, v, mask, bias, causal)))))
-        stream = launch.launch_stream()
+        stream = launch_context.launch_stream()
         for kind, program in forward.native.items():
             rows.append((f"{name}: native program {kind}", host_us(lambda: program(stream, q, k, v, mask, bias))))
         allocations = [(forward.out_shape, forward.out_dtype), (forward.lse_shape, torch.float32)]
@@ -190,8 +191,9 @@ def decode_steps(device) -> list[tuple[str, float, float, float]]:
     """(row, host µs, GPU µs, eager wall µs) of ours and SDPA flash on the bench's B1 decode steps."""
     from pathlib import Path
 
-    from dmattn_bench import bench, peers
-    from dmattn_bench.timing import eager_wall_ms, time_kernel
+    from dmattn_bench.bench import harness as bench
+    from dmattn_bench.bench import peers
+    from dmattn_bench.bench.timing import eager_wall_ms, time_kernel
 
     path = Path(__file__).resolve().parents[1] / "configs" / "workloads" / "peers-decode.yaml"
     rows = []
@@ -210,7 +212,8 @@ def decode_steps(device) -> list[tuple[str, float, float, float]]:
     return rows
 
 
-def main() -> None:
+@operator("host-probe", help="Warm host µs per eager call: ours and SDPA, forward, forward+backward and decode")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default="ours")
     parser.add_argument("--pieces", action="store_true", help="also time the operations a call is made of")
@@ -219,7 +222,7 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="only the bench's B1 decode steps, eager wall beside")
     parser.add_argument("--cuda", action="store_true", help="only the CUDA forward: native program, Python launch")
     parser.add_argument("--native-source", help="build the native launch path from this native_launch.cpp")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     if args.native_source:
         from pathlib import Path
@@ -271,7 +274,3 @@ def main() -> None:
     print(f"| call | {args.label}: host µs |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value:.1f} |")
-
-
-if __name__ == "__main__":
-    main()

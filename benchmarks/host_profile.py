@@ -1,7 +1,7 @@
 """Where the host time of one eager call goes: cProfile over repeated calls of one
 `benchmarks/host_overhead.py` scenario (ours, or SDPA for comparison), top functions by own time.
 
-    python benchmarks/host_profile.py --scenario W2 --direction fwd+bwd
+    python -m benchmarks host-profile --scenario W2 --direction fwd+bwd
 """
 
 from __future__ import annotations
@@ -12,18 +12,20 @@ import pstats
 
 import torch
 
-import host_overhead
+from benchmarks import host_overhead
+from dmattn_bench.bench.operators import operator
 
 CALLS = 300
 
 
-def main() -> None:
+@operator("host-profile", help="cProfile of one host-overhead scenario's eager call, top functions by own time")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", default="W2", help="a prefix of a scenario name of host_overhead.py")
     parser.add_argument("--direction", choices=("fwd", "fwd+bwd"), default="fwd+bwd")
     parser.add_argument("--impl", choices=("ours", "sdpa"), default="ours")
     parser.add_argument("--top", type=int, default=25)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     name, shape = next((n, s) for n, s in host_overhead._scenarios(device).items() if n.startswith(args.scenario))
     make = host_overhead._ours if args.impl == "ours" else host_overhead._sdpa
@@ -45,7 +47,3 @@ def main() -> None:
             sorted(stats.stats.items(), key=lambda item: -item[1][2]))[:args.top]:
         print(f"{tottime / CALLS * 1e6:8.1f} us own {cumtime / CALLS * 1e6:8.1f} us cum {calls / CALLS:5.1f}x "
               f"{file.split('/')[-1]}:{line} {func}")
-
-
-if __name__ == "__main__":
-    main()

@@ -6,26 +6,32 @@ is kept busy by a spin so no launch waits on the queue. Entry points:
   lookup on every call;
 - compiled[grid]: the `CompiledKernel` the JIT returned, called as `compiled[grid](*args)`
   (launch metadata, stream and device queried per call);
-- handle: that kernel's launcher called directly, as `launch._Launch` does after its first run.
+- handle: that kernel's launcher called directly, as `launching.Launch` does after its first run.
+
+    python -m benchmarks launch-entry-points
 
 Prints a markdown table of median microseconds per launch (stdout).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 import torch
 import triton
 
-from dmattn_kernels.triton import launch
+from dmattn_bench.bench.operators import operator
+from dmattn_kernels.triton import launching
 from dmattn_kernels.triton.flash_bwd import flash_bwd_preprocess_kernel
 
 LAUNCHES, ROUNDS = 200, 7
 
 
-def main() -> None:
+@operator("launch-entry-points", help="Host µs of one Triton kernel launch through each entry point")
+def main(argv: list[str]) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     batch, seqlen, heads, head_dim = 1, 128, 8, 64
     out = torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     dout = torch.randn_like(out)
@@ -36,13 +42,13 @@ def main() -> None:
     scalars = (*out.stride(), *dout.stride(), *delta.stride(), *lse.stride(), *lse.stride(), heads, seqlen)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64, HAS_DLSE=True)
     compiled = flash_bwd_preprocess_kernel[grid](*tensors, *scalars, **constexprs)
-    planned = launch._Launch(flash_bwd_preprocess_kernel, grid, scalars, constexprs, num_warps=4)
+    planned = launching.Launch(flash_bwd_preprocess_kernel, grid, scalars, constexprs, num_warps=4)
     planned(*tensors)  # the JIT path once: it keeps the handle
     all_args = (*tensors, *scalars, *constexprs.values())
     entry_points = {
         "jit": lambda: flash_bwd_preprocess_kernel[grid](*tensors, *scalars, **constexprs),
         "compiled[grid]": lambda: compiled[grid + (1,)](*all_args),
-        "handle (launch._Launch)": lambda: planned(*tensors),
+        "handle (launching.Launch)": lambda: planned(*tensors),
     }
     print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print("| entry point | µs per launch (median of 7 rounds of 200) |")
@@ -57,7 +63,3 @@ def main() -> None:
             rounds.append((time.perf_counter() - begin) / LAUNCHES * 1e6)
             torch.cuda.synchronize()
         print(f"| {name} | {statistics.median(rounds):.1f} |")
-
-
-if __name__ == "__main__":
-    main()

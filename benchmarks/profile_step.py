@@ -2,16 +2,17 @@
 bench table, CUDA time per kernel, summed over PROFILED_STEPS steps after a warm-up.
 
 Run from the repository root on a GPU:
-`python benchmarks/profile_step.py results/bench/h100-peers-table.yaml`.
+`python -m benchmarks profile-step results/bench/h100-peers-table.yaml`.
 """
 
-import sys
+import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dmattn_bench import flash_dmattn_func
-from dmattn_bench.bench import build_bench_inputs, load_peer_workloads
+from dmattn_bench.bench.harness import build_bench_inputs, load_peer_workloads
+from dmattn_bench.bench.operators import operator
 
 WARMUP_STEPS = 3
 PROFILED_STEPS = 5
@@ -42,7 +43,11 @@ def training_steps(table: str, warmup: int):
         yield pw.name, step
 
 
-def main(table: str) -> None:
+@operator("profile-step", help="CUDA time per kernel of W1/W2 forward+backward (torch.profiler)")
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("table", help="the dispatch table the steps run with")
+    table = parser.parse_args(argv).table
     print(f"# {torch.cuda.get_device_name()}, table {table}")
     for name, step in training_steps(table, WARMUP_STEPS):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -57,7 +62,3 @@ def main(table: str) -> None:
                 continue
             print(f"{e.device_time_total / PROFILED_STEPS / 1e3:8.4f}  x{e.count // PROFILED_STEPS:<3d} {e.key[:110]}")
         print(f"{total / PROFILED_STEPS / 1e3:8.4f}  total")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

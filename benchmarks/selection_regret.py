@@ -4,8 +4,8 @@ Each journal key (one GPU's tune of one workload and direction, every candidate 
 out in turn, with its shape's keys on the other GPUs and in the other dtype; a choice for it is
 made without them, and its regret is the chosen config's time on that key over the fastest
 candidate's (1.0: the best). Choices compared:
-- heuristic: `registry.GPU_DEFAULTS` for the key's head-dim class;
-- learned: `dmattn_bench.defaults.learn` on the other shapes' keys of the group (direction,
+- heuristic: `tiles.GPU_DEFAULTS` for the key's head-dim class;
+- learned: `dmattn_bench.tuning.learn_defaults.learn` on the other shapes' keys of the group (direction,
   head-dim class, bias with rows or not; both 16-bit dtypes), among the configs of the validated
   tables (what `configs/defaults.yaml` is, re-learned without the held-out shape);
 - nearest entry: the winner of the most similar other key of the same GPU's journal (what a
@@ -14,7 +14,7 @@ candidate's (1.0: the best). Choices compared:
   the nearest lengths, else the most similar within `lookup.SIMILAR_WITHIN`), else the learned
   default as above.
 
-    python benchmarks/selection_regret.py
+    python -m benchmarks selection-regret
 
 The timings are the journals' (their kernels and GPUs); a config a key did not time counts as
 missing, not as a regret.
@@ -22,16 +22,18 @@ missing, not as a regret.
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
 import yaml
 
-from dmattn_bench import defaults
+from dmattn_bench.bench.operators import operator
 from dmattn_bench.dispatch import lookup
 from dmattn_bench.dispatch.table import Entry
-from dmattn_bench.registry import GPU_DEFAULTS
 from dmattn_bench.space import CONFIG_CLASSES, TableKey
+from dmattn_bench.tiles import DEFAULTS_FILE, GPU_DEFAULTS
+from dmattn_bench.tuning import learn_defaults as defaults
 
 
 def similarity_distance(a: dict, b: dict) -> float | None:
@@ -96,23 +98,25 @@ def _summary(values: list[float | None]) -> str:
     return f"{geomean:.3f} | {max(known):.3f} | {len(values) - len(known)}"
 
 
-def main() -> None:
+@operator("selection-regret", help="Selection regret on held-out shapes from the committed sm90 journals (offline)")
+def main(argv: list[str]) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     # the journals and tables the committed defaults were learned from, as that file lists them
     root = Path(__file__).resolve().parents[1]
-    learned_from = yaml.safe_load(defaults.DEFAULTS_FILE.read_text())
+    learned_from = yaml.safe_load(DEFAULTS_FILE.read_text())
     journals = [root / name for name in learned_from["journals"]]
     tables = [root / name for name in learned_from["validated_tables"]]
     qualified = defaults.qualified_configs(tables)
     rows = held_out_regrets(read_keys(journals), qualified)
     print("# Selection regret on held-out shapes (sm90, offline from the committed journals)\n")
-    print(f"Command: `python benchmarks/selection_regret.py`. Journals: "
+    print(f"Command: `python -m benchmarks selection-regret`. Journals: "
           f"{', '.join(f'`{p.relative_to(root)}`' for p in journals)} (H100 and H200, the kernels of their "
           f"tunes); qualified configs: the entries of {', '.join(f'`{p.relative_to(root)}`' for p in tables)}. "
           f"{len(rows)} keys, each held out in turn (`benchmarks/selection_regret.py` says how each choice is "
           f"made). Regret: the chosen config's time over the fastest candidate's on the held-out key.\n")
     print("| choice | geomean regret | worst regret | keys that did not time the choice |")
     print("|---|---|---|---|")
-    for name, label in (("heuristic", "heuristic default (registry.GPU_DEFAULTS)"),
+    for name, label in (("heuristic", "heuristic default (tiles.GPU_DEFAULTS)"),
                         ("learned", "learned default, re-learned without the shape (configs/defaults.yaml)"),
                         ("nearest", "nearest other key's winner, same GPU (similarity_distance)"),
                         ("runtime", "the runtime's lookup (dispatch.lookup), a table of the journal's other keys, "
@@ -125,7 +129,3 @@ def main() -> None:
         journal, workload, direction = row["key"]
         print(f"| {journal.split('.')[0]} {workload} {direction} | {fmt(row['heuristic'])} | {fmt(row['learned'])} "
               f"| {fmt(row['nearest'])} ({fmt(row['distance'])}) | {fmt(row['runtime'])} |")
-
-
-if __name__ == "__main__":
-    main()

@@ -8,9 +8,9 @@
 #   decode        the `shipped` grid of configs/workloads/decode.yaml (KV-cache shapes: the
 #                 short-query forward's keys), merged into this GPU's table (`tune --merge`).
 #   verify-bf16   `verify --suite full --restamp` of that table in bf16 (and verify-fp16).
-#   learn-defaults  configs/defaults.yaml learned again from the journals and validated tables
-#                 benchmarks/learn_defaults.py lists (the H100's), so a verified H100 table's
-#                 configs qualify.
+#   learn-defaults  configs/defaults.yaml learned again (`python -m benchmarks learn-defaults`) from
+#                 the journals and validated tables it lists (the H100's), so a verified H100
+#                 table's configs qualify.
 #   held_out, held_out_b  a grid of held-out shapes (configs/workloads/held-out.yaml), tuned on
 #                 their own: the tune's JSON reports each key's regret of the runtime's choice today.
 #
@@ -55,7 +55,9 @@ for step in "$@"; do
       status=$?
       cp "$table" "$out/" ;;
     learn-defaults)
-      python3 benchmarks/learn_defaults.py > "$out/learn-defaults.log" 2>&1
+      learned_from=$(python3 -c "import yaml; d = yaml.safe_load(open('configs/defaults.yaml'))
+print(' '.join([f'--journal {j}' for j in d['journals']] + [f'--validated {t}' for t in d['validated_tables']]))")
+      python3 -m benchmarks learn-defaults $learned_from > "$out/learn-defaults.log" 2>&1
       status=$?
       cp configs/defaults.yaml "$out/" ;;
     held_out*)

@@ -3,8 +3,8 @@ keys, candidate trials, those a check without compiling leaves (the compile jobs
 kernels those jobs compile, keyed per workload (each workload compiling its own) and per
 `tuner.specialization_class` (workloads of one class sharing them).
 
-    python benchmarks/tune_plan.py --grid default
-    python benchmarks/tune_plan.py --grid wide --dtype bf16 --dtype fp16
+    python -m benchmarks tune-plan --grid default
+    python -m benchmarks tune-plan --grid wide --dtype bf16 --dtype fp16
 
 Candidates are the arch's search space (`configs/space/triton-*.yaml`); the heuristic default a
 GPU tune adds first is in that space on sm90. Prints one markdown table (stdout).
@@ -14,22 +14,24 @@ from __future__ import annotations
 
 import argparse
 
+from dmattn_bench.bench.operators import operator
 from dmattn_bench.hardware import ARCH_LIMITS
-from dmattn_bench.prune import load_space, precheck
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import CONFIGS_DIR
-from dmattn_bench.trials import shape_of_workload
-from dmattn_bench.tuner import compile_keys
-from dmattn_bench.workloads import load_workloads
+from dmattn_bench.tuning.prune import load_space, precheck
+from dmattn_bench.tuning.trials import shape_of_workload
+from dmattn_bench.tuning.tuner import compile_keys
+from dmattn_bench.tuning.workloads import load_workloads
 
 
-def main() -> None:
+@operator("tune-plan", help="What a tune of a workloads grid would run on an arch, counted without a GPU")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=str(CONFIGS_DIR / "workloads" / "default.yaml"))
     parser.add_argument("--grid", default="default")
     parser.add_argument("--dtype", action="append", help="as tune's --dtype (repeatable); default: the grid's")
     parser.add_argument("--arch", default="sm90", choices=sorted(ARCH_LIMITS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     limits = ARCH_LIMITS[args.arch]
     backend = get_backend("triton")
     workloads = load_workloads(args.workloads, args.grid, args.dtype)
@@ -45,7 +47,3 @@ def main() -> None:
           f"kernels, per specialization class |\n|---|---|---|---|---|---|---|---|\n"
           f"| {args.grid} ({', '.join(sorted({w.dtype for w in workloads}))}) | {args.arch} | {len(workloads)} | "
           f"{len(keys)} | {len(trials)} | {len(jobs)} | {len(per_workload)} | {len(shared)} |")
-
-
-if __name__ == "__main__":
-    main()

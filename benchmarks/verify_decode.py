@@ -1,7 +1,7 @@
 """The short-query forward's suites alone (`validator.plan_decode`, `--suite full` cases) in each
 dtype on the local GPU: what `dmattn-bench verify` runs for it beside a table's entries.
 
-    python benchmarks/verify_decode.py [--dtype bf16 --dtype fp16]
+    python -m benchmarks verify-decode [--dtype bf16 --dtype fp16]
 
 Prints one line per suite and dtype (stdout); exits 1 when a case fails.
 """
@@ -9,18 +9,19 @@ Prints one line per suite and dtype (stdout); exits 1 when a case fails.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
+from dmattn_bench.bench.operators import operator
 from dmattn_bench.space import DTYPES, config_label
-from dmattn_bench.validator import plan_decode, run_plan
+from dmattn_bench.tuning.validator import plan_decode, run_plan
 
 
-def main() -> None:
+@operator("verify-decode", help="The short-query forward's full suites in each dtype on the local GPU")
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", action="append", choices=("bf16", "fp16"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     failed = False
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for dtype in args.dtype or ["bf16", "fp16"]:
@@ -33,8 +34,4 @@ def main() -> None:
                 if case.status != "ok":
                     failed = True
                     print(f"  {case.case}: {case.status} {case.reason}")
-    sys.exit(1 if failed else 0)
-
-
-if __name__ == "__main__":
-    main()
+    return 1 if failed else 0

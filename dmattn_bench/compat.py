@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_bench import api
+from dmattn_bench import api, checks
 
 __all__ = ["flash_dmattn_func", "triton_dmattn_func"]
 
@@ -75,18 +75,10 @@ def _bool_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
     return attn_mask
 
 
-def flash_dmattn_func(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    attn_bias: torch.Tensor | None = None,
-    softmax_scale: float | None = None,
-    is_causal: bool | None = None,
-    softcap: float | None = None,
-    deterministic: bool | None = None,
-    return_attn_probs: bool | None = None,
-) -> torch.Tensor:
+def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
+                      softmax_scale: float | None = None, is_causal: bool | None = None, softcap: float | None = None,
+                      deterministic: bool | None = None, return_attn_probs: bool | None = None) -> torch.Tensor:
     """flash-dmattn 1.2's CUDA `flash_dmattn_func`, run on dmattn-bench kernels.
 
     Args:
@@ -106,7 +98,7 @@ def flash_dmattn_func(
     """
     for name, flag in (("is_causal", is_causal), ("deterministic", deterministic),
                        ("return_attn_probs", return_attn_probs)):
-        api.check_flag(name, flag, optional=True)
+        checks.check_flag(name, flag, optional=True)
     del deterministic  # every configuration we ship is deterministic
     if return_attn_probs:
         raise NotImplementedError(
@@ -128,7 +120,7 @@ def triton_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_cau
     docstring). flash-dmattn's Triton function has no softcap, deterministic or
     return_attn_probs arguments, so neither does this one.
     """
-    api.check_flag("is_causal", is_causal)
+    checks.check_flag("is_causal", is_causal)
     return api.flash_dmattn_func(
         query, key, value, _bool_mask(attn_mask), attn_bias, is_causal=bool(is_causal),
         softmax_scale=softmax_scale,

@@ -20,10 +20,10 @@ ENTRY = None
 def _connect(loaded) -> None:
     global ENTRY
     from dmattn_bench import dispatch, plan, registry
-    from dmattn_kernels.triton import launch
+    from dmattn_kernels.runtime import launch_context
 
     plan.use_tensor_layouts(loaded.signature)
-    loaded.configure(dispatch.DISPATCHER, registry, launch, launch.launch_stream, dispatch.ENV_VAR)
+    loaded.configure(dispatch.DISPATCHER, registry, launch_context, launch_context.launch_stream, dispatch.ENV_VAR)
     ENTRY = loaded.entry
 
 
@@ -40,13 +40,6 @@ def learn(program, *arguments) -> bool:
     keyed as `arguments` (`flash_dmattn_func`'s, in order); whether it will."""
     loaded = native.loaded()
     return program is not None and loaded is not None and loaded.learn(program, *arguments)
-
-
-def forget() -> None:
-    """The entry serves no call until it learns again (`plan.clear`)."""
-    loaded = native.loaded()
-    if loaded is not None:
-        loaded.forget()
 
 
 @contextmanager

@@ -148,7 +148,7 @@ def software_versions() -> dict[str, str | None]:
     """torch, triton, CUDA runtime, driver and dmattn-bench versions (for tables)."""
     import triton
 
-    from dmattn_bench import __version__
+    from dmattn_bench.version import __version__
 
     driver = _driver_version() if torch.cuda.is_available() else None
     return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,

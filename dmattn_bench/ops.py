@@ -14,37 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from dmattn_bench import checks
 from dmattn_bench import plan as plans
-from dmattn_bench.registry import interpreter_enabled
 from dmattn_bench.space import BwdConfig, FwdConfig
-
-GPU_DTYPES = (torch.float16, torch.bfloat16)
-# The Triton interpreter runs numpy, which has no bfloat16 arithmetic.
-INTERPRETER_DTYPES = (torch.float32, torch.float16)
-
-
-def check_device_and_dtypes(query, key, value, attn_bias) -> None:
-    """What the fused kernels need of devices and dtypes (ValueError/TypeError naming the argument)."""
-    if query.device.type == "cuda":
-        allowed, where = GPU_DTYPES, "on a GPU"
-    elif interpreter_enabled():
-        allowed, where = INTERPRETER_DTYPES, "in the Triton interpreter (TRITON_INTERPRET=1)"
-    else:
-        raise ValueError(
-            f"query: got device {query.device}, expected a CUDA tensor (or set TRITON_INTERPRET=1 "
-            f"before importing dmattn_bench to run the Triton kernels on the CPU)"
-        )
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dtype not in allowed or t.dtype != query.dtype:
-            raise TypeError(
-                f"{name}: got dtype {t.dtype}, expected {query.dtype if t is not query else allowed} {where}"
-            )
-    if attn_bias is not None and attn_bias.dtype not in (query.dtype, torch.float32):
-        expected = "torch.float32" if query.dtype == torch.float32 else f"{query.dtype} (the query's) or torch.float32"
-        raise TypeError(f"attn_bias: got dtype {attn_bias.dtype}, expected {expected}")
-
-
-# -- the ops ------------------------------------------------------------------------------------
 
 
 def _as_config(values: list[int] | None, cls):
@@ -59,14 +31,14 @@ def plan_for(query, key, value, mask, bias, is_causal: bool, softmax_scale: floa
     options = (is_causal, softmax_scale, softcap, backend, table, fwd_config, bwd_config, bias_requires_grad)
 
     def build() -> plans.AttentionPlan:
-        check_device_and_dtypes(query, key, value, bias)
+        checks.check_device_and_dtypes(query, key, value, bias)
         return plans.AttentionPlan(query, key, value, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
                                    softcap=softcap, backend=backend, table=table, fwd_config=fwd_config,
                                    bwd_config=bwd_config, bias_requires_grad=bias_requires_grad,
                                    cache_seqlens=cache_seqlens, block_table=block_table)
 
-    return plans.PLANS.get_or_build(plans.signature(query, key, value, mask, bias, cache_seqlens, block_table,
-                                                    *options), build)
+    layouts = plans.tensor_layouts(query, key, value, mask, bias, cache_seqlens, block_table)
+    return plans.PLANS.get_or_build(plans.signature(layouts, *options), build)
 
 
 def _activity_shape(mask, query, key) -> tuple[int, ...]:
@@ -182,6 +154,6 @@ def dispatch_overhead_us(device: torch.device | str, calls: int = 2000) -> float
     times = []  # a lookup costs the same whether or not the signature has a plan
     for _ in range(calls):
         begin = time.perf_counter()
-        plans.PLANS.get(plans.signature(q, k, k, mask, bias, None, None, *options))
+        plans.PLANS.get(plans.signature(plans.tensor_layouts(q, k, k, mask, bias, None, None), *options))
         times.append(time.perf_counter() - begin)
     return round(statistics.median(times) * 1e6, 2)

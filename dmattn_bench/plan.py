@@ -5,13 +5,12 @@ backward passes.
 A signature is the shapes, strides, dtypes, device and 16-byte alignment of q, k, v, the mask and
 the bias, the flags and scalars, the backend, table and configs asked for, whether the bias needs
 a gradient, and the dispatch state (the table the environment names, `use_table`). Building a
-plan chooses each direction's backend and config (table, else default; the backward's on its
-first use), fits an fp32 bias's forward tiles to the GPU, and prepares the launches (the
-backends' `ForwardPlan` and Triton's `BackwardPlan`: grids, strides, flags, compiled handles,
-native programs). Running one allocates the outputs and launches.
-
-The one place a call's configs are chosen: the table lookup (`dispatch`), the defaults
-(`registry.default_configs`) and the fp32-bias fit (`fitting_config`).
+plan chooses each direction's backend and config (`dmattn_bench.tiles`, once per signature and
+direction; the backward's on its first use) and, on the first run of each direction, prepares
+its launches (the backends' `ForwardPlan` and Triton's `BackwardPlan`: grids, strides, flags,
+compiled handles, native programs; a forward's config fitted to the GPU there). Running one
+allocates the outputs and launches. The mask and bias reach the launchers as the caller passed
+them.
 """
 
 from __future__ import annotations
@@ -22,14 +21,15 @@ from typing import Callable
 
 import torch
 
-from dmattn_bench import dispatch, registry
-from dmattn_bench.registry import decode_config, default_configs, get_backend
+from dmattn_bench import dispatch, registry, tiles
 from dmattn_bench.reference import cache_length
-from dmattn_bench.space import (DTYPE_NAMES, MAX_DECODE_QUERIES, AttentionShape, BwdConfig, FwdConfig, TableKey, as_4d,
+from dmattn_bench.registry import get_backend
+from dmattn_bench.space import (DTYPE_NAMES, MAX_DECODE_QUERIES, AttentionShape, BwdConfig, FwdConfig, TableKey,
                                 operand_kind, seqlen_bucket)
-from dmattn_kernels.runtime.plan_cache import PlanCache
+from dmattn_kernels.runtime import native
+from dmattn_kernels.runtime.operands import padded_shape
+from dmattn_kernels.runtime.plan_cache import PlanCache, python_tensor_layouts
 
-MIN_KEY_TILE = 16  # tl.dot's smallest tile dim: the fp32-bias fit stops halving there
 INTERPRETER_SMS = 4
 
 
@@ -46,48 +46,11 @@ def table_keys(q_shape, seqlen_k: int, num_heads_kv: int, dtype: torch.dtype, ma
     return TableKey(direction="fwd", bias=bias_kind, **common), TableKey(direction="bwd", bias=bwd_bias, **common)
 
 
-def fitting_config(backend, config: FwdConfig, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float,
-                   softcap: float, shared_memory_limit: int | None) -> FwdConfig:
-    """`config`, or its key tiles halved until the forward fits the GPU's shared memory.
-
-    Only an fp32 bias under 16-bit inputs changes anything: a table key has no bias dtype, so a
-    config tuned on a 16-bit bias can need more shared memory than the GPU has with an fp32 one
-    (`launch.fitting_forward_config`). Compiles the candidate (no launch), once per plan.
-    """
-    if (backend.name != "triton" or bias is None or bias.dtype != torch.float32 or q.dtype == torch.float32
-            or shared_memory_limit is None or backend.forward_plan is None):
-        return config
-    from dmattn_kernels.triton import launch
-
-    while config.block_n > MIN_KEY_TILE and launch.forward_shared_bytes(
-            q, k, v, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap,
-            config=config) > shared_memory_limit:
-        config = launch.fitting_forward_config(config)
-    return config
-
-
-def _choose(key: TableKey, device: torch.device, head_dim: int, backend: str, table: str | None,
+def _choose(key: TableKey, device: torch.device, backend: str, table: str | None,
             explicit: FwdConfig | BwdConfig | None, env: str | None):
-    """(Backend, config) for one direction's key: an explicit config, else the table, else the default."""
-    if explicit is not None:
-        return get_backend("triton" if backend == "auto" else backend), explicit
-    if backend != "auto":
-        if key.direction == "decode":
-            return get_backend(backend), decode_config(head_dim, device)
-        fwd, bwd = default_configs(head_dim, device, backend, key.dtype, key.bias)
-        return get_backend(backend), fwd if key.direction == "fwd" else bwd
-    choice = dispatch.choose(key, device, table=table, env=env)
+    """(Backend, config) for one direction's key (`tiles.choose`)."""
+    choice = tiles.choose(key, device, backend=backend, table=table, explicit=explicit, env=env)
     return get_backend(choice.backend), choice.config
-
-
-def _check_explicit(backend: str, shape: AttentionShape, **configs) -> None:
-    """Raises ValueError when the backend a call asked for cannot run an explicit config on this
-    call's shape (a table's entries and the defaults were checked when they were tuned)."""
-    runner = get_backend("triton" if backend == "auto" else backend)
-    for name, config in configs.items():
-        reason = None if config is None else runner.is_supported(config, shape)
-        if reason:
-            raise ValueError(f"{name}: {reason} (the {runner.name} backend cannot run it)")
 
 
 def direction_key(keys: tuple[TableKey, TableKey], direction: str) -> TableKey:
@@ -105,7 +68,7 @@ def select(direction: str, query, key, mask4, bias4, is_causal: bool, backend: s
     keys = table_keys(tuple(query.shape), cache_length(key, block_table), key.shape[2], query.dtype,
                       None if mask4 is None else tuple(mask4.shape), None if bias4 is None else tuple(bias4.shape),
                       is_causal, bias_requires_grad)
-    return _choose(direction_key(keys, direction), query.device, query.shape[-1], backend, table, explicit,
+    return _choose(direction_key(keys, direction), query.device, backend, table, explicit,
                    os.environ.get(dispatch.ENV_VAR))
 
 
@@ -115,16 +78,6 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def shared_memory_limit(device: torch.device) -> int | None:
-    """Shared memory per block of a GPU; None where none applies (the interpreter)."""
-    if device.type != "cuda":
-        return None
-    from dmattn_bench.hardware import local_limits
-
-    limits = local_limits(device)
-    return None if limits is None else limits.shared_memory_per_block
 
 
 class AttentionPlan:
@@ -142,36 +95,36 @@ class AttentionPlan:
         self.out_shape, self.lse_shape = tuple(q.shape), (batch, num_heads, seqlen_q)
         self.k_shape = tuple(k.shape)
         # a contiguous input's gradient is allocated as `empty_like` it (a shape tuple costs the
-        # host more to parse than a tensor: 2.7 against 4.5 µs, H100 host, host_probe.py --pieces)
+        # host more to parse than a tensor: 2.7 against 4.5 µs, H100 host, `python -m benchmarks host-probe --pieces`)
         self.contiguous = tuple(t.is_contiguous() for t in (q, k, v))
-        # the bias as the caller passed it and as its 4-D broadcast view: dBias is built 4-D and
-        # handed back in the caller's shape (a view: the 4-D form only prepends size-1 dims)
-        self.bias_shape = None if bias is None else tuple(bias.shape)
-        mask, bias = as_4d(mask), as_4d(bias)
-        self.bias4_shape = None if bias is None else tuple(bias.shape)
+        # the mask and bias go to the launchers as the caller passed them (up to 4-D, broadcastable);
+        # dBias is built in the bias's 4-D form and handed back in the caller's shape (a view: the
+        # 4-D form only prepends size-1 dims)
+        mask_dims = None if mask is None else padded_shape(mask.shape)
+        bias_dims = None if bias is None else padded_shape(bias.shape)
+        self.bias_shape, self.bias4_shape = None if bias is None else tuple(bias.shape), bias_dims
         self.bias_dtype = None if bias is None else bias.dtype
         self.activity_shape = None  # without a mask there is no tile summary
         if mask is not None:
             from dmattn_kernels.triton.layouts import activity_shape  # imported on first use (registry)
 
-            self.activity_shape = activity_shape(mask.shape, seqlen_q, seqlen_k)
+            self.activity_shape = activity_shape(mask_dims, seqlen_q, seqlen_k)
         # nothing to compute: no query rows (empty outputs), or no keys (every row dead)
         self.no_rows = batch * seqlen_q * num_heads == 0
         self.no_keys = seqlen_k == 0
         self._requested = (backend, table, bwd_config)
         self._keys = None if self.no_rows or self.no_keys else table_keys(
-            tuple(q.shape), seqlen_k, k.shape[2], q.dtype, None if mask is None else tuple(mask.shape),
-            None if bias is None else tuple(bias.shape), is_causal, bias_requires_grad)
+            tuple(q.shape), seqlen_k, k.shape[2], q.dtype, mask_dims, bias_dims, is_causal, bias_requires_grad)
         self._env = os.environ.get(dispatch.ENV_VAR)
         if not (self.no_rows or self.no_keys):
             shape = AttentionShape(batch, seqlen_q, seqlen_k, num_heads, k.shape[2], q.shape[-1], is_causal,
                                    mask is not None, bias is not None, bias_requires_grad, softcap)
-            _check_explicit(backend, shape, fwd_config=fwd_config, bwd_config=bwd_config)
+            tiles.check_explicit(get_backend("triton" if backend == "auto" else backend), shape,
+                                 fwd_config=fwd_config, bwd_config=bwd_config)
         self.fwd_backend = self.fwd_config = None
         if not (self.no_rows or self.no_keys or block_table is not None):  # a paged cache only decodes
-            self.fwd_backend, config = self._choose("fwd", fwd_config)
-            self.fwd_config = fitting_config(self.fwd_backend, config, q, k, v, mask, bias, **self.options,
-                                             shared_memory_limit=shared_memory_limit(q.device))
+            # the config may yet be fitted to the GPU when the forward's plan is built (`forward`)
+            self.fwd_backend, self.fwd_config = self._choose("fwd", fwd_config)
         # whether the forward leaves the mask's tile activity for the backward (Triton's does)
         self.fills_activity = self.fwd_backend is not None and mask is not None and getattr(
             self.fwd_backend.forward_plan, "leaves_activity", False)
@@ -192,8 +145,7 @@ class AttentionPlan:
 
     def _choose(self, direction: str, explicit):
         backend, table, _ = self._requested
-        return _choose(direction_key(self._keys, direction), self.device, self.out_shape[-1], backend, table, explicit,
-                       self._env)
+        return _choose(direction_key(self._keys, direction), self.device, backend, table, explicit, self._env)
 
     def bwd_choice(self):
         """The backward's (backend, config), chosen on first use: a call that never runs a backward
@@ -221,15 +173,18 @@ class AttentionPlan:
             return out, lse, None
         backend = self.fwd_backend
         if backend.forward_plan is None:
-            backend.forward(q, k, v, as_4d(mask), as_4d(bias), config=self.fwd_config, out=out, lse=lse,
-                            **self.options)
+            backend.forward(q, k, v, mask, bias, config=self.fwd_config, out=out, lse=lse, **self.options)
             return out, lse, None
         activity = None
         if keep_activity and self.fills_activity:
             activity = torch.empty(self.activity_shape, dtype=torch.int8, device=device)
-        if launch is None:  # built from the first call's tensors: the kernels read only their pointers later
-            launch = self._fwd_launch = backend.forward_plan(q, k, v, as_4d(mask), as_4d(bias), config=self.fwd_config,
-                                                             out=out, lse=lse, **self.options)
+        # built from the first call's tensors (the kernels read only their pointers later), its
+        # config fitted to the GPU's shared memory where it may not fit (`tiles.fit_forward`)
+        self.fwd_config, launch = tiles.fit_forward(
+            backend.name, self.fwd_config, lambda config: backend.forward_plan(
+                q, k, v, mask, bias, config=config, out=out, lse=lse, **self.options),
+            q_dtype=self.dtype, bias_dtype=self.bias_dtype, shared_memory_limit=tiles.shared_memory_limit(device))
+        self._fwd_launch = launch
         launch(q, k, v, mask, bias, out, lse, activity)
         return out, lse, activity
 
@@ -249,7 +204,7 @@ class AttentionPlan:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
             _, config = self._choose("decode", None)
             launch = self._decode_launch = DecodePlan(
-                q, k, v, as_4d(mask), as_4d(bias), cache_seqlens, block_table, **self.options,
+                q, k, v, mask, bias, cache_seqlens, block_table, **self.options,
                 config=config, out=out, lse=lse, num_sms=sm_count(self.device))
         return launch.allocate_and_run(q, k, v, mask, bias, cache_seqlens, block_table, keep_lse)
 
@@ -291,46 +246,61 @@ class AttentionPlan:
             extra = {} if dlse is None else {"dlse": dlse}
             if activity is not None and backend.name == "triton":
                 extra["activity"] = activity
-            backend.backward(dout, q, k, v, out, lse, as_4d(mask), as_4d(bias), config=config, dq=dq, dk=dk, dv=dv,
+            backend.backward(dout, q, k, v, out, lse, mask, bias, config=config, dq=dq, dk=dk, dv=dv,
                              dbias=dbias, **self.options, **extra)
             return dq, dk, dv, grad_bias
         if launch is None:
             launch = self._bwd_launches[layout] = backend.backward_plan(
-                dout, q, k, v, out, lse, as_4d(mask), as_4d(bias), config=config, dq=dq, dk=dk, dv=dv, dbias=dbias,
+                dout, q, k, v, out, lse, mask, bias, config=config, dq=dq, dk=dk, dv=dv, dbias=dbias,
                 dlse=dlse, **self.options)
         launch.run_and_prepare(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
         return dq, dk, dv, grad_bias
 
 
+class Attention(torch.autograd.Function):
+    """An eager call with a gradient: the plan's forward, and its backward from the context."""
+
+    @staticmethod
+    def forward(ctx, plan: AttentionPlan, query, key, value, attn_mask, attn_bias):
+        out, lse, activity = plan.forward(query, key, value, attn_mask, attn_bias)
+        ctx.save_for_backward(query, key, value, out, lse, attn_mask, attn_bias,
+                              activity if plan.fills_activity else None)
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)  # an lse the loss does not use sends None, not zeros
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        query, key, value, out, lse, attn_mask, attn_bias, activity = ctx.saved_tensors
+        if dout is None:  # the loss reads lse alone
+            dout = torch.zeros_like(out)
+        bias_requires_grad = attn_bias is not None and ctx.needs_input_grad[5]
+        dq, dk, dv, dbias = ctx.plan.backward(dout, query, key, value, out, lse, attn_mask, attn_bias, activity,
+                                              dlse, bias_requires_grad)
+        return None, dq, dk, dv, None, dbias
+
+
 # -- the plan cache ---------------------------------------------------------------------------------
 
 
-def _tensor_signature(t: torch.Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
-
-
-def python_tensor_layouts(*tensors) -> tuple:
-    return tuple(None if t is None else _tensor_signature(t) for t in tensors)
-
-
-# the tensors' part of a plan key: `python_tensor_layouts`, or the native launch path's equivalent once a
-# GPU plan has loaded it (`use_tensor_layouts`)
-_layouts: Callable[..., object] = python_tensor_layouts
+# the tensors' part of a plan key, `tensor_layouts(q, k, v, mask, bias, cache_seqlens, block_table)`:
+# `python_tensor_layouts`, or the native launch path's equivalent once a GPU plan has loaded it
+# (`use_tensor_layouts`)
+tensor_layouts: Callable[..., object] = python_tensor_layouts
 
 
 def use_tensor_layouts(layouts: Callable[..., object]) -> None:
     """Keys plans by `layouts(q, k, v, mask, bias, cache_seqlens, block_table)` from now on: a
     value that equals another exactly when the tensors' shapes, strides, dtypes, devices and
     16-byte alignments do, raising TypeError on a non-tensor. Plans keyed before stay unused."""
-    global _layouts
-    _layouts = layouts
+    global tensor_layouts
+    tensor_layouts = layouts
 
 
-def signature(q, k, v, mask, bias, cache_seqlens, block_table, *options) -> tuple:
-    """The plan key of a call (module docstring). Raises AttributeError or TypeError on a
-    non-tensor, which the caller answers by validating the call."""
-    return (_layouts(q, k, v, mask, bias, cache_seqlens, block_table),
-            os.environ.get(dispatch.ENV_VAR), dispatch.DISPATCHER.generation, registry.overrides, *options)
+def signature(layouts, *options) -> tuple:
+    """The plan key of a call (module docstring) from its tensors' `tensor_layouts` and its other
+    arguments."""
+    return (layouts, os.environ.get(dispatch.ENV_VAR), dispatch.DISPATCHER.generation, registry.overrides, *options)
 
 
 PLANS = PlanCache(1024)  # the runtime's plans (a training or serving loop repeats a handful of signatures)
@@ -339,7 +309,7 @@ PLANS = PlanCache(1024)  # the runtime's plans (a training or serving loop repea
 def clear() -> None:
     """Forgets every plan (tests; a process that edits its kernels' configs at run time), and the
     programs the native entry runs for them."""
-    from dmattn_bench import entry
-
     PLANS.clear()
-    entry.forget()
+    loaded = native.loaded()
+    if loaded is not None:
+        loaded.forget()

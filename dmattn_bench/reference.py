@@ -39,34 +39,34 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def broadcast_dims(
-    t: torch.Tensor, name: str, B: int, H: int, Hkv: int, Lq: int, Lk: int
-) -> tuple[int, int, int, int]:
+def broadcast_dims(shape: tuple[int, ...], name: str, B: int, H: int, Hkv: int, Lq: int,
+                   Lk: int) -> tuple[int, int, int, int]:
     """Validates a mask or bias shape and returns it left-padded to 4-D.
 
     Allowed dims after left-padding with 1s are ``(B|1, H|Hkv|1, Lq|1, Lk|1)``. A head dim of
     ``Hkv`` means one mask/bias per KV head, shared by its query-head group.
 
     Args:
-        t: The mask or bias tensor.
+        shape: The mask's or bias's shape.
         name: Argument name used in error messages (``"attn_mask"`` or ``"attn_bias"``).
         B, H, Hkv, Lq, Lk: Batch, query heads, KV heads, query length, key length.
 
     Returns:
-        The 4-D shape ``(b, h, lq, lk)`` of ``t`` after left-padding.
+        The 4-D shape ``(b, h, lq, lk)`` after left-padding.
 
     Raises:
-        ValueError: If ``t`` has more than 4 dims or a dim that cannot broadcast.
+        ValueError: If ``shape`` has more than 4 dims or a dim that cannot broadcast.
     """
     heads = f"{H}|1" if H == Hkv else f"{H}|{Hkv}|1"
     expected = f"{MASK_BIAS_LAYOUT} = ({B}|1, {heads}, {Lq}|1, {Lk}|1)"
-    if t.dim() > 4:
-        raise ValueError(f"{name}: got shape {_shape(t)} ({t.dim()}-D), expected at most 4-D "
+    shape = tuple(shape)
+    if len(shape) > 4:
+        raise ValueError(f"{name}: got shape {shape} ({len(shape)}-D), expected at most 4-D "
                          f"broadcastable to {expected}")
-    dims = (1,) * (4 - t.dim()) + _shape(t)
+    dims = (1,) * (4 - len(shape)) + shape
     allowed = ((B, 1), (H, Hkv, 1), (Lq, 1), (Lk, 1))
     if any(d not in ok for d, ok in zip(dims, allowed)):
-        raise ValueError(f"{name}: got shape {_shape(t)}, expected broadcastable to {expected}")
+        raise ValueError(f"{name}: got shape {shape}, expected broadcastable to {expected}")
     return dims  # type: ignore[return-value]
 
 
@@ -143,11 +143,11 @@ def check_inputs(
         if attn_mask.is_floating_point() or attn_mask.is_complex():
             raise TypeError(f"attn_mask: got dtype {attn_mask.dtype}, expected torch.bool "
                             f"(or an integer dtype holding 0/1); True = attend")
-        broadcast_dims(attn_mask, "attn_mask", B, H, Hkv, Lq, Lk)
+        broadcast_dims(attn_mask.shape, "attn_mask", B, H, Hkv, Lq, Lk)
     if attn_bias is not None:
         if not attn_bias.is_floating_point():
             raise TypeError(f"attn_bias: got dtype {attn_bias.dtype}, expected a floating dtype")
-        broadcast_dims(attn_bias, "attn_bias", B, H, Hkv, Lq, Lk)
+        broadcast_dims(attn_bias.shape, "attn_bias", B, H, Hkv, Lq, Lk)
 
 
 def _expand_scores_like(
@@ -158,7 +158,7 @@ def _expand_scores_like(
     ``reshape``, ``repeat_interleave`` and ``expand`` all have backward passes that sum over the
     broadcast dims, so a bias gradient comes back in the bias's own shape.
     """
-    dims = broadcast_dims(t, name, B, H, Hkv, Lq, Lk)
+    dims = broadcast_dims(t.shape, name, B, H, Hkv, Lq, Lk)
     t = t.reshape(dims)
     if dims[1] == Hkv and Hkv != H:
         t = t.repeat_interleave(H // Hkv, dim=1)  # query head h reads KV head h // group

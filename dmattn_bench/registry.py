@@ -1,8 +1,9 @@
-"""The one list of attention backends: name, launchers, support check, default configs.
+"""The one list of attention backends: name, launchers, support check.
 
 Every backend has the same launch interface so the autograd wrapper, the validator and the
-tuner treat them alike: inputs already checked and normalised by `dmattn_bench.api`
-(mask/bias as 4-D broadcast views), outputs preallocated by the caller.
+tuner treat them alike: inputs already checked by `dmattn_bench.api` (the mask and bias
+broadcastable, of up to 4 dims: the launchers read them as 4-D), outputs preallocated by the
+caller.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from typing import Callable, ContextManager
 import torch
 
 from dmattn_bench import reference, sourcehash
-from dmattn_bench.hardware import ARCH_LIMITS, local_limits
-from dmattn_bench.space import AttentionShape, BwdConfig, DecodeConfig, FwdConfig, bias_has_rows
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
 
 
 def interpreter_enabled() -> bool:
@@ -94,33 +94,6 @@ def _reference_is_supported(config, shape) -> str | None:
     return None
 
 
-def _triton_kernels(direction: str, config, shape: AttentionShape) -> tuple[tuple, ...]:
-    """The kernels `dmattn_kernels.triton.launch` compiles for one launch, each keyed by what it
-    reads of the config: its tiles (`prune.tile_constexprs`), warps and stages. The mask's
-    activity pass and the backward's delta pass read none of it. So the 32 sm90 backward
-    candidates need 8 dK/dV kernels and 8 of each dQ kernel, not 32 of each."""
-    from dmattn_bench.prune import KERNELS, tile_constexprs
-
-    if direction == "decode":  # the span pass and the combine read no tunable (and run by shape)
-        return (("decode_mask_span_kernel",), ("flash_decode_kernel", config.block_n, config.num_warps,
-                                               config.num_stages), ("decode_combine_kernel",))
-    shared = (("tile_activity_kernel",),) if shape.has_mask else ()
-    if direction == "bwd":
-        shared += (("flash_bwd_preprocess_kernel",),)
-    return shared + tuple((name, *tile_constexprs(name, config).values(), config.num_warps, config.num_stages)
-                          for name in KERNELS[direction])
-
-
-def _cuda_kernels(direction: str, config, shape: AttentionShape) -> tuple[tuple, ...]:
-    """The one cubin `dmattn_kernels.cuda.launch` builds for a launch: its direction, config and
-    the feature flags that become its -D list (the dtype is not in the shape: two dtypes share a
-    key and at worst wait for each other)."""
-    features = (shape.head_dim, shape.is_causal, shape.has_mask, shape.has_bias, shape.softcap > 0)
-    if direction == "bwd":
-        features += (shape.bias_requires_grad, shape.num_heads > shape.num_heads_kv)
-    return (("cuda", direction, *config.to_dict().values(), *features),)
-
-
 def _kernel_backend(name: str) -> Backend:
     """A bundled kernel family, from its package's launchers. Imported on first use: importing the
     Triton kernels fixes whether the interpreter is used."""
@@ -130,14 +103,13 @@ def _kernel_backend(name: str) -> Backend:
         forward=package.attention_forward,
         backward=package.attention_backward,
         is_supported=package.is_supported,
-        kernels=_KERNEL_KEYS[name],
+        kernels=package.kernel_keys,
         compile_only=package.compile_only,
         forward_plan=getattr(package, "ForwardPlan", None),
         backward_plan=getattr(package, "BackwardPlan", None),
     )
 
 
-_KERNEL_KEYS = {"triton": _triton_kernels, "cuda": _cuda_kernels}
 _REFERENCE = Backend("reference", _reference_forward, _reference_backward, _reference_is_supported)
 BACKEND_NAMES = ("triton", "cuda", "reference")
 _loaded: dict[str, Backend] = {"reference": _REFERENCE}
@@ -210,133 +182,3 @@ def get_backend(name: str) -> Backend:
         _loaded[name] = _kernel_backend(name)
     _load_plugins()
     return _loaded[name]
-
-
-# Heuristic defaults per head-dim class: (largest head dim of the class, fwd, bwd), where
-# configs/defaults.yaml learned none from the trials (`default_entries_for`). GPU tiles
-# follow FlashAttention-2's Triton defaults: 128x64 forward tiles up to D=64, 64x64 beyond; the
-# backward holds K, V and two (BLOCK_N, D) fp32 accumulators, so its tiles shrink as D grows.
-GPU_DEFAULTS = (
-    (64, FwdConfig(128, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)),
-    (128, FwdConfig(64, 64, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2)),
-    (256, FwdConfig(64, 32, 4, 2), BwdConfig(16, 32, 32, 16, 4, 1)),
-)
-# The CUDA kernels' defaults per class off SM90 (mma.sync), fastest first (measured on the H200
-# through mma.sync, the nearest GPU we have: B2 H16 L4096 causal at D = 64, 128 and 256,
-# `python3 benchmarks/cuda/defaults_sweep.py`): the first whose shared memory fits the GPU at the
-# class's largest head dim is used, so an SM86 or SM120 part (99 KiB per block) gets smaller
-# tiles or rings than an A100 (163 KiB).
-CUDA_DEFAULTS = (
-    (64, (FwdConfig(128, 64, 4, 2), FwdConfig(128, 32, 4, 2)),
-     (BwdConfig(128, 64, 64, 128, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
-    (128, (FwdConfig(128, 64, 4, 2), FwdConfig(128, 32, 4, 2), FwdConfig(64, 32, 4, 2)),
-     (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2), BwdConfig(32, 64, 64, 32, 4, 1))),
-    (256, (FwdConfig(128, 32, 8, 2), FwdConfig(64, 32, 4, 2), FwdConfig(64, 32, 4, 1)),
-     (BwdConfig(32, 64, 64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1))),
-)
-# On SM90, where configs of 16 rows per warp in whole warpgroups run wgmma (launch.uses_wgmma):
-# H200, same shapes and command (2026-11-22). Forward, TFLOP/s:
-# D64 64x128 w4 337, D128 128x128 w8 363, D256 128x64 w8 423; backward: D64 128x64 dq64x64 w4
-# 271, D128 64x64 dq64x64 w4 317. The D256 backward stays on mma.sync (WGMMA_BWD_MAX_HEAD_DIM).
-# Head dim 128 runs the warp-specialized forward (launch.warp_specialized: a head dim padded to
-# 128; 72-120 keep the class before): H200, the bench's W1-W3 forward (bf16 B2 H16 L4096 D128
-# causal; `python3 benchmarks/cuda/ws_probe.py`, 2026-11-26), 128x128 w12 s2 against 128x128 w8:
-# W3 0.290 / 0.380 ms, W1 (full mask and bias) 0.522 / 1.537, W2 (kv-head mask, per-key bias)
-# 0.417 / 1.080. Its backward is the warp-specialized one (launch.backward_warp_specialized): H100,
-# W3 causal and not, the whole backward 1.007 / 1.595 ms against 1.078 / 2.029 for 64x64 dq64x64
-# w4 (`python3 benchmarks/cuda/bwd_ws_check.py time`, 2026-11-27).
-CUDA_SM90_DEFAULTS = (
-    (64, (FwdConfig(64, 128, 4, 2), FwdConfig(64, 64, 4, 2)),
-     (BwdConfig(128, 64, 64, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2))),
-    (120, (FwdConfig(128, 128, 8, 2), FwdConfig(64, 64, 4, 2)),
-     (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
-    (128, (FwdConfig(128, 128, 12, 2), FwdConfig(128, 128, 8, 2)),
-     (BwdConfig(64, 128, 64, 128, 12, 2), BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
-    (256, (FwdConfig(128, 64, 8, 2), FwdConfig(64, 32, 4, 2)),
-     (BwdConfig(32, 64, 64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1))),
-)
-# The interpreter runs each tile op in numpy; small tiles waste the fewest out-of-bounds lanes.
-INTERPRETER_DEFAULT = (256, FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1))
-# The short-query forward (decode) per head-dim class: (largest head dim, config). It streams K
-# and V once per KV group, so the key tile only needs to keep the loads in flight; the split
-# count follows the GPU (`DecodeConfig.num_splits` 0).
-DECODE_DEFAULTS = (
-    (128, DecodeConfig(64, 4, 3)),
-    (256, DecodeConfig(32, 4, 2)),
-)
-INTERPRETER_DECODE_DEFAULT = DecodeConfig(16, 1, 1)
-
-
-def decode_config(head_dim: int, device: torch.device | str) -> DecodeConfig:
-    """The short-query forward's config for `head_dim` on `device` (`DECODE_DEFAULTS`)."""
-    if torch.device(device).type != "cuda":
-        return INTERPRETER_DECODE_DEFAULT
-    return next(config for high, config in DECODE_DEFAULTS if head_dim <= high)
-
-
-def _device_limits(device: torch.device):
-    """Limits of `device`; without a GPU to ask, the smallest of the archs the kernels target
-    (SM120: 99 KiB of shared memory per block)."""
-    limits = local_limits(device) if device.type == "cuda" and torch.cuda.is_available() else None
-    return limits if limits is not None else ARCH_LIMITS["sm120"]
-
-
-def _fitting(candidates, head_dim: int, limits):
-    from dmattn_kernels.cuda.launch import shared_bytes
-
-    return next((c for c in candidates if shared_bytes(c, head_dim, limits.arch) <= limits.shared_memory_per_block),
-                candidates[-1])
-
-
-def default_entries(device: torch.device | str, backend: str = "triton", dtype: str | None = None,
-                    bias_rows: bool = False) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
-    """The default configs of `backend` for `dtype` ("bf16", ...; None: the heuristics alone) and
-    a bias with rows or not (`space.bias_has_rows`) as (smallest head dim, largest head dim, fwd,
-    bwd) classes."""
-    device = torch.device(device)
-    if backend == "cuda":
-        return _cuda_entries(device)
-    gpu = device.type == "cuda"
-    return default_entries_for(_device_limits(device).arch if gpu else None, backend, dtype, gpu, bias_rows)
-
-
-def _classes(classes) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
-    entries, low = [], 8
-    for high, fwd, bwd in classes:
-        entries.append((low, high, fwd, bwd))
-        low = high + 8
-    return tuple(entries)
-
-
-@lru_cache(maxsize=None)  # a forced backend looks its defaults up on every plan it builds
-def _cuda_entries(device: torch.device) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
-    limits = _device_limits(device)
-    defaults = CUDA_SM90_DEFAULTS if limits.arch == "sm90" else CUDA_DEFAULTS
-    return _classes((high, _fitting(fwd, high, limits), _fitting(bwd, high, limits)) for high, fwd, bwd in defaults)
-
-
-@lru_cache(maxsize=None)
-def default_entries_for(arch: str | None, backend: str, dtype: str | None, gpu: bool = True,
-                        bias_rows: bool = False) -> tuple[tuple[int, int, FwdConfig, BwdConfig], ...]:
-    """The Triton `default_entries` on a GPU of arch family `arch` ("sm90"), or in the interpreter
-    (`gpu` False). An arch, dtype and bias with rows or not that `configs/defaults.yaml` covers
-    take its learned configs (`dmattn_bench.defaults`), class by class and direction by direction;
-    the rest, the heuristics above."""
-    if not gpu:
-        return _classes((INTERPRETER_DEFAULT,))
-    from dmattn_bench.defaults import learned_defaults
-
-    learned = learned_defaults()
-    return _classes((high, learned.get((backend, arch, "fwd", dtype, high, bias_rows), fwd),
-                     learned.get((backend, arch, "bwd", dtype, high, bias_rows), bwd))
-                    for high, fwd, bwd in GPU_DEFAULTS)
-
-
-def default_configs(head_dim: int, device: torch.device | str, backend: str = "triton", dtype: str | None = None,
-                    bias: str = "none") -> tuple[FwdConfig, BwdConfig]:
-    """The configs of `backend` used for `head_dim` (and `dtype` and `bias`, a `TableKey.bias`
-    kind) when no tuned table has an entry."""
-    for low, high, fwd, bwd in default_entries(device, backend, dtype, bias_has_rows(bias)):
-        if low <= head_dim <= high:
-            return fwd, bwd
-    raise ValueError(f"head_dim: got {head_dim}, expected a multiple of 8 in [8, 256]")

@@ -11,7 +11,7 @@ receives, and nothing a reader edits without changing either:
   imports are left out.
 - CUDA: the `.cu` and `.cuh` files with comments removed and whitespace normalised
   (`normalise_c`), plus the UPPER_CASE constants of the package's `.py` files (the nvcc options
-  and launch limits of `build.py` and `launch.py`).
+  and launch limits of `build.py` and the launcher modules).
 - A single Python module (the reference backend): all of it, docstrings removed.
 
 Python sources are hashed as a canonical dump of their AST (`canonical`), not as `ast.dump`

@@ -1,10 +1,11 @@
-"""The block-sparse schedule: `launch.block_lists` against a direct pooling in torch."""
+"""The block-sparse schedule: `schedule.block_lists` against a direct pooling in torch."""
 
 import pytest
 import torch
 
-from dmattn_kernels.triton import launch, layouts
-from dmattn_kernels.triton.activity import CELL
+from dmattn_kernels.runtime.operands import broadcast_strides, words_readable
+from dmattn_kernels.triton import schedule
+from dmattn_kernels.triton.activity import CELL, WORD_BYTES
 
 
 def expected_lists(active: torch.Tensor, block_rows: int, block_cols: int, key_major: bool) -> torch.Tensor:
@@ -33,14 +34,14 @@ def test_block_lists_match_a_direct_pooling(key_major, block_rows, block_cols, c
     active = (torch.rand(2, 3, *cell_shape, generator=generator) < 0.3).to(torch.int8)
     active[0, 0] = 0  # a slice with nothing active: every row lists only skipped tiles
     active[1, 2] = 1  # a slice with everything active
-    got = launch.block_lists(active, block_rows, block_cols, key_major=key_major)
+    got = schedule.block_lists(active, block_rows, block_cols, key_major=key_major)
     assert torch.equal(got, expected_lists(active, block_rows, block_cols, key_major))
 
 
 def test_block_lists_read_broadcast_views():
     """A (1, 1, R, C) summary expanded over batch and heads (stride 0) is read, not copied."""
     active = (torch.rand(1, 1, 6, 9, generator=torch.Generator().manual_seed(1)) < 0.5).to(torch.int8)
-    got = launch.block_lists(active.expand(2, 2, 6, 9), 32, 16)
+    got = schedule.block_lists(active.expand(2, 2, 6, 9), 32, 16)
     assert torch.equal(got, expected_lists(active.expand(2, 2, 6, 9).contiguous(), 32, 16, False))
 
 
@@ -55,6 +56,12 @@ def expected_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, causal: 
     return padded.reshape(*keep.shape[:2], cell_rows, CELL, cell_cols, CELL).any(5).any(3).to(torch.int8)
 
 
+def _words_readable(mask: torch.Tensor) -> bool:
+    """Whether the activity pass reads `mask`'s interior tiles as int64 words."""
+    return words_readable(broadcast_strides(mask.shape, mask.stride()), mask.element_size(), mask.data_ptr(),
+                          WORD_BYTES)
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(320, 512), (512, 300), (64, 256), (17, 1000), (100, 37)])
 def test_tile_activity_matches_a_direct_pooling(causal, seqlen_q, seqlen_k):
@@ -62,8 +69,8 @@ def test_tile_activity_matches_a_direct_pooling(causal, seqlen_q, seqlen_k):
     sparse masks (a few visible positions per cell) catch a word or cell boundary off by one."""
     generator = torch.Generator().manual_seed(seqlen_q + 7 * seqlen_k + causal)
     mask = torch.rand(2, 3, seqlen_q, seqlen_k, generator=generator) < 0.01
-    assert layouts.mask_words_readable(mask.view(torch.uint8)) == (seqlen_k % 8 == 0)
-    got = launch.tile_activity(mask, seqlen_q, seqlen_k, causal)
+    assert _words_readable(mask) == (seqlen_k % 8 == 0)
+    got = schedule.tile_activity(mask, seqlen_q, seqlen_k, causal)
     assert torch.equal(got, expected_activity(mask, seqlen_q, seqlen_k, causal))
 
 
@@ -77,6 +84,6 @@ def test_tile_activity_reads_views(view):
         mask = (torch.rand(2, 1, 1, 512, generator=generator) < 0.02).expand(2, 1, 320, 512)
     else:
         mask = (torch.rand(1, 1, 256, 513, generator=generator) < 0.02)[..., 1:]
-        assert not layouts.mask_words_readable(mask.view(torch.uint8))
-    got = launch.tile_activity(mask, mask.shape[2], mask.shape[3], True)
+        assert not _words_readable(mask)
+    got = schedule.tile_activity(mask, mask.shape[2], mask.shape[3], True)
     assert torch.equal(got, expected_activity(mask, mask.shape[2], mask.shape[3], True))

@@ -10,10 +10,13 @@ import math
 import pytest
 import torch
 
-import dmattn_kernels.triton.launch as launch
 from dmattn_bench import BwdConfig, FwdConfig, flash_dmattn_func, plan
 from dmattn_bench.reference import attention
 from dmattn_bench.registry import interpreter_enabled
+import dmattn_kernels.runtime.launch_context as launch_context
+import dmattn_kernels.triton.backward as backward
+import dmattn_kernels.triton.forward as forward
+import dmattn_kernels.triton.launch as launch
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
 
@@ -197,10 +200,11 @@ def pointer_log(monkeypatch):
     """Every q/k/v/mask/bias pointer handed to the forward, dK/dV and dQ kernels (the dQ-from-dS
     kernel reads only k of them)."""
     log = []
-    for name in ("flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"):
-        monkeypatch.setattr(launch, name, _PointerSpy(getattr(launch, name), name, log, range(5)))
+    for module, name in ((forward, "flash_fwd_kernel"), (backward, "flash_bwd_dkdv_kernel"),
+                         (backward, "flash_bwd_dq_kernel")):
+        monkeypatch.setattr(module, name, _PointerSpy(getattr(module, name), name, log, range(5)))
     name = "flash_bwd_dq_from_ds_kernel"
-    monkeypatch.setattr(launch, name, _PointerSpy(getattr(launch, name), name, log, [1]))
+    monkeypatch.setattr(backward, name, _PointerSpy(getattr(backward, name), name, log, [1]))
     plan.clear()  # plans built before hold the kernels themselves
     yield log
     plan.clear()
@@ -485,7 +489,7 @@ def test_errors_name_the_argument(make, monkeypatch):
     def no_launch(*_, **__):
         raise AssertionError("a kernel was launched for invalid inputs")
 
-    monkeypatch.setattr(launch, "flash_fwd_kernel", type("NoLaunch", (), {"__getitem__": no_launch})())
+    monkeypatch.setattr(forward, "flash_fwd_kernel", type("NoLaunch", (), {"__getitem__": no_launch})())
     with pytest.raises(exc) as info:
         flash_dmattn_func(*args, **kwargs)
     message = str(info.value)
@@ -499,7 +503,7 @@ def test_a_training_step_reads_the_mask_for_its_schedule_once(monkeypatch):
     + backward run the activity pass once; the gradients are those of a backward that reads
     the mask itself."""
     launched = []
-    monkeypatch.setattr(launch, "LAUNCH_OBSERVERS", [launched.append])
+    monkeypatch.setattr(launch_context, "LAUNCH_OBSERVERS", [launched.append])
     generator = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(1, 40, 2, 16, generator=generator, requires_grad=True) for _ in range(3))
     mask = torch.rand(1, 2, 40, 40, generator=generator) < 0.4

@@ -14,8 +14,8 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from dmattn_bench import peers
-from dmattn_bench.bench import (
+from dmattn_bench.bench import peers
+from dmattn_bench.bench.harness import (
     Row,
     build_bench_inputs,
     bytes_needed,
@@ -26,9 +26,9 @@ from dmattn_bench.bench import (
     load_peer_workloads,
     run_bench,
 )
+from dmattn_bench.bench.peers import parse_peers, unavailable_reason
 from dmattn_bench.cli.bench import COLUMNS, DEFAULT_WORKLOADS, bench, markdown, row_cells
 from dmattn_bench.hardware import DevicePeaks
-from dmattn_bench.peers import parse_peers, unavailable_reason
 
 TINY = {
     "name": "T1 full bias", "batch": 1, "heads": 2, "heads_kv": 2, "seqlen": 40, "head_dim": 32,

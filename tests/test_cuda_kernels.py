@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmattn_bench.registry import default_entries, get_backend
+from dmattn_bench.registry import get_backend
 from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
-from dmattn_kernels.cuda import build, launch
+from dmattn_bench.tiles import default_entries
+from dmattn_kernels.cuda import backward, build, driver, forward, params, rules, shared_memory, variants
 
 SPACE_DIR = Path(__file__).parents[1] / "configs" / "space"
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -38,7 +39,7 @@ def cubin_cache(tmp_path_factory):
 def test_every_cuda_candidate_builds_for_sm80_sm90_and_sm120(cubin_cache):
     """What CI's compile-check covers: each candidate either fits or is ruled out by a stated
     limit, and none fails to compile."""
-    from dmattn_bench.cuda_check import check_cuda_space
+    from dmattn_bench.tuning.cuda_check import check_cuda_space
 
     candidates = check_cuda_space(SPACE_DIR, ["sm80", "sm90", "sm120"], [64, 128], "bf16")
     assert [c for c in candidates if c.status == "compile_error"] == []
@@ -65,68 +66,69 @@ def _parameter_sizes(cubin: Path) -> list[int]:
 def test_the_launcher_parameter_blocks_are_the_kernels(cubin_cache):
     """The ctypes structs the launcher passes have the size of each kernel's one parameter."""
     for head_dim in (72, 128):  # mma.sync and wgmma (the tile allows it on sm90 at 128)
-        flags = launch.variant(FwdConfig(64, 64, 4, 2), head_dim, torch.float16, torch.float32, arch="sm90",
-                               is_causal=True, has_mask=True, softcap=0.0)
-        assert _parameter_sizes(build.build("fwd", "sm90", flags)) == [ctypes.sizeof(launch._FwdParams)] == [272]
-    flags = launch.backward_variant(BwdConfig(32, 64, 64, 32, 4, 2), 72, torch.bfloat16, torch.float32, arch="sm90",
-                                    is_causal=True, has_mask=True, softcap=0.0, group=2, dbias=(True, torch.float32))
+        flags = variants.variant(FwdConfig(64, 64, 4, 2), head_dim, torch.float16, torch.float32, arch="sm90",
+                                 is_causal=True, has_mask=True, softcap=0.0)
+        assert _parameter_sizes(build.build("fwd", "sm90", flags)) == [ctypes.sizeof(params.FwdParams)] == [272]
+    flags = variants.backward_variant(BwdConfig(32, 64, 64, 32, 4, 2), 72, torch.bfloat16, torch.float32, arch="sm90",
+                                      is_causal=True, has_mask=True, softcap=0.0, group=2, dbias=(True, torch.float32))
     # the delta, dK/dV and dQ kernels all take BwdParams
-    assert _parameter_sizes(build.build("bwd", "sm90", flags)) == [ctypes.sizeof(launch._BwdParams)] * 3 == [472] * 3
+    assert _parameter_sizes(build.build("bwd", "sm90", flags)) == [ctypes.sizeof(params.BwdParams)] * 3 == [472] * 3
     # the warp-specialized backward's three kernels take seven tensor maps, BwdParams and its dQ buffers
-    flags = launch.backward_variant(BwdConfig(64, 128, 64, 128, 12, 2), 128, torch.bfloat16, torch.bfloat16,
-                                    arch="sm90", is_causal=True, has_mask=True, softcap=0.0, group=2,
-                                    dbias=(True, torch.float32))
-    assert _parameter_sizes(build.build("bwd_ws", "sm90", flags)) == [ctypes.sizeof(launch._BwdWsParams)] * 3 == [1408] * 3
-    assert launch._BwdWsParams.backward.offset == 7 * 128
+    flags = variants.backward_variant(BwdConfig(64, 128, 64, 128, 12, 2), 128, torch.bfloat16, torch.bfloat16,
+                                      arch="sm90", is_causal=True, has_mask=True, softcap=0.0, group=2,
+                                      dbias=(True, torch.float32))
+    assert _parameter_sizes(build.build("bwd_ws", "sm90", flags)) == [ctypes.sizeof(params.BwdWsParams)] * 3
+    assert ctypes.sizeof(params.BwdWsParams) == 1408
+    assert params.BwdWsParams.backward.offset == 7 * 128
 
 
 @needs_nvcc
 def test_the_warp_specialized_forward_takes_its_tensor_maps_and_the_forward_s_parameters(cubin_cache):
     """Five 128-byte tensor maps (128-byte aligned), then FwdParams, padded to a multiple of 128."""
-    flags = launch.variant(FwdConfig(128, 128, 12, 2), 128, torch.bfloat16, torch.bfloat16, arch="sm90",
-                           is_causal=True, has_mask=True, softcap=0.0)
-    assert _parameter_sizes(build.build("fwd_ws", "sm90", flags)) == [ctypes.sizeof(launch._WsParams)] == [1024]
-    assert launch._WsParams.forward.offset == 5 * 128
+    flags = variants.variant(FwdConfig(128, 128, 12, 2), 128, torch.bfloat16, torch.bfloat16, arch="sm90",
+                             is_causal=True, has_mask=True, softcap=0.0)
+    assert _parameter_sizes(build.build("fwd_ws", "sm90", flags)) == [ctypes.sizeof(params.WsParams)] == [1024]
+    assert params.WsParams.forward.offset == 5 * 128
 
 
 def test_the_warp_specialized_forward_is_a_producer_warpgroup_beside_one_per_64_rows():
-    assert launch.warp_specialized(FwdConfig(128, 128, 12, 2), 128, "sm90")
-    assert launch.warp_specialized(FwdConfig(64, 64, 8, 2), 64, "sm90")
-    assert launch.warp_specialized(FwdConfig(128, 64, 12, 2), 120, "sm90")  # padded to 128
-    assert launch.warp_specialized(FwdConfig(192, 64, 16, 2), 128, "sm90")  # three consumers
-    assert not launch.warp_specialized(FwdConfig(128, 128, 12, 2), 96, "sm90")  # not whole 128-byte lines
-    assert not launch.warp_specialized(FwdConfig(128, 128, 12, 2), 128, "sm80")  # TMA and wgmma: Hopper
-    assert not launch.warp_specialized(FwdConfig(128, 128, 8, 2), 128, "sm90")  # the wgmma forward's shape
-    assert launch.forward_kernel(FwdConfig(128, 128, 12, 2), 128, "sm90") == "fwd_ws"
-    assert launch.forward_kernel(FwdConfig(128, 128, 8, 2), 128, "sm90") == "fwd"
+    assert rules.warp_specialized(FwdConfig(128, 128, 12, 2), 128, "sm90")
+    assert rules.warp_specialized(FwdConfig(64, 64, 8, 2), 64, "sm90")
+    assert rules.warp_specialized(FwdConfig(128, 64, 12, 2), 120, "sm90")  # padded to 128
+    assert rules.warp_specialized(FwdConfig(192, 64, 16, 2), 128, "sm90")  # three consumers
+    assert not rules.warp_specialized(FwdConfig(128, 128, 12, 2), 96, "sm90")  # not whole 128-byte lines
+    assert not rules.warp_specialized(FwdConfig(128, 128, 12, 2), 128, "sm80")  # TMA and wgmma: Hopper
+    assert not rules.warp_specialized(FwdConfig(128, 128, 8, 2), 128, "sm90")  # the wgmma forward's shape
+    assert rules.forward_kernel(FwdConfig(128, 128, 12, 2), 128, "sm90") == "fwd_ws"
+    assert rules.forward_kernel(FwdConfig(128, 128, 8, 2), 128, "sm90") == "fwd"
     shape = AttentionShape(1, 16, 16, 2, 1, 128)
-    assert launch.is_supported(FwdConfig(128, 128, 12, 2), shape) is None
-    assert "block_n=16 is not one of" in launch.is_supported(FwdConfig(128, 16, 12, 2), shape)
-    assert "head_dim=96 does not pad to a multiple of 64" in launch.is_supported(
+    assert rules.is_supported(FwdConfig(128, 128, 12, 2), shape) is None
+    assert "block_n=16 is not one of" in rules.is_supported(FwdConfig(128, 16, 12, 2), shape)
+    assert "head_dim=96 does not pad to a multiple of 64" in rules.is_supported(
         FwdConfig(128, 128, 12, 2), replace(shape, head_dim=96))
-    assert "sm90 only (here: sm80)" in launch.arch_reason(FwdConfig(128, 128, 12, 2), 128, "sm80")
-    assert launch.arch_reason(FwdConfig(128, 128, 12, 2), 128, "sm90") is None
-    assert launch.arch_reason(FwdConfig(128, 128, 8, 2), 128, "sm80") is None
+    assert "sm90 only (here: sm80)" in rules.arch_reason(FwdConfig(128, 128, 12, 2), 128, "sm80")
+    assert rules.arch_reason(FwdConfig(128, 128, 12, 2), 128, "sm90") is None
+    assert rules.arch_reason(FwdConfig(128, 128, 8, 2), 128, "sm80") is None
 
 
 def test_masks_and_16_bit_biases_are_staged_where_tma_can_take_their_rows():
-    rows, keys, none = launch.TILES_OF_ROWS, launch.TILES_OF_KEYS, launch.NOT_STAGED
+    rows, keys, none = shared_memory.TILES_OF_ROWS, shared_memory.TILES_OF_KEYS, shared_memory.NOT_STAGED
     full = torch.zeros(2, 4, 64, 64, dtype=torch.uint8)
-    assert launch.staged_tiles(full, 64) == rows
-    assert launch.staged_tiles(torch.zeros(2, 1, 1, 64, dtype=torch.uint8), 64) == keys  # a padding mask
-    assert launch.staged_tiles(torch.zeros(1, 4, 64, 64, dtype=torch.bfloat16), 64) == rows
-    assert launch.staged_tiles(torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16), 64) == keys  # per-key bias
-    assert launch.staged_tiles(None, 64) == none
-    assert launch.staged_tiles(full.transpose(2, 3), 64) == none  # keys not contiguous
-    assert launch.staged_tiles(full[:, :1].expand(2, 4, 64, 64), 64) == none  # stride 0 over 4 heads
-    assert launch.staged_tiles(torch.zeros(2, 4, 64, 72, dtype=torch.uint8), 64) == none  # 72-byte rows
-    assert launch.staged_tiles(torch.zeros(2, 4, 64, 1, dtype=torch.uint8), 64) == none  # one key for all
-    assert launch.staged_tiles(torch.zeros(2, 4, 32, 64, dtype=torch.uint8), 64) == none  # neither Lq nor 1 row
+    assert variants.staged_tiles(full, 64) == rows
+    assert variants.staged_tiles(torch.zeros(2, 1, 1, 64, dtype=torch.uint8), 64) == keys  # a padding mask
+    assert variants.staged_tiles(torch.zeros(1, 4, 64, 64, dtype=torch.bfloat16), 64) == rows
+    assert variants.staged_tiles(torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16), 64) == keys  # per-key bias
+    assert variants.staged_tiles(None, 64) == none
+    assert variants.staged_tiles(full.transpose(2, 3), 64) == none  # keys not contiguous
+    assert variants.staged_tiles(full[:, :1].expand(2, 4, 64, 64), 64) == none  # stride 0 over 4 heads
+    assert variants.staged_tiles(torch.zeros(2, 4, 64, 72, dtype=torch.uint8), 64) == none  # 72-byte rows
+    assert variants.staged_tiles(torch.zeros(2, 4, 64, 1, dtype=torch.uint8), 64) == none  # one key for all
+    assert variants.staged_tiles(torch.zeros(2, 4, 32, 64, dtype=torch.uint8), 64) == none  # neither Lq nor 1 row
 
     def staging(bias_dtype, has_mask=True, mask_tiles=rows, bias_tiles=rows):
-        flags = launch.variant(FwdConfig(128, 64, 12, 2), 128, torch.bfloat16, bias_dtype, arch="sm90",
-                               is_causal=True, has_mask=has_mask, softcap=0.0, mask_tiles=mask_tiles,
-                               bias_tiles=bias_tiles)
+        flags = variants.variant(FwdConfig(128, 64, 12, 2), 128, torch.bfloat16, bias_dtype, arch="sm90",
+                                 is_causal=True, has_mask=has_mask, softcap=0.0, mask_tiles=mask_tiles,
+                                 bias_tiles=bias_tiles)
         return [flag for flag in flags if "TILES" in flag or "SCORE_STAGES" in flag]
 
     assert staging(torch.bfloat16) == ["-DSCORE_STAGES=2", "-DMASK_TILES=1", "-DBIAS_TILES=1"]
@@ -137,20 +139,22 @@ def test_masks_and_16_bit_biases_are_staged_where_tma_can_take_their_rows():
 
 
 def test_the_staged_ring_takes_what_is_left_beside_q_and_the_k_and_v_rings():
-    rows, keys = launch.TILES_OF_ROWS, launch.TILES_OF_KEYS
+    rows, keys = shared_memory.TILES_OF_ROWS, shared_memory.TILES_OF_KEYS
     wide, narrow, deep = FwdConfig(128, 128, 12, 2), FwdConfig(128, 64, 12, 2), FwdConfig(128, 128, 12, 3)
     base = (128 + 2 * 2 * 128) * 128 * 2 + 1024  # Q, two 2-stage rings of 128 x 128 tiles, alignment slack
-    assert launch.score_slot_bytes(wide, rows, rows) == 128 * 128 * 3  # a mask byte and a bf16 per position
-    assert launch.score_slot_bytes(wide, rows, keys) == 128 * 128 + 1024  # one 256-byte bias row, on 1 KiB
+    assert shared_memory.score_slot_bytes(wide, rows, rows) == 128 * 128 * 3  # a mask byte and a bf16 per position
+    assert shared_memory.score_slot_bytes(wide, rows, keys) == 128 * 128 + 1024  # one 256-byte bias row, on 1 KiB
     # a full mask and bias fit one slot beside 128-key rings, a full mask and per-key bias two
-    assert launch.score_stages(wide, 128, rows, rows) == 1
-    assert launch.forward_shared_bytes(wide, 128, "sm90", rows, rows) == base + 128 * 128 * 3
-    assert launch.score_stages(wide, 128, rows, keys) == 2
-    assert launch.score_stages(narrow, 128, rows, rows) == 2
-    assert launch.score_stages(deep, 128, keys, keys) == 0  # 3-stage 128-key rings leave no room
-    assert launch.forward_shared_bytes(wide, 128, "sm90", launch.NOT_STAGED, launch.NOT_STAGED) == base
+    assert shared_memory.score_stages(wide, 128, rows, rows) == 1
+    assert shared_memory.forward_shared_bytes(wide, 128, "sm90", rows, rows) == base + 128 * 128 * 3
+    assert shared_memory.score_stages(wide, 128, rows, keys) == 2
+    assert shared_memory.score_stages(narrow, 128, rows, rows) == 2
+    assert shared_memory.score_stages(deep, 128, keys, keys) == 0  # 3-stage 128-key rings leave no room
+    none = shared_memory.NOT_STAGED
+    assert shared_memory.forward_shared_bytes(wide, 128, "sm90", none, none) == base
+    room = shared_memory.SM90_SHARED_BYTES - shared_memory.WS_STATIC_BYTES
     for config in (wide, narrow, deep):  # the largest staging bounds what prune and compile-check see
-        assert launch.forward_shared_bytes(config, 128, "sm90") <= launch.SM90_SHARED_BYTES - launch.WS_STATIC_BYTES
+        assert shared_memory.forward_shared_bytes(config, 128, "sm90") <= room
 
 
 def test_a_forward_signature_is_checked_and_planned_once(monkeypatch):
@@ -163,9 +167,9 @@ def test_a_forward_signature_is_checked_and_planned_once(monkeypatch):
             built.append(flags)
             self.source, self.flags = source, flags
 
-    monkeypatch.setattr(launch, "arch_of", lambda device: "sm90")
-    monkeypatch.setattr(launch, "_Launcher", Recorder)
-    launch._signature_launch.cache_clear()
+    monkeypatch.setattr(forward, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(forward, "Launcher", Recorder)
+    forward._signature_launch.cache_clear()
     cuda = torch.device("cuda", 0)
 
     def layout(shape, dtype=torch.bfloat16, offset=0):  # `offset`: the data's address modulo 16
@@ -174,22 +178,23 @@ def test_a_forward_signature_is_checked_and_planned_once(monkeypatch):
     q, k = layout((2, 256, 4, 128)), layout((2, 256, 1, 128))
     padding, per_key = layout((2, 1, 1, 256), torch.bool), layout((2, 4, 1, 256))
     config = FwdConfig(128, 128, 12, 2)
-    plan = launch._forward_launch((q, k, k, padding, per_key, q), True, 0.0, config)
-    assert launch._forward_launch((q, k, k, padding, per_key, q), True, 0.0, config) is plan and len(built) == 1
+    plan = forward._forward_launch((q, k, k, padding, per_key, q), True, 0.0, config)
+    assert forward._forward_launch((q, k, k, padding, per_key, q), True, 0.0, config) is plan and len(built) == 1
     assert plan.name == b"dmattn_fwd_ws_kernel" and plan.grid == (8, 2)
     assert [(field, rows, line, swizzle) for field, _, _, rows, line, swizzle in plan.maps] == [
         ("q_map", 128, 128, 128), ("k_map", 128, 128, 128), ("v_map", 128, 128, 128),
         ("mask_map", 1, 128, 0), ("bias_map", 1, 256, 0)]  # one unswizzled row of keys each
-    assert plan.shared == launch.forward_shared_bytes(config, 128, "sm90", launch.TILES_OF_KEYS, launch.TILES_OF_KEYS)
+    keys = shared_memory.TILES_OF_KEYS
+    assert plan.shared == shared_memory.forward_shared_bytes(config, 128, "sm90", keys, keys)
     with pytest.raises(ValueError, match=r"out: the cuda backend needs rows on 16-byte boundaries, .* at offset 8"):
-        launch._forward_launch((q, k, k, None, None, layout((2, 256, 4, 128), offset=8)), True, 0.0, config)
+        forward._forward_launch((q, k, k, None, None, layout((2, 256, 4, 128), offset=8)), True, 0.0, config)
     # a mask whose data starts off a 16-byte boundary is read from global memory, not staged
-    assert launch._forward_launch((q, k, k, layout((2, 1, 1, 256), torch.bool, offset=8), None, q), True,
-                                  0.0, config).maps[3:] == ()
-    monkeypatch.setattr(launch, "arch_of", lambda device: "sm80")
+    assert forward._forward_launch((q, k, k, layout((2, 1, 1, 256), torch.bool, offset=8), None, q), True,
+                                   0.0, config).maps[3:] == ()
+    monkeypatch.setattr(forward, "arch_of", lambda device: "sm80")
     with pytest.raises(ValueError, match=r"config: 128 rows on 12 warps .* sm90 only \(here: sm80\)"):
-        launch._forward_launch((q, k, k, None, None, q), True, 0.0, config)
-    launch._signature_launch.cache_clear()
+        forward._forward_launch((q, k, k, None, None, q), True, 0.0, config)
+    forward._signature_launch.cache_clear()
 
 
 @pytest.mark.parametrize("operands", ["none", "mask and bias"])
@@ -200,11 +205,11 @@ def test_a_forward_call_fills_its_addresses_into_the_signature_s_parameters(oper
     mask = torch.rand(2, 2, 40, 48) > 0.5 if operands != "none" else None
     bias = torch.randn(2, 1, 1, 48) if operands != "none" else None
     out, lse = torch.empty_like(q), torch.empty(2, 4, 40)
-    built = launch._FwdParams(launch._inputs(q, k, v, mask, bias, 0.125, 0.0), out.data_ptr(), lse.data_ptr(),
-                              out.stride()[:3], lse.stride())
-    layouts = tuple(launch._layout(t) for t in (q, k, v, mask, bias, out))
-    filled = launch._FwdParams.from_buffer_copy(launch._forward_template(layouts, 0.125, 0.0, lse.stride()))
-    launch._fill_addresses(filled, q, k, v, mask, bias, out, lse)
+    built = params.FwdParams(params.inputs(q, k, v, mask, bias, 0.125, 0.0), out.data_ptr(), lse.data_ptr(),
+                             out.stride()[:3], lse.stride())
+    layouts = tuple(forward._layout(t) for t in (q, k, v, mask, bias, out))
+    filled = params.FwdParams.from_buffer_copy(forward._forward_template(layouts, 0.125, 0.0, lse.stride()))
+    forward._fill_addresses(filled, q, k, v, mask, bias, out, lse)
     assert bytes(filled) == bytes(built) and filled.inputs.q == q.data_ptr() and filled.lse == lse.data_ptr()
 
 
@@ -215,30 +220,31 @@ def test_a_build_failure_names_nvcc_s_error(cubin_cache):
 
 
 def test_launcher_rules_and_variant_flags():
-    assert launch.is_supported(FwdConfig(64, 64, 4, 2), SHAPE) is None
+    assert rules.is_supported(FwdConfig(64, 64, 4, 2), SHAPE) is None
     # the warp-specialized forward's three consumer warpgroups build up to head dim 192
     wide = replace(SHAPE, head_dim=256)
-    assert "needs at most 12 warps" in launch.is_supported(FwdConfig(192, 64, 16, 2), wide)
-    assert launch.is_supported(FwdConfig(128, 64, 12, 2), wide) is None
-    assert launch.is_supported(FwdConfig(192, 64, 16, 2), replace(SHAPE, head_dim=192)) is None
-    assert launch.is_supported(FwdConfig(128, 64, 4, 2), SHAPE) is None  # two m16 tiles per warp
-    assert "block_m=96 is not 16 or 32 x num_warps=4" in launch.is_supported(FwdConfig(96, 64, 4, 2), SHAPE)
-    assert "block_m=256 is not 16 or 32 x num_warps=4" in launch.is_supported(FwdConfig(256, 64, 4, 2), SHAPE)
-    assert launch.is_supported(BwdConfig(32, 64, 64, 32, 4, 2), SHAPE) is None
-    assert "block_n=128 is not 16 x num_warps" in launch.is_supported(BwdConfig(32, 128, 64, 32, 4, 2), SHAPE)
-    assert "block_m_dq=128 is not 16 x num_warps" in launch.is_supported(BwdConfig(32, 64, 128, 32, 4, 2), SHAPE)
-    assert "block_n_dq=48 is not one of" in launch.is_supported(BwdConfig(32, 64, 64, 48, 4, 2), SHAPE)
+    assert "needs at most 12 warps" in rules.is_supported(FwdConfig(192, 64, 16, 2), wide)
+    assert rules.is_supported(FwdConfig(128, 64, 12, 2), wide) is None
+    assert rules.is_supported(FwdConfig(192, 64, 16, 2), replace(SHAPE, head_dim=192)) is None
+    assert rules.is_supported(FwdConfig(128, 64, 4, 2), SHAPE) is None  # two m16 tiles per warp
+    assert "block_m=96 is not 16 or 32 x num_warps=4" in rules.is_supported(FwdConfig(96, 64, 4, 2), SHAPE)
+    assert "block_m=256 is not 16 or 32 x num_warps=4" in rules.is_supported(FwdConfig(256, 64, 4, 2), SHAPE)
+    assert rules.is_supported(BwdConfig(32, 64, 64, 32, 4, 2), SHAPE) is None
+    assert "block_n=128 is not 16 x num_warps" in rules.is_supported(BwdConfig(32, 128, 64, 32, 4, 2), SHAPE)
+    assert "block_m_dq=128 is not 16 x num_warps" in rules.is_supported(BwdConfig(32, 64, 128, 32, 4, 2), SHAPE)
+    assert "block_n_dq=48 is not one of" in rules.is_supported(BwdConfig(32, 64, 64, 48, 4, 2), SHAPE)
     # Q, two 2-stage rings of K and V, rows of the head dim padded to 80 plus 8 elements, 2 bytes
-    assert launch.forward_shared_bytes(FwdConfig(64, 32, 4, 2), 72) == (64 + 2 * 2 * 32) * 88 * 2
+    assert shared_memory.forward_shared_bytes(FwdConfig(64, 32, 4, 2), 72) == (64 + 2 * 2 * 32) * 88 * 2
     # dK/dV: K, V and 2-stage rings of Q and dO tiles plus their fp32 lse and delta; dQ: Q, dO, K and V rings
-    assert launch.backward_shared_bytes(BwdConfig(32, 64, 64, 16, 4, 2), 72) == {
+    assert shared_memory.backward_shared_bytes(BwdConfig(32, 64, 64, 16, 4, 2), 72) == {
         "dkdv": (2 * 64 + 2 * 2 * 32) * 88 * 2 + 2 * 2 * 32 * 4, "dq": (2 * 64 + 2 * 2 * 16) * 88 * 2}
-    flags = launch.variant(FwdConfig(64, 32, 4, 3), 72, torch.bfloat16, None, arch="sm90", is_causal=False,
-                           has_mask=True, softcap=30.0)
+    flags = variants.variant(FwdConfig(64, 32, 4, 3), 72, torch.bfloat16, None, arch="sm90", is_causal=False,
+                             has_mask=True, softcap=30.0)
     assert flags == ("-DELEMENT=1", "-DBIAS_FP32=0", "-DHEAD_DIM=72", "-DNUM_WARPS=4", "-DSTAGES=3", "-DIS_CAUSAL=0",
                      "-DHAS_MASK=1", "-DHAS_BIAS=0", "-DHAS_SOFTCAP=1", "-DBLOCK_M=64", "-DBLOCK_N=32", "-DWGMMA=0")
-    flags = launch.backward_variant(BwdConfig(16, 64, 64, 32, 4, 1), 64, torch.float16, torch.float16, arch="sm90",
-                                    is_causal=True, has_mask=False, softcap=0.0, group=1, dbias=(False, torch.float16))
+    flags = variants.backward_variant(BwdConfig(16, 64, 64, 32, 4, 1), 64, torch.float16, torch.float16,
+                                      arch="sm90", is_causal=True, has_mask=False, softcap=0.0, group=1,
+                                      dbias=(False, torch.float16))
     assert flags[-7:] == ("-DHAS_DBIAS=1", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=0", "-DDKV_FP32=0", "-DDKDV_BLOCK_M=16",
                           "-DDQ_BLOCK_N=32", "-DWGMMA=0")  # no m64n16 product for the 16-query tiles
 
@@ -247,28 +253,28 @@ WS_BWD = BwdConfig(64, 128, 64, 128, 12, 2)
 
 
 def test_the_warp_specialized_backward_is_a_producer_warpgroup_beside_one_per_64_keys():
-    assert launch.backward_warp_specialized(WS_BWD, 128, "sm90")
-    assert launch.backward_warp_specialized(WS_BWD, 120, "sm90")  # padded to 128
-    assert launch.backward_warp_specialized(BwdConfig(64, 64, 64, 64, 8, 2), 64, "sm90")  # one consumer
-    assert not launch.backward_warp_specialized(WS_BWD, 64, "sm90")  # 64 columns do not split between two
-    assert not launch.backward_warp_specialized(WS_BWD, 128, "sm80")
-    assert not launch.backward_warp_specialized(BwdConfig(64, 128, 128, 64, 8, 2), 128, "sm90")  # flash_bwd.cu's
-    assert launch.backward_kernel(WS_BWD, 128, "sm90") == "bwd_ws"
-    assert launch.backward_kernel(WS_BWD, 128, "sm80") == "bwd"
+    assert rules.backward_warp_specialized(WS_BWD, 128, "sm90")
+    assert rules.backward_warp_specialized(WS_BWD, 120, "sm90")  # padded to 128
+    assert rules.backward_warp_specialized(BwdConfig(64, 64, 64, 64, 8, 2), 64, "sm90")  # one consumer
+    assert not rules.backward_warp_specialized(WS_BWD, 64, "sm90")  # 64 columns do not split between two
+    assert not rules.backward_warp_specialized(WS_BWD, 128, "sm80")
+    assert not rules.backward_warp_specialized(BwdConfig(64, 128, 128, 64, 8, 2), 128, "sm90")  # flash_bwd.cu's
+    assert rules.backward_kernel(WS_BWD, 128, "sm90") == "bwd_ws"
+    assert rules.backward_kernel(WS_BWD, 128, "sm80") == "bwd"
     shape = AttentionShape(1, 16, 16, 2, 1, 128)
-    assert launch.is_supported(WS_BWD, shape) is None
-    assert "head_dim=96 does not pad to 64 or 128" in launch.is_supported(WS_BWD, replace(shape, head_dim=96))
-    assert "among block_n / 64 = 2 consumer warpgroups" in launch.is_supported(WS_BWD, replace(shape, head_dim=64))
-    assert "block_m=32 is not 64" in launch.is_supported(BwdConfig(32, 128, 64, 128, 12, 2), shape)
-    assert "is not block_m x block_n = 64x128" in launch.is_supported(BwdConfig(64, 128, 64, 64, 12, 2), shape)
-    assert "sm90 only (here: sm120)" in launch.arch_reason(WS_BWD, 128, "sm120")
-    assert launch.arch_reason(WS_BWD, 128, "sm90") is None
+    assert rules.is_supported(WS_BWD, shape) is None
+    assert "head_dim=96 does not pad to 64 or 128" in rules.is_supported(WS_BWD, replace(shape, head_dim=96))
+    assert "among block_n / 64 = 2 consumer warpgroups" in rules.is_supported(WS_BWD, replace(shape, head_dim=64))
+    assert "block_m=32 is not 64" in rules.is_supported(BwdConfig(32, 128, 64, 128, 12, 2), shape)
+    assert "is not block_m x block_n = 64x128" in rules.is_supported(BwdConfig(64, 128, 64, 64, 12, 2), shape)
+    assert "sm90 only (here: sm120)" in rules.arch_reason(WS_BWD, 128, "sm120")
+    assert rules.arch_reason(WS_BWD, 128, "sm90") is None
     # K and V, 2-stage rings of Q and dO, two dS tiles, two fp32 dQ shares, lse and delta, the swizzle slack
-    assert launch.backward_shared_bytes(WS_BWD, 128, "sm90") == {
+    assert shared_memory.backward_shared_bytes(WS_BWD, 128, "sm90") == {
         "ws": (2 * 128 + 2 * 2 * 64) * 128 * 2 + 1024 + 2 * 64 * 128 * 2 + 2 * 64 * 128 * 4 + 2 * 2 * 64 * 4}
-    assert launch.shared_bytes(WS_BWD, 128, "sm90") <= launch.SM90_SHARED_BYTES
-    flags = launch.backward_variant(WS_BWD, 128, torch.bfloat16, None, arch="sm90", is_causal=True, has_mask=False,
-                                    softcap=0.0, group=4, dbias=None)
+    assert shared_memory.shared_bytes(WS_BWD, 128, "sm90") <= shared_memory.SM90_SHARED_BYTES
+    flags = variants.backward_variant(WS_BWD, 128, torch.bfloat16, None, arch="sm90", is_causal=True, has_mask=False,
+                                      softcap=0.0, group=4, dbias=None)
     assert flags[-11:] == ("-DHAS_DBIAS=0", "-DDBIAS_ROWS=0", "-DDBIAS_FP32=1", "-DDKV_FP32=1", "-DBLOCK_M=64",
                            "-DBLOCK_N=128", "-DWGMMA=1", "-DSCORE_STAGES=0", "-DMASK_TILES=0", "-DBIAS_TILES=0",
                            "-DDBIAS_TMA=0")
@@ -280,19 +286,20 @@ def _staging_flags(flags: tuple[str, ...]) -> dict[str, int]:
 
 
 def test_the_warp_specialized_backward_stages_mask_and_bias_where_its_ring_fits():
-    rows, keys, none = launch.TILES_OF_ROWS, launch.TILES_OF_KEYS, launch.NOT_STAGED
+    rows, keys, none = shared_memory.TILES_OF_ROWS, shared_memory.TILES_OF_KEYS, shared_memory.NOT_STAGED
     bf16 = torch.bfloat16
 
     def flags(mask_tiles, bias_tiles, bias_dtype=bf16, dbias=(True, bf16), softcap=0.0, config=WS_BWD, head_dim=128):
-        return _staging_flags(launch.backward_variant(
+        return _staging_flags(variants.backward_variant(
             config, head_dim, bf16, bias_dtype, arch="sm90", is_causal=True, has_mask=mask_tiles is not None,
             softcap=softcap, group=1, dbias=dbias, mask_tiles=none if mask_tiles is None else mask_tiles,
             bias_tiles=bias_tiles))
 
-    dense = launch.backward_shared_bytes(WS_BWD, 128, "sm90")["ws"]
+    dense = shared_memory.backward_shared_bytes(WS_BWD, 128, "sm90")["ws"]
     # W1: a mask and a bf16 bias of rows, 8 + 16 KiB a slot: one slot, in the room of one fp32 dQ share
     assert flags(rows, rows) == dict(SCORE_STAGES=1, MASK_TILES=1, BIAS_TILES=1, DBIAS_TMA=1)
-    assert launch.backward_shared_bytes(WS_BWD, 128, "sm90", rows, rows)["ws"] == dense - 64 * 128 * 4 + 64 * 128 * 3
+    assert (shared_memory.backward_shared_bytes(WS_BWD, 128, "sm90", rows, rows)["ws"]
+            == dense - 64 * 128 * 4 + 64 * 128 * 3)
     # W2: a mask of rows (8 KiB) and a per-key bias (registers): two slots
     assert flags(rows, keys, dbias=(False, torch.float32)) == dict(SCORE_STAGES=2, MASK_TILES=1, BIAS_TILES=2,
                                                                    DBIAS_TMA=0)
@@ -308,8 +315,8 @@ def test_the_warp_specialized_backward_stages_mask_and_bias_where_its_ring_fits(
     deep = BwdConfig(64, 128, 64, 128, 12, 4)
     assert flags(rows, keys, config=deep) == dict(SCORE_STAGES=0, MASK_TILES=0, BIAS_TILES=2, DBIAS_TMA=1)
     for mask_tiles, bias_tiles in ((rows, rows), (rows, keys), (none, rows)):
-        assert launch.backward_shared_bytes(WS_BWD, 128, "sm90", mask_tiles, bias_tiles)["ws"] \
-            + launch.WS_STATIC_BYTES <= launch.SM90_SHARED_BYTES
+        assert shared_memory.backward_shared_bytes(WS_BWD, 128, "sm90", mask_tiles, bias_tiles)["ws"] \
+            + shared_memory.WS_STATIC_BYTES <= shared_memory.SM90_SHARED_BYTES
 
 
 def test_the_warp_specialized_backward_zeroes_the_dq_sums_of_tiles_no_key_block_visits():
@@ -321,34 +328,34 @@ def test_the_warp_specialized_backward_zeroes_the_dq_sums_of_tiles_no_key_block_
         tiles = -(-seqlen_q // 64)
         dead_tiles = sum(all(row + seqlen_k - seqlen_q < 0 for row in range(m * 64, min(seqlen_q, m * 64 + 64)))
                          for m in range(tiles))
-        assert launch.unvisited_query_tiles(seqlen_q, seqlen_k, 64, True) == m_begin == dead_tiles
-        assert launch.unvisited_query_tiles(seqlen_q, seqlen_k, 64, False) == 0
+        assert backward.unvisited_query_tiles(seqlen_q, seqlen_k, 64, True) == m_begin == dead_tiles
+        assert backward.unvisited_query_tiles(seqlen_q, seqlen_k, 64, False) == 0
 
 
 def test_an_expanded_gradient_is_a_broadcast_dim_but_a_size_1_dim_is_not():
-    assert launch.has_broadcast_dim(torch.zeros(2, 1, 4, 8).expand(2, 16, 4, 8))  # d(out.mean(1))
-    assert not launch.has_broadcast_dim(torch.zeros(2, 16, 4, 8))
-    assert not launch.has_broadcast_dim(torch.zeros(2, 1, 4, 8).expand(2, 1, 4, 8))
+    assert backward.has_broadcast_dim(torch.zeros(2, 1, 4, 8).expand(2, 16, 4, 8))  # d(out.mean(1))
+    assert not backward.has_broadcast_dim(torch.zeros(2, 16, 4, 8))
+    assert not backward.has_broadcast_dim(torch.zeros(2, 1, 4, 8).expand(2, 1, 4, 8))
 
 
 def test_a_warp_specialized_backward_config_off_sm90_is_refused_before_any_launch(monkeypatch):
     """Its shape would otherwise build flash_bwd.cu with 12 warps, 192 keys, in a CTA sized for 128."""
-    monkeypatch.setattr(launch, "_check_tensor", lambda q: None)
-    monkeypatch.setattr(launch, "arch_of", lambda device: "sm80")
+    monkeypatch.setattr(backward, "check_tensor", lambda q: None)
+    monkeypatch.setattr(backward, "arch_of", lambda device: "sm80")
     q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 64)
     with pytest.raises(ValueError, match=r"config: 128 keys on 12 warps is the warp-specialized backward, which "
                                          r"runs on sm90 only \(here: sm80\)"):
-        launch.attention_backward(q, q, q, q, q, lse, None, None, is_causal=True, softmax_scale=0.1, softcap=0.0,
-                                  config=WS_BWD, dq=q, dk=q, dv=q, dbias=None)
+        backward.attention_backward(q, q, q, q, q, lse, None, None, is_causal=True, softmax_scale=0.1, softcap=0.0,
+                                    config=WS_BWD, dq=q, dk=q, dv=q, dbias=None)
 
 
 def test_the_delta_kernels_cover_their_rows_with_a_lane_per_16_bytes():
     # 16 lanes a 128-column row, so a warp holds two rows, four times over
-    assert launch.delta_rows_per_block(128, 12) == 12 * 2 * 4
-    assert launch.delta_rows_per_block(72, 4) == 4 * 2 * 4  # 80 padded columns: 10 chunks, 16 lanes
-    assert launch.delta_rows_per_block(256, 4) == 4 * 1 * 4
-    assert launch.delta_rows_per_block(8, 4) == 4 * 16 * 4
+    assert backward.delta_rows_per_block(128, 12) == 12 * 2 * 4
+    assert backward.delta_rows_per_block(72, 4) == 4 * 2 * 4  # 80 padded columns: 10 chunks, 16 lanes
+    assert backward.delta_rows_per_block(256, 4) == 4 * 1 * 4
+    assert backward.delta_rows_per_block(8, 4) == 4 * 16 * 4
 
 
 def test_the_cuda_backend_is_registered_and_refuses_cpu_tensors():
@@ -369,29 +376,29 @@ def test_cuda_defaults_fit_the_smallest_shared_memory_without_a_gpu():
     largest head dim, and they pass the launcher's structural rules."""
     for low, high, fwd, bwd in default_entries("cpu", "cuda"):
         shape = AttentionShape(1, 16, 16, 2, 1, high)
-        assert launch.is_supported(fwd, shape) is None and launch.is_supported(bwd, shape) is None
-        assert launch.shared_bytes(fwd, high) <= 101376 and launch.shared_bytes(bwd, high) <= 101376, (low, high)
+        assert rules.is_supported(fwd, shape) is None and rules.is_supported(bwd, shape) is None
+        assert max(shared_memory.shared_bytes(config, high) for config in (fwd, bwd)) <= 101376, (low, high)
 
 
 def test_the_sm90_defaults_run_wgmma_where_it_pays_and_fit_hopper():
     from dmattn_bench.hardware import ARCH_LIMITS
-    from dmattn_bench.registry import CUDA_SM90_DEFAULTS
+    from dmattn_bench.tiles import CUDA_SM90_DEFAULTS
 
     limit = ARCH_LIMITS["sm90"].shared_memory_per_block
     for high, fwds, bwds in CUDA_SM90_DEFAULTS:
         shape = AttentionShape(1, 16, 16, 2, 1, high)
         for config in fwds + bwds:
-            assert launch.is_supported(config, shape) is None
-        assert launch.shared_bytes(fwds[0], high, "sm90") <= limit
-        assert launch.shared_bytes(bwds[0], high, "sm90") <= limit
-        assert launch.uses_wgmma(fwds[0], high, "sm90") or launch.warp_specialized(fwds[0], high, "sm90")
-        assert launch.uses_wgmma(bwds[0], high, "sm90") == (high <= launch.WGMMA_BWD_MAX_HEAD_DIM)
+            assert rules.is_supported(config, shape) is None
+        assert shared_memory.shared_bytes(fwds[0], high, "sm90") <= limit
+        assert shared_memory.shared_bytes(bwds[0], high, "sm90") <= limit
+        assert rules.uses_wgmma(fwds[0], high, "sm90") or rules.warp_specialized(fwds[0], high, "sm90")
+        assert rules.uses_wgmma(bwds[0], high, "sm90") == (high <= rules.WGMMA_BWD_MAX_HEAD_DIM)
     # a class's defaults run every head dim in it (the warp-specialized forward only 121-128)
     low = 8
     for high, fwds, bwds in CUDA_SM90_DEFAULTS:
         for head_dim in range(low, high + 1, 8):
             shape = AttentionShape(1, 16, 16, 2, 1, head_dim)
-            assert launch.is_supported(fwds[0], shape) is None and launch.arch_reason(fwds[0], head_dim, "sm90") is None
+            assert rules.is_supported(fwds[0], shape) is None and rules.arch_reason(fwds[0], head_dim, "sm90") is None
         low = high + 8
 
 
@@ -412,41 +419,42 @@ def test_info_says_which_backends_can_run_here():
 def test_a_grid_over_cuda_s_y_limit_is_a_clear_error():
     """Query blocks sit on grid y (the forward's longest causal blocks start first), so a query
     longer than 65535 blocks is refused before the driver sees the launch."""
-    launcher = launch._Launcher.__new__(launch._Launcher)  # no cubin needed: the check comes first
+    launcher = driver.Launcher.__new__(driver.Launcher)  # no cubin needed: the check comes first
     with pytest.raises(ValueError, match=r"dmattn_fwd_kernel: needs 65536 CTAs on grid y, over CUDA's limit of 65535"):
         launcher(b"dmattn_fwd_kernel", (32, 65536), 4, 0, None)
 
 
 def test_the_forward_runs_wgmma_only_where_sm90_and_the_tile_allow_it():
-    assert launch.uses_wgmma(FwdConfig(128, 128, 8, 2), 128, "sm90")
-    assert launch.uses_wgmma(FwdConfig(64, 64, 4, 2), 120, "sm90")  # padded to 128: zero lanes past 120
-    assert not launch.uses_wgmma(FwdConfig(128, 128, 8, 2), 128, "sm80")  # no wgmma before Hopper
-    assert not launch.uses_wgmma(FwdConfig(128, 128, 8, 2), 128, "sm120")  # nor on consumer Blackwell
-    assert not launch.uses_wgmma(FwdConfig(128, 64, 4, 2), 128, "sm90")  # 32 rows per warp
-    assert not launch.uses_wgmma(FwdConfig(64, 64, 2, 2), 128, "sm90")  # half a warpgroup
-    assert not launch.uses_wgmma(FwdConfig(128, 16, 8, 2), 128, "sm90")  # no m64n16 product
-    assert not launch.uses_wgmma(FwdConfig(128, 64, 8, 2), 96, "sm90")  # 96 is not whole 128-byte lines
-    flags = launch.variant(FwdConfig(128, 64, 8, 2), 128, torch.bfloat16, None, arch="sm90", is_causal=True,
-                           has_mask=False, softcap=0.0)
+    assert rules.uses_wgmma(FwdConfig(128, 128, 8, 2), 128, "sm90")
+    assert rules.uses_wgmma(FwdConfig(64, 64, 4, 2), 120, "sm90")  # padded to 128: zero lanes past 120
+    assert not rules.uses_wgmma(FwdConfig(128, 128, 8, 2), 128, "sm80")  # no wgmma before Hopper
+    assert not rules.uses_wgmma(FwdConfig(128, 128, 8, 2), 128, "sm120")  # nor on consumer Blackwell
+    assert not rules.uses_wgmma(FwdConfig(128, 64, 4, 2), 128, "sm90")  # 32 rows per warp
+    assert not rules.uses_wgmma(FwdConfig(64, 64, 2, 2), 128, "sm90")  # half a warpgroup
+    assert not rules.uses_wgmma(FwdConfig(128, 16, 8, 2), 128, "sm90")  # no m64n16 product
+    assert not rules.uses_wgmma(FwdConfig(128, 64, 8, 2), 96, "sm90")  # 96 is not whole 128-byte lines
+    flags = variants.variant(FwdConfig(128, 64, 8, 2), 128, torch.bfloat16, None, arch="sm90", is_causal=True,
+                             has_mask=False, softcap=0.0)
     assert flags[-1] == "-DWGMMA=1"
-    assert launch.uses_wgmma(BwdConfig(64, 128, 128, 64, 8, 2), 128, "sm90")
-    assert not launch.uses_wgmma(BwdConfig(16, 64, 64, 32, 4, 1), 128, "sm90")  # 16-query tiles
-    assert not launch.uses_wgmma(BwdConfig(64, 32, 32, 64, 2, 2), 128, "sm90")  # half a warpgroup
-    assert not launch.uses_wgmma(BwdConfig(32, 64, 64, 32, 4, 1), 256, "sm90")  # dK/dV accumulators would spill
-    assert launch.uses_wgmma(FwdConfig(128, 64, 8, 2), 256, "sm90")  # the forward holds one accumulator
+    assert rules.uses_wgmma(BwdConfig(64, 128, 128, 64, 8, 2), 128, "sm90")
+    assert not rules.uses_wgmma(BwdConfig(16, 64, 64, 32, 4, 1), 128, "sm90")  # 16-query tiles
+    assert not rules.uses_wgmma(BwdConfig(64, 32, 32, 64, 2, 2), 128, "sm90")  # half a warpgroup
+    assert not rules.uses_wgmma(BwdConfig(32, 64, 64, 32, 4, 1), 256, "sm90")  # dK/dV accumulators would spill
+    assert rules.uses_wgmma(FwdConfig(128, 64, 8, 2), 256, "sm90")  # the forward holds one accumulator
 
 
 def test_wgmma_tiles_are_unpadded_and_aligned_in_shared_memory():
     fwd = FwdConfig(128, 128, 8, 3)
     # Q and two 3-stage rings of 128 x 128 tiles, 2 bytes, no row pad, 1 KiB of alignment slack
-    assert launch.forward_shared_bytes(fwd, 128, "sm90") == (128 + 2 * 3 * 128) * 128 * 2 + 1024 == 230400
-    assert launch.forward_shared_bytes(fwd, 128, "sm80") == (128 + 2 * 3 * 128) * 136 * 2
+    assert shared_memory.forward_shared_bytes(fwd, 128, "sm90") == (128 + 2 * 3 * 128) * 128 * 2 + 1024 == 230400
+    assert shared_memory.forward_shared_bytes(fwd, 128, "sm80") == (128 + 2 * 3 * 128) * 136 * 2
     # without an arch the padded layout bounds both (at least 128 rows)
-    assert launch.shared_bytes(fwd, 128) >= max(launch.shared_bytes(fwd, 128, arch) for arch in ("sm80", "sm90"))
+    assert shared_memory.shared_bytes(fwd, 128) >= max(shared_memory.shared_bytes(fwd, 128, arch)
+                                                       for arch in ("sm80", "sm90"))
     bwd = BwdConfig(64, 128, 128, 64, 8, 2)
-    assert launch.backward_shared_bytes(bwd, 128, "sm90") == {
+    assert shared_memory.backward_shared_bytes(bwd, 128, "sm90") == {
         "dkdv": (2 * 128 + 2 * 2 * 64) * 128 * 2 + 1024 + 2 * 2 * 64 * 4, "dq": (2 * 128 + 2 * 2 * 64) * 128 * 2 + 1024}
-    assert launch.shared_bytes(bwd, 128) >= launch.shared_bytes(bwd, 128, "sm90")
+    assert shared_memory.shared_bytes(bwd, 128) >= shared_memory.shared_bytes(bwd, 128, "sm90")
 
 
 
@@ -457,8 +465,8 @@ def test_a_wheel_install_builds_a_cuda_kernel(installed_wheel, tmp_path):
     import sys
 
     site, _ = installed_wheel
-    probe = ("import torch; from dmattn_bench.space import FwdConfig; from dmattn_kernels.cuda import build, launch; "
-             "flags = launch.variant(FwdConfig(64, 64, 4, 2), 72, torch.float16, None, arch='sm80', is_causal=True, "
+    probe = ("import torch; from dmattn_bench.space import FwdConfig; from dmattn_kernels.cuda import build, variant; "
+             "flags = variant(FwdConfig(64, 64, 4, 2), 72, torch.float16, None, arch='sm80', is_causal=True, "
              "has_mask=True, softcap=0.0); print(build.KERNEL_DIR); print(build.build('fwd', 'sm80', flags).stat().st_size)")
     done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {probe}"],
                           capture_output=True, text=True, cwd=tmp_path,
@@ -472,22 +480,22 @@ def test_a_wheel_install_builds_a_cuda_kernel(installed_wheel, tmp_path):
 def test_the_launch_order_sections_hold_the_head_slices_whose_operands_fit_l2():
     """common.cuh's section_order: as many head slices at once as re-read L2_SECTION_BYTES."""
     kv_bytes = 2 * 4096 * 128 * 2  # K and V of one head, L4096 D128 bf16: 2 MiB
-    assert launch.section_slices(32, kv_bytes) == launch.L2_SECTION_BYTES // kv_bytes == 16
-    assert launch.section_slices(32, kv_bytes, sharing=4) == 32  # a GQA group's heads share theirs
-    assert launch.section_slices(32, launch.L2_SECTION_BYTES * 2) == 1  # at least one slice
-    assert launch.section_slices(6, kv_bytes) == 6  # at most every slice
+    assert forward.section_slices(32, kv_bytes) == forward.L2_SECTION_BYTES // kv_bytes == 16
+    assert forward.section_slices(32, kv_bytes, sharing=4) == 32  # a GQA group's heads share theirs
+    assert forward.section_slices(32, forward.L2_SECTION_BYTES * 2) == 1  # at least one slice
+    assert forward.section_slices(6, kv_bytes) == 6  # at most every slice
     # the section count sits after the parameters both kernels read (padding keeps the sizes)
-    assert launch._WsParams.section_slices.offset == 5 * 128 + ctypes.sizeof(launch._FwdParams)
-    assert launch._BwdWsParams.section_slices.offset == 7 * 128 + ctypes.sizeof(launch._BwdParams) + 16
+    assert params.WsParams.section_slices.offset == 5 * 128 + ctypes.sizeof(params.FwdParams)
+    assert params.BwdWsParams.section_slices.offset == 7 * 128 + ctypes.sizeof(params.BwdParams) + 16
 
 
 def test_a_persistent_forward_schedule_gives_every_item_once_in_launch_order_and_balances_the_ctas():
-    """launch.persistent_schedule: W3's causal grid (32 head slices x 32 query blocks of 128 rows,
+    """forward.persistent_schedule: W3's causal grid (32 head slices x 32 query blocks of 128 rows,
     4096 keys) over 132 CTAs."""
     config = FwdConfig(128, 128, 12, 2, overlap=1, persistent=1)
-    tiles = [launch._key_tiles(block, config, 4096, 4096, True) for block in range(32)]
+    tiles = [forward._key_tiles(block, config, 4096, 4096, True) for block in range(32)]
     assert tiles[0] == 1 and tiles[31] == 32  # a causal block walks the key tiles up to its diagonal
-    schedule = launch.persistent_schedule((32, 32), 16, tiles, 132)
+    schedule = forward.persistent_schedule((32, 32), 16, tiles, 132)
     offsets, items = schedule[:133], schedule[133:]
     assert offsets[0] == 0 and offsets[-1] == len(items) == 32 * 32
     assert sorted(items) == list(range(32 * 32))
@@ -496,11 +504,11 @@ def test_a_persistent_forward_schedule_gives_every_item_once_in_launch_order_and
 
     def cost(index):  # common.cuh's section_order: the item's query block, longest rows first
         block = index % (16 * 32) // 16
-        return tiles[31 - block] + launch.ITEM_TILES
+        return tiles[31 - block] + forward.ITEM_TILES
 
     loads = [sum(cost(i) for i in cta_items) for cta_items in lists]
     mean = sum(loads) / 132
-    assert max(loads) <= mean + max(tiles) + launch.ITEM_TILES  # no CTA waits on more than one item's worth
+    assert max(loads) <= mean + max(tiles) + forward.ITEM_TILES  # no CTA waits on more than one item's worth
 
 
 # The warp-specialized forward's -D list at 128x128 w12 s2, D128, causal, bf16 mask and bias rows
@@ -512,8 +520,8 @@ WS_FLAGS = ("-DELEMENT=1", "-DBIAS_FP32=0", "-DHEAD_DIM=128", "-DNUM_WARPS=12", 
 
 
 def _ws_flags(config: FwdConfig, arch: str = "sm90") -> tuple[str, ...]:
-    return launch.variant(config, 128, torch.bfloat16, torch.bfloat16, arch=arch, is_causal=True, has_mask=True,
-                          softcap=0.0)
+    return variants.variant(config, 128, torch.bfloat16, torch.bfloat16, arch=arch, is_causal=True, has_mask=True,
+                            softcap=0.0)
 
 
 def test_a_kernel_knob_off_adds_no_define_and_a_knob_on_adds_its_own():
@@ -531,19 +539,19 @@ def test_a_kernel_knob_off_adds_no_define_and_a_knob_on_adds_its_own():
 def test_the_kernel_knobs_are_0_or_1_on_the_warp_specialized_forward_and_persistent_needs_overlap():
     shape = AttentionShape(1, 16, 16, 2, 1, 128)
     ws = FwdConfig(128, 128, 12, 2)
-    assert launch.is_supported(replace(ws, overlap=1), shape) is None
-    assert launch.is_supported(replace(ws, overlap=1, persistent=1), shape) is None
+    assert rules.is_supported(replace(ws, overlap=1), shape) is None
+    assert rules.is_supported(replace(ws, overlap=1, persistent=1), shape) is None
     with pytest.raises(ValueError, match=r"FwdConfig.overlap: got 2, expected 0 \(off\) or 1 \(on\)"):
         replace(ws, overlap=2)  # a config is built checked (`space._check_fields`)
-    assert launch.is_supported(replace(ws, persistent=1), shape) == (
+    assert rules.is_supported(replace(ws, persistent=1), shape) == (
         "persistent=1 needs overlap=1 (the persistent launch walks the overlapped forward's work items)")
-    assert launch.is_supported(FwdConfig(128, 64, 8, 2, overlap=1, persistent=1), shape) == (
+    assert rules.is_supported(FwdConfig(128, 64, 8, 2, overlap=1, persistent=1), shape) == (
         "overlap=1 and persistent=1: a knob of the warp-specialized forward only (block_m in (64, 128, 192) on "
         "block_m / 16 + 4 warps), not of 128 rows on 8 warps")
     # the warp-specialized forward's own rules still hold with a knob on
-    assert "head_dim=96 does not pad to a multiple of 64" in launch.is_supported(replace(ws, overlap=1),
-                                                                                 replace(shape, head_dim=96))
-    assert "sm90 only (here: sm80)" in launch.arch_reason(replace(ws, overlap=1), 128, "sm80")
+    assert "head_dim=96 does not pad to a multiple of 64" in rules.is_supported(replace(ws, overlap=1),
+                                                                                replace(shape, head_dim=96))
+    assert "sm90 only (here: sm80)" in rules.arch_reason(replace(ws, overlap=1), 128, "sm80")
     triton = get_backend("triton").is_supported
     assert triton(FwdConfig(64, 64, 4, 2), shape) is None
     assert triton(FwdConfig(64, 64, 4, 2, overlap=1), shape) == (
@@ -556,7 +564,7 @@ def test_the_warp_specialized_space_prunes_a_persistent_launch_without_overlap_b
     by its structure (is_supported's reason), the other two pairs are candidates wherever their
     tiles are."""
     from dmattn_bench.hardware import parse_arch
-    from dmattn_bench.prune import load_space, precheck
+    from dmattn_bench.tuning.prune import load_space, precheck
 
     def verdict(config):
         return precheck("fwd", config, parse_arch("sm90"), 128, "bf16", "cuda")
@@ -577,49 +585,50 @@ def test_the_warp_specialized_space_prunes_a_persistent_launch_without_overlap_b
 
 def test_a_persistent_forward_plans_its_items_and_launches_a_cta_per_sm_over_their_schedule(monkeypatch):
     """The knobs travel in the plan: overlap alone launches the grid of items with WsParams,
-    persistent a CTA per SM (at most one per item) with the schedule in _PersistentWsParams."""
+    persistent a CTA per SM (at most one per item) with the schedule in PersistentWsParams."""
     built = []
-    monkeypatch.setattr(launch, "arch_of", lambda device: "sm90")
-    monkeypatch.setattr(launch, "_Launcher", lambda source, device, flags: built.append(flags))
+    monkeypatch.setattr(forward, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(forward, "Launcher", lambda source, device, flags: built.append(flags))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("SM", (), {"multi_processor_count": 3}))
-    launch._signature_launch.cache_clear()
-    launch._persistent_launch.cache_clear()
+    forward._signature_launch.cache_clear()
+    forward._persistent_launch.cache_clear()
     cpu = torch.device("cpu")
     q = ((2, 300, 4, 128), torch.empty(2, 300, 4, 128, device="meta").stride(), torch.bfloat16, cpu, 0)
     k = ((2, 300, 1, 128), torch.empty(2, 300, 1, 128, device="meta").stride(), torch.bfloat16, cpu, 0)
-    forward = launch._FwdParams()
+    forward_params = params.FwdParams()
     try:
-        overlap = launch._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, overlap=1))
+        overlap = forward._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, overlap=1))
         assert overlap.tiles == () and overlap.launch_grid(cpu) == ((8, 3), None) and built[-1][-1] == "-DFWD_OVERLAP=1"
-        assert type(overlap.ws_params(forward, None)) is launch._WsParams
-        plan = launch._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, 1, 1))
+        assert type(overlap.ws_params(forward_params, None)) is params.WsParams
+        plan = forward._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, 1, 1))
         assert built[-1][-2:] == ("-DFWD_OVERLAP=1", "-DFWD_PERSISTENT=1")
         assert plan.grid == plan.items == (8, 3) and plan.tiles == (1, 2, 3)  # 300 causal rows: 128, 256, 300 keys
         grid, schedule = plan.launch_grid(cpu)
         assert grid == (3, 1)
-        assert schedule.tolist() == launch.persistent_schedule((8, 3), plan.section_slices, [1, 2, 3], 3)
-        params = plan.ws_params(forward, schedule)
-        assert type(params) is launch._PersistentWsParams
-        assert (params.item_columns, params.item_rows, params.schedule) == (8, 3, schedule.data_ptr())
+        assert schedule.tolist() == forward.persistent_schedule((8, 3), plan.section_slices, [1, 2, 3], 3)
+        block = plan.ws_params(forward_params, schedule)
+        assert type(block) is params.PersistentWsParams
+        assert (block.item_columns, block.item_rows, block.schedule) == (8, 3, schedule.data_ptr())
     finally:
-        launch._signature_launch.cache_clear()
-        launch._persistent_launch.cache_clear()
+        forward._signature_launch.cache_clear()
+        forward._persistent_launch.cache_clear()
 
 
 @needs_nvcc
 def test_the_forward_s_knobs_build_for_sm90_and_take_their_parameter_blocks(cubin_cache):
     """Overlap alone keeps WsParams; persistent adds the work items and the schedule after the
-    section count (_PersistentWsParams), still one 1024-byte block."""
+    section count (PersistentWsParams), still one 1024-byte block."""
     config = FwdConfig(128, 128, 12, 2, overlap=1)
-    assert _parameter_sizes(build.build("fwd_ws", "sm90", _ws_flags(config))) == [ctypes.sizeof(launch._WsParams)]
+    assert _parameter_sizes(build.build("fwd_ws", "sm90", _ws_flags(config))) == [ctypes.sizeof(params.WsParams)]
     flags = _ws_flags(replace(config, persistent=1))
-    assert _parameter_sizes(build.build("fwd_ws", "sm90", flags)) == [ctypes.sizeof(launch._PersistentWsParams)] == [1024]
-    persistent, base = launch._PersistentWsParams, launch._WsParams.section_slices.offset
-    assert persistent.section_slices.offset == base and persistent.forward.offset == launch._WsParams.forward.offset
+    assert _parameter_sizes(build.build("fwd_ws", "sm90", flags)) == [ctypes.sizeof(params.PersistentWsParams)]
+    assert ctypes.sizeof(params.PersistentWsParams) == 1024
+    persistent, base = params.PersistentWsParams, params.WsParams.section_slices.offset
+    assert persistent.section_slices.offset == base and persistent.forward.offset == params.WsParams.forward.offset
     assert (persistent.item_columns.offset, persistent.item_rows.offset, persistent.schedule.offset) == (
         base + 4, base + 8, base + 16)
     # three consumers, a full mask and an fp32 bias read from global memory, softcap
     for knobs in (dict(overlap=1), dict(overlap=1, persistent=1)):
-        build.build("fwd_ws", "sm90", launch.variant(FwdConfig(192, 64, 16, 2, **knobs), 128, torch.float16,
-                                                     torch.float32, arch="sm90", is_causal=False, has_mask=True,
-                                                     softcap=30.0))
+        build.build("fwd_ws", "sm90", variants.variant(FwdConfig(192, 64, 16, 2, **knobs), 128, torch.float16,
+                                                       torch.float32, arch="sm90", is_causal=False, has_mask=True,
+                                                       softcap=30.0))

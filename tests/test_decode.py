@@ -5,12 +5,12 @@ per-sequence cache lengths over NaN-filled cache tails, dead rows), and the entr
 import pytest
 import torch
 
-from dmattn_bench import flash_dmattn_func, plan
-from dmattn_bench.adversarial import paged_cache
+from dmattn_bench import flash_dmattn_func, plan, tiles
 from dmattn_bench.reference import attention
 from dmattn_bench.registry import interpreter_enabled
 from dmattn_bench.space import DecodeConfig
-from dmattn_bench.validator import compare
+from dmattn_bench.tuning.adversarial import paged_cache
+from dmattn_bench.tuning.validator import compare
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="the CPU tier runs the kernels in the interpreter")
 
@@ -92,7 +92,7 @@ def test_the_calls_decode_without_gradient_and_split_the_keys(monkeypatch):
 def test_a_forced_split_count_gives_the_same_result_within_the_bound(monkeypatch):
     q, k, v, mask, bias, seqlens = _case(3, 2, 2, 8, 2, 150, 32, F32, "kv_head", "per_key", [150, 9])
     for splits in (1, 3, 10):
-        monkeypatch.setattr(plan, "decode_config", lambda head_dim, device, splits=splits: DecodeConfig(16, 1, 1, splits))
+        monkeypatch.setattr(tiles, "decode_config", lambda head_dim, device, splits=splits: DecodeConfig(16, 1, 1, splits))
         plan.clear()
         _check(q, k, v, mask, bias, seqlens, is_causal=True)
 
@@ -141,7 +141,7 @@ def test_each_split_reads_only_the_span_a_padding_mask_keeps(monkeypatch, span_p
     mask = mask.view(batch, 1, 1, seqlen_k)
     seqlens = torch.tensor([150, 141, 150], dtype=torch.int32)
     for splits in (1, 4, 10):
-        monkeypatch.setattr(plan, "decode_config", lambda head_dim, device, splits=splits: DecodeConfig(16, 1, 1, splits))
+        monkeypatch.setattr(tiles, "decode_config", lambda head_dim, device, splits=splits: DecodeConfig(16, 1, 1, splits))
         plan.clear()
         for lengths in (None, seqlens):
             _check(q, k, v, mask, None, lengths, cache=cache)
@@ -315,7 +315,7 @@ def test_the_verify_suite_runs_the_span_pass_on_a_window_of_a_long_cache():
     a cache at least MASK_SPAN_MIN_KEYS long, and that case matches the reference."""
     from dataclasses import replace
 
-    from dmattn_bench.adversarial import _cache_cases, build_inputs
+    from dmattn_bench.tuning.adversarial import _cache_cases, build_inputs
     from dmattn_kernels.triton import decode_launch
 
     long_cases = [case for case in _cache_cases()

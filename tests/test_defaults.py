@@ -4,10 +4,11 @@ from pathlib import Path
 
 import yaml
 
-from dmattn_bench import defaults
+from dmattn_bench import tiles
 from dmattn_bench.dispatch import load_table
-from dmattn_bench.registry import GPU_DEFAULTS, INTERPRETER_DEFAULT, default_entries_for
 from dmattn_bench.space import BwdConfig, FwdConfig
+from dmattn_bench.tiles import GPU_DEFAULTS, INTERPRETER_DEFAULT, default_entries_for
+from dmattn_bench.tuning import learn_defaults
 
 ROOT = Path(__file__).parents[1]
 
@@ -23,7 +24,7 @@ def test_the_lowest_geomean_regret_among_qualified_configs_on_every_shape_wins()
         ("j", "b"): {_items(fast): 2.0, _items(steady): 1.2, _items(unqualified): 1.0},
     }}
     qualified = {("fwd", _items(c)) for c in (fast, steady, partial)}
-    (learned,) = defaults.learn(times, qualified).values()
+    (learned,) = learn_defaults.learn(times, qualified).values()
     # fast: regrets 2.0 and 2.0 (geomean 2.0); steady: 2.2 and 1.2 (geomean 1.62); `unqualified` is
     # faster but never passed the suite; `partial` was not timed on every shape
     assert learned.config == steady
@@ -34,20 +35,20 @@ def test_every_learned_default_is_an_entry_of_a_validated_table_it_names():
     """A learned config is an entry of a validated shipped table that `configs/defaults.yaml`
     names (tests/test_shipped_tables.py checks those are validated on the current kernel
     sources), in its own direction. The journals it names are the learner's input alone: no test
-    reads them (`python benchmarks/learn_defaults.py --journal ...` writes the file again)."""
-    document = yaml.safe_load(defaults.DEFAULTS_FILE.read_text())
+    reads them (`python -m benchmarks learn-defaults --journal ...` writes the file again)."""
+    document = yaml.safe_load(tiles.DEFAULTS_FILE.read_text())
     assert document["journals"] and all(name.startswith("results/") for name in document["journals"])
     tables = [ROOT / name for name in document["validated_tables"]]
     assert tables and all(path.parent == ROOT / "results" / "tables" for path in tables)
     validated = {(entry.key.direction, _items(entry.config)) for path in tables for entry in load_table(path).entries}
-    learned = defaults.learned_defaults()
+    learned = tiles.learned_defaults()
     assert learned
     for (backend, arch, direction, dtype, high, bias_rows), config in learned.items():
         assert (direction, _items(config)) in validated, (backend, arch, direction, dtype, high, bias_rows)
 
 
 def test_learned_defaults_apply_to_their_arch_and_dtype_only():
-    learned = defaults.learned_defaults()
+    learned = tiles.learned_defaults()
     heuristic = {high: (fwd, bwd) for high, fwd, bwd in GPU_DEFAULTS}
     for bias_rows in (False, True):
         for low, high, fwd, bwd in default_entries_for("sm90", "triton", "bf16", bias_rows=bias_rows):
@@ -68,7 +69,7 @@ def test_a_bias_with_rows_has_defaults_of_its_own():
 
     assert [bias_has_rows(k) for k in ("none", "per_key", "per_key+grad", "kv_head", "full+grad", "shared")] == \
         [False, False, False, True, True, True]
-    learned = defaults.learned_defaults()
+    learned = tiles.learned_defaults()
     differing = sorted(key[:5] for key, config in learned.items() if key[5] and config != learned.get((*key[:5], False)))
     assert differing, "a split that never changes a config would be noise"
     backend, arch, direction, dtype, high = differing[0]
@@ -77,12 +78,12 @@ def test_a_bias_with_rows_has_defaults_of_its_own():
 
 
 def test_every_caller_that_knows_the_key_asks_for_the_default_of_its_bias(monkeypatch):
-    """The tuner's default candidate, the dispatcher's default, a forced backend's plan and the
-    verify pairing of a table entry all ask `default_configs` with the key's bias kind."""
-    from dmattn_bench import plan, tuner, validator
-    from dmattn_bench.dispatch import lookup
+    """The tuner's default candidate, the default choice, a forced backend's plan and the verify
+    pairing of a table entry all ask `default_configs` with the key's bias kind."""
+    from dmattn_bench import plan
     from dmattn_bench.dispatch.table import Entry
-    from dmattn_bench.workloads import Workload
+    from dmattn_bench.tuning import tuner, validator
+    from dmattn_bench.tuning.workloads import Workload
 
     asked = []
 
@@ -90,13 +91,13 @@ def test_every_caller_that_knows_the_key_asks_for_the_default_of_its_bias(monkey
         asked.append(bias)
         return FwdConfig(64, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2)
 
-    for module in (tuner, lookup, plan, validator):
+    for module in (tuner, tiles, validator):
         monkeypatch.setattr(module, "default_configs", spy)
     workload = Workload(1, 8, 2, 256, 256, 64, False, "kv_head", "kv_head", True, "bf16")
     key = workload.key("bwd")
     assert key.bias == "kv_head+grad"
     tuner.candidate_list("bwd", [], workload, "cpu")
-    lookup.Dispatcher._default(key, "cpu")
-    plan._choose(key, "cpu", 64, "triton", None, None, None)
+    tiles.default_choice(key, "cpu")
+    plan._choose(key, "cpu", "triton", None, None, None)
     validator.plan_table_entries([Entry(key, "triton", BwdConfig(32, 64, 64, 64, 4, 2), {})], "bf16", "cpu", "quick")
     assert asked == [key.bias] * 4

@@ -10,14 +10,16 @@ from click.testing import CliRunner
 
 from dmattn_bench.cli.show import show
 from dmattn_bench.dispatch import lookup
-from dmattn_bench.dispatch.lookup import DispatchWarning, choose, clear_cache, use_table
+from dmattn_bench.dispatch.lookup import DispatchWarning, clear_cache, use_table
 from dmattn_bench.dispatch.stamps import entry_status, stamp_of
 from dmattn_bench.dispatch.table import (LEGACY_PREFIX, MAX_TABLE_BYTES, SCHEMA_VERSION, Entry, TableError, Timing,
                                          Validation, load_table, table_from_dict)
-from dmattn_bench.dispatch.writer import dump_table, new_table, table_to_dict
 from dmattn_bench.hardware import CPU_FINGERPRINT, DeviceFingerprint, device_fingerprint
-from dmattn_bench.registry import default_configs, kernel_source_hash
+from dmattn_bench.registry import kernel_source_hash
 from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
+from dmattn_bench.tiles import choose
+from dmattn_bench.tiles import default_configs
+from dmattn_bench.tuning.table_writer import dump_table, new_table, table_to_dict
 
 H200 = DeviceFingerprint("NVIDIA H200", "9.0", 132, 232448)
 TUNED_FWD = FwdConfig(32, 32, 2, 1)  # differs from the CPU default, so a table hit is visible
@@ -513,7 +515,7 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     # drop every entry of another: those keys fall back to the defaults
     from dataclasses import asdict
 
-    from dmattn_bench.workloads import load_workloads
+    from dmattn_bench.tuning.workloads import load_workloads
 
     grid = {tuple(sorted(asdict(w.key(d)).items())) for w in load_workloads(workloads) for d in ("fwd", "bwd")}
     in_grid = [e for e in shipped["entries"] if tuple(sorted(e["key"].items())) in grid]

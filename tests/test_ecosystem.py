@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmattn_bench import dispatch, flash_dmattn_func
-from dmattn_bench.dispatch import writer
+from dmattn_bench import dispatch, flash_dmattn_func, tiles
 from dmattn_bench.hardware import CPU_FINGERPRINT
 from dmattn_bench.space import FwdConfig, TableKey
+from dmattn_bench.tuning import table_writer as writer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
@@ -109,7 +109,7 @@ def test_readme_tune_example_selects_the_table(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     try:
         exec(compile(readme_example("tune"), "README.md:tune", "exec"), {})
-        assert dispatch.choose(key, "cpu").config == chosen
+        assert tiles.choose(key, "cpu").config == chosen
     finally:
         dispatch.use_table(None)
 

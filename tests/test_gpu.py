@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from dmattn_bench import flash_dmattn_func
-from dmattn_bench.adversarial import Case, adversarial_cases, build_inputs
+from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
-from dmattn_bench.registry import default_configs, get_backend
-from dmattn_bench.validator import check_case, compare, config_tiles, run_kernel, run_reference, validate
+from dmattn_bench.tiles import default_configs
+from dmattn_bench.tuning.adversarial import Case, adversarial_cases, build_inputs
+from dmattn_bench.tuning.validator import check_case, compare, config_tiles, run_kernel, run_reference, validate
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +60,7 @@ def test_full_suite(dtype, config, record_property):
     assert all(ratio <= 1.0 for ratio in result.worst_ratios().values())
 
 
-# CUDA configs whose kernels run wgmma on SM90 (launch.uses_wgmma) where the head dim pads to a
+# CUDA configs whose kernels run wgmma on SM90 (`dmattn_kernels.cuda.uses_wgmma`) where the head dim pads to a
 # multiple of 64; most suite cases use head dim 32, which runs mma.sync.
 WGMMA_PAIRS = {
     "fwd128x128w8-bwd64x128": (FwdConfig(128, 128, 8, 2), BwdConfig(64, 128, 128, 64, 8, 2)),
@@ -72,7 +73,7 @@ WGMMA_PAIRS = {
 def test_full_suite_at_the_head_dims_wgmma_runs(dtype, pair, record_property):
     """Every case of the full suite again at head dims 64, 120 (padded to 128) and 128, where the
     SM90 kernels run wgmma."""
-    from dmattn_kernels.cuda.launch import arch_of, uses_wgmma
+    from dmattn_kernels.cuda import arch_of, uses_wgmma
 
     fwd, bwd = WGMMA_PAIRS[pair]
     if not uses_wgmma(fwd, 128, arch_of(torch.device("cuda"))):
@@ -88,7 +89,7 @@ def test_full_suite_at_the_head_dims_wgmma_runs(dtype, pair, record_property):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_the_wgmma_forward_at_the_widest_head_dims(dtype, record_property):
     """The forward alone (the backward keeps mma.sync above 128) at head dims 184, 192 and 256."""
-    from dmattn_kernels.cuda.launch import arch_of, uses_wgmma
+    from dmattn_kernels.cuda import arch_of, uses_wgmma
 
     fwd = FwdConfig(128, 64, 8, 2)
     if not uses_wgmma(fwd, 256, arch_of(torch.device("cuda"))):
@@ -120,7 +121,7 @@ def test_the_warp_specialized_forward_passes_the_full_suite(dtype, config, recor
     bias's rows start on 16-byte boundaries, so TMA stages them (tiles of rows, or one row of keys
     for a padding mask or per-key bias); at the suite's own odd lengths they are read from global
     memory."""
-    from dmattn_kernels.cuda.launch import arch_of, warp_specialized
+    from dmattn_kernels.cuda import arch_of, warp_specialized
 
     fwd = WS_CONFIGS[config]
     if not warp_specialized(fwd, 128, arch_of(torch.device("cuda"))):
@@ -170,7 +171,7 @@ def test_wrapper_doge_gqa_shape(dtype, backend):
 def test_long_rows_with_a_large_row_max(backend):
     """512 key tiles of 64 under a bias near -1e4: an online-softmax rescale that is not exactly
     1 while the row max holds compounds over the tiles (a CUDA forward once drifted 4.8% in out
-    here: benchmarks/cuda/long_row_check.py)."""
+    here: `python -m benchmarks cuda-long-row-check`)."""
     case = Case("long_rows_large_max", heads=2, heads_kv=2, seqlen_q=128, seqlen_k=32768, head_dim=128,
                 bias="full", bias_grad=False)
     inputs = build_inputs(case, torch.bfloat16, "cuda", seed=5)
@@ -200,12 +201,13 @@ def test_later_calls_through_the_compiled_launchers_repeat_the_first_bitwise(mon
     first call's bitwise, and the later backward runs took the path they should."""
     from dmattn_bench import plan
     from dmattn_kernels.runtime import native
-    from dmattn_kernels.triton import launch
+    from dmattn_kernels.triton import launching
 
     plan.clear()  # the first call below builds the plan and runs it through the JIT
     by_address = []
-    pointers = launch._Workspace.pointers
-    monkeypatch.setattr(launch._Workspace, "pointers", lambda self, buffer: by_address.append(1) or pointers(self, buffer))
+    pointers = launching.Workspace.pointers
+    monkeypatch.setattr(launching.Workspace, "pointers",
+                        lambda self, buffer: by_address.append(1) or pointers(self, buffer))
     case = Case("repeat", batch=2, heads=8, heads_kv=heads_kv, seqlen_q=300, seqlen_k=300, head_dim=64, causal=True,
                 mask="random" if mask_shape else "none", mask_shape=mask_shape or "kv_head", bias=bias or "none")
     inputs = build_inputs(case, torch.bfloat16, "cuda", seed=5)
@@ -232,17 +234,17 @@ def test_key_views_the_copy_engine_cannot_take_fall_back_to_pointer_loads():
     """On sm90 the forward loads K/V through TMA descriptors, which need 16-byte strides; a view
     whose head stride is 132 bf16 (264 B) takes pointer loads and gives the same result as its
     contiguous copy, which takes descriptors."""
-    from dmattn_kernels.triton import launch
+    from dmattn_kernels.triton import forward, launch
 
-    if torch.cuda.get_device_capability()[0] not in launch.TMA_ARCH_MAJORS:
+    if torch.cuda.get_device_capability()[0] not in forward.TMA_ARCH_MAJORS:
         pytest.skip("no GPU of an arch that loads K/V by TMA")
     generator = torch.Generator(device="cuda").manual_seed(11)
     q = torch.randn(2, 200, 4, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
     wide = torch.randn(2, 200, 2, 2, 132, device="cuda", dtype=torch.bfloat16, generator=generator)
     k, v = wide[:, :, 0, :, :128], wide[:, :, 1, :, :128]
-    assert not launch.kv_by_tma(k, v)
-    assert launch.kv_by_tma(k.contiguous(), v.contiguous())
-    assert not launch.kv_by_tma(k[:, :1].contiguous(), v[:, :1].contiguous())  # Lk = 1 (`kv_by_tma` says why)
+    assert not forward.kv_by_tma(k, v)
+    assert forward.kv_by_tma(k.contiguous(), v.contiguous())
+    assert not forward.kv_by_tma(k[:, :1].contiguous(), v[:, :1].contiguous())  # Lk = 1 (`kv_by_tma` says why)
     results = []
     for keys, values in ((k, v), (k.contiguous(), v.contiguous())):
         out = torch.empty_like(q)
@@ -254,13 +256,38 @@ def test_key_views_the_copy_engine_cannot_take_fall_back_to_pointer_loads():
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32], ids=["bf16-bias", "fp32-bias"])
+def test_a_forward_plans_shared_bytes_are_those_of_the_kernel_it_runs(bias_dtype):
+    """`ForwardPlan.shared_bytes` compiles the forward on stand-ins of the call's tensors (their
+    dtypes and 16-byte alignment): the kernel the plan's run compiles, a 2-D mask off the 16-byte
+    grid and a 3-D bias given as they are."""
+    from dmattn_kernels.triton import launch
+    from dmattn_kernels.triton.forward import ForwardPlan
+
+    generator = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = (torch.randn(2, 200, 4, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+               for _ in range(3))
+    mask = (torch.rand(200, 201, device="cuda", generator=generator) > 0.3)[:, 1:]
+    bias = torch.randn(4, 1, 200, device="cuda", generator=generator).to(bias_dtype)
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 200, device="cuda")
+    options = dict(is_causal=True, softmax_scale=128 ** -0.5, softcap=0.0, config=FwdConfig(64, 64, 4, 2))
+    plan = ForwardPlan(q, k, v, mask, bias, out=out, lse=lse, **options)
+    shared = plan.shared_bytes()
+    plan(q, k, v, mask, bias, out, lse)
+    compiled = getattr(plan.forward.launcher, "compiled", None)  # what the run's JIT returned
+    if compiled is None:
+        pytest.skip("this Triton's launcher is not one `handles.direct_launch` knows")
+    assert shared == compiled.metadata.shared > 0
+    assert launch.forward_shared_bytes(q, k, v, mask, bias, **options) == shared
+
+
 def test_timing_measures_gpu_time_not_the_hosts():
     """A call whose host work (2 ms of sleep before one small kernel) dwarfs its GPU work is timed
     at its GPU time: the spin ahead of each repeat lets the host enqueue it in time (`timing.py`).
     The eager wall time per call, which has no spin, includes the host's 2 ms."""
     import time
 
-    from dmattn_bench.timing import eager_wall_ms, time_kernel
+    from dmattn_bench.bench.timing import eager_wall_ms, time_kernel
 
     x = torch.ones(1 << 20, device="cuda")
 
@@ -312,7 +339,7 @@ def test_paged_decode_with_pages_outside_the_cache_excludes_them(dtype):
     between two NaN blocks) exclude their keys; every call, through the JIT, the Python launch and
     the native entry, is finite, equal to the reference by DESIGN §2 and to the first bitwise
     (B4 H32 Hkv8 D128, pages of 64 keys, 4096 keys a sequence, cache lengths)."""
-    from dmattn_bench.adversarial import paged_cache
+    from dmattn_bench.tuning.adversarial import paged_cache
     from dmattn_bench.reference import attention
 
     batch, heads, heads_kv, seqlen_k, head_dim = 4, 32, 8, 4096, 128
@@ -372,8 +399,7 @@ def test_the_eager_entry_serves_a_repeated_call_until_its_plan_would_change(monk
     are checked every call), a gradient, explicit configs, watched launches, another dispatch
     state (a table chosen in the process or named by the environment)."""
     from dmattn_bench import dispatch, entry, plan
-    from dmattn_kernels.runtime import native
-    from dmattn_kernels.triton import launch
+    from dmattn_kernels.runtime import launch_context, native
 
     if native.module() is None:
         pytest.fail("the native launch path did not build")
@@ -389,7 +415,7 @@ def test_the_eager_entry_serves_a_repeated_call_until_its_plan_would_change(monk
         return flash_dmattn_func(q, k, v, options.pop("mask", mask), bias, is_causal=True, return_lse=True, **options)
 
     with monkeypatch.context() as watched:  # the Python path, launches watched: the reference bits
-        watched.setattr(launch, "LAUNCH_OBSERVERS", [lambda name: None])
+        watched.setattr(launch_context, "LAUNCH_OBSERVERS", [lambda name: None])
         expected = call()
     served.clear()
     results = [call() for _ in range(3)]  # Python (learns), then the entry
@@ -403,7 +429,7 @@ def test_the_eager_entry_serves_a_repeated_call_until_its_plan_would_change(monk
 
     leaf = v.detach().requires_grad_()
     with monkeypatch.context() as watched:
-        watched.setattr(launch, "LAUNCH_OBSERVERS", [lambda name: None])
+        watched.setattr(launch_context, "LAUNCH_OBSERVERS", [lambda name: None])
         watched_calls = served_calls(call)
     declined = {
         "integer mask": served_calls(lambda: [call(mask=mask.to(torch.uint8)) for _ in range(2)]),
@@ -486,9 +512,9 @@ def _pin_backends(monkeypatch, fwd: str, bwd: str) -> None:
 
     choose = plan._choose
 
-    def pinned(key, device, head_dim, backend, table, explicit, env):
+    def pinned(key, device, backend, table, explicit, env):
         named = {"fwd": fwd, "bwd": bwd}.get(key.direction, backend)
-        return choose(key, device, head_dim, named, table, explicit, env)
+        return choose(key, device, named, table, explicit, env)
 
     monkeypatch.setattr(plan, "_choose", pinned)
 
@@ -500,7 +526,7 @@ def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch,
     the same bits, and so do copies at new addresses (new K/V addresses: TMA descriptors encoded
     again). After the CUDA forward, which leaves no tile activity, the Triton backward's program
     runs the activity pass itself."""
-    from dmattn_bench.adversarial import paged_cache
+    from dmattn_bench.tuning.adversarial import paged_cache
 
     native_runs, served = _counted_native_runs(monkeypatch)
     if call.startswith("mask-bias-grad"):
@@ -553,7 +579,7 @@ def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch,
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-# CUDA forwards through their native program (`dmattn_kernels.cuda.launch.ForwardPlan`): the
+# CUDA forwards through their native program (`dmattn_kernels.cuda.ForwardPlan`): the
 # warp-specialized forward with staged tiles of mask and bias rows or of one row of keys (its
 # tensor maps filled per call) and with no operand on the backend's default tiles (through the
 # eager entry), and flash_fwd.cu with a mask and a bias read from global memory.
@@ -569,7 +595,7 @@ def test_the_cuda_forward_s_native_program_repeats_its_python_launch_bitwise(mon
     its program), then runs as one native call: through the plan with explicit tiles, through the
     eager entry without. The same bits on the same inputs and on copies at new addresses (the
     warp-specialized forward's tensor maps encoded again), on masks and biases of rows or of keys."""
-    from dmattn_kernels.cuda.launch import arch_of, warp_specialized
+    from dmattn_kernels.cuda import arch_of, warp_specialized
 
     config, head_dim, operands = CUDA_NATIVE_CALLS[call]
     if call.startswith("ws") and not warp_specialized(FwdConfig(128, 128, 12, 2), head_dim,
@@ -641,7 +667,7 @@ def test_the_warp_specialized_kernels_write_every_slice_in_any_section_order(mon
     """Sections of the launch order (common.cuh: section_order) move CTAs, not arithmetic: with
     6 head slices in sections of 4 (the last short), the forward and backward write every output,
     bitwise as in one section of all 6."""
-    from dmattn_kernels.cuda import launch
+    from dmattn_kernels.cuda import forward
 
     cuda = get_backend("cuda")
     batch, seqlen, heads, head_dim = 3, 384, 2, 128
@@ -649,8 +675,8 @@ def test_the_warp_specialized_kernels_write_every_slice_in_any_section_order(mon
     kv_bytes, reread_bytes = 2 * seqlen * head_dim * 2, seqlen * head_dim * (2 * 2 + 4)  # launch's per slice
 
     def run(budget: int) -> dict[str, torch.Tensor]:
-        monkeypatch.setattr(launch, "L2_SECTION_BYTES", budget)
-        launch._signature_launch.cache_clear()
+        monkeypatch.setattr(forward, "L2_SECTION_BYTES", budget)
+        forward._signature_launch.cache_clear()
         nan = dict(fill_value=float("nan"))
         out, lse = torch.full_like(q, **nan), torch.full((batch, heads, seqlen), device="cuda", **nan)
         cuda.forward(q, k, v, mask, bias, config=FwdConfig(128, 128, 12, 2), out=out, lse=lse, **options)
@@ -661,8 +687,8 @@ def test_the_warp_specialized_kernels_write_every_slice_in_any_section_order(mon
         torch.cuda.synchronize()
         return dict(out=out, lse=lse, **grads)
 
-    assert launch.section_slices(batch * heads, kv_bytes) == 6  # L2_SECTION_BYTES: one section
-    one_section = run(launch.L2_SECTION_BYTES)
+    assert forward.section_slices(batch * heads, kv_bytes) == 6  # L2_SECTION_BYTES: one section
+    one_section = run(forward.L2_SECTION_BYTES)
     # forward in sections of 4 and 2, backward of 2; then the backward in sections of 4 and 2
     for budget in (4 * kv_bytes, 4 * reread_bytes):
         in_sections = run(budget)

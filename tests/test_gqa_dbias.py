@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dmattn_kernels.triton import launch
+from dmattn_kernels.triton import backward, launch
 from dmattn_kernels.triton.activity import CELL
 
-from dmattn_bench.adversarial import Case, Inputs
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
-from dmattn_bench.validator import CHECKED, compare, run_kernel, run_reference
+from dmattn_bench.tuning.adversarial import Case, Inputs
+from dmattn_bench.tuning.validator import CHECKED, compare, run_kernel, run_reference
 
 F16, F32 = torch.float16, torch.float32
 SMALL = FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1)
@@ -115,7 +115,7 @@ def _backward(bias_shape, mask_heads, monkeypatch, batch=1, heads=4, heads_kv=2)
 
     launches, allocations = [], []
     with monkeypatch.context() as patch:
-        patch.setattr(launch, "flash_bwd_dkdv_kernel", _LaunchSpy(launch.flash_bwd_dkdv_kernel, launches))
+        patch.setattr(backward, "flash_bwd_dkdv_kernel", _LaunchSpy(backward.flash_bwd_dkdv_kernel, launches))
         for name in ("zeros", "empty", "full"):
             original = getattr(torch, name)
 

@@ -4,10 +4,9 @@ smaller key tiles when an fp32 bias does not fit a config tuned on a 16-bit one.
 import pytest
 import torch
 
-from dmattn_bench import plan
-from dmattn_bench.registry import get_backend
+from dmattn_bench import tiles
 from dmattn_bench.space import BwdConfig, FwdConfig
-from dmattn_kernels.triton import launch, layouts
+from dmattn_kernels.triton import launch, layouts, schedule
 
 
 def _inputs(seed: int, dtype=torch.float32):
@@ -28,7 +27,7 @@ def test_backward_with_the_forwards_activity_is_bitwise_the_same():
     activity = torch.full(layouts.activity_shape(mask.shape, 48, 48), 7, dtype=torch.int8)  # poisoned first
     launch.attention_forward(q, k, v, mask, bias, config=FwdConfig(16, 16, 4, 1), out=out, lse=lse,
                              activity=activity, **options)
-    assert torch.equal(activity, launch.tile_activity(mask, 48, 48, True))
+    assert torch.equal(activity, schedule.tile_activity(mask, 48, 48, True))
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
     grads = []
     for reuse in (None, activity):
@@ -42,19 +41,24 @@ def test_backward_with_the_forwards_activity_is_bitwise_the_same():
 
 
 @pytest.mark.parametrize("bias_dtype, expected", [(torch.float32, 32), (torch.float16, 128)])
-def test_fp32_bias_forward_halves_key_tiles_until_it_fits(monkeypatch, bias_dtype, expected):
-    """Where configs are chosen (`plan.fitting_config`): a 16-bit call with an fp32 bias whose
-    forward needs more shared memory than the GPU has runs with its key tiles halved until it
-    fits; a 16-bit bias runs the config as tuned."""
-    q, k, v, mask, bias = _inputs(2, torch.float16)
-    needed = []
+def test_fp32_bias_forward_halves_key_tiles_until_it_fits(bias_dtype, expected):
+    """Where configs are fitted (`tiles.fit_forward`): a 16-bit call with an fp32 bias whose
+    forward plan needs more shared memory than the GPU has runs with its key tiles halved until
+    it fits, on the plan that fits (none built twice); a 16-bit bias runs the config as tuned."""
+    built = []
 
-    def shared_bytes(*_, config, **__):  # stands in for compiling: 1 KiB per key of the tile
-        needed.append(config.block_n)
-        return config.block_n * 1024
+    class Plan:  # stands in for the launcher's plan: 1 KiB of shared memory per key of the tile
+        def __init__(self, config):
+            self.config = config
+            built.append(config.block_n)
 
-    monkeypatch.setattr(launch, "forward_shared_bytes", shared_bytes)
-    chosen = plan.fitting_config(get_backend("triton"), FwdConfig(16, 128, 4, 2), q, k, v, mask, bias.to(bias_dtype),
-                                 is_causal=True, softmax_scale=1.0, softcap=0.0, shared_memory_limit=32 * 1024)
-    assert chosen == FwdConfig(16, expected, 4, 2)
-    assert needed == ([128, 64, 32] if bias_dtype == torch.float32 else [])
+        def shared_bytes(self):
+            return self.config.block_n * 1024
+
+    chosen, plan = tiles.fit_forward("triton", FwdConfig(16, 128, 4, 2), Plan, q_dtype=torch.float16,
+                                     bias_dtype=bias_dtype, shared_memory_limit=32 * 1024)
+    assert chosen == FwdConfig(16, expected, 4, 2) and plan.config == chosen
+    assert built == ([128, 64, 32] if bias_dtype == torch.float32 else [128])
+    _, interpreted = tiles.fit_forward("triton", FwdConfig(16, 128, 4, 2), Plan, q_dtype=torch.float16,
+                                       bias_dtype=torch.float32, shared_memory_limit=None)
+    assert interpreted.config.block_n == 128  # no limit to fit (the interpreter)

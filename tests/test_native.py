@@ -107,7 +107,7 @@ def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(modul
     addresses, its allocations' and (warp-specialized) its tensor maps: the bytes the Python
     launch builds field by field; a persistent launch's (FwdConfig.persistent) with its work
     items and schedule."""
-    from dmattn_kernels.cuda import launch as cuda
+    from dmattn_kernels.cuda import forward, params
 
     q = torch.randn(2, 40, 4, 64, dtype=torch.float16)
     k, v = torch.randn(2, 48, 2, 64, dtype=torch.float16), torch.randn(2, 48, 2, 64, dtype=torch.float16)
@@ -115,11 +115,11 @@ def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(modul
     bias = torch.randn(2, 1, 1, 48, dtype=torch.float16) if operands != "none" else None
     # two of the maps a warp-specialized launch takes (fields and operands as `_forward_launch`'s)
     maps = (("q_map", 0, (3, 1, 2, 0), 128, 128, 128), ("mask_map", 3, (3, 2, 1, 0), 128, 64, 64)) if mask is not None else ()
-    layouts = tuple(cuda._layout(t) for t in (q, k, v, mask, bias, torch.empty_like(q)))
+    layouts = tuple(forward._layout(t) for t in (q, k, v, mask, bias, torch.empty_like(q)))
     persistent = operands.endswith("persistent")
     schedule = torch.zeros(3, dtype=torch.int32) if persistent else None  # the template holds its address
-    plan = cuda._ForwardLaunch(None, b"", (8, 2), 4096, maps, 6, (8, 2), (1, 1) if persistent else ())
-    template, pointers, descriptors = cuda._native_parameters(layouts, 0.125, 0.0, (160, 40, 1), plan, schedule)
+    plan = forward._ForwardLaunch(None, b"", (8, 2), 4096, maps, 6, (8, 2), (1, 1) if persistent else ())
+    template, pointers, descriptors = forward._native_parameters(layouts, 0.125, 0.0, (160, 40, 1), plan, schedule)
 
     def encode(inputs):  # a map per slot, told apart by its operand
         assert inputs[3] is mask
@@ -129,15 +129,15 @@ def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(modul
     handle = module.program(0, 5, [(tuple(q.shape), q.dtype), ((2, 4, 40), torch.float32)], [], [spec], [0, 1, -1])
     (out, lse, nothing), (filled,) = module.pack(handle, 0, q, k, v, mask, bias)
     assert nothing is None and out.shape == q.shape and lse.shape == (2, 4, 40)
-    built = cuda._FwdParams(cuda._inputs(q, k, v, mask, bias, 0.125, 0.0), out.data_ptr(), lse.data_ptr(),
-                            out.stride()[:3], lse.stride())
-    encoded = dict(q_map=cuda._TensorMap.from_buffer_copy(b"\x01" * 128),
-                   mask_map=cuda._TensorMap.from_buffer_copy(b"\x04" * 128))
+    built = params.FwdParams(params.inputs(q, k, v, mask, bias, 0.125, 0.0), out.data_ptr(), lse.data_ptr(),
+                             out.stride()[:3], lse.stride())
+    encoded = dict(q_map=params.TensorMap.from_buffer_copy(b"\x01" * 128),
+                   mask_map=params.TensorMap.from_buffer_copy(b"\x04" * 128))
     if persistent:
-        built = cuda._PersistentWsParams(forward=built, section_slices=6, item_columns=8, item_rows=2,
-                                         schedule=schedule.data_ptr(), **encoded)
+        built = params.PersistentWsParams(forward=built, section_slices=6, item_columns=8, item_rows=2,
+                                          schedule=schedule.data_ptr(), **encoded)
     elif mask is not None:
-        built = cuda._WsParams(forward=built, section_slices=6, **encoded)
+        built = params.WsParams(forward=built, section_slices=6, **encoded)
     assert filled == bytes(built)
 
 

@@ -6,9 +6,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-import dmattn_kernels.triton.launch as launch
-from dmattn_bench import dispatch, flash_dmattn_func, plan
+from dmattn_bench import dispatch, flash_dmattn_func, plan, tiles
 from dmattn_bench.registry import interpreter_enabled
+import dmattn_kernels.runtime.launch_context as launch_context
+import dmattn_kernels.triton.launch as launch
+import dmattn_kernels.triton.launching as launching
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="the CPU tier runs the kernels in the interpreter")
 
@@ -40,14 +42,14 @@ def counted(monkeypatch):
     """Runs a callable and returns (Triton kernels launched, allocations, other aten ops). The
     interpreter's own tensor traffic inside a kernel launch is not the call's, so it is hidden."""
     launched = []
-    monkeypatch.setattr(launch, "LAUNCH_OBSERVERS", [launched.append])
-    jit = launch._Launch._jit
+    monkeypatch.setattr(launch_context, "LAUNCH_OBSERVERS", [launched.append])
+    jit = launching.Launch._jit
 
     def quiet_jit(self, tensors):
         with _disable_current_modes():
             jit(self, tensors)
 
-    monkeypatch.setattr(launch._Launch, "_jit", quiet_jit)
+    monkeypatch.setattr(launching.Launch, "_jit", quiet_jit)
 
     def run(fn):
         launched.clear()
@@ -181,9 +183,9 @@ def test_decode_launches_and_allocations(counted, name, batch, heads_kv, mask, b
 
 def test_a_plan_is_built_once_per_signature_and_the_backward_chooses_nothing(monkeypatch):
     built, chosen = [], []
-    original_init, original_choose = plan.AttentionPlan.__init__, dispatch.choose
+    original_init, original_choose = plan.AttentionPlan.__init__, tiles.choose
     monkeypatch.setattr(plan.AttentionPlan, "__init__", lambda self, *a, **k: built.append(1) or original_init(self, *a, **k))
-    monkeypatch.setattr(plan.dispatch, "choose", lambda *a, **k: chosen.append(a[0].direction) or original_choose(*a, **k))
+    monkeypatch.setattr(plan.tiles, "choose", lambda *a, **k: chosen.append(a[0].direction) or original_choose(*a, **k))
     plan.clear()
     q, k, v, mask, bias = _inputs(2, mask="kv_head", bias="per_key", grad=True)
     for _ in range(3):
@@ -198,8 +200,8 @@ def test_a_plan_is_built_once_per_signature_and_the_backward_chooses_nothing(mon
 
 def test_use_table_makes_calls_choose_again(monkeypatch, tmp_path):
     chosen = []
-    original = dispatch.choose
-    monkeypatch.setattr(plan.dispatch, "choose", lambda *a, **k: chosen.append(1) or original(*a, **k))
+    original = tiles.choose
+    monkeypatch.setattr(plan.tiles, "choose", lambda *a, **k: chosen.append(1) or original(*a, **k))
     q, k, v, _, _ = _inputs(3)
     with torch.no_grad():
         flash_dmattn_func(q, k, v)

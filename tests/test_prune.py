@@ -15,10 +15,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from dmattn_bench import prune
 from dmattn_bench.cli.compile_check import compile_check
 from dmattn_bench.hardware import ARCH_LIMITS
-from dmattn_bench.prune import (
+from dmattn_bench.space import ARCH_FAMILIES, CONFIG_CLASSES, AttentionShape, BwdConfig, DecodeConfig, FwdConfig
+from dmattn_bench.tuning import prune
+from dmattn_bench.tuning.prune import (
     Candidate,
     check_space,
     compile_candidate,
@@ -26,7 +27,6 @@ from dmattn_bench.prune import (
     load_ci_space,
     load_space,
 )
-from dmattn_bench.space import ARCH_FAMILIES, CONFIG_CLASSES, BwdConfig, DecodeConfig, FwdConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_DIR = ROOT / "configs" / "space"
@@ -211,7 +211,7 @@ def _fake_compile_bias_sized(compiled_block_n: list):
 
 def test_an_fp32_bias_fits_a_forward_config_with_halved_key_tiles(monkeypatch):
     """The forward's fp32-bias specializations are checked at the key tiles the launcher falls
-    back to (`launch.fitting_forward_config`); the config's own tiles for everything else."""
+    back to (`dmattn_bench.tiles.fit_forward`); the config's own tiles for everything else."""
     import triton
 
     seen = []
@@ -232,3 +232,39 @@ def test_the_backward_has_no_fp32_bias_fallback(monkeypatch):
     monkeypatch.setattr(triton, "compile", _fake_compile_bias_sized([]))
     candidate = prune._compile_here("bwd", BwdConfig(32, 128, 64, 128, 4, 2), "sm90", 64, "bf16", None)
     assert candidate.status == "unsupported" and candidate.check == "shared", candidate.reason
+
+
+def test_the_tiles_prune_compiles_are_those_the_plans_give_their_kernels():
+    """`launch.tile_constexprs` (what prune compiles and `launch.kernel_keys` keys) against the
+    plans' own launches: the same tiles per kernel; the short-query forward's rows at most the
+    most it packs."""
+    import torch
+
+    from dmattn_kernels.triton.backward import BackwardPlan
+    from dmattn_kernels.triton.decode_launch import DecodePlan
+    from dmattn_kernels.triton.forward import ForwardPlan
+    from dmattn_kernels.triton.launch import KERNELS, kernel_keys, tile_constexprs
+
+    q, k = torch.zeros(1, 64, 4, 32), torch.zeros(1, 64, 2, 32)
+    mask, bias = torch.ones(1, 4, 64, 64, dtype=torch.bool), torch.zeros(1, 4, 64, 64)
+    options = dict(is_causal=True, softmax_scale=1.0, softcap=0.0)
+    lse = torch.zeros(1, 4, 64)
+    fwd, bwd, decode = FwdConfig(32, 64, 4, 2), BwdConfig(16, 32, 64, 16, 4, 1), DecodeConfig(32, 4, 2, 0)
+    forward = ForwardPlan(q, k, k, mask, bias, config=fwd, out=q, lse=lse, **options)
+    grads = dict(dq=q, dk=k, dv=k, dlse=None)
+    backward = BackwardPlan(q, q, k, k, q, lse, mask, bias, config=bwd, dbias=torch.zeros(1, 4, 64, 64), **grads,
+                            **options)  # dBias stored whole: the dQ from dS kernel
+    dq_plain = BackwardPlan(q, q, k, k, q, lse, mask, bias, config=bwd, dbias=None, **grads, **options)
+    short = DecodePlan(q[:, :2], k, k, mask[..., :2, :], None, None, None, config=decode, out=q[:, :2],
+                       lse=lse[..., :2], num_sms=4, **options)
+    launches = {launch.name: launch for launch in (forward.forward, *backward.launches, *dq_plain.launches,
+                                                   *short._launches())}
+    for direction, config in (("fwd", fwd), ("bwd", bwd), ("decode", decode)):
+        for name in KERNELS[direction]:
+            constexprs = launches[name].constexprs
+            for tile, value in tile_constexprs(name, config).items():
+                assert constexprs[tile] <= value if (name, tile) == ("flash_decode_kernel", "BLOCK_M") \
+                    else constexprs[tile] == value, (name, tile)
+    shape = AttentionShape(1, 64, 64, 4, 2, 32, is_causal=True, has_mask=True, has_bias=True)
+    assert [key[0] for key in kernel_keys("bwd", bwd, shape)] == ["tile_activity_kernel", "flash_bwd_preprocess_kernel",
+                                                                  *KERNELS["bwd"]]

@@ -290,10 +290,10 @@ def test_errors():
 
 
 def test_broadcast_dims_and_check_inputs():
-    assert broadcast_dims(torch.zeros(7), "attn_bias", 2, 4, 2, 5, 7) == (1, 1, 1, 7)
-    assert broadcast_dims(torch.zeros(2, 2, 1, 7), "attn_bias", 2, 4, 2, 5, 7) == (2, 2, 1, 7)
+    assert broadcast_dims((7,), "attn_bias", 2, 4, 2, 5, 7) == (1, 1, 1, 7)
+    assert broadcast_dims((2, 2, 1, 7), "attn_bias", 2, 4, 2, 5, 7) == (2, 2, 1, 7)
     with pytest.raises(ValueError, match="at most 4-D"):
-        broadcast_dims(torch.zeros(1, 1, 1, 1, 7), "attn_bias", 2, 4, 2, 5, 7)
+        broadcast_dims((1, 1, 1, 1, 7), "attn_bias", 2, 4, 2, 5, 7)
     q, k, v = _qkv(2, 4, 2, 5, 7, 8, grad=False)
     mask, bias = torch.ones(5, 7, dtype=torch.bool), torch.zeros(2, 1, 5, 1)
     assert check_inputs(q, k, v, mask, bias) is None

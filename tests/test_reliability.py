@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from dmattn_bench.dispatch import load_table
-from dmattn_bench.registry import default_configs
-from dmattn_bench.journal import Journal, JournalError, mark_finished, read_state
-from dmattn_bench.workers import MAX_WORKERS_PER_GPU, PoolStats, Worker, parallel_map, worker_count
+from dmattn_bench.tiles import default_configs
+from dmattn_bench.tuning.journal import Journal, JournalError, mark_finished, read_state
+from dmattn_bench.tuning.workers import MAX_WORKERS_PER_GPU, PoolStats, Worker, parallel_map, worker_count
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
@@ -217,7 +217,7 @@ def test_a_fresh_run_replaces_only_the_journal_of_a_completed_run(tmp_path):
 def _dump_many(path: str, block_m: int) -> None:
     """A writer process: dumps its own one-entry table 30 times."""
     from dmattn_bench.dispatch import Entry
-    from dmattn_bench.dispatch.writer import dump_table, new_table
+    from dmattn_bench.tuning.table_writer import dump_table, new_table
     from dmattn_bench.hardware import CPU_FINGERPRINT
     from dmattn_bench.space import FwdConfig, TableKey
 

@@ -18,13 +18,14 @@ from click.testing import CliRunner
 from dmattn_bench import registry
 from dmattn_bench.cli.verify import verify
 from dmattn_bench.dispatch import lookup
-from dmattn_bench.dispatch.lookup import DispatchWarning, choose, clear_cache
+from dmattn_bench.dispatch.lookup import DispatchWarning, clear_cache
 from dmattn_bench.dispatch.stamps import entry_status, stamp_of
 from dmattn_bench.dispatch.table import Entry, TableError, Timing, Validation, load_table
-from dmattn_bench.dispatch.writer import dump_table, new_table, restamp, table_to_dict
 from dmattn_bench.errors import ValidationFailed
 from dmattn_bench.hardware import CPU_FINGERPRINT, DeviceFingerprint
 from dmattn_bench.space import BwdConfig, FwdConfig, TableKey
+from dmattn_bench.tiles import choose
+from dmattn_bench.tuning.table_writer import dump_table, new_table, restamp, table_to_dict
 
 OLD_STAMP = "sha256:" + "0" * 32  # the code an entry was validated on before its kernels changed
 OLD_DATE = "2020-01-01T00:00:00+00:00"
@@ -236,7 +237,7 @@ def test_restamp_records_each_entry_on_its_own_stamp_and_clears_its_staleness(tm
 def _restamp_many(path: str, key: TableKey, stamp: str) -> None:
     """A writer process: restamps its own entry of the table 20 times."""
     from dmattn_bench.dispatch.table import load_table
-    from dmattn_bench.dispatch.writer import restamp
+    from dmattn_bench.tuning.table_writer import restamp
 
     (entry,) = [e for e in load_table(path).entries if e.key == key]
     for _ in range(20):

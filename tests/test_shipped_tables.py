@@ -113,8 +113,8 @@ def test_edits_that_change_no_compiled_code_stale_no_entry(tmp_path):
                                   "#if NEW_KNOB  // a knob the launcher leaves off\n"
                                   "__device__ int new_knob_helper() { return 1; }\n#endif\n")],
         # renamed host helpers
-        "cuda/launch.py": [("_check_rows", "_check_row_alignment")],
-        "triton/launch.py": [("_interpreted", "_in_the_interpreter")],
+        "cuda/forward.py": [("_meta_tensors", "_data_less_tensors")],
+        "triton/launching.py": [("_interpreted", "_in_the_interpreter")],
     }
     copy = _edited(tmp_path, edits)
     # moved code: a jit helper moved to the end of its file
@@ -136,7 +136,7 @@ def test_a_kernel_edit_stales_exactly_the_entries_whose_code_changed(tmp_path):
     """An edit inside the dK/dV kernel's dBias-rows branch stales the Triton backward entries
     with a learnable bias that has rows, and no other; one in the warp-specialized backward
     stales the CUDA backward entries that run it, and no other."""
-    from dmattn_kernels.cuda.launch import backward_warp_specialized
+    from dmattn_kernels.cuda import backward_warp_specialized
 
     copy = _edited(tmp_path, {
         "triton/flash_bwd.py": [("            zeros_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)",

@@ -1,4 +1,4 @@
-"""The forward's K/V loads through TMA descriptors (`launch.kv_by_tma`, used on sm90) against its
+"""The forward's K/V loads through TMA descriptors (`forward.kv_by_tma`, used on sm90) against its
 pointer loads: the same bits, on ragged shapes where the descriptor's zero fill does the
 bounds checks. The interpreter runs descriptor loads, so the CPU tier checks both paths; the
 GPU tier's full suite runs the descriptor path on a Hopper GPU.
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dmattn_bench.space import FwdConfig
-from dmattn_kernels.triton import handles, launch
+from dmattn_kernels.triton import forward, handles, launch
 
 CASES = {
     # name: (Lq, Lk, H, Hkv, D, causal, mask, bias)
@@ -43,10 +43,10 @@ def test_descriptor_loads_equal_pointer_loads(monkeypatch, case, dtype):
     built = []
     plan = launch.ForwardPlan
     monkeypatch.setattr(launch, "ForwardPlan", lambda *a, **k: built.append(plan(*a, **k)) or built[-1])
-    monkeypatch.setattr(launch, "kv_by_tma", lambda k, v: False)
+    monkeypatch.setattr(forward, "kv_by_tma", lambda k, v: False)
     launch.clear_plans()  # a plan keeps its load path: each variant needs its own
     out_ptr, lse_ptr = _forward(q, k, v, mask, bias, causal, config)
-    monkeypatch.setattr(launch, "kv_by_tma", lambda k, v: True)
+    monkeypatch.setattr(forward, "kv_by_tma", lambda k, v: True)
     launch.clear_plans()
     out_tma, lse_tma = _forward(q, k, v, mask, bias, causal, config)
     launch.clear_plans()
@@ -62,7 +62,7 @@ def test_descriptor_loads_equal_pointer_loads(monkeypatch, case, dtype):
 
 def test_cpu_tensors_take_pointer_loads():
     k = torch.zeros(1, 16, 1, 16, dtype=torch.float16)
-    assert launch.kv_by_tma(k, k) is False
+    assert forward.kv_by_tma(k, k) is False
 
 
 def test_descriptors_cover_the_whole_key_tensor():

@@ -14,18 +14,19 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from dmattn_bench import dispatch, flash_dmattn_func, plan
-from dmattn_bench.adversarial import build_inputs, paged_cache
+from dmattn_bench import dispatch, flash_dmattn_func, plan, tiles
 from dmattn_bench.cli.show import show
 from dmattn_bench.cli.tune import parse_duration, tune_command
 from dmattn_bench.cli.verify import verify
 from dmattn_bench.dispatch import DispatchWarning, Entry, TableError, Validation, load_table
-from dmattn_bench.dispatch.writer import dump_table, merged, new_table
 from dmattn_bench.hardware import CPU_FINGERPRINT
-from dmattn_bench.registry import default_configs, kernel_source_hash
+from dmattn_bench.registry import kernel_source_hash
 from dmattn_bench.space import (CONFIGS_DIR, DecodeConfig, FwdConfig, TableKey, as_4d, config_from_dict,
                                 config_label, seqlen_bucket)
-from dmattn_bench.workloads import load_workloads
+from dmattn_bench.tiles import default_configs
+from dmattn_bench.tuning.adversarial import build_inputs, paged_cache
+from dmattn_bench.tuning.table_writer import dump_table, merged, new_table
+from dmattn_bench.tuning.workloads import load_workloads
 
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
 
@@ -272,9 +273,9 @@ def test_a_budget_stopped_tune_records_what_it_left_unmeasured(tmp_path):
 def test_a_workload_whose_reference_does_not_fit_ends_its_trials_with_one_failure(tmp_path, monkeypatch):
     """When a workload's inputs and references cannot be built (an L16384 H16 reference needs
     more than an H100's memory), its trials end with that failure, built once, none measured."""
-    from dmattn_bench import trials, tuner
+    from dmattn_bench.tuning import trials, tuner
     from dmattn_bench.space import BwdConfig
-    from dmattn_bench.workloads import Workload
+    from dmattn_bench.tuning.workloads import Workload
 
     class InProcessWorker:
         def __init__(self):
@@ -310,7 +311,7 @@ def test_info_shows_the_table_a_call_would_use_or_why_none(tmp_path, monkeypatch
     from dmattn_bench.cli.info import info
     from dmattn_bench.dispatch import lookup
     from dmattn_bench.dispatch.table import Entry
-    from dmattn_bench.dispatch.writer import dump_table, new_table
+    from dmattn_bench.tuning.table_writer import dump_table, new_table
 
     shipped_dir = tmp_path / "shipped"
     shipped_dir.mkdir()
@@ -339,7 +340,7 @@ def test_info_shows_the_table_a_call_would_use_or_why_none(tmp_path, monkeypatch
     monkeypatch.setenv("DMATTN_BENCH_TABLE", str(tuned))
     active, note, _ = shown()
     assert (active, note) == (str(tuned), "from DMATTN_BENCH_TABLE (1 current entries)")
-    assert dispatch.choose(key, "cpu").source == f"table:{tuned}"  # what a call uses
+    assert tiles.choose(key, "cpu").source == f"table:{tuned}"  # what a call uses
 
     foreign = Path(__file__).resolve().parents[1] / "results/tables/nvidia-h100-80gb-hbm3-sm90.yaml"
     monkeypatch.setenv("DMATTN_BENCH_TABLE", str(foreign))
@@ -354,7 +355,7 @@ def test_info_shows_the_table_a_call_would_use_or_why_none(tmp_path, monkeypatch
     dispatch.clear_cache()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DispatchWarning)  # the foreign table's, checked above
-        assert dispatch.choose(key, "cpu").source == f"table:{shipped}"
+        assert tiles.choose(key, "cpu").source == f"table:{shipped}"
 
 
 def test_several_workloads_files_make_one_table(tmp_path):
@@ -403,8 +404,8 @@ def test_suite_verdict_from_cases_matches_the_whole_suite():
     """The GPU tune spreads a suite's cases over processes: a case job returns what that case of
     the whole suite returns, and the verdict is the first failure in case order. A suite checks
     one direction's config: a backward one on the tensors of the backward alone."""
-    from dmattn_bench.trials import suite_case_job, suite_cases, suite_verdict
-    from dmattn_bench.validator import CaseResult, validate
+    from dmattn_bench.tuning.trials import suite_case_job, suite_cases, suite_verdict
+    from dmattn_bench.tuning.validator import CaseResult, validate
 
     _, bwd = default_configs(32, "cpu")
     cases = suite_cases("triton", "bwd", bwd, "quick")
@@ -421,8 +422,8 @@ def test_a_suite_runs_each_case_at_a_head_dim_its_config_takes():
     """The warp-specialized CUDA forward takes head dims that pad to a multiple of 64: the
     suite's cases at others run at the next it takes, the rest as they are; a config that takes
     every head dim runs the suite unchanged."""
-    from dmattn_bench.adversarial import adversarial_cases
-    from dmattn_bench.validator import config_suite, config_tiles
+    from dmattn_bench.tuning.adversarial import adversarial_cases
+    from dmattn_bench.tuning.validator import config_suite, config_tiles
 
     ws, plain = FwdConfig(128, 128, 12, 2), FwdConfig(64, 64, 4, 2)
     whole = adversarial_cases("quick", config_tiles(ws, None))
@@ -445,8 +446,8 @@ def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatc
     """After a case that kills its process's CUDA context, that process answers `retry` for its
     later jobs (the tune reruns them in fresh processes); a failure outside the kernel (inputs,
     references) is a status too, never an exception out of the job."""
-    from dmattn_bench import trials
-    from dmattn_bench.validator import CaseResult
+    from dmattn_bench.tuning import trials
+    from dmattn_bench.tuning.validator import CaseResult
 
     fwd, bwd = default_configs(32, "cpu")
     ran = []
@@ -472,7 +473,7 @@ def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatc
 def test_jobs_sharing_a_kernel_wait_for_the_first_that_compiles_it():
     """Compile and suite jobs that need a kernel another job compiles wait for that job (and
     load the kernel from Triton's cache) instead of compiling it at the same time."""
-    from dmattn_bench.tuner import _leaders
+    from dmattn_bench.tuning.tuner import _leaders
 
     assert _leaders([["a", "x"], ["b", "x"], ["a", "y"], ["c"], ["b", "y"]]) == [(), (0,), (0,), (), (1, 2)]
 
@@ -485,8 +486,8 @@ def test_workloads_of_one_specialization_class_share_their_compiles():
 
     from dmattn_bench.registry import get_backend
     from dmattn_bench.space import BwdConfig
-    from dmattn_bench.tuner import _leaders, compile_keys
-    from dmattn_bench.workloads import Workload
+    from dmattn_bench.tuning.tuner import _leaders, compile_keys
+    from dmattn_bench.tuning.workloads import Workload
 
     base = Workload(batch=8, heads=16, heads_kv=4, seqlen_q=2048, seqlen_k=2048, head_dim=128, causal=True,
                     mask="kv_head", bias="per_key", bias_grad=True, dtype="bf16")
@@ -503,9 +504,9 @@ def test_a_winner_s_suite_leaves_out_the_head_dims_above_its_key_s_as_verify_doe
     """The tuner runs a candidate's suite for the key it would win: no case of a larger head dim
     (dispatch never sends it one; the tiles can need more shared memory than the GPU has), the
     cases `verify --suite` runs for such an entry. A key below every case's head dim runs them all."""
-    from dmattn_bench.trials import suite_cases
-    from dmattn_bench.tuner import _case_kernels
-    from dmattn_bench.validator import plan_table_entries
+    from dmattn_bench.tuning.trials import suite_cases
+    from dmattn_bench.tuning.tuner import _case_kernels
+    from dmattn_bench.tuning.validator import plan_table_entries
 
     config = FwdConfig(64, 64, 4, 2)
     every = suite_cases("triton", "fwd", config, "full")
@@ -525,8 +526,8 @@ def test_suite_cases_that_differ_only_in_their_values_share_their_compiles():
     """Cases whose inputs differ only in values (poisons, scales) wait for one compile of their
     kernels; another length class, a fp32 bias or a view into a larger buffer compiles its own."""
     from dmattn_bench.space import FwdConfig
-    from dmattn_bench.trials import suite_cases
-    from dmattn_bench.tuner import _case_kernels, _leaders
+    from dmattn_bench.tuning.trials import suite_cases
+    from dmattn_bench.tuning.tuner import _case_kernels, _leaders
 
     config = FwdConfig(64, 64, 4, 2)
     names = [case.name for case in suite_cases("triton", "fwd", config, "quick")]
@@ -545,7 +546,7 @@ def test_the_sm90_backward_candidates_share_their_kernels():
     from dataclasses import replace
     from pathlib import Path
 
-    from dmattn_bench.prune import load_space
+    from dmattn_bench.tuning.prune import load_space
     from dmattn_bench.registry import get_backend
     from dmattn_bench.space import AttentionShape
 
@@ -573,7 +574,7 @@ def test_the_cuda_backend_without_a_gpu_is_a_clear_error():
 
 def test_tuning_several_backends_keeps_the_faster_winner_per_key():
     from dmattn_bench.space import BwdConfig, TableKey
-    from dmattn_bench.tuner import TuneResult, Winner, combine_backends
+    from dmattn_bench.tuning.tuner import TuneResult, Winner, combine_backends
 
     def key(direction):
         return TableKey(direction=direction, dtype="bf16", head_dim=128, causal=True, mask="none", bias="none",
@@ -596,7 +597,7 @@ def test_a_tune_of_several_backends_gives_each_the_space_files_that_name_it(tmp_
     """With --backend all a space file goes to the backend it names, which then tunes only the
     directions its files give; a backend no file names takes its default files."""
     from dmattn_bench.cli.tune import _spaces
-    from dmattn_bench.tuner import tuned_directions
+    from dmattn_bench.tuning.tuner import tuned_directions
 
     files = (str(CONFIGS_DIR / "space" / "cuda-fwd-ws.yaml"),)
     cuda = _spaces(files, "cuda", on_gpu=False, several=True)
@@ -677,7 +678,7 @@ def test_verify_says_when_a_table_is_stale(tmp_path):
     """A table tuned on other kernel sources is skipped at run time: verify still checks its
     configs, and says so."""
     from dmattn_bench.dispatch.table import Entry
-    from dmattn_bench.dispatch.writer import new_table, dump_table
+    from dmattn_bench.tuning.table_writer import new_table, dump_table
     from dmattn_bench.hardware import CPU_FINGERPRINT
 
     key = load_workloads(_tiny_inputs(tmp_path, CPU_FWD.to_dict())[0])[0].key("fwd")
@@ -798,7 +799,7 @@ def test_tuned_decode_keys_merged_into_a_table_are_verified_and_dispatched(tmp_p
 
     built = _decode_configs_built(monkeypatch)
     dispatch.use_table(out)
-    assert dispatch.choose(decode_entry.key, "cpu").source == f"table:{out}"
+    assert tiles.choose(decode_entry.key, "cpu").source == f"table:{out}"
     inputs = build_inputs(load_workloads(workloads)[0].case(), torch.float32, "cpu")
     with torch.no_grad():
         flash_dmattn_func(inputs.q, inputs.k, inputs.v)
@@ -846,7 +847,7 @@ def test_a_call_without_gradient_runs_the_decode_entry_of_its_workloads_key(tmp_
 def test_tune_stale_retunes_exactly_the_stale_entries(tmp_path):
     """`tune --stale --merge T` tunes again only T's entries that are not current, on a workload of
     each one's key, and leaves the others as they were (validation dates included)."""
-    from dmattn_bench.workloads import workload_of_key
+    from dmattn_bench.tuning.workloads import workload_of_key
 
     stale_key = TableKey("fwd", "fp32", 32, True, "kv_head", "per_key", 2, 16, 16)
     kept_key = dataclasses.replace(stale_key, head_dim=64)

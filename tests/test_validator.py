@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from dmattn_bench import validator
-from dmattn_bench.adversarial import Case, adversarial_cases, build_inputs
 from dmattn_bench.registry import Backend, get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
-from dmattn_bench.validator import check_case, classify_failure, validate
+from dmattn_bench.tuning import validator
+from dmattn_bench.tuning.adversarial import Case, adversarial_cases, build_inputs
+from dmattn_bench.tuning.validator import check_case, classify_failure, validate
 
 SMALL_FWD, SMALL_BWD = FwdConfig(16, 16, 1, 1), BwdConfig(16, 16, 16, 16, 1, 1)
 
@@ -248,7 +248,7 @@ def test_cases_out_of_memory_beside_other_workers_run_again_alone(monkeypatch):
     """`verify` runs its planned suites in parallel processes on one GPU: a case whose memory
     did not fit beside theirs runs again afterwards in the parent; the others keep their result
     and progress counts each case once."""
-    from dmattn_bench import workers
+    from dmattn_bench.tuning import workers
 
     cases = [dataclasses.replace(CASE, name=name) for name in ("small", "large")]
     item = validator.PlannedSuite("pair", "reference", SMALL_FWD, SMALL_BWD, cases)
@@ -287,7 +287,7 @@ def test_entry_cases_of_long_keys_have_one_kv_head():
 def test_verify_checks_each_default_on_the_cases_the_runtime_sends_it():
     """The defaults of a bias with rows answer for the suite cases whose bias the runtime names so
     (`adversarial.bias_kind`): a per-key bias of a one-row query has rows."""
-    from dmattn_bench.adversarial import bias_kind
+    from dmattn_bench.tuning.adversarial import bias_kind
 
     plan = validator.plan_default_configs("cpu", "quick")
     with_rows = {c.name for item in plan if item.label.endswith("with rows") for c in item.cases}

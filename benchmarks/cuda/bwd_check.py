@@ -2,9 +2,9 @@
 backend, for several config pairs in bf16 and fp16; then W3 dense causal (B2 H16 L4096 D128
 bf16) forward and backward timing of CUDA configs against the Triton kernels and SDPA.
 
-Usage: python3 benchmarks/cuda/bwd_check.py [suite|time|all]   (prints a short report)
+    python -m benchmarks cuda-bwd-check [suite|time|all]   (prints a short report)
 """
-import sys
+import argparse
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -12,14 +12,13 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from dmattn_bench.adversarial import adversarial_cases, build_inputs
+from dmattn_bench.bench.operators import operator
+from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, config_label
-from dmattn_bench.timing import time_kernel
-from dmattn_bench.validator import check_case, config_tiles, run_kernel
+from dmattn_bench.tuning.adversarial import adversarial_cases, build_inputs
+from dmattn_bench.tuning.validator import check_case, config_tiles, run_kernel
 
-what = sys.argv[1] if len(sys.argv) > 1 else "all"
-cuda = get_backend("cuda")
 DTYPES = (torch.bfloat16, torch.float16)
 # On sm90 the first two pairs run wgmma in both directions where the head dim pads to a multiple
 # of 64, the third in the backward only; most suite cases use head dim 32 (mma.sync), so the
@@ -33,7 +32,6 @@ PAIRS = [
     (FwdConfig(64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1)),
     (FwdConfig(32, 32, 2, 3), BwdConfig(32, 32, 32, 16, 2, 3)),
 ]
-print(torch.cuda.get_device_name(), flush=True)
 
 
 def suite(index, fwd, bwd):
@@ -43,7 +41,8 @@ def suite(index, fwd, bwd):
     return cases + [replace(c, name=f"{c.name}@d{d}", head_dim=d) for d in (64, 128) for c in cases if c.head_dim < d]
 
 
-if what in ("suite", "all"):
+def check_suite(cuda) -> None:
+    """The suite of every config pair in both dtypes, the variants built in parallel first."""
     # build every variant the suite needs in parallel (nvcc runs as a subprocess per variant)
     start = time.time()
     jobs = [(fwd, bwd, case, dtype) for i, (fwd, bwd) in enumerate(PAIRS) for case in suite(i, fwd, bwd)
@@ -81,7 +80,9 @@ if what in ("suite", "all"):
     for line in fails[:25]:
         print("  FAIL", line)
 
-if what in ("time", "all"):
+
+def time_w3() -> None:
+    """W3's forward and backward GPU time: CUDA configs, the Triton kernels and SDPA."""
     B, H, L, D = 2, 16, 4096, 128
     dtype = torch.bfloat16
     torch.manual_seed(0)
@@ -130,3 +131,16 @@ if what in ("time", "all"):
     print(f"W3 B{B} H{H} L{L} D{D} causal bf16; TFLOP/s over the causal half (bwd: 2.5x the fwd FLOPs)")
     for label, direction, ms, tflops in rows:
         print(f"  {direction} {label:44s} {ms:8.4f} ms {tflops:6.0f} TFLOP/s")
+
+
+@operator("cuda-bwd-check", help="CUDA backward: the full adversarial suite, then W3 timing against Triton and SDPA")
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", choices=("suite", "time", "all"), default="all",
+                        help="the suite, the W3 timing or both (default: all)")
+    what = parser.parse_args(argv).what
+    print(torch.cuda.get_device_name(), flush=True)
+    if what in ("suite", "all"):
+        check_suite(get_backend("cuda"))
+    if what in ("time", "all"):
+        time_w3()

@@ -1,12 +1,12 @@
 """The warp-specialized CUDA backward (kernels/cuda/flash_bwd_ws.cu) on the bench's W1-W3 shapes
 (`configs/workloads/peers.yaml`), backward alone, GPU time (`timing.time_kernel`, L2 flushed):
 this tree's kernel at each cap on its ring of staged mask and bias tiles (`--caps`:
-`launch.MAX_SCORE_STAGES`) against a baseline source of the same kernel with the same host side
+`shared_memory.MAX_SCORE_STAGES`) against a baseline source of the same kernel with the same host side
 (`--baseline`, e.g. `git show REV:kernels/cuda/flash_bwd_ws.cu`), built beside it. Each
 variant's gradients are compared bitwise with the first variant's (the kernels change scheduling,
 not arithmetic) and against the Triton backward's (`flash_dmattn_func`).
 
-    python3 benchmarks/cuda/bwd_ring_probe.py [--baseline PATH] [--config 64x128w12s2] [--caps 1,2]
+    python -m benchmarks cuda-bwd-ring-probe [--baseline PATH] [--config 64x128w12s2] [--caps 1,2]
 
 Prints one markdown table (stdout); progress to stderr."""
 
@@ -15,30 +15,33 @@ import sys
 
 import torch
 
+from benchmarks.cuda.section_probe import bench_call, building, parse_config, print_table
 from dmattn_bench import flash_dmattn_func
-from dmattn_bench.bench import load_peer_workloads
+from dmattn_bench.bench.harness import load_peer_workloads
+from dmattn_bench.bench.operators import operator
+from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import get_backend
-from dmattn_bench.timing import time_kernel
-from dmattn_kernels.cuda import build, launch
-# benchmarks/cuda/section_probe.py, beside this script
-from section_probe import bench_call, building, parse_config, print_table
+from dmattn_kernels.cuda import build, driver, shared_memory
+from dmattn_kernels.cuda.variants import backward_staging, staged_tiles
 
 BASELINE = "bwd_ws_baseline"  # the baseline's build name: its own cache key beside "bwd_ws"
 
 
-def main():
+@operator("cuda-bwd-ring-probe", help="Warp-specialized CUDA backward on W1-W3 per ring cap, against a baseline source")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="a flash_bwd_ws.cu to time beside this tree's, at the default cap")
     parser.add_argument("--config", default="64x128w12s2")
-    parser.add_argument("--caps", default=str(launch.MAX_SCORE_STAGES), help="ring caps to time this tree's kernel at")
-    args = parser.parse_args()
+    parser.add_argument("--caps", default=str(shared_memory.MAX_SCORE_STAGES),
+                        help="ring caps to time this tree's kernel at")
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     config = parse_config(args.config, "bwd")
     cuda = get_backend("cuda")
     variants = [(f"this tree, ring <= {cap}", "bwd_ws", int(cap)) for cap in args.caps.split(",")]
     if args.baseline:
         build.SOURCES[BASELINE] = args.baseline
-        variants.insert(0, ("baseline", BASELINE, launch.MAX_SCORE_STAGES))
+        variants.insert(0, ("baseline", BASELINE, shared_memory.MAX_SCORE_STAGES))
     rows = []
     for pw in load_peer_workloads("configs/workloads/peers.yaml"):
         x, (q, k, v, mask, bias), options, (out, lse, dout) = bench_call(pw, device)
@@ -56,7 +59,7 @@ def main():
         first = None
         for label, source, cap in variants:
             slots = _slots(config, q, mask, bias, cap)
-            launch._built = building("bwd_ws", source)
+            driver._built = building("bwd_ws", source)
             g = grads()
 
             def run(g=g):
@@ -79,10 +82,6 @@ def main():
 
 def _slots(config, q, mask, bias, cap):
     """Sets the ring cap to `cap`; the slots the launcher then gives this call's operands."""
-    launch.MAX_SCORE_STAGES = cap
-    return launch._backward_staging(config, q.shape[-1], mask is not None, None if bias is None else bias.dtype,
-                                    launch.staged_tiles(mask, q.shape[1]), launch.staged_tiles(bias, q.shape[1]))[0]
-
-
-if __name__ == "__main__":
-    main()
+    shared_memory.MAX_SCORE_STAGES = cap
+    return backward_staging(config, q.shape[-1], mask is not None, None if bias is None else bias.dtype,
+                            staged_tiles(mask, q.shape[1]), staged_tiles(bias, q.shape[1]))[0]

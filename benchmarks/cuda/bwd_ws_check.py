@@ -3,27 +3,30 @@ adversarial suite, backward alone, for its configs in bf16 and fp16; then the wh
 GPU time on W3's shape (bf16 B2 H16 L4096 D128, causal and not) beside the Triton backward at
 the tables' config and the two-kernel CUDA backward. Prints a short report.
 
-Usage: python3 benchmarks/cuda/bwd_ws_check.py [suite|time|all]
+    python -m benchmarks cuda-bwd-ws-check [suite|time|all]
+
+Exits 1 when a suite case fails (before the timing).
 """
-import sys
+import argparse
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from dmattn_bench.adversarial import build_inputs
+from dmattn_bench.bench.operators import operator
+from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, config_label
-from dmattn_bench.timing import time_kernel
-from dmattn_bench.validator import check_case, config_suite, run_kernel
+from dmattn_bench.tuning.adversarial import build_inputs
+from dmattn_bench.tuning.validator import check_case, config_suite, run_kernel
 
-what = sys.argv[1] if len(sys.argv) > 1 else "all"
-cuda, triton = get_backend("cuda"), get_backend("triton")
 WS_CONFIGS = (BwdConfig(64, 128, 64, 128, 12, 2), BwdConfig(64, 64, 64, 64, 8, 2))
 DTYPES = (torch.bfloat16, torch.float16)
-print(torch.cuda.get_device_name(), flush=True)
 
-if what in ("suite", "all"):
+
+def check_suite(cuda) -> bool:
+    """The suite of each warp-specialized config in both dtypes, the variants built in parallel
+    first; whether every case passed."""
     jobs = [(bwd, case, dtype) for bwd in WS_CONFIGS for case in config_suite("cuda", "full", None, bwd)
             for dtype in DTYPES]
     start, errors = time.time(), []
@@ -55,8 +58,8 @@ if what in ("suite", "all"):
           + ", ".join(f"{n} {r:.3f}" for n, r in sorted(worst.items())), flush=True)
     for line in fails[:25]:
         print("  FAIL", line)
-    if fails:
-        sys.exit(1)
+    return not fails
+
 
 def kernel_times(run, repeats: int = 20) -> list[tuple[str, float]]:
     """Each GPU kernel's mean time over `repeats` runs of `run` (torch.profiler)."""
@@ -75,7 +78,9 @@ def kernel_times(run, repeats: int = 20) -> list[tuple[str, float]]:
     return sorted(times.items(), key=lambda item: -item[1])
 
 
-if what in ("time", "all"):
+def time_w3(cuda, triton) -> None:
+    """W3's whole backward, causal and not: Triton, the two-kernel CUDA backward and the
+    warp-specialized one (its kernels' times too)."""
     B, H, L, D = 2, 16, 4096, 128
     rows = []
     for causal in (True, False):
@@ -109,3 +114,18 @@ if what in ("time", "all"):
     for shape, label, ms, repeat, diff in rows:
         print(f"{shape} | {label} | {ms:.3f} | {repeat} | {diff:.2e}")
     print("(rows indented: the profiler's mean per kernel, without the L2 flush)")
+
+
+@operator("cuda-bwd-ws-check", help="Warp-specialized CUDA backward: the full adversarial suite, then W3 timing")
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", choices=("suite", "time", "all"), default="all",
+                        help="the suite, the W3 timing or both (default: all)")
+    what = parser.parse_args(argv).what
+    cuda, triton = get_backend("cuda"), get_backend("triton")
+    print(torch.cuda.get_device_name(), flush=True)
+    if what in ("suite", "all") and not check_suite(cuda):
+        return 1
+    if what in ("time", "all"):
+        time_w3(cuda, triton)
+    return 0

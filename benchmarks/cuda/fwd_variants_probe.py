@@ -8,7 +8,7 @@ are compared bitwise with the first variant's (overlap's softmax rounds otherwis
 the exp, rows reduced as trees; persistent moves work items, not arithmetic), and out against the
 Triton forward's (`flash_dmattn_func`).
 
-    python3 benchmarks/cuda/fwd_variants_probe.py [--variants baseline=DIR,...]
+    python -m benchmarks cuda-fwd-variants-probe [--variants baseline=DIR,...]
         [--configs 128x128w12s2,192x64w16s2] [--knobs off,overlap,overlap+persistent]
         [--workloads configs/workloads/peers.yaml]
 
@@ -22,17 +22,18 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cuda.section_probe import bench_call, building, flops, parse_config, print_table
 from dmattn_bench import flash_dmattn_func
-from dmattn_bench.bench import load_peer_workloads
+from dmattn_bench.bench.harness import load_peer_workloads
+from dmattn_bench.bench.operators import operator
+from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import FWD_KNOBS
-from dmattn_bench.timing import time_kernel
-from dmattn_kernels.cuda import build, launch
-# benchmarks/cuda/section_probe.py, beside this script
-from section_probe import bench_call, building, flops, parse_config, print_table
+from dmattn_kernels.cuda import build, driver, forward
 
 
-def main():
+@operator("cuda-fwd-variants-probe", help="Warp-specialized CUDA forward on W1-W3: other sources and kernel knobs")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="", help="NAME=DIR,...: folders with a flash_fwd_ws.cu (and the "
                         "headers it includes) to time, knobs off, before this tree's")
@@ -41,7 +42,7 @@ def main():
                         help=f"sets of kernel knobs ({', '.join(FWD_KNOBS)}) joined by '+', 'off' for none: this "
                         "tree's kernel is timed at each (default: off,overlap,overlap+persistent)")
     parser.add_argument("--workloads", default="configs/workloads/peers.yaml", help="a workloads file of peers.yaml's form")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     knob_sets = [{} if text == "off" else dict.fromkeys(text.split("+"), 1) for text in args.knobs.split(",")]
     unknown = sorted({name for knobs in knob_sets for name in knobs} - set(FWD_KNOBS))
     if unknown:
@@ -66,8 +67,8 @@ def main():
             first = None
             for label, source, knobs in variants:
                 config = replace(tiles, **knobs)
-                launch._built = building("fwd_ws", source)
-                launch._signature_launch.cache_clear()  # a plan holds its launcher's cubin
+                driver._built = building("fwd_ws", source)
+                forward._signature_launch.cache_clear()  # a plan holds its launcher's cubin
                 results = dict(out=torch.empty_like(q), lse=torch.empty(q.shape[0], q.shape[2], q.shape[1], device=device))
 
                 def run(r=results, config=config):
@@ -87,7 +88,3 @@ def main():
                 print(rows[-1], file=sys.stderr, flush=True)
     print_table(f"GPU: {torch.cuda.get_device_name()}", ("workload", "config", "forward", "GPU ms", "TFLOP/s",
                                                          "bitwise = first row", "max diff vs triton"), rows)
-
-
-if __name__ == "__main__":
-    main()

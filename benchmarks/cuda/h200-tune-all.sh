@@ -14,4 +14,4 @@ timeout 150 python3 -m dmattn_bench verify --table $T --dtype bf16 > $R/verify.t
 echo "verify table rc=$? $(( $(date +%s) - s )) s" >> $R/summary.txt
 python3 -m dmattn_bench show $T > $R/show.txt 2>&1
 cat $R/summary.txt; tail -2 $R/tune.log; grep -v "^\s*$" $R/verify.txt | tail -8
-python3 benchmarks/cuda/compare_tables.py $R/tune.json $T.trials.jsonl
+python3 -m benchmarks cuda-compare-tables $R/tune.json $T.trials.jsonl

@@ -1,11 +1,11 @@
 """The warp-specialized CUDA kernels (kernels/cuda/flash_fwd_ws.cu, flash_bwd_ws.cu) on the bench's
 W1-W3 shapes (`configs/workloads/peers.yaml`), forward alone and backward alone, GPU time
 (`timing.time_kernel`, L2 flushed before each run) at each L2 budget of their launch order's
-sections (`launch.L2_SECTION_BYTES`, MiB; 0: one section of every head slice, the order before
+sections (`forward.L2_SECTION_BYTES`, MiB; 0: one section of every head slice, the order before
 sections). Each budget's outputs are compared bitwise with the first budget's (the order moves
 CTAs, not arithmetic).
 
-    python3 benchmarks/cuda/section_probe.py [--budgets 0,32,16,8] [--fwd 128x128w12s2,192x64w16s2]
+    python -m benchmarks cuda-section-probe [--budgets 0,32,16,8] [--fwd 128x128w12s2,192x64w16s2]
         [--bwd 64x128w12s2]
 
 Prints one markdown table (stdout); progress to stderr."""
@@ -15,11 +15,12 @@ import sys
 
 import torch
 
-from dmattn_bench.bench import build_bench_inputs, load_peer_workloads
+from dmattn_bench.bench.harness import build_bench_inputs, load_peer_workloads
+from dmattn_bench.bench.operators import operator
+from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
-from dmattn_bench.timing import time_kernel
-from dmattn_kernels.cuda import build, launch
+from dmattn_kernels.cuda import build, forward
 
 
 def parse_config(text: str, direction: str) -> FwdConfig | BwdConfig:
@@ -49,7 +50,7 @@ def flops(pw, direction: str) -> float:
 
 
 def building(kernel: str, source: str):
-    """launch's cubin lookup with `kernel` ("fwd_ws", "bwd_ws") built from build name `source`:
+    """The launcher's cubin lookup with `kernel` ("fwd_ws", "bwd_ws") built from build name `source`:
     the kernel's own, or a probe's variant's (`build.SOURCES`), so each has its own cache key."""
     return lambda direction, arch, flags: build.build(source if direction == kernel else direction, arch, flags)
 
@@ -62,12 +63,13 @@ def print_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]
         print("| " + " | ".join(row) + " |")
 
 
-def main():
+@operator("cuda-section-probe", help="Warp-specialized CUDA kernels on W1-W3 by L2 section budget")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", default="0,32,16,8", help="L2_SECTION_BYTES in MiB (0: every slice at once)")
     parser.add_argument("--fwd", default="128x128w12s2,192x64w16s2", help="forward configs ('' for none)")
     parser.add_argument("--bwd", default="64x128w12s2", help="backward configs ('' for none)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     cuda = get_backend("cuda")
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -79,8 +81,8 @@ def main():
         for direction, config, text in configs:
             first = None
             for budget in budgets:
-                launch.L2_SECTION_BYTES = (budget << 20) if budget else 1 << 62
-                launch._signature_launch.cache_clear()
+                forward.L2_SECTION_BYTES = (budget << 20) if budget else 1 << 62
+                forward._signature_launch.cache_clear()
                 if direction == "fwd":
                     results = dict(out=torch.empty_like(q), lse=torch.empty_like(lse))
 
@@ -106,7 +108,3 @@ def main():
                 print(rows[-1], file=sys.stderr, flush=True)
     print_table(f"GPU: {torch.cuda.get_device_name()}", ("workload", "direction", "config", "L2 budget MiB", "GPU ms",
                                                          "TFLOP/s", "bitwise = first budget"), rows)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,11 +4,11 @@ W1-W3 forward (`configs/workloads/peers.yaml`, no gradient) against the Triton f
 runtime picks, the CUDA wgmma forward and SDPA, GPU time (`timing.time_kernel`, L2 flushed) and
 the host's time to enqueue a call (`timing.host_us`: warm, behind a GPU spin).
 
-    python3 benchmarks/cuda/ws_probe.py [--suite quick|full] [--configs 128x128w12s2,...]
+    python -m benchmarks cuda-ws-probe [--suite quick|full] [--configs 128x128w12s2,...]
         [--score-stages 2,4]
 
 `--score-stages` times each config once per cap on its ring of staged mask and bias tiles
-(`launch.MAX_SCORE_STAGES`; the kernel gets as many slots as fit, up to the cap).
+(`shared_memory.MAX_SCORE_STAGES`; the kernel gets as many slots as fit, up to the cap).
 
 Prints one markdown table (stdout); progress to stderr."""
 
@@ -22,15 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from dmattn_bench import flash_dmattn_func
-from dmattn_bench.adversarial import adversarial_cases
-from dmattn_bench.bench import build_bench_inputs, flops_needed, load_peer_workloads
+from dmattn_bench.bench.harness import build_bench_inputs, flops_needed, load_peer_workloads
+from dmattn_bench.bench.operators import operator
+from dmattn_bench.bench.timing import host_us, time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import FwdConfig
-from dmattn_bench.timing import time_kernel
-from dmattn_bench.validator import check_case, config_tiles
-from dmattn_kernels.cuda import build, launch
-
-from dmattn_bench.timing import host_us
+from dmattn_bench.tuning.adversarial import adversarial_cases
+from dmattn_bench.tuning.validator import check_case, config_tiles
+from dmattn_kernels.cuda import build, driver, forward, rules, shared_memory, variants
 
 
 def parse_config(text: str) -> FwdConfig:
@@ -55,42 +54,42 @@ def build_all(arch: str, jobs: set) -> None:
 
 def prebuild(configs, level: str) -> None:
     """nvcc builds every variant the suite needs, in parallel (check_case would build them one by one)."""
-    arch = launch.arch_of(torch.device("cuda"))
+    arch = driver.arch_of(torch.device("cuda"))
     jobs = set()
     for config in configs:
         for case in suite_cases(config, level):
             for dtype in (torch.bfloat16, torch.float16):
                 bias_dtype = (torch.float32 if case.bias_fp32 else dtype) if case.bias != "none" else None
-                flags = launch.variant(config, case.head_dim, dtype, bias_dtype, arch=arch, is_causal=case.causal,
-                                       has_mask=case.mask != "none", softcap=case.softcap)
-                jobs.add((launch.forward_kernel(config, case.head_dim, arch), flags))
+                flags = variants.variant(config, case.head_dim, dtype, bias_dtype, arch=arch, is_causal=case.causal,
+                                         has_mask=case.mask != "none", softcap=case.softcap)
+                jobs.add((rules.forward_kernel(config, case.head_dim, arch), flags))
     build_all(arch, jobs)
 
 
 def prebuild_timed(workloads, configs, caps) -> None:
     """nvcc builds the variants the timed calls run, in parallel: each workload's operands under
     each config and score ring cap."""
-    arch = launch.arch_of(torch.device("cuda"))
+    arch = driver.arch_of(torch.device("cuda"))
     jobs = set()
     for x in workloads:
         for cap in caps:
-            launch.MAX_SCORE_STAGES = cap
+            shared_memory.MAX_SCORE_STAGES = cap
             for config in configs:
                 bias_dtype = None if x.bias is None else x.bias.dtype
-                flags = launch.variant(config, x.q.shape[-1], x.q.dtype, bias_dtype, arch=arch,
-                                       is_causal=x.is_causal, has_mask=x.mask is not None, softcap=0.0,
-                                       mask_tiles=launch.staged_tiles(x.mask, x.q.shape[1]),
-                                       bias_tiles=launch.staged_tiles(x.bias, x.q.shape[1]))
-                jobs.add((launch.forward_kernel(config, x.q.shape[-1], arch), flags))
+                flags = variants.variant(config, x.q.shape[-1], x.q.dtype, bias_dtype, arch=arch,
+                                         is_causal=x.is_causal, has_mask=x.mask is not None, softcap=0.0,
+                                         mask_tiles=variants.staged_tiles(x.mask, x.q.shape[1]),
+                                         bias_tiles=variants.staged_tiles(x.bias, x.q.shape[1]))
+                jobs.add((rules.forward_kernel(config, x.q.shape[-1], arch), flags))
     build_all(arch, jobs)
 
 
 def with_score_stages(cap: int, call):
     """`call` with the staged ring capped at `cap` slots (the launch plans are rebuilt on a change)."""
     def capped():
-        if launch.MAX_SCORE_STAGES != cap:
-            launch.MAX_SCORE_STAGES = cap
-            launch._signature_launch.cache_clear()
+        if shared_memory.MAX_SCORE_STAGES != cap:
+            shared_memory.MAX_SCORE_STAGES = cap
+            forward._signature_launch.cache_clear()
         return call()
     return capped
 
@@ -111,18 +110,19 @@ def suite(configs, level: str) -> list[str]:
     return [f"suite ({level}): {runs} case runs, {len(failures)} failures"] + failures[:20]
 
 
-def main():
+@operator("cuda-ws-probe", help="Warp-specialized CUDA forward: suite, then W1-W3 against Triton, CUDA wgmma and SDPA")
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="quick", choices=("none", "quick", "full"))
     parser.add_argument("--configs", default="128x128w12s2,128x64w12s2,64x128w8s2")
     parser.add_argument("--baseline", default="128x128w8s2", help="the CUDA wgmma forward's config")
-    parser.add_argument("--score-stages", default=str(launch.MAX_SCORE_STAGES),
+    parser.add_argument("--score-stages", default=str(shared_memory.MAX_SCORE_STAGES),
                         help="caps on the staged mask and bias ring to time each config at")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     configs = [parse_config(c) for c in args.configs.split(",")]
     caps = [int(c) for c in args.score_stages.split(",")]
-    default_cap = launch.MAX_SCORE_STAGES
+    default_cap = shared_memory.MAX_SCORE_STAGES
     lines = [f"GPU: {torch.cuda.get_device_name()}"]
     if args.suite != "none":
         start = time.time()
@@ -131,7 +131,7 @@ def main():
     rows = []
     peers = [(pw, build_bench_inputs(pw, device)) for pw in load_peer_workloads("configs/workloads/peers.yaml")]
     prebuild_timed([x for _, x in peers], [parse_config(args.baseline)] + configs, caps)
-    launch.MAX_SCORE_STAGES = default_cap
+    shared_memory.MAX_SCORE_STAGES = default_cap
     for pw, x in peers:
         q, k, v, mask, bias = x.q, x.k, x.v, x.mask, x.bias.detach() if x.bias is not None else None
         flops = flops_needed(pw, "fwd")
@@ -139,7 +139,7 @@ def main():
         calls = {"triton (runtime's pick)": lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=x.is_causal,
                                                                       backend="triton")}
         for config in [parse_config(args.baseline)] + configs:
-            for cap in caps if launch.warp_specialized(config, q.shape[-1], "sm90") else [default_cap]:
+            for cap in caps if rules.warp_specialized(config, q.shape[-1], "sm90") else [default_cap]:
                 ring = f" ring<={cap}" if len(caps) > 1 else ""
                 calls[f"cuda {config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}{ring}"] = (
                     with_score_stages(cap, lambda c=config: flash_dmattn_func(
@@ -168,7 +168,3 @@ def main():
     print("\n| workload | kernel | GPU ms | host us | TFLOP/s | max diff vs triton |\n|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-
-
-if __name__ == "__main__":
-    main()

@@ -9,8 +9,8 @@ import warnings
 
 import click
 
-from dmattn_bench import __version__
 from dmattn_bench.errors import DmattnError
+from dmattn_bench.version import __version__
 
 
 def _prepare_interpreter() -> None:

@@ -10,8 +10,8 @@ from rich.table import Table
 from dmattn_bench import output
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import ARCH_LIMITS, parse_arch, search_section
-from dmattn_bench.prune import DTYPE_BYTES, STATUSES, Candidate, check_space, load_space, plan_space, space_path
 from dmattn_bench.space import CONFIGS_DIR, TUNED_DIRECTIONS
+from dmattn_bench.tuning.prune import DTYPE_BYTES, STATUSES, Candidate, check_space, load_space, plan_space, space_path
 
 TOP_REASONS = 3
 # What each deciding check means, for the summary's reasons column.
@@ -132,7 +132,7 @@ def _check_triton(archs: list[str], head_dims: list[int], dtype: str, space_dir:
 
 
 def _check_cuda(archs: list[str], head_dims: list[int], dtype: str, space_dir: str, jobs: int | None):
-    from dmattn_bench.cuda_check import CUDA_DTYPES, check_cuda_space
+    from dmattn_bench.tuning.cuda_check import CUDA_DTYPES, check_cuda_space
     from dmattn_kernels.cuda.build import CudaBuildError, nvcc
 
     if dtype not in CUDA_DTYPES:

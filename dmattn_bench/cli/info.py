@@ -13,9 +13,11 @@ import click
 import torch
 from rich.table import Table
 
-from dmattn_bench import __version__, output
+from dmattn_bench import output
 from dmattn_bench.hardware import untested_releases
-from dmattn_bench.registry import BACKEND_NAMES, default_entries, interpreter_enabled
+from dmattn_bench.registry import BACKEND_NAMES, interpreter_enabled
+from dmattn_bench.tiles import default_entries
+from dmattn_bench.version import __version__
 
 
 def _environment() -> dict:

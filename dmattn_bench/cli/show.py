@@ -9,10 +9,10 @@ from dmattn_bench import output
 from dmattn_bench.dispatch.lookup import most_similar
 from dmattn_bench.dispatch.stamps import STATUSES, entry_status
 from dmattn_bench.dispatch.table import SCHEMA_VERSION, Table, TableError, load_table
-from dmattn_bench.dispatch.writer import table_to_dict
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.space import InvalidConfig, TableKey, config_label
-from dmattn_bench.workloads import load_workloads
+from dmattn_bench.tuning.table_writer import table_to_dict
+from dmattn_bench.tuning.workloads import load_workloads
 
 KEY_COLUMNS = ("direction", "dtype", "head_dim", "causal", "mask", "bias", "gqa_ratio",
                "seqlen_q_bucket", "seqlen_k_bucket")

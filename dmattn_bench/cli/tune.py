@@ -15,16 +15,16 @@ from rich.table import Table
 from dmattn_bench import output
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
 from dmattn_bench.dispatch import ENV_VAR, Entry, TableError, load_table
-from dmattn_bench.dispatch.writer import dump_table, merged, new_table
+from dmattn_bench.dispatch.stamps import entry_status
 from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
-from dmattn_bench.journal import JournalError, JournalState, mark_finished, read_state
-from dmattn_bench.prune import load_ci_space, load_space, read_yaml_mapping
 from dmattn_bench.space import CONFIGS_DIR, TUNED_DIRECTIONS, config_label
-from dmattn_bench.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, combine_backends,
+from dmattn_bench.tuning.journal import JournalError, JournalState, mark_finished, read_state
+from dmattn_bench.tuning.prune import load_ci_space, load_space, read_yaml_mapping
+from dmattn_bench.tuning.table_writer import dump_table, merged, new_table
+from dmattn_bench.tuning.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, combine_backends,
                                 planned_trial_ids, tune)
-from dmattn_bench.dispatch.stamps import entry_status
-from dmattn_bench.workloads import load_workloads, workload_of_key
+from dmattn_bench.tuning.workloads import load_workloads, workload_of_key
 
 CI_FILE = CONFIGS_DIR / "ci.yaml"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)?\s*$")
@@ -316,7 +316,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     if ray_address is None:
         gpu_count = parse_gpus(gpus)
     else:
-        from dmattn_bench import cluster
+        from dmattn_bench.tuning import cluster
 
         cluster_gpus = cluster.connect(ray_address, on_gpu)
         gpu_count = parse_gpus(gpus, cluster_gpus if on_gpu else 0)

@@ -8,16 +8,16 @@ from rich.table import Table
 
 from dmattn_bench import output
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
-from dmattn_bench.errors import NoGpuError, ValidationFailed
 from dmattn_bench.dispatch import TableError, load_table
 from dmattn_bench.dispatch.lookup import ENV_VAR
 from dmattn_bench.dispatch.stamps import entry_status, stamp_of
-from dmattn_bench.dispatch.writer import declare_stale
-from dmattn_bench.dispatch.writer import restamp as restamp_table
+from dmattn_bench.errors import NoGpuError, ValidationFailed
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint
 from dmattn_bench.space import DTYPES, InvalidConfig, config_label
-from dmattn_bench.validator import (CHECKED, CaseResult, SuiteResult, plan_decode, plan_default_configs,
+from dmattn_bench.tuning.table_writer import declare_stale
+from dmattn_bench.tuning.table_writer import restamp as restamp_table
+from dmattn_bench.tuning.validator import (CHECKED, CaseResult, SuiteResult, plan_decode, plan_default_configs,
                                     plan_table_entries, run_plan)
 
 

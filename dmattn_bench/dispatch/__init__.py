@@ -1,5 +1,5 @@
-"""Dispatch tables: the YAML schema and its reader (`table`), run-time selection (`lookup`) and,
-imported only by the tuner and the CLI, the writer (`writer`).
+"""Dispatch tables: the YAML schema and its reader (`table`) and run-time selection (`lookup`). The
+writer, imported only by the tuner and the CLI, lives with the tuner (`dmattn_bench.tuning.table_writer`).
 
 Imported by the attention call path, so nothing here imports click, rich or pytest, nor the writer.
 """
@@ -10,9 +10,9 @@ from dmattn_bench.dispatch.lookup import (
     Choice,
     Dispatcher,
     DispatchWarning,
-    choose,
     clear_cache,
     nearest,
+    table_choice,
     use_table,
 )
 from dmattn_bench.dispatch.table import (
@@ -29,6 +29,6 @@ from dmattn_bench.dispatch.table import (
 
 __all__ = [
     "DISPATCHER", "ENV_VAR", "MAX_TABLE_BYTES", "SCHEMA_VERSION", "Choice", "DispatchWarning", "Dispatcher",
-    "Entry", "Table", "TableError", "Timing", "Validation", "choose", "clear_cache", "load_table", "nearest",
-    "table_from_dict", "use_table",
+    "Entry", "Table", "TableError", "Timing", "Validation", "clear_cache", "load_table", "nearest",
+    "table_choice", "table_from_dict", "use_table",
 ]

@@ -1,28 +1,27 @@
-"""Run-time selection of a backend and config for a shape key (DESIGN §3).
+"""Run-time lookup of a dispatch table's entry for a shape key (DESIGN §3); `dmattn_bench.tiles`
+falls back to the defaults where this finds none.
 
-A table is chosen by, in order: a `table=` argument to `choose` or `use_table(path)`; the
-`DMATTN_BENCH_TABLE` environment variable; the table shipped in `results/tables/` for this device;
-else the default of `registry.default_configs` (learned from the trials for the GPU's arch, the
-key's direction, head dim and bias kind where `configs/defaults.yaml` has one, else heuristic).
-A table that cannot be used (unreadable,
-invalid, tuned on another device) never breaks a call: it is skipped with one `DispatchWarning`
-per (file, reason) per process, and the next source is tried. Within a table, only current
-entries are used (`stamps.entry_status`: validated on the code installed here and not declared
-stale); a stale or unvalidated one is passed over for the nearest current one, with one warning
-per table. An entry's status is computed when the lookup first reaches it (its stamp costs tens
-of milliseconds), so a call pays for the entries near its key only.
+A table is chosen by, in order: a `table=` argument to `table_choice` or `use_table(path)`; the
+`DMATTN_BENCH_TABLE` environment variable; the table shipped in `results/tables/` for this device.
+A table that cannot be used (unreadable, invalid, tuned on another device) never breaks a call:
+it is skipped with one `DispatchWarning` per (file, reason) per process, and the next source is
+tried. Within a table, only current entries are used (`stamps.entry_status`: validated on the
+code installed here and not declared stale); a stale or unvalidated one is passed over for the
+nearest current one, with one warning per table. An entry's status is computed when the lookup
+first reaches it (its stamp costs tens of milliseconds), so a call pays for the entries near its
+key only.
 
 Within the chosen table: the entries of the key's categories (direction, dtype, head dim, causal,
 mask, bias, GQA ratio), at the nearest sequence-length buckets (log2 distance); without any, the
 entry most similar to the key (`similarity_distance`) within `SIMILAR_WITHIN`, among those of
 the same head dim, mask and bias kinds and GQA-or-not, whose configs run for the key as for their
-own: one step in the causal flag or the GQA ratio. A key with nothing that close gets the
-default config, silently. Each rule's regret on held-out keys is printed by
-`python benchmarks/selection_regret.py` (each tuned key of the committed sm90 journals held out
+own: one step in the causal flag or the GQA ratio. A key with nothing that close gets no entry
+(the default, silently). Each rule's regret on held-out keys is printed by
+`python -m benchmarks selection-regret` (each tuned key of the committed sm90 journals held out
 in turn, the other keys of its journal standing in for a table).
 
-Choices are memoised per (table selection, device, key) until `clear_cache()` or `use_table()`,
-so a repeated call costs a dict lookup (a few µs). Edit a table in a running process? Call
+Answers are memoised per (table selection, device, key) until `clear_cache()` or `use_table()`,
+so a repeated lookup costs a dict lookup (a few µs). Edit a table in a running process? Call
 `clear_cache()`: parsed tables are re-read only if their (mtime_ns, size) changed.
 """
 
@@ -38,31 +37,29 @@ from typing import Any
 
 import torch
 
-import dmattn_bench
+from dmattn_bench.dispatch.stamps import STATUSES, entry_status
 from dmattn_bench.dispatch.table import Entry, Table, TableError, load_table
 from dmattn_bench.hardware import DeviceFingerprint, device_fingerprint
-from dmattn_bench.dispatch.stamps import STATUSES, entry_status
-from dmattn_bench.registry import decode_config, default_configs
 from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey
 
 ENV_VAR = "DMATTN_BENCH_TABLE"
-_READ_ENV = object()  # sentinel: choose() reads the environment itself
+_READ_ENV = object()  # sentinel: table_choice() reads the environment itself
 
 
 def _shipped_tables_dir() -> Path:
     """Tables committed from real GPUs (`results/tables/`, named `<DeviceFingerprint.slug()>.yaml`):
     package data `dmattn_bench/tables/` when installed from a wheel, read in place in a source
     checkout (editable install)."""
-    packaged = Path(dmattn_bench.__file__).parent / "tables"
-    return packaged if packaged.is_dir() else Path(dmattn_bench.__file__).parents[1] / "results" / "tables"
+    package = Path(__file__).resolve().parents[1]  # dmattn_bench/
+    packaged = package / "tables"
+    return packaged if packaged.is_dir() else package.parent / "results" / "tables"
 
 
 SHIPPED_TABLES_DIR = _shipped_tables_dir()  # read at call time, so tests can point it elsewhere
-DEFAULT_BACKEND = "triton"
 
 
 class DispatchWarning(UserWarning):
-    """A dispatch table was skipped (unreadable, invalid, foreign or stale); a fallback was used."""
+    """A dispatch table or entry was skipped (unreadable, invalid, foreign or stale); a fallback was used."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +69,7 @@ class Choice:
     Attributes:
         backend: a name of `registry.BACKEND_NAMES`.
         config: FwdConfig, BwdConfig or DecodeConfig, matching the key's direction.
-        source: "table:<path>" or "default".
+        source: "table:<path>", "default" or "explicit".
     """
 
     backend: str
@@ -101,7 +98,7 @@ class _Usable:
 SIMILARITY_WEIGHTS = dict(head_dim=2.0, gqa_ratio=0.5, mask=1.0, bias=1.0, causal=0.5, seqlen=0.25)
 # How similar an entry of other categories must be to stand in for a key (`most_similar`): 0.5
 # lets the causal flag or one octave of GQA ratio differ at the same length buckets. Chosen on
-# the held-out journal keys of `benchmarks/selection_regret.py`, where 0 (categories only) and
+# the held-out journal keys of `python -m benchmarks selection-regret`, where 0 (categories only) and
 # 1.0 each gave a worse worst-case regret.
 SIMILAR_WITHIN = 0.5
 
@@ -191,11 +188,11 @@ def status_counts(table: Table) -> dict[str, int]:
 
 
 class Dispatcher:
-    """Chooses a backend and config per key; holds the caches and the warned set."""
+    """Finds a table's entry per key; holds the caches and the warned set."""
 
     def __init__(self) -> None:
         self._explicit: str | None = None
-        self._choices: dict[tuple, Choice] = {}
+        self._choices: dict[tuple, Choice | None] = {}
         self._tables: dict[str, tuple[tuple[int, int], _Usable | str]] = {}
         self._fingerprints: dict[Any, DeviceFingerprint] = {}
         self._warned: set[tuple[str, str]] = set()
@@ -220,32 +217,26 @@ class Dispatcher:
         self._fingerprints.clear()
         self.generation += 1
 
-    def choose(self, key: TableKey, device: torch.device | str | None = None, *,
-               table: str | os.PathLike | None = None, env: str | None | object = _READ_ENV) -> Choice:
-        """The backend and config to run `key` with on `device`.
+    def table_choice(self, key: TableKey, device: torch.device | str | None = None, *,
+                     table: str | os.PathLike | None = None, env: str | None | object = _READ_ENV) -> Choice | None:
+        """The table entry's backend and config to run `key` with on `device`, None where no
+        table has a current entry near it (`dmattn_bench.tiles.choose` then takes the default).
 
         Args:
             key: the shape key (buckets from `space.seqlen_bucket`).
             device: where the call runs (None: the current CUDA device, else the CPU interpreter).
             table: a table file that takes precedence over every other source for this call.
-            env: the value of DMATTN_BENCH_TABLE when the caller already read it (a call that
-                chooses for both directions reads the environment once; it costs ~2 µs).
+            env: the value of DMATTN_BENCH_TABLE when the caller already read it.
 
-        Returns:
-            the Choice; its source says which table (or "default") it came from.
-
-        Raises:
-            ValueError: only for a head_dim no default covers; never because of a table.
+        Never raises because of a table.
         """
         requested = os.fspath(table) if table is not None else self._explicit
         if env is _READ_ENV:
             env = os.environ.get(ENV_VAR)
         memo = (requested, env or None, device, key)
-        choice = self._choices.get(memo)
-        if choice is None:
-            choice = self._choose(key, device, requested, memo[1])
-            self._choices[memo] = choice
-        return choice
+        if memo not in self._choices:
+            self._choices[memo] = self._table_choice(key, device, requested, memo[1])
+        return self._choices[memo]
 
     def active_table(self, device: torch.device | str | None = None) -> str | None:
         """The table a call would consult first on `device` (None: the defaults only)."""
@@ -274,7 +265,7 @@ class Dispatcher:
             fingerprint = self._fingerprints[device] = device_fingerprint(device)
         return fingerprint
 
-    def _choose(self, key: TableKey, device, requested: str | None, env: str | None) -> Choice:
+    def _table_choice(self, key: TableKey, device, requested: str | None, env: str | None) -> Choice | None:
         local = self._fingerprint(device)
         for path, must_exist in self._sources(local, requested, env):
             if not must_exist and not os.path.exists(path):
@@ -284,18 +275,9 @@ class Dispatcher:
                 continue
             entry = table_entry(key, usable.by_category, lambda e: self._is_current(path, usable, e))
             if entry is None:
-                break  # the chosen table has nothing current near this key: the default
+                return None  # the chosen table has nothing current near this key: the default
             return Choice(entry.backend, entry.config, f"table:{path}")
-        return self._default(key, device)
-
-    @staticmethod
-    def _default(key: TableKey, device) -> Choice:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if key.direction == "decode":
-            return Choice(DEFAULT_BACKEND, decode_config(key.head_dim, device), "default")
-        fwd, bwd = default_configs(key.head_dim, device, dtype=key.dtype, bias=key.bias)
-        return Choice(DEFAULT_BACKEND, fwd if key.direction == "fwd" else bwd, "default")
+        return None
 
     def _usable(self, path: str, local: DeviceFingerprint) -> _Usable | None:
         """The table at `path` if it can be used here, else None after warning once."""
@@ -358,17 +340,17 @@ class Dispatcher:
             if (path, reason) in self._warned:
                 return
             self._warned.add((path, reason))
-        # stacklevel 5: _warn, _usable (or _is_current), _choose, Dispatcher.choose, then the caller of choose().
+        # stacklevel 5: _warn, _usable (or _is_current), _table_choice, Dispatcher.table_choice, then its caller.
         warnings.warn(message, DispatchWarning, stacklevel=5)
 
 
 DISPATCHER = Dispatcher()
 
 
-def choose(key: TableKey, device: torch.device | str | None = None, *,
-           table: str | os.PathLike | None = None, env: str | None | object = _READ_ENV) -> Choice:
-    """`DISPATCHER.choose`: the backend and config for `key` on `device`."""
-    return DISPATCHER.choose(key, device, table=table, env=env)
+def table_choice(key: TableKey, device: torch.device | str | None = None, *,
+                 table: str | os.PathLike | None = None, env: str | None | object = _READ_ENV) -> Choice | None:
+    """`DISPATCHER.table_choice`: the table entry's backend and config for `key` on `device`."""
+    return DISPATCHER.table_choice(key, device, table=table, env=env)
 
 
 def use_table(path: str | os.PathLike | None) -> None:

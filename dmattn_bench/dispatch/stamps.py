@@ -94,7 +94,7 @@ def _meta(shape, dtype) -> torch.Tensor | None:
 def _plan(backend, key: TableKey, config, call: Call, num_sms: int, programs: list) -> None:
     """Builds (and, for a backend that plans per call, runs in compile-only mode) the plan of one
     call of `key` on data-less tensors; within `planning_for` it records its `programs`."""
-    from dmattn_kernels.triton.launch import compile_only
+    from dmattn_kernels.runtime.launch_context import compile_only
 
     dtype = DTYPES[key.dtype]
     heads, seqlen_q, dim = HEADS_KV * key.gqa_ratio, key.seqlen_q_bucket, key.head_dim

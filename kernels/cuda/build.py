@@ -1,7 +1,7 @@
 """Builds the CUDA kernels on first use: nvcc -> cubin, cached on disk.
 
 Toolchain: `nvcc -cubin` of one .cu file per (direction, arch, config, feature flags), loaded through the
-CUDA driver API (ctypes on libcuda, see `launch.py`). Each build is one nvcc process (about 1.6 s
+CUDA driver API (ctypes on libcuda, see `driver.py`). Each build is one nvcc process (about 1.6 s
 for the forward on a 2-core CPU), so a search space compiles in parallel processes, and no
 Python extension is built: torch's cpp_extension would compile torch's headers into every
 variant and take tens of seconds each.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent
 # each includes common.cuh; "fwd_ws" and "bwd_ws" are the SM90 warp-specialized kernels
-# (launch.forward_kernel, launch.backward_kernel)
+# (rules.forward_kernel, rules.backward_kernel)
 SOURCES = {"fwd": KERNEL_DIR / "flash_fwd.cu", "fwd_ws": KERNEL_DIR / "flash_fwd_ws.cu", "bwd": KERNEL_DIR / "flash_bwd.cu",
            "bwd_ws": KERNEL_DIR / "flash_bwd_ws.cu"}
 # sm_90a, not sm_90: wgmma is an arch-specific feature (the "a" target), and such a cubin loads

@@ -17,7 +17,7 @@ typedef float dbias_t;
 typedef elem_t dbias_t;
 #endif
 
-struct BwdParams {  // `dmattn_kernels.cuda.launch._BwdParams` mirrors it
+struct BwdParams {  // `dmattn_kernels.cuda.params.BwdParams` mirrors it
   Inputs in;
   const elem_t* out;
   const elem_t* dout;

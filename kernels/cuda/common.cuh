@@ -205,7 +205,7 @@ __device__ __forceinline__ void mma_ab(float (&acc)[BLOCK_D / 8][4], const uint3
 #endif
 
 // The start of a kernel's dynamic shared memory as tiles: wgmma's swizzle atoms start on
-// 1024-byte boundaries (launch.py reserves the slack).
+// 1024-byte boundaries (shared_memory.py reserves the slack).
 __device__ __forceinline__ elem_t* shared_tiles(unsigned char* raw) {
 #if WGMMA
   return reinterpret_cast<elem_t*>(raw + (-shared_address(raw) & (SWIZZLE_ATOM - 1)));
@@ -254,7 +254,7 @@ __device__ __forceinline__ void load_tile(elem_t* dst, const elem_t* base, int64
 }
 
 // What both directions read: q (B, Lq, H, D), k and v (B, Lk, Hkv, D) with a contiguous head
-// dim, and mask and bias as 4-D broadcast views. `dmattn_kernels.cuda.launch._Inputs` mirrors it.
+// dim, and mask and bias as 4-D broadcast views. `dmattn_kernels.cuda.params.Inputs` mirrors it.
 struct Inputs {
   const elem_t* q;
   const elem_t* k;

@@ -35,7 +35,7 @@
 // dmattn_bwd_ws_delta_kernel computes delta and zeroes the counters before, and
 // dmattn_bwd_ws_dq_kernel scales the sums into dQ after.
 //
-// Mask and bias (MASK_TILES, BIAS_TILES; launch.py picks as the operands' layouts allow):
+// Mask and bias (MASK_TILES, BIAS_TILES; variants.py picks as the operands' layouts allow):
 //   1, a tile of rows: the producer stages each query tile's BLOCK_M x BLOCK_N tile by TMA
 //     (keys contiguous, a 16-bit bias) in a ring of SCORE_STAGES slots beside the Q and dO ring,
 //     released once P is taken. A consumer's fragment is S^T's, so the bias comes by ldmatrix
@@ -65,7 +65,7 @@
 //
 // Layouts: TMA writes each 64-column block of a tile as 128-byte rows in the 128-byte swizzle
 // (sm90.cuh); rows past Lq or Lk and columns past HEAD_DIM arrive as zeros. The maps
-// (`dmattn_kernels.cuda.launch`, per call) describe q and dO as (D, Lq, H, B), k and v as
+// (`dmattn_kernels.cuda.backward`, per call) describe q and dO as (D, Lq, H, B), k and v as
 // (D, Lk, Hkv, B), with boxes of 64 columns by BLOCK_M or BLOCK_N rows. A dQ share is stored in
 // fragment order: pair (d, r) of consumer thread c at float2 (2 d + r) x consumer threads + c,
 // so each warp's store fills 256 contiguous bytes (the dQ kernel reads rows and columns back).
@@ -107,7 +107,7 @@ constexpr int SCORE_SLOTS = SCORE_TILES ? SCORE_STAGES : 1;  // barrier arrays n
 // all of a step's positions and selected, with no branch per position
 constexpr bool SCORES_AT_HAND = (!HAS_MASK || MASK_TILES != 0) && (!HAS_BIAS || BIAS_TILES != 0);
 
-struct BwdWsParams {  // `dmattn_kernels.cuda.launch._BwdWsParams` mirrors it
+struct BwdWsParams {  // `dmattn_kernels.cuda.params.BwdWsParams` mirrors it
   CUtensorMap q_map, k_map, v_map, do_map;
   CUtensorMap mask_map, bias_map, dbias_map;  // only where staged (MASK_TILES, BIAS_TILES 1) or DBIAS_TMA
   BwdParams bwd;

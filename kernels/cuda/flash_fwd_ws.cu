@@ -57,7 +57,7 @@
 //
 // Mask and bias (MASK_TILES, BIAS_TILES): an operand with keys contiguous (a mask, a 16-bit bias)
 // is staged too, in a ring of SCORE_STAGES slots (one or two: what fits beside the K and V rings;
-// launch.py picks), released as soon as the scores are taken, before the softmax. A slot holds
+// variants.py picks), released as soon as the scores are taken, before the softmax. A slot holds
 // the BLOCK_M x BLOCK_N tile of an operand with a row per query (TILES 1), or the one row of
 // BLOCK_N keys of an operand without a query dim (TILES 2: a padding mask, a per-key bias).
 // Other layouts (an fp32 bias, a mask with strides TMA cannot take) are read from global
@@ -70,7 +70,7 @@
 // Layouts: TMA writes each 64-column block of a tile as rows of 128 bytes in the 128-byte
 // swizzle, the layout sm90.cuh's descriptors read. Rows past Lq or Lk and columns past HEAD_DIM
 // are outside the tensor maps and arrive as zeros, never read from memory. The maps
-// (`dmattn_kernels.cuda.launch`, per call) describe q as (D, Lq, H, B) and k, v as
+// (`dmattn_kernels.cuda.forward`, per call) describe q as (D, Lq, H, B) and k, v as
 // (D, Lk, Hkv, B), fastest dim first, with boxes of 64 columns by BLOCK_M or BLOCK_N rows.
 //
 // Compile-time parameters: those of common.cuh (WGMMA = 1), BLOCK_M, BLOCK_N, SCORE_STAGES,
@@ -121,7 +121,7 @@ constexpr uint32_t KV_BYTES = BLOCK_N * BLOCK_D * sizeof(elem_t);
 constexpr uint32_t SCORE_BYTES = (MASK_ROWS + BIAS_ROWS * sizeof(elem_t)) * BLOCK_N;
 constexpr int SCORE_SLOTS = SCORE_TILES ? SCORE_STAGES : 1;  // barrier arrays need a size
 
-struct WsParams {  // `dmattn_kernels.cuda.launch._WsParams` mirrors it (`_PersistentWsParams` with FWD_PERSISTENT)
+struct WsParams {  // `dmattn_kernels.cuda.params.WsParams` mirrors it (`PersistentWsParams` with FWD_PERSISTENT)
   CUtensorMap q_map, k_map, v_map, mask_map, bias_map;  // mask_map, bias_map: only where staged
   FwdParams fwd;
   int section_slices;  // the launch order's sections (below)

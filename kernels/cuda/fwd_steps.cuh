@@ -11,7 +11,7 @@
 
 #include "common.cuh"
 
-struct FwdParams {  // `dmattn_kernels.cuda.launch._FwdParams` mirrors it
+struct FwdParams {  // `dmattn_kernels.cuda.params.FwdParams` mirrors it
   Inputs in;
   elem_t* out;
   float* lse;

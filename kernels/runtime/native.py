@@ -236,7 +236,7 @@ def _descriptor_encoder(launch, sources: list[tuple[int, int, int]]):
 
 
 def kernel_spec(launch, sources: list[tuple[int, int, int]]) -> tuple | None:
-    """`native_launch.cpp`'s description of one compiled `launch.py._Launch` whose tensor
+    """`native_launch.cpp`'s description of one compiled `launching.Launch` whose tensor
     arguments come from `sources` (`given`, `allocated`); None where the kernel cannot go native
     (module docstring)."""
     from dmattn_kernels.triton.handles import DirectLaunch
@@ -309,7 +309,7 @@ def structure_spec(function: int, grid: tuple[int, ...], threads: int, shared: i
 
 def program(device: torch.device, num_inputs: int, allocations: list, views: list, kernels: list,
             returns: tuple) -> Program | None:
-    """A `Program` of Triton `kernels` ((`launch.py._Launch`, its tensors' sources) in launch
+    """A `Program` of Triton `kernels` ((`launching.Launch`, its tensors' sources) in launch
     order) with `allocations` ((shape, dtype) each), `views` ((allocation, element offset, shape,
     dtype): a contiguous view) and `returns` (indices into allocations then views, -1 for None);
     None where the module is off or a kernel cannot go native."""

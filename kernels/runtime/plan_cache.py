@@ -1,4 +1,5 @@
-"""Plans by signature: the runtime's call plans (`dmattn_bench.plan`) and the launchers' own."""
+"""Plans by signature: the runtime's call plans (`dmattn_bench.plan`) and the launchers' own, and
+the tensors' part of a signature."""
 
 from __future__ import annotations
 
@@ -36,3 +37,9 @@ class PlanCache:
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
+
+
+def python_tensor_layouts(*tensors) -> tuple:
+    """The tensors' part of a plan key: each one's shape, strides, dtype, device and 16-byte
+    alignment (None for an absent one). Raises AttributeError on a non-tensor."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors)

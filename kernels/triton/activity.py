@@ -64,7 +64,7 @@ def tile_activity_kernel(
 ):
     """Writes every cell of `active` (no zero-filled output needed).
 
-    WORDS: the mask rows are contiguous and WORD-byte aligned (`layouts.mask_words_readable`), so
+    WORDS: the mask rows are contiguous and WORD-byte aligned (`operands.words_readable`), so
     an interior tile is read as int64 words of WORD (8) mask bytes: a word is nonzero iff one of
     its bytes is. Tiles that cross Lq, Lk or the causal diagonal test each byte (`visible_tile`)."""
     tl.static_assert(BLOCK_M % CELL == 0 and BLOCK_N % CELL == 0 and CELL % WORD == 0 and WORD == 8)
@@ -124,7 +124,7 @@ def block_list_row(
     LIST_CELLS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """One row of `launch.block_lists`: the tiles one program of an attention kernel visits.
+    """One row of `schedule.block_lists`: the tiles one program of an attention kernel visits.
 
     The program's own tile spans OWN_CELLS cells along its axis (query cells for a query-major
     list, key cells for a key-major one); the listed tiles span LIST_CELLS cells along the other

@@ -185,7 +185,7 @@ def scores_tile(
 def listed_block(blocks, i, num_blocks, HAS_MASK: tl.constexpr):
     """The i-th tile index a loop visits (0 for i >= num_blocks, a prefetch past the end).
 
-    With a mask, `blocks` points at one row of `launch.block_lists`: [count, index_0, index_1,
+    With a mask, `blocks` points at one row of `schedule.block_lists`: [count, index_0, index_1,
     ...], the tiles that hold a visible position, increasing. Without one every tile in the loop
     bounds is visited and the index is `i` itself.
     """
@@ -218,7 +218,7 @@ def key_tiles(blocks_ptr, list_offset, pid_m, seqlen_q, seqlen_k, BLOCK_M: tl.co
               IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
     """The key tiles query block `pid_m` visits, as (blocks, count) for `listed_block`.
 
-    With a mask: the block-list row at `blocks_ptr + list_offset` (`launch.block_lists`).
+    With a mask: the block-list row at `blocks_ptr + list_offset` (`schedule.block_lists`).
     Without one: every tile up to Lk or, causal, up to the diagonal of the block's last row.
     """
     if HAS_MASK:

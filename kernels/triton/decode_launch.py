@@ -1,5 +1,5 @@
 """Launcher of the short-query forward (`flash_decode.py`): a plan per call signature, as
-`launch.ForwardPlan`, for the calls `dmattn_bench.plan` sends it: few query rows
+`forward.ForwardPlan`, for the calls `dmattn_bench.plan` sends it: few query rows
 (`space.MAX_DECODE_QUERIES`), no gradient.
 
 One launch when the keys take one split (the kernel writes out and lse), else the split kernel
@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from dmattn_kernels.runtime import native
 from dmattn_kernels.configs import MAX_SPLITS, DecodeConfig
-from dmattn_kernels.triton import launch
+from dmattn_kernels.runtime import launch_context, native
+from dmattn_kernels.runtime.launch_context import launch_stream
+from dmattn_kernels.runtime.operands import broadcast_layout, contiguous_strides
 from dmattn_kernels.triton.flash_decode import decode_combine_kernel, decode_mask_span_kernel, flash_decode_kernel
-from dmattn_kernels.triton.launch import _Launch, _Workspace, head_block, launch_stream
-from dmattn_kernels.triton.layouts import broadcast_layout, contiguous_strides
+from dmattn_kernels.triton.launching import Launch, Workspace
+from dmattn_kernels.triton.layouts import head_block
 
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64  # packed rows per program: tl.dot's minimum, and a tile that stays in registers
 # The split count when a config leaves it to the plan: SPLIT_WAVES programs per SM, at most
@@ -62,7 +63,8 @@ def page_tile(block_n: int, page_size: int) -> int:
 class DecodePlan:
     """A short-query forward for one signature; `plan(q, k, v, mask, bias, seqlens, block_table,
     out, lse)` runs it. `num_sms`: the GPU's SM count (splits chosen for it when the config leaves
-    them to the plan). With a `block_table`, k and v are a paged cache (`flash_decode.py`)."""
+    them to the plan). With a `block_table`, k and v are a paged cache (`flash_decode.py`). The
+    mask and bias come as the caller passed them (up to 4 dims, as `forward.ForwardPlan`'s)."""
 
     def __init__(self, q, k, v, mask, bias, seqlens, block_table, *, is_causal: bool, softmax_scale: float,
                  softcap: float, config: DecodeConfig, out: torch.Tensor, lse: torch.Tensor, num_sms: int):
@@ -79,8 +81,10 @@ class DecodePlan:
         row_blocks = triton.cdiv(rows, block_m)
         key_tiles = triton.cdiv(seqlen_k, block_n)
         self.device = q.device
-        mask_strides, mask_head_div = broadcast_layout(mask, num_heads, group)
-        bias_strides, bias_head_div = broadcast_layout(bias, num_heads, group)
+        mask_strides, mask_head_div = broadcast_layout(None if mask is None else (mask.shape, mask.stride()),
+                                                       num_heads, group)
+        bias_strides, bias_head_div = broadcast_layout(None if bias is None else (bias.shape, bias.stride()),
+                                                       num_heads, group)
         # a program's rows (one KV group's heads, every query) share an operand's row when it has no
         # query dim and one head per group (or none)
         mask_shared, bias_shared = (strides[2] == 0 and (strides[1] == 0 or head_div == group)
@@ -108,15 +112,15 @@ class DecodePlan:
             partial_out, partial_lse = (self.splits, *out.shape), (self.splits, *lse.shape)
             out_strides, lse_strides = contiguous_strides(partial_out), contiguous_strides(partial_lse)
             outputs.update(partial_out=(partial_out, torch.float32), partial_lse=(partial_lse, torch.float32))
-        self.outputs = _Workspace(outputs)
+        self.outputs = Workspace(outputs)
         self.spans = None
         if mask_spans:
-            self.spans = _Launch(
+            self.spans = Launch(
                 decode_mask_span_kernel, (batch * num_heads_kv, span_chunks),
                 (mask_strides[0], mask_strides[1], mask_strides[3], num_heads_kv, seqlen_k, mask_head_div, span_chunks),
                 dict(GROUP=group, CHUNK=MASK_SPAN_CHUNK), num_warps=SPAN_NUM_WARPS,
             )
-        self.decode = _Launch(
+        self.decode = Launch(
             flash_decode_kernel, (self.splits, batch * num_heads_kv, row_blocks),
             (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out_strides, *lse_strides,
              *((0, 0) if block_table is None else (block_table.stride(0), k.shape[0])),
@@ -132,7 +136,7 @@ class DecodePlan:
         )
         self.combine = None
         if self.splits > 1:
-            self.combine = _Launch(
+            self.combine = Launch(
                 decode_combine_kernel, (batch * seqlen_q * num_heads,),
                 (*out_strides, *lse_strides, *out.stride(), *lse.stride(), num_heads, seqlen_q, self.splits),
                 dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(self.splits)),
@@ -154,7 +158,7 @@ class DecodePlan:
         would keep the partials alive)."""
         stream = launch_stream()
         program = self.native.get(keep_lse)
-        if program is not None and stream is not None and not launch.LAUNCH_OBSERVERS:
+        if program is not None and stream is not None and not launch_context.LAUNCH_OBSERVERS:
             return program(stream, q, k, v, mask, bias, seqlens, block_table)
         out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.out_dtype,
                                                                        device=q.device)
@@ -165,7 +169,7 @@ class DecodePlan:
             self.native[keep_lse] = self._native_program(q.device, mask, bias, seqlens, block_table, keep_lse)
         return out, lse
 
-    def _launches(self) -> list[_Launch]:
+    def _launches(self) -> list[Launch]:
         return [launch for launch in (self.spans, self.decode, self.combine) if launch is not None]
 
     def _native_program(self, device, mask, bias, seqlens, block_table, keep_lse: bool):
@@ -192,7 +196,8 @@ class DecodePlan:
         if self.combine is None:
             kernels.append((self.decode, [q, k, v, *extra, spans, out, lse]))
         else:
-            partial_out, partial_lse = (native.allocated(scratch, offset[name]) for name in ("partial_out", "partial_lse"))
+            partial_out, partial_lse = (native.allocated(scratch, offset[name])
+                                        for name in ("partial_out", "partial_lse"))
             kernels += [(self.decode, [q, k, v, *extra, spans, partial_out, partial_lse]),
                         (self.combine, [partial_out, partial_lse, out, lse])]
         return native.program(device, 7, allocations, views, kernels, returns)

@@ -41,7 +41,7 @@ element is written: the tiles a key block skips get zeros, so no buffer is zero-
 `grad_reduce_kernel` sums the remaining broadcast dims (and, in the same launch, the GQA shares).
 
 Skipped work: with a mask both kernels walk only the tiles the activity summary lists
-(`activity.py`, `launch.block_lists`); in group mode that is the union of the group's lists, and
+(`activity.py`, `schedule.block_lists`); in group mode that is the union of the group's lists, and
 each tile still applies its own query head's mask. Tiles wholly inside the bounds and the causal
 rule (interior) skip those tests, as in the forward: the dK/dV kernel always, the dQ kernel
 without a mask (see each for the measurements).
@@ -486,7 +486,7 @@ def flash_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     if HAS_MASK:
-        # the active query tiles of this key block (key-major `launch.block_lists`)
+        # the active query tiles of this key block (key-major `schedule.block_lists`)
         # (group mode: the union over the group's query heads, one list per kv head)
         list_head = h_first // mask_head_div if HEADS_PER_PROGRAM == 1 else slot
         blocks = blocks_ptr + b * stride_blb + list_head * stride_blh + pid_n * stride_bln
@@ -563,7 +563,7 @@ def flash_bwd_dkdv_kernel(
         else:
             zeros_t = tl.zeros([BLOCK_N], dtype=tl.float32)
         if HAS_MASK:
-            # the list row continues past its count with the skipped tiles (`launch.block_lists`)
+            # the list row continues past its count with the skipped tiles (`schedule.block_lists`)
             num_skipped = tl.cdiv(seqlen_q, BLOCK_M) - num_blocks
         else:
             num_skipped = m_first

@@ -1,58 +1,63 @@
-"""Operand layouts: how a launcher hands a mask, a bias or a scratch buffer to a kernel. The one
-normaliser of broadcast strides and head divisors, shared by the Triton and CUDA launchers.
-
-A mask or bias arrives as a 4-D view (B|1, H|Hkv|1, Lq|1, Lk|1); a size-1 dim is read with
-stride 0, whatever stride the view carries there.
+"""What the Triton plans read of a call's operands (`CallLayout`): sizes, the GQA group, the lanes a
+tile spans over the head dim (`head_block`), and the mask's and bias's layouts as the shared
+operand normaliser gives them (`dmattn_kernels.runtime.operands`), from shapes and strides only.
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from typing import Sequence
+
 import triton
 
-from dmattn_kernels.triton.activity import CELL, WORD_BYTES
+from dmattn_kernels.runtime.operands import Geometry, broadcast_layout, padded_shape
+from dmattn_kernels.triton.activity import CELL
+
+MIN_BLOCK = CELL  # tl.dot needs every tile dim >= 16; the activity cells are that size
 
 
-def zero_size1_strides(t: torch.Tensor | None) -> tuple[int, ...]:
-    """`t`'s strides with 0 on its size-1 dims; four 0s for no tensor."""
-    if t is None:
-        return (0, 0, 0, 0)
-    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+def head_block(head_dim: int) -> int:
+    """The power-of-two lane count covering `head_dim` (masked lanes handle the rest)."""
+    return max(MIN_BLOCK, triton.next_power_of_2(head_dim))
 
 
-def contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+@dataclasses.dataclass(frozen=True)
+class CallLayout:
+    """What a Triton plan reads of a call's q, k, mask and bias: its sizes, the GQA group, the head
+    dim's lanes (`head_block`), the mask's 4-D shape, and the mask's and bias's strides and head
+    divisors (`operands.broadcast_layout`)."""
+
+    batch: int  # q's (B, Lq, H, D), then k's (Lk, Hkv)
+    seqlen_q: int
+    num_heads: int
+    head_dim: int
+    seqlen_k: int
+    num_heads_kv: int
+    group: int
+    block_d: int
+    mask_shape: tuple[int, ...] | None  # (B|1, H|Hkv|1, Lq|1, Lk|1); None without a mask
+    mask_strides: tuple[int, ...]
+    mask_head_div: int
+    bias_strides: tuple[int, ...]
+    bias_head_div: int
+    bias_per_key: bool  # the kernels read the bias as one value per key (`common.load_bias`)
+
+    @classmethod
+    def of(cls, q_shape: Sequence[int], k_shape: Sequence[int], mask: Geometry | None,
+           bias: Geometry | None) -> CallLayout:
+        """The layout of a call of q and k of these shapes and a mask and bias of these
+        geometries ((shape, strides) as the caller passed them; None: no operand)."""
+        batch, seqlen_q, num_heads, head_dim = q_shape
+        seqlen_k, num_heads_kv = k_shape[1], k_shape[2]
+        group = num_heads // num_heads_kv
+        mask_strides, mask_head_div = broadcast_layout(mask, num_heads, group)
+        bias_strides, bias_head_div = broadcast_layout(bias, num_heads, group)
+        return cls(batch, seqlen_q, num_heads, head_dim, seqlen_k, num_heads_kv, group, head_block(head_dim),
+                   None if mask is None else padded_shape(mask[0]), mask_strides, mask_head_div, bias_strides,
+                   bias_head_div, bias is not None and bias_strides[2] == 0)
 
 
-def broadcast_layout(t: torch.Tensor | None, num_heads: int, group: int) -> tuple[tuple[int, ...], int]:
-    """4 strides (0 on size-1 dims) and head divisor of a broadcast mask/bias view.
-
-    A head dim of H maps query head h to slice h; of Hkv (when H != Hkv) to slice h // group.
-    """
-    if t is None:
-        return (0, 0, 0, 0), 1
-    head_div = group if (t.shape[1] != num_heads and t.shape[1] != 1) else 1
-    return zero_size1_strides(t), head_div
-
-
-def bias_per_key(strides: tuple[int, ...], bias: torch.Tensor | None) -> bool:
-    """Whether the kernels read the bias as one value per key (`common.load_bias`): its query
-    dim broadcasts (stride 0 in the (batch, head, query, key) `strides` of `broadcast_layout`)."""
-    return bias is not None and strides[2] == 0
-
-
-def mask_words_readable(mask: torch.Tensor) -> bool:
-    """Whether `tile_activity_kernel` may read the mask's interior tiles as int64 words: its key
-    dim is contiguous and every row starts 8-byte aligned (broadcast dims have stride 0)."""
-    strides = zero_size1_strides(mask)
-    return (strides[3] == 1 and mask.element_size() == 1 and mask.data_ptr() % WORD_BYTES == 0
-            and all(stride % WORD_BYTES == 0 for stride in strides[:3]))
-
-
-def activity_shape(mask_shape, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int, int]:
-    """Shape of `tile_activity`'s summary for a 4-D mask of `mask_shape`."""
-    return (mask_shape[0], mask_shape[1], triton.cdiv(seqlen_q, CELL), triton.cdiv(seqlen_k, CELL))
+def activity_shape(mask_shape: Sequence[int], seqlen_q: int, seqlen_k: int) -> tuple[int, int, int, int]:
+    """Shape of `tile_activity`'s summary for a mask of `mask_shape` (up to 4 dims)."""
+    batch, heads = padded_shape(mask_shape)[:2]
+    return (batch, heads, triton.cdiv(seqlen_q, CELL), triton.cdiv(seqlen_k, CELL))

@@ -34,18 +34,20 @@ from typing import Callable
 
 import torch
 
-from dmattn_bench.adversarial import specialization_class
+from dmattn_bench import tiles
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint, local_limits
-from dmattn_bench.journal import Journal, suite_id, trial_id
-from dmattn_bench.prune import precheck
-from dmattn_bench.registry import decode_config, default_configs, get_backend, kernel_source_hash
+from dmattn_bench.registry import get_backend, kernel_source_hash
 from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey, config_label
-from dmattn_bench.trials import (PROBLEM_FAILED, STAGES, Trial, measure_job, problem_job, ready_job,
+from dmattn_bench.tiles import decode_config, default_configs
+from dmattn_bench.tuning.adversarial import specialization_class
+from dmattn_bench.tuning.journal import Journal, suite_id, trial_id
+from dmattn_bench.tuning.prune import precheck
+from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, Trial, measure_job, problem_job, ready_job,
                                  shape_of_workload, suite_case_job, suite_cases, suite_job, suite_verdict, warm_job)
-from dmattn_bench.validator import CaseResult, shape_of_case
-from dmattn_bench.workers import PoolStats, Worker, WorkerCrashed, WorkerTimedOut, parallel_map
-from dmattn_bench.workloads import Workload
+from dmattn_bench.tuning.validator import CaseResult, shape_of_case
+from dmattn_bench.tuning.workers import PoolStats, Worker, WorkerCrashed, WorkerTimedOut, parallel_map
+from dmattn_bench.tuning.workloads import Workload
 
 DEFAULT_TRIAL_TIMEOUT_S = 300.0  # also the bound on building a workload's inputs and references
 DEFAULT_SUITE_TIMEOUT_S = 1800.0  # one adversarial suite: ~20-35 cases, each a new compile
@@ -118,13 +120,11 @@ def candidate_list(direction: str, space: list, workload: Workload, device, back
 
 
 def current_choice_regret(key: TableKey, ranked: list, best: list, backend_name: str, device) -> dict:
-    """What a call of `key` runs today (`dispatch.choose`: a table entry, else the default), and its
+    """What a call of `key` runs today (`tiles.choose`: a table entry, else the default), and its
     regret against this tune's winner (`best`, its trial per workload): the geometric mean over
     the key's workloads of its time over the winner's. `regret` is None when this tune did not
     time that choice (another backend, a config outside the space, or one that failed)."""
-    from dmattn_bench import dispatch  # imported here: dispatch imports the registry, as this module does
-
-    choice = dispatch.choose(key, device)
+    choice = tiles.choose(key, device)
     current = {"source": choice.source.split(":", 1)[0], "backend": choice.backend,
                "config": config_label(choice.config), "regret": None}
     runs = next((runs for config, runs in ranked if config == choice.config), None)

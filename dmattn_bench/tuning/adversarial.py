@@ -149,7 +149,7 @@ def specialization_class(case: Case, dtype: str) -> tuple:
     costs a wait and a compile of its own, never a wrong kernel."""
     def strides(shape, broadcast: bool = False) -> list[int]:
         """Contiguous strides of `shape` but the last (1); a broadcast operand's size-1 dims are
-        launched with stride 0 (`layouts.zero_size1_strides`) and drop out."""
+        launched with stride 0 (`operands.broadcast_strides`) and drop out."""
         return [math.prod(shape[dim + 1:]) for dim in range(len(shape) - 1) if shape[dim] > 1 or not broadcast]
 
     b, h, hkv, lq, lk, d = case.batch, case.heads, case.heads_kv, case.seqlen_q, case.seqlen_k, case.head_dim

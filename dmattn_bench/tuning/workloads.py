@@ -14,9 +14,9 @@ import itertools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dmattn_bench.adversarial import MASK_SHAPE_OF_KIND, Case
 from dmattn_bench.space import (DTYPES, MAX_DECODE_QUERIES, OPERAND_KINDS, TableKey, is_valid_head_dim, load_yaml,
                                 operand_kind, seqlen_bucket)
+from dmattn_bench.tuning.adversarial import MASK_SHAPE_OF_KIND, Case
 
 _BIAS_KINDS = ("none", "full", "kv_head", "per_key")
 GRID_KEYS = {"tokens", "heads", "head_dim", "seqlen", "causal", "gqa_ratio", "variants", "dtype"}

@@ -2,7 +2,7 @@
 
 For each workload of `configs/workloads/peers.yaml` (prefill: forward and forward+backward) or
 `peers-decode.yaml` (decode steps: forward only, no gradient) and each peer
-(`dmattn_bench.peers`), every direction is timed with `timing.time_kernel` (warm-up, L2 flushed,
+(`dmattn_bench.bench.peers`), every direction is timed with `timing.time_kernel` (warm-up, L2 flushed,
 median and spread) and `timing.eager_wall_ms`. Reported per row:
 
 - ms (median, p20-p80 spread) of GPU time, and beside it the host's own time to enqueue one call
@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 
 from dmattn_bench import hardware, output
-from dmattn_bench.adversarial import paged_cache
-from dmattn_bench.peers import OURS, OURS_PEERS, PEERS, BenchInputs, DecodeOperands, Prepared, unavailable_reason
+from dmattn_bench.bench.peers import OURS, OURS_PEERS, PEERS, BenchInputs, DecodeOperands, Prepared, unavailable_reason
+from dmattn_bench.bench.timing import eager_wall_ms, time_kernel
 from dmattn_bench.reference import PAGE_MULTIPLE, attention
 from dmattn_bench.space import DTYPES, MAX_DECODE_QUERIES, is_valid_head_dim, load_yaml
-from dmattn_bench.timing import eager_wall_ms, time_kernel
-from dmattn_bench.validator import TensorCheck, compare
-from dmattn_bench.workloads import Workload, positive_int, reject_table
+from dmattn_bench.tuning.adversarial import paged_cache
+from dmattn_bench.tuning.validator import TensorCheck, compare
+from dmattn_bench.tuning.workloads import Workload, positive_int, reject_table
 
 DIRECTIONS = ("fwd", "fwd+bwd")
 _MASK_KINDS = ("full", "kv_head")

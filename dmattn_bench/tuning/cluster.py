@@ -23,7 +23,7 @@ import os
 from typing import Callable
 
 from dmattn_bench.errors import DmattnError
-from dmattn_bench.workers import WorkerCrashed, WorkerTimedOut
+from dmattn_bench.tuning.workers import WorkerCrashed, WorkerTimedOut
 
 FORWARDED_ENV_PREFIXES = ("DMATTN_", "PYTHONPATH")  # plugins and fault injection reach the actors
 # How long an actor may wait for a GPU and start before the tune gives up on the cluster. Kept

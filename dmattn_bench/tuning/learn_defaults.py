@@ -1,4 +1,4 @@
-"""Default tile configs learned from the committed trial journals: the config with the lowest
+"""Learning default tile configs from trial journals: the config with the lowest
 selection regret across the tuned shapes, per arch family, direction, head-dim class and whether
 the bias has rows (`space.bias_has_rows`). The 16-bit dtypes share a group: the kernels are the
 same and Hopper's tensor cores run bf16 and fp16 at one rate, so a dtype tuned on fewer shapes
@@ -11,9 +11,10 @@ full adversarial suite on the current kernels qualify (the entries of a validate
 the winner has the lowest geometric-mean regret, ties going to the lower worst regret.
 
 `configs/defaults.yaml` holds the result with its evidence (shapes, geometric-mean and worst
-regret, the heuristic default's figures on the same shapes, the journals); it is written by
-`python benchmarks/learn_defaults.py` and read by `registry.default_configs`. A group the
-journals do not cover keeps the heuristic default of `registry`.
+regret, the heuristic default's figures on the same shapes, the journals); `build` makes it and
+`python -m benchmarks learn-defaults` writes it, offline, from the journals it is given. The
+runtime reads it in `dmattn_bench.tiles`; a group the journals do not cover keeps the heuristic
+default there.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
-from dmattn_bench.dispatch.table import load_table
-from dmattn_bench.space import CONFIGS_DIR, BwdConfig, FwdConfig, bias_has_rows, load_yaml
+import yaml
 
-DEFAULTS_FILE = CONFIGS_DIR / "defaults.yaml"
+from dmattn_bench.dispatch.table import load_table
+from dmattn_bench.space import BwdConfig, FwdConfig, bias_has_rows
+from dmattn_bench.tiles import GPU_DEFAULTS
+
 POOLED_DTYPES = ("bf16", "fp16")  # the journals' kernel dtypes; each group's default serves both
 HEAD_DIM_CLASSES = (64, 128, 256)  # a class holds the head dims above the previous bound up to its own
 _CONFIG_CLASSES = {"fwd": FwdConfig, "bwd": BwdConfig}
@@ -96,7 +98,7 @@ def read_journal_times(journals: list[Path], backend: str = "triton") -> dict[tu
     for name, trial, config in timed_trials(journals, backend):
         key = trial["key"]
         if key["dtype"] not in POOLED_DTYPES or key["direction"] not in _CONFIG_CLASSES:
-            continue  # the short-query forward has its own defaults (`registry.DECODE_DEFAULTS`)
+            continue  # the short-query forward has its own defaults (`tiles.DECODE_DEFAULTS`)
         groups.setdefault(group_of(key), {}).setdefault((name, trial["workload"]), {})[config] = trial["median_ms"]
     return groups
 
@@ -117,17 +119,45 @@ def learn(times: dict[tuple, dict[tuple, dict[tuple, float]]], qualified: set[tu
     return learned
 
 
-@lru_cache(maxsize=1)
-def learned_defaults() -> dict[tuple, FwdConfig | BwdConfig]:
-    """{(backend, arch family, direction, dtype, head-dim class, bias has rows): config} from
-    `DEFAULTS_FILE`."""
-    document = load_yaml(DEFAULTS_FILE)
-    chosen = {}
-    for backend, archs in document["defaults"].items():
-        for arch, groups in archs.items():
-            for group in groups:
-                direction = group["direction"]
-                for dtype in group["dtypes"]:
-                    chosen[(backend, arch, direction, dtype, group["max_head_dim"], group["bias_rows"])] = \
-                        _CONFIG_CLASSES[direction](**group["config"])
-    return chosen
+HEADER = """\
+# Default tile configs per backend, arch family, direction, head-dim class (the head dims above
+# the previous class's max_head_dim up to this one) and bias with rows (bias_rows: a full, kv_head
+# or shared bias, whose tiles the kernels load), for the dtypes listed (their shapes pooled: one
+# kernel, one tensor-core rate), learned from trial journals: the
+# config with the lowest geometric-mean regret (its time over the best config's, per shape) on
+# every shape of the group, among the configs that passed the full adversarial suite on the
+# current kernels (the validated tables' entries). A group not listed keeps the heuristic
+# default of dmattn_bench/tiles.py. Written by `python -m benchmarks learn-defaults` from the
+# journals and tables listed below (do not edit by hand).
+#
+# Evidence per group: shapes (one per journal and workload), geomean_regret and worst_regret of
+# the chosen config, and the heuristic default's on the same shapes (heuristic_*), in-sample.
+"""
+
+
+def build(journals: list[Path], validated: list[Path], arch: str) -> dict:
+    """The document `configs/defaults.yaml` holds (module docstring)."""
+    times = read_journal_times(journals)
+    qualified = qualified_configs(validated)
+    heuristics = {high: (fwd, bwd) for high, fwd, bwd in GPU_DEFAULTS}
+    groups = []
+    for (direction, high, bias_rows), learned in learn(times, qualified).items():
+        heuristic = heuristics[high][0 if direction == "fwd" else 1]
+        items = config_items(heuristic)
+        shapes = times[(direction, high, bias_rows)]
+        evidence = {}
+        if all(items in by_config for by_config in shapes.values()):
+            heuristic_regrets = regrets(shapes, items)
+            evidence = dict(heuristic_geomean_regret=round(_geomean(heuristic_regrets), 3),
+                            heuristic_worst_regret=round(max(heuristic_regrets), 3))
+        groups.append(dict(direction=direction, dtypes=list(POOLED_DTYPES),
+                           max_head_dim=high, bias_rows=bias_rows,
+                           **learned.to_dict(), **evidence))
+    return dict(journals=[str(path) for path in journals],
+                validated_tables=[str(path) for path in validated],
+                defaults={"triton": {arch: groups}})
+
+
+def render(document: dict) -> str:
+    """`document` as the text of `configs/defaults.yaml`, under its header."""
+    return HEADER + yaml.safe_dump(document, sort_keys=False, width=120)

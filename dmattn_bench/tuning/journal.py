@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dmattn_bench.space import config_label
-from dmattn_bench.workloads import Workload
+from dmattn_bench.tuning.workloads import Workload
 
 FINISHED = "finished"  # record kind: the run completed and wrote `table`
 RUN = "run"  # record kind: the backend, device and kernel hash the trials after it are measured with

@@ -22,12 +22,13 @@ from typing import Callable
 
 import torch
 
-from dmattn_bench import plan, reference
-from dmattn_bench.adversarial import (MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, bias_kind, build_inputs,
-                                      decode_cases)
-from dmattn_bench.registry import DECODE_DEFAULTS, Backend, decode_config, default_configs, default_entries, get_backend
+from dmattn_bench import plan, reference, tiles
+from dmattn_bench.registry import Backend, get_backend
 from dmattn_bench.space import (AttentionShape, BwdConfig, DecodeConfig, FwdConfig, as_4d, bias_has_rows,
                                 config_label, is_valid_head_dim)
+from dmattn_bench.tiles import DECODE_DEFAULTS, decode_config, default_configs, default_entries
+from dmattn_bench.tuning.adversarial import (MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, bias_kind, build_inputs,
+                                      decode_cases)
 
 # Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
 # exact low-precision reference (error 0 on a tensor) does not demand an exact kernel.
@@ -159,9 +160,12 @@ def run_kernel(backend: Backend, inputs: Inputs, case: Case, fwd_config: FwdConf
     if fwd_config is not None:
         out = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), nan, dtype=torch.float32, device=q.device)
-        # the tiles a call runs: an fp32 bias may halve a 16-bit bias's key tiles to fit
-        fwd_config = plan.fitting_config(backend, fwd_config, q, k, v, mask, bias, **options,
-                                         shared_memory_limit=plan.shared_memory_limit(q.device))
+        if backend.forward_plan is not None:  # the tiles a call runs: an fp32 bias may halve a 16-bit bias's
+            fwd_config, _ = tiles.fit_forward(  # key tiles to fit
+                backend.name, fwd_config, lambda config: backend.forward_plan(
+                    q, k, v, mask, bias, config=config, out=out, lse=lse, **options),
+                q_dtype=q.dtype, bias_dtype=None if bias is None else bias.dtype,
+                shared_memory_limit=tiles.shared_memory_limit(q.device))
         backend.forward(q, k, v, mask, bias, config=fwd_config, out=out, lse=lse, **options)
         result.update(out=out, lse=lse)
     else:
@@ -425,7 +429,7 @@ class PlannedSuite:
 
 
 def plan_decode(device: torch.device | str, suite: str) -> list[PlannedSuite]:
-    """The short-query forward's config per head-dim class (`registry.decode_config`), each with
+    """The short-query forward's config per head-dim class (`tiles.decode_config`), each with
     the decode cases of its class: what every call without gradient of few query rows runs."""
     planned, low = [], 8
     for high, _ in DECODE_DEFAULTS:
@@ -440,7 +444,7 @@ def plan_decode(device: torch.device | str, suite: str) -> list[PlannedSuite]:
 def plan_default_configs(device: torch.device | str, suite: str, backend: str = "triton",
                          dtype: str | None = None) -> list[PlannedSuite]:
     """The default configs of `backend` for `dtype`, each with the suite cases of its head-dim class
-    and bias kind (with rows or not: `registry.default_entries`)."""
+    and bias kind (with rows or not: `tiles.default_entries`)."""
     plan = []
     for bias_rows in (False, True):
         for low, high, fwd, bwd in default_entries(device, backend, dtype, bias_rows):
@@ -543,7 +547,7 @@ def run_plan(dtype: torch.dtype, device: torch.device | str, plan: list[PlannedS
     single-threaded per process); on the CPU they run here, one after the other.
     """
     if torch.device(device).type == "cuda" and len(plan) > 1:
-        from dmattn_bench.workers import parallel_map
+        from dmattn_bench.tuning.workers import parallel_map
 
         def crashed(job, reason):
             item = job[2]

@@ -6,7 +6,7 @@ A candidate is built in its extreme feature variants (every feature on, with an 
 for the backward GQA and a dBias with query rows; every feature off), which bound its registers,
 and with a mask and a bias of the input dtype, which the SM90 warp-specialized kernels stage in
 shared memory (and whose dBias the backward stores by TMA). Its shared memory needs no
-compiling: the kernels' dynamic shared memory is exactly `launch.shared_bytes`.
+compiling: the kernels' dynamic shared memory is exactly `dmattn_kernels.cuda.shared_bytes`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Callable, Iterable
 import torch
 
 from dmattn_bench.hardware import parse_arch, search_section
-from dmattn_bench.prune import WARP_SIZE, Candidate, _one_line, _resource_usage, load_space, precheck, space_path
 from dmattn_bench.space import DIRECTIONS, BwdConfig, FwdConfig
+from dmattn_bench.tuning.prune import WARP_SIZE, Candidate, _one_line, _resource_usage, load_space, precheck, space_path
 
 ELEMENT = "element"  # in VARIANTS: the candidate's own dtype
 VARIANTS = (  # (is_causal, has_mask, bias dtype, softcap, GQA group, dBias): every feature, none, staged
@@ -33,11 +33,11 @@ CUDA_DTYPES = ("bf16", "fp16")
 
 
 def _judge(direction: str, config: FwdConfig | BwdConfig, arch: str, head_dim: int, dtype: str) -> Candidate:
-    from dmattn_kernels.cuda import build, launch
+    from dmattn_kernels.cuda import backward_kernel, backward_variant, build, forward_kernel, shared_bytes, variant
 
     limits = parse_arch(arch)
     start = time.perf_counter()
-    shared = launch.shared_bytes(config, head_dim, limits.arch)
+    shared = shared_bytes(config, head_dim, limits.arch)
 
     def verdict(status: str, reason: str = "", check: str = "", registers=None, stack=None) -> Candidate:
         return Candidate(direction, config, limits.arch, head_dim, dtype, status, reason, shared, check, registers, stack,
@@ -53,13 +53,13 @@ def _judge(direction: str, config: FwdConfig | BwdConfig, arch: str, head_dim: i
         dbias = (dbias[0], element) if dbias is not None and dbias[1] == ELEMENT else dbias
         features = dict(is_causal=is_causal, has_mask=has_mask, softcap=softcap)
         if direction == "fwd":
-            flags = launch.variant(config, head_dim, element, bias_dtype, arch=limits.arch, **features)
+            flags = variant(config, head_dim, element, bias_dtype, arch=limits.arch, **features)
         else:
-            flags = launch.backward_variant(config, head_dim, element, bias_dtype, arch=limits.arch, group=group,
-                                                dbias=dbias, **features)
+            flags = backward_variant(config, head_dim, element, bias_dtype, arch=limits.arch, group=group,
+                                     dbias=dbias, **features)
         try:
-            source = (launch.forward_kernel(config, head_dim, limits.arch) if direction == "fwd"
-                      else launch.backward_kernel(config, head_dim, limits.arch))
+            source = (forward_kernel(config, head_dim, limits.arch) if direction == "fwd"
+                      else backward_kernel(config, head_dim, limits.arch))
             cubin = build.build(source, limits.arch, flags)
         except build.CudaBuildError as exc:
             return verdict("compile_error", _one_line(exc), "compile")

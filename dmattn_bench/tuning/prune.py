@@ -37,16 +37,12 @@ from dmattn_bench.space import (
     expand_grid,
     load_yaml,
 )
-from dmattn_bench.workers import abandon_pool, ignore_interrupts
+from dmattn_bench.tuning.workers import abandon_pool, ignore_interrupts
 
 Config = FwdConfig | BwdConfig | DecodeConfig
 
 STATUSES = ("fits", "unsupported", "compile_error")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# The kernels of a direction that have tunables (the bwd preprocess kernel has a fixed tile).
-KERNELS = {"fwd": ("flash_fwd_kernel",),
-           "bwd": ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "flash_bwd_dq_from_ds_kernel"),
-           "decode": ("flash_decode_kernel",)}
 # The feature variants a config must serve, compiled for each candidate (the fit is the max over
 # them). Causal + bias (+ dBias with query rows) carry the most tiles; softcap adds none; GROUP
 # alone only changes head arithmetic. Both mask settings are compiled: with a mask the loops walk
@@ -90,10 +86,10 @@ BIAS_POINTERS = ("bias_ptr",)  # the input dtype or fp32 (DESIGN §1)
 SPECIALIZATIONS = tuple(dict(ints_aligned=aligned, bias_fp32=fp32) for aligned in (False, True) for fp32 in (False, True))
 U8_POINTERS = ("mask_ptr",)  # bool masks are launched as a uint8 view
 I32_POINTERS = ("blocks_ptr", "seqlens_ptr", "block_table_ptr", "spans_ptr")  # block lists, cache lengths, a paged cache's table, mask spans
-KV_DESCRIPTORS = ("k_desc", "v_desc")  # the forward's K/V: TMA descriptors where `launch.kv_by_tma`, else pointers
+KV_DESCRIPTORS = ("k_desc", "v_desc")  # the forward's K/V: TMA descriptors where `forward.kv_by_tma`, else pointers
 FP32_SCALARS = ("softmax_scale", "softcap")
 WARP_SIZE = 32
-MIN_TILE = 16  # tl.dot's smallest tile dim (`launch.MIN_BLOCK`): the fp32-bias fallback stops there
+MIN_TILE = 16  # tl.dot's smallest tile dim (`layouts.MIN_BLOCK`): the fp32-bias fallback stops there
 ERROR_REASON_CHARS = 200
 CUOBJDUMP_TIMEOUT_S = 60
 
@@ -215,7 +211,8 @@ def estimate_shared_bytes(direction: str, config: Config, head_dim: int, dtype_b
 
 
 def _head_block(head_dim: int) -> int:
-    """Mirror of `launch.head_block` (importing it would import the kernels)."""
+    """Mirror of `layouts.head_block` (importing it would import the kernels: any module of
+    `dmattn_kernels.triton` loads the package, which loads them)."""
     return max(16, 1 << (max(head_dim, 1) - 1).bit_length())
 
 
@@ -228,7 +225,7 @@ def precheck(direction: str, config: Config, limits: ArchLimits, head_dim: int, 
              backend: str = "triton") -> Candidate | None:
     """The candidate as "unsupported" when a check without compiling rules it out, else None.
 
-    A CUDA kernel's shared memory is known exactly before compiling (`launch.shared_bytes`); a
+    A CUDA kernel's shared memory is known exactly before compiling (`dmattn_kernels.cuda.shared_bytes`); a
     Triton kernel's is estimated here and read from the compiled kernel later.
     """
     from dmattn_bench.registry import get_backend
@@ -243,7 +240,7 @@ def precheck(direction: str, config: Config, limits: ArchLimits, head_dim: int, 
     if threads > limits.max_threads_per_block:
         return unsupported("threads", f"{threads} threads > {limits.max_threads_per_block} per block on {limits.arch}")
     if backend == "cuda":
-        from dmattn_kernels.cuda.launch import arch_reason, shared_bytes
+        from dmattn_kernels.cuda import arch_reason, shared_bytes
 
         reason = arch_reason(config, head_dim, limits.arch)
         if reason:
@@ -263,7 +260,9 @@ def precheck(direction: str, config: Config, limits: ArchLimits, head_dim: int, 
 # -- cross-compilation --------------------------------------------------------------------------
 
 def _kernel_functions(direction: str) -> list:
+    """The kernels of `direction` that have tunables (`dmattn_kernels.triton.launch.KERNELS`)."""
     from dmattn_kernels.triton import flash_bwd, flash_decode, flash_fwd
+    from dmattn_kernels.triton.launch import KERNELS
 
     module = {"fwd": flash_fwd, "bwd": flash_bwd, "decode": flash_decode}[direction]
     return [getattr(module, name) for name in KERNELS[direction]]
@@ -274,18 +273,6 @@ def _kernels_compilable() -> bool:
     from triton.runtime.jit import JITFunction
 
     return isinstance(_kernel_functions("fwd")[0], JITFunction)
-
-
-def tile_constexprs(kernel_name: str, config: Config) -> dict[str, int]:
-    """The tile sizes the launcher gives kernel `kernel_name` of `KERNELS` from `config` (the
-    short-query forward's rows: the most `decode_launch` packs into one tile)."""
-    if kernel_name in ("flash_bwd_dq_kernel", "flash_bwd_dq_from_ds_kernel"):
-        return {"BLOCK_M": config.block_m_dq, "BLOCK_N": config.block_n_dq}
-    if kernel_name == "flash_decode_kernel":
-        from dmattn_kernels.triton.decode_launch import MASK_SCAN_KEYS, MAX_BLOCK_M
-
-        return {"BLOCK_M": MAX_BLOCK_M, "BLOCK_N": config.block_n, "MASK_SCAN": MASK_SCAN_KEYS}
-    return {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
 
 
 def _source(fn, dtype: str, constexprs: dict, ints_aligned: bool = False, bias_fp32: bool = True):
@@ -301,7 +288,7 @@ def _source(fn, dtype: str, constexprs: dict, ints_aligned: bool = False, bias_f
             values[name] = constexprs.get(name, 1)
             continue
         if name in KV_DESCRIPTORS and constexprs.get("USE_TMA"):
-            # the (B, Lk, Hkv, D) descriptor of one (BLOCK_N, BLOCK_D) tile (`launch.kv_descriptors`)
+            # the (B, Lk, Hkv, D) descriptor of one (BLOCK_N, BLOCK_D) tile (`forward.ForwardPlan`'s descriptors)
             signature[name] = f"tensordesc<{dtype}[1, {constexprs['BLOCK_N']}, 1, {constexprs['BLOCK_D']}]>"
             continue
         if name.endswith("_ptr") or name in KV_DESCRIPTORS:
@@ -376,10 +363,11 @@ def _compile_jobs(direction: str, config: Config, major: int, head_dim: int, dty
     feature variants x the kernels they serve x K/V by pointer or descriptor x SPECIALIZATIONS.
 
     Where the forward may load K/V by TMA it still takes pointer loads on views the copy engine
-    cannot read (`launch.kv_by_tma`): both variants must fit, and they differ (Triton 3.6, sm90,
+    cannot read (`forward.kv_by_tma`): both variants must fit, and they differ (Triton 3.6, sm90,
     fwd 64x128 w8 s3 D128, fp32 bias: 286720 B with pointers, 286776 B with descriptors).
     """
-    from dmattn_kernels.triton.launch import TMA_ARCH_MAJORS
+    from dmattn_kernels.triton.forward import TMA_ARCH_MAJORS
+    from dmattn_kernels.triton.launch import tile_constexprs
 
     tma_variants = (False, True) if major in TMA_ARCH_MAJORS else (False,)
     for flags in _variants(features):
@@ -417,7 +405,7 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
 
     for fn, constexprs, spec, where in _compile_jobs(direction, config, major, head_dim, dtype, features):
         # the forward runs an fp32 bias under 16-bit inputs with key tiles halved until they fit
-        # (`launch.fitting_forward_config`); everything else runs the config's own tiles
+        # (`dmattn_bench.tiles.fit_forward`); everything else runs the config's own tiles
         fallback = direction == "fwd" and spec["bias_fp32"] and dtype != "fp32" and constexprs.get("HAS_BIAS", False)
         while True:
             try:
@@ -482,7 +470,7 @@ def compile_candidate(direction: str, config: Config, arch: str, head_dim: int, 
         In a process whose kernels run in the interpreter, the compile happens in one spawned
         worker.
     """
-    if direction not in KERNELS:
+    if direction not in TUNED_DIRECTIONS:
         raise ValueError(f"direction: got {direction!r}, expected one of {TUNED_DIRECTIONS}")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype: got {dtype!r}, expected one of {sorted(DTYPE_BYTES)}")

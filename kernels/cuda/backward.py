@@ -1,0 +1,202 @@
+"""The CUDA backward's launches: delta, dK/dV and dQ (flash_bwd.cu), or the warp-specialized
+backward's delta, one dK/dV/dQ kernel and its dQ cast (flash_bwd_ws.cu); then the GQA groups'
+dK and dV summed and dBias reduced into the bias's shape where the kernel could not write it.
+
+Two steps run on the host between and after the launches, as torch ops on the launches' stream:
+the lse gradient folded into delta (`delta_with_lse_grad`) and the dBias partials summed into the
+bias's broadcast shape (`finish_dbias`). The Triton backward does both in its own kernels
+(`flash_bwd_preprocess_kernel`, `grad_reduce_kernel`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from dmattn_kernels.configs import BwdConfig
+from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
+from dmattn_kernels.cuda.forward import section_slices
+from dmattn_kernels.cuda.params import BwdParams, BwdWsParams, inputs
+from dmattn_kernels.cuda.rules import (backward_kernel, check_aligned, check_arch, check_call, check_tensor,
+                                       padded_head_dim)
+from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_ROWS, backward_shared_bytes
+from dmattn_kernels.cuda.variants import backward_staging, backward_variant, staged_tiles, stores_dbias_by_tma
+from dmattn_kernels.runtime.launch_context import is_compile_only
+from dmattn_kernels.runtime.operands import NO_OPERAND_STRIDES, broadcast_strides
+
+DELTA_UNROLL = 4  # bwd_steps.cuh's: rows of delta per lane group of a warp
+DQ_CAST_ROWS = 4  # flash_bwd_ws.cu's DQ_ROWS: rows of dQ per thread of its dQ kernel
+
+
+class _PartialSum:
+    """dBias from the kernel's fp32 partials (`partial_shape`): one sum over the query heads of
+    each GQA group and every dim the bias broadcasts, in a fixed order (deterministic), then the
+    cast into dbias. The partials are read as (B, bias heads, heads per bias head, rows, keys)."""
+
+    def __init__(self, partial_shape: tuple[int, ...], dbias_shape: tuple[int, ...]):
+        batch, heads, rows, keys = partial_shape
+        group = heads // dbias_shape[1]
+        self.view = (batch, dbias_shape[1], group, rows, keys)
+        target = (dbias_shape[0], dbias_shape[1], 1, dbias_shape[2], dbias_shape[3])
+        self.dims = tuple(dim for dim, (size, kept) in enumerate(zip(self.view, target)) if size != kept)
+
+    def __call__(self, partial: torch.Tensor, dbias: torch.Tensor) -> None:
+        summed = partial.view(self.view)
+        if self.dims:
+            summed = summed.sum(dim=self.dims, keepdim=True)
+        dbias.copy_(summed.view(dbias.shape))
+
+
+def finish_dbias(partial: torch.Tensor, dbias: torch.Tensor) -> None:
+    """`_PartialSum` for one call: the dBias partials of the dK/dV kernel summed into dbias."""
+    _PartialSum(tuple(partial.shape), tuple(dbias.shape))(partial, dbias)
+
+
+def delta_with_lse_grad(delta: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor) -> None:
+    """delta - dlse in place, a dead row's dlse dropped (the kernels compute delta without it)."""
+    if dlse is not None:
+        delta.sub_(torch.where(lse == float("-inf"), 0.0, dlse))
+
+
+def has_broadcast_dim(t: torch.Tensor) -> bool:
+    """Whether a dim of more than one element has stride 0 (an expanded tensor, such as the
+    gradient of a mean over the query rows)."""
+    return any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride()))
+
+
+def _dbias_layout(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int):
+    """Where the dK/dV kernel writes dBias: (shape, rows, in_place). The target is (B, H, Lq, Lk)
+    for a bias with a query dim, else (B, H, 1, Lk) (each key's dS summed over its queries in the
+    kernel); it is `dbias` itself when the shapes agree (in_place), else an fp32 buffer the
+    launcher reduces into `dbias`."""
+    rows = dbias.shape[2] != 1
+    shape = (batch, num_heads, seqlen_q if rows else 1, seqlen_k)
+    return shape, rows, tuple(dbias.shape) == shape and dbias.is_contiguous()
+
+
+def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
+                       config: BwdConfig, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                       dbias: torch.Tensor | None, dlse: torch.Tensor | None = None) -> None:
+    """Writes dq, dk, dv and, when given, dbias (the bias's 4-D broadcast shape and its dtype);
+    `dlse`, a gradient reaching lse, as in the Triton launcher (folded into delta here:
+    `delta_with_lse_grad`). The mask and bias as the caller passed them (up to 4 dims, as
+    `attention_forward`'s)."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_heads_kv
+    check_tensor(q)
+    check_call(config, q, k, mask, bias, is_causal, softcap, dbias is not None)
+    arch = arch_of(q.device)
+    check_arch(config, head_dim, arch)
+    source = backward_kernel(config, head_dim, arch)
+    if source == "bwd_ws" and has_broadcast_dim(dout):
+        dout = dout.contiguous()  # its tensor map takes no stride-0 dim: a copy of the incoming gradient
+    for name, t in (("query", q), ("key", k), ("value", v), ("out", out), ("grad_out", dout), ("dq", dq),
+                    ("dk", dk), ("dv", dv)):
+        check_aligned(name, t)
+    layout = None if dbias is None else _dbias_layout(dbias, batch, num_heads, seqlen_q, seqlen_k)
+    bias_dtype = bias.dtype if bias is not None else None
+    staging = (0, NOT_STAGED, NOT_STAGED)
+    if source == "bwd_ws":
+        staging = backward_staging(config, head_dim, mask is not None, bias_dtype, staged_tiles(mask, seqlen_q),
+                                   staged_tiles(bias, seqlen_q))
+    target_kind = None if layout is None else (layout[1], dbias.dtype if layout[2] else torch.float32)
+    # a TMA store needs the target in place (`_dbias_layout`), on 16-byte boundaries
+    target_allows = layout is not None and layout[2] and staged_tiles(dbias, seqlen_q) == TILES_OF_ROWS
+    flags = backward_variant(config, head_dim, q.dtype, bias_dtype, arch=arch, is_causal=is_causal,
+                             has_mask=mask is not None, softcap=softcap, group=group, dbias=target_kind,
+                             mask_tiles=staging[1], bias_tiles=staging[2], dbias_tma=target_allows)
+    launcher = Launcher(source, q.device, flags)
+    if is_compile_only():
+        return
+    stored_by_tma = source == "bwd_ws" and stores_dbias_by_tma(target_kind, q.dtype, softcap, target_allows)
+    target = None
+    if stored_by_tma:  # the warp-specialized kernel writes every element, the zeros the causal rule skips too
+        target = dbias
+    elif layout is not None:  # zeroed: tiles the causal rule skips are never written
+        shape, _, in_place = layout
+        target = dbias.zero_() if in_place else torch.zeros(shape, dtype=torch.float32, device=dbias.device)
+    delta = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if group > 1:  # each query head's share, summed per group below (fixed order: deterministic)
+        dk_share = torch.empty((batch, seqlen_k, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        dv_share = torch.empty_like(dk_share)
+    else:
+        dk_share, dv_share = dk, dv
+    params = BwdParams(
+        inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+        delta.data_ptr(), dq.data_ptr(), dk_share.data_ptr(), dv_share.data_ptr(),
+        target.data_ptr() if target is not None else 0, out.stride()[:3], dout.stride()[:3], dq.stride()[:3],
+        dk_share.stride()[:3], dv_share.stride()[:3], lse.stride(), delta.stride(),
+        NO_OPERAND_STRIDES if target is None else broadcast_strides(target.shape, target.stride()),
+    )
+    heads = batch * num_heads
+    shared = backward_shared_bytes(config, head_dim, arch, staging[1], staging[2])
+    if source == "bwd_ws":
+        _run_warp_specialized_backward(launcher, config, params, shared["ws"], q, k, v, dout, delta, dlse, lse,
+                                       is_causal, mask if staging[1] == TILES_OF_ROWS else None,
+                                       bias if staging[2] == TILES_OF_ROWS else None,
+                                       target if stored_by_tma else None)
+    else:
+        launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, delta_rows_per_block(head_dim, config.num_warps)),
+                                              heads), config.num_warps, 0, params)
+        delta_with_lse_grad(delta, dlse, lse)  # on the launches' stream (the current one), between them
+        launcher(b"dmattn_bwd_dkdv_kernel", (heads, triton.cdiv(seqlen_k, config.block_n)), config.num_warps,
+                 shared["dkdv"], params)
+        launcher(b"dmattn_bwd_dq_kernel", (heads, triton.cdiv(seqlen_q, config.block_m_dq)), config.num_warps,
+                 shared["dq"], params)
+    if group > 1:
+        dk.copy_(dk_share.unflatten(2, (num_heads_kv, group)).sum(3))
+        dv.copy_(dv_share.unflatten(2, (num_heads_kv, group)).sum(3))
+    if target is not None and target is not dbias:
+        finish_dbias(target, dbias)
+
+
+def delta_rows_per_block(head_dim: int, num_warps: int) -> int:
+    """Query rows of one CTA of the backward's delta kernels (bwd_steps.cuh: DELTA_ROWS_PER_BLOCK):
+    a lane per 16-byte chunk of a row, lane groups a power of two, DELTA_UNROLL rows a group."""
+    chunks = padded_head_dim(head_dim) // 8
+    return num_warps * 32 // (1 << (chunks - 1).bit_length()) * DELTA_UNROLL
+
+
+def unvisited_query_tiles(seqlen_q: int, seqlen_k: int, block_m: int, is_causal: bool) -> int:
+    """The leading query tiles of the warp-specialized backward that no key block visits: under
+    the causal rule, tiles whose rows all come before the first row that sees a key (row
+    Lq - Lk), which exist when Lq - Lk >= block_m. Their dQ sums are never stored."""
+    return max(0, seqlen_q - seqlen_k) // block_m if is_causal else 0
+
+
+def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params: BwdParams, shared: int, q, k, v,
+                                   dout, delta, dlse, lse, is_causal: bool, staged_mask, staged_bias,
+                                   dbias_target) -> None:
+    """flash_bwd_ws.cu's three launches: delta (and the dQ counters zeroed), the kernel, dQ from
+    its summed shares. The sums are not zeroed: each tile's first share is stored, not added;
+    only the tiles no key block visits (`unvisited_query_tiles`: rows that see no key, whose dQ
+    is 0) are zeroed here. `staged_mask` and `staged_bias` are the operands staged as tiles of
+    rows, `dbias_target` the dBias the kernel stores by TMA (each None where not)."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    heads, m_tiles = batch * num_heads, triton.cdiv(seqlen_q, config.block_m)
+    padded = padded_head_dim(head_dim)
+    dq_sum = torch.empty((heads, m_tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
+    dq_sum[:, :unvisited_query_tiles(seqlen_q, k.shape[1], config.block_m, is_causal)].zero_()
+    dq_counter = torch.empty((heads, m_tiles), dtype=torch.int32, device=q.device)
+    driver = the_driver()
+    maps = {name: driver.tensor_map(t, ROWS_OF, rows, TMA_LINE, TMA_LINE)
+            for name, t, rows in (("q_map", q, config.block_m), ("k_map", k, config.block_n),
+                                  ("v_map", v, config.block_n), ("do_map", dout, config.block_m))}
+    mask_line = min(config.block_n, TMA_LINE)
+    if staged_mask is not None:  # a box of block_n bytes a row
+        maps["mask_map"] = driver.tensor_map(staged_mask, KEYS_OF, config.block_m, mask_line, mask_line)
+    for name, t in (("bias_map", staged_bias), ("dbias_map", dbias_target)):  # boxes of 128-byte lines
+        if t is not None:
+            maps[name] = driver.tensor_map(t, KEYS_OF, config.block_m, TMA_LINE, TMA_LINE)
+    reread_bytes = seqlen_q * padded * (2 * q.element_size() + 4)  # Q, dO and the fp32 dQ sums of a slice
+    ws_params = BwdWsParams(backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),
+                            section_slices=section_slices(heads, reread_bytes), **maps)
+    delta_rows = delta_rows_per_block(head_dim, config.num_warps)
+    launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), heads), config.num_warps, 0, ws_params)
+    delta_with_lse_grad(delta, dlse, lse)
+    launcher(b"dmattn_bwd_ws_kernel", (heads, triton.cdiv(k.shape[1], config.block_n)), config.num_warps,
+             shared, ws_params)
+    pairs = triton.cdiv(seqlen_q, DQ_CAST_ROWS) * padded // 2  # a thread per two columns of DQ_CAST_ROWS rows
+    launcher(b"dmattn_bwd_ws_dq_kernel", (triton.cdiv(pairs, 32 * config.num_warps), heads), config.num_warps, 0,
+             ws_params)

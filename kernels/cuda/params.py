@@ -1,0 +1,116 @@
+"""The kernels' parameter blocks as ctypes structures, field for field, and their builders.
+
+A launch passes one structure by address (`driver.Driver.launch`); a native program copies a
+signature's bytes and fills in a call's addresses (`forward._native_parameters`). The CUDA
+structures each one mirrors name it in a comment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dmattn_kernels.runtime.operands import broadcast_layout
+
+TENSOR_MAP_ALIGN = 128  # bytes: a CUtensorMap kernel parameter's alignment, so a block of them pads to it
+
+
+def _pointers(*names: str) -> list[tuple[str, type]]:
+    return [(name, ctypes.c_void_p) for name in names]
+
+
+def _strides(*names: str, count: int = 3) -> list[tuple[str, type]]:
+    return [(name, ctypes.c_int64 * count) for name in names]
+
+
+def _padded(fields: list[tuple[str, type]]) -> list[tuple[str, type]]:
+    """`fields`, then the padding that makes their structure a multiple of TENSOR_MAP_ALIGN bytes
+    (a parameter block that holds tensor maps)."""
+    class Fields(ctypes.Structure):
+        _fields_ = fields
+
+    return fields + [("padding", ctypes.c_char * (-ctypes.sizeof(Fields) % TENSOR_MAP_ALIGN))]
+
+
+class Inputs(ctypes.Structure):
+    """common.cuh's Inputs, field for field."""
+
+    _fields_ = (_pointers("q", "k", "v", "mask", "bias") + _strides("q_stride", "k_stride", "v_stride")
+                + _strides("mask_stride", "bias_stride", count=4)
+                + [(name, ctypes.c_int) for name in ("num_heads", "seqlen_q", "seqlen_k", "group", "mask_head_div",
+                                                     "bias_head_div")]
+                + [("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float)])
+
+
+class FwdParams(ctypes.Structure):
+    """flash_fwd.cu's FwdParams, field for field."""
+
+    _fields_ = [("inputs", Inputs)] + _pointers("out", "lse") + _strides("out_stride", "lse_stride")
+
+
+class TensorMap(ctypes.Structure):
+    """cuda.h's CUtensorMap: 128 opaque bytes the driver fills (128-byte aligned in the kernel's
+    parameters, which `WsParams` keeps by putting the maps first)."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+_MAPS = ("q_map", "k_map", "v_map", "mask_map", "bias_map")
+
+
+class WsParams(ctypes.Structure):
+    """flash_fwd_ws.cu's WsParams, field for field, padded to its 128-byte multiple."""
+
+    _fields_ = _padded([(name, TensorMap) for name in _MAPS]
+                       + [("forward", FwdParams), ("section_slices", ctypes.c_int)])
+
+
+class PersistentWsParams(ctypes.Structure):
+    """flash_fwd_ws.cu's WsParams built with FWD_PERSISTENT (FwdConfig.persistent): `WsParams`'
+    fields, then the work items and the schedule, padded to its 128-byte multiple."""
+
+    _fields_ = _padded(WsParams._fields_[:-1] + [(name, ctypes.c_int) for name in ("item_columns", "item_rows")]
+                       + [("schedule", ctypes.c_void_p)])
+
+
+class BwdParams(ctypes.Structure):
+    """bwd_steps.cuh's BwdParams (both backwards'), field for field."""
+
+    _fields_ = ([("inputs", Inputs)] + _pointers("out", "dout", "lse", "delta", "dq", "dk", "dv", "dbias")
+                + _strides("out_stride", "dout_stride", "dq_stride", "dk_stride", "dv_stride", "lse_stride",
+                           "delta_stride")
+                + _strides("dbias_stride", count=4))
+
+
+_BWD_MAPS = ("q_map", "k_map", "v_map", "do_map", "mask_map", "bias_map", "dbias_map")
+
+
+class BwdWsParams(ctypes.Structure):
+    """flash_bwd_ws.cu's BwdWsParams, field for field, padded to its 128-byte multiple."""
+
+    _fields_ = _padded([(name, TensorMap) for name in _BWD_MAPS] + [("backward", BwdParams)]
+                       + _pointers("dq_sum", "dq_counter") + [("section_slices", ctypes.c_int)])
+
+
+def address(t: torch.Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def inputs(q, k, v, mask, bias, softmax_scale: float, softcap: float, address=address) -> Inputs:
+    """The Inputs of a call's tensors (`address`: where each is; 0 everywhere for a template). The
+    mask and bias as the caller passed them (up to 4 dims): their strides and head divisors are
+    the operand normaliser's (`operands.broadcast_layout`)."""
+    num_heads = q.shape[2]
+    group = num_heads // k.shape[2]
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)  # same itemsize: a reinterpretation, not a copy
+    mask_strides, mask_head_div = broadcast_layout(None if mask is None else (mask.shape, mask.stride()),
+                                                   num_heads, group)
+    bias_strides, bias_head_div = broadcast_layout(None if bias is None else (bias.shape, bias.stride()),
+                                                   num_heads, group)
+    return Inputs(
+        address(q), address(k), address(v), address(mask), address(bias), q.stride()[:3], k.stride()[:3],
+        v.stride()[:3], mask_strides, bias_strides, num_heads, q.shape[1], k.shape[1], group, mask_head_div,
+        bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0,
+    )

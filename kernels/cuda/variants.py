@@ -1,0 +1,124 @@
+"""The -D list of the CUDA variant a call needs (`variant`, `backward_variant`), and how the
+warp-specialized kernels stage a call's mask and bias through TMA (`staged_tiles`, `staging`).
+
+The -D list is all a launch compiles to: a table entry's stamp hashes the source these flags
+specialise (`build.defines` turns them into nvcc's -D options).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dmattn_kernels.configs import BwdConfig, FwdConfig
+from dmattn_kernels.cuda.build import defines
+from dmattn_kernels.cuda.rules import backward_warp_specialized, element, knob_reason, uses_wgmma, warp_specialized
+from dmattn_kernels.cuda.shared_memory import (NOT_STAGED, TILES_OF_KEYS, TILES_OF_ROWS, backward_score_stages,
+                                               score_stages)
+from dmattn_kernels.runtime.operands import padded
+
+def _features(bias_dtype: torch.dtype | None, is_causal: bool, has_mask: bool, softcap: float) -> dict[str, bool]:
+    return dict(bias_fp32=bias_dtype == torch.float32, is_causal=is_causal, has_mask=has_mask,
+                has_bias=bias_dtype is not None, has_softcap=softcap > 0)
+
+
+def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *, arch: str,
+            is_causal: bool, has_mask: bool, softcap: float, mask_tiles: int = TILES_OF_ROWS,
+            bias_tiles: int = TILES_OF_ROWS) -> tuple[str, ...]:
+    """The -D list of the forward variant a call needs on `arch` ("sm90"). The warp-specialized
+    forward stages the mask and a 16-bit bias in shared memory where there is room, as the call's
+    operands allow (`mask_tiles`, `bias_tiles`: `staged_tiles`). Its knobs, where on, add
+    FWD_OVERLAP and FWD_PERSISTENT; a knob off adds nothing, so its variant is the code the knob
+    was added to.
+
+    Raises:
+        ValueError: a knob on for a config that is not the warp-specialized forward on `arch`.
+    """
+    own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    if warp_specialized(config, head_dim, arch):
+        stages, mask_tiles, bias_tiles = staging(config, head_dim, has_mask, bias_dtype, mask_tiles, bias_tiles)
+        own.update(WGMMA=True, SCORE_STAGES=stages, MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles)
+        own.update({name: True for name, on in (("FWD_OVERLAP", config.overlap), ("FWD_PERSISTENT", config.persistent))
+                    if on})
+    elif config.overlap or config.persistent:
+        reason = knob_reason(config) or "overlap and persistent: knobs of the warp-specialized forward, on sm90 only"
+        raise ValueError(f"config: {reason} (here: {arch})")
+    else:
+        own.update(WGMMA=uses_wgmma(config, head_dim, arch))
+    return defines(element(dtype), head_dim, config.num_warps, config.num_stages,
+                   **_features(bias_dtype, is_causal, has_mask, softcap), **own)
+
+
+def staging(config: FwdConfig, head_dim: int, has_mask: bool, bias_dtype: torch.dtype | None, mask_tiles: int,
+            bias_tiles: int) -> tuple[int, int, int]:
+    """(score ring slots, MASK_TILES, BIAS_TILES) of a warp-specialized call whose operands allow
+    `mask_tiles` and `bias_tiles`: only a 16-bit bias is staged, and nothing where no slot fits."""
+    mask_tiles = mask_tiles if has_mask else NOT_STAGED
+    bias_tiles = bias_tiles if bias_dtype in (torch.float16, torch.bfloat16) else NOT_STAGED
+    stages = score_stages(config, head_dim, mask_tiles, bias_tiles)
+    return (stages, mask_tiles, bias_tiles) if stages else (0, NOT_STAGED, NOT_STAGED)
+
+
+def staged_tiles(t: torch.Tensor | None, seqlen_q: int) -> int:
+    """How the warp-specialized forward can stage the mask or bias `t` (up to 4 dims, read as the
+    4-D view it broadcasts as) through TMA: its (query, key) tiles (TILES_OF_ROWS), one row of
+    keys per tile (TILES_OF_KEYS: no query dim), or not at all (NOT_STAGED: no operand, a
+    broadcast key dim, keys not contiguous, or rows and slices off 16-byte boundaries)."""
+    if t is None or t.data_ptr() % 16:
+        return NOT_STAGED
+    shape, strides = padded(t.shape, t.stride())
+    return staged_layout(shape, strides, t.element_size(), seqlen_q)
+
+
+def staged_layout(shape: tuple, stride: tuple, itemsize: int, seqlen_q: int) -> int:
+    """`staged_tiles` of an operand whose data starts on a 16-byte boundary."""
+    if shape[2] not in (1, seqlen_q) or shape[3] == 1 or stride[3] != 1:
+        return NOT_STAGED
+    if not all(shape[i] == 1 or (stride[i] > 0 and stride[i] * itemsize % 16 == 0) for i in range(3)):
+        return NOT_STAGED
+    return TILES_OF_KEYS if shape[2] == 1 else TILES_OF_ROWS
+
+
+def backward_staging(config: BwdConfig, head_dim: int, has_mask: bool, bias_dtype: torch.dtype | None,
+                     mask_tiles: int, bias_tiles: int) -> tuple[int, int, int]:
+    """(score ring slots, MASK_TILES, BIAS_TILES) of a warp-specialized backward call whose
+    operands allow `mask_tiles` and `bias_tiles` (`staged_tiles`): tiles of rows staged where
+    the ring fits (a bias only if 16-bit), a row of keys read into registers."""
+    mask_tiles = mask_tiles if has_mask else NOT_STAGED
+    bias_tiles = bias_tiles if bias_dtype is not None else NOT_STAGED
+    if bias_tiles == TILES_OF_ROWS and bias_dtype not in (torch.float16, torch.bfloat16):
+        bias_tiles = NOT_STAGED
+    stages = backward_score_stages(config, head_dim, mask_tiles, bias_tiles)
+    if not stages:  # no room: tiles of rows from global memory
+        mask_tiles, bias_tiles = (NOT_STAGED if tiles == TILES_OF_ROWS else tiles for tiles in (mask_tiles, bias_tiles))
+    return stages, mask_tiles, bias_tiles
+
+
+def stores_dbias_by_tma(dbias: tuple[bool, torch.dtype] | None, dtype: torch.dtype, softcap: float,
+                        target_allows: bool) -> bool:
+    """Whether the warp-specialized backward stores dBias from its staged dS tiles by TMA: a
+    target with query rows in the input dtype whose layout allows (`target_allows`), and no
+    softcap (dS is dBias)."""
+    return dbias is not None and dbias[0] and dbias[1] == dtype and softcap <= 0 and target_allows
+
+
+def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
+                     arch: str, is_causal: bool, has_mask: bool, softcap: float, group: int,
+                     dbias: tuple[bool, torch.dtype] | None, mask_tiles: int = TILES_OF_ROWS,
+                     bias_tiles: int = TILES_OF_ROWS, dbias_tma: bool = True) -> tuple[str, ...]:
+    """The -D list of the backward variant a call needs on `arch`; `dbias` is (rows, target
+    dtype) of the dBias target (`backward._dbias_layout`) or None without dBias. The warp-specialized
+    backward stages the mask and bias as the call's operands allow (`mask_tiles`, `bias_tiles`:
+    `staged_tiles`; by default tiles of rows), and stores dBias rows of the input dtype by TMA
+    where the target's layout allows (`dbias_tma`) and dS is dBias (no softcap)."""
+    rows, target_dtype = dbias if dbias is not None else (False, torch.float32)
+    if backward_warp_specialized(config, head_dim, arch):
+        stages, mask_tiles, bias_tiles = backward_staging(config, head_dim, has_mask, bias_dtype, mask_tiles,
+                                                          bias_tiles)
+        own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, WGMMA=True, SCORE_STAGES=stages,
+                   MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles,
+                   DBIAS_TMA=stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma))
+    else:
+        own = dict(DKDV_BLOCK_M=config.block_m, DQ_BLOCK_N=config.block_n_dq, WGMMA=uses_wgmma(config, head_dim, arch))
+    return defines(element(dtype), head_dim, config.num_warps, config.num_stages,
+                   **_features(bias_dtype, is_causal, has_mask, softcap), HAS_DBIAS=dbias is not None,
+                   DBIAS_ROWS=rows, DBIAS_FP32=target_dtype == torch.float32, DKV_FP32=group > 1, **own)
