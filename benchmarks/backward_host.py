@@ -6,7 +6,7 @@ median) of:
 - fwd / fwd (grad): our forward without and with inputs that need a gradient;
 - fwd+bwd grad / fwd+bwd .backward: the forward and `torch.autograd.grad`, or `.backward()`
   accumulating into `.grad` (what `dmattn-bench bench` times);
-- inside backward: the time spent in `plan.Attention.backward` on the engine's thread;
+- inside backward: the time spent in `plan.AttentionFunction.backward` on the engine's thread;
 - plan.backward: the same backward called directly on the calling thread (no engine), and the
   time of its kernel launches;
 and, as floors: one C++ op (`x * 2`) and one Python `autograd.Function` (identity) through
@@ -117,18 +117,18 @@ def ours(name, shape, device, profile: bool) -> list[tuple[str, float]]:
     rows.append((f"{name}: fwd+bwd .backward", warm_host_ms(accumulate)))
 
     inside = []
-    original = plans.Attention.backward
+    original = plans.AttentionFunction.backward
 
     def timed_backward(ctx, dout, dlse):
         begin = time.perf_counter()
         result = original(ctx, dout, dlse)
         inside.append(time.perf_counter() - begin)
         return result
-    plans.Attention.backward = staticmethod(timed_backward)
+    plans.AttentionFunction.backward = staticmethod(timed_backward)
     try:
         warm_host_ms(lambda: torch.autograd.grad(call(), leaves, grad_out))
     finally:
-        plans.Attention.backward = staticmethod(original)
+        plans.AttentionFunction.backward = staticmethod(original)
     rows.append((f"{name}: inside backward", statistics.median(inside) * 1e3))
 
     kept = call()  # alive while its saved tensors are read (an output's saved copy needs it)

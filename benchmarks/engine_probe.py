@@ -1,5 +1,5 @@
 """Where an eager step's host time goes around our backward: timestamps at the call of
-`torch.autograd.grad`, at the entry and exit of `plan.Attention.backward` (run on the autograd
+`torch.autograd.grad`, at the entry and exit of `plan.AttentionFunction.backward` (run on the autograd
 engine's device thread) and at the return, medians over calls with a GPU spin ahead of each; and,
 as the engine's floor, the same for an identity Function and for a Function with our signature
 whose backward returns precomputed gradients at once.
@@ -96,7 +96,7 @@ class Precomputed(torch.autograd.Function):
 def main(argv: list[str]) -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     device = torch.device("cuda")
-    original = plans.Attention.backward
+    original = plans.AttentionFunction.backward
 
     def stamped_backward(ctx, dout, dlse):
         STAMPS["enter"] = time.perf_counter()
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> None:
         STAMPS["exit"] = time.perf_counter()
         return result
 
-    plans.Attention.backward = staticmethod(stamped_backward)
+    plans.AttentionFunction.backward = staticmethod(stamped_backward)
     rows = []
     x = torch.randn(1 << 20, device=device, requires_grad=True)
     x_grad = torch.randn_like(x)

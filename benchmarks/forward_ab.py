@@ -21,8 +21,8 @@ import torch
 from dmattn_bench import flash_dmattn_func
 from dmattn_bench import plan as plans
 from dmattn_bench.bench.operators import operator
-from dmattn_bench.bench.timing import host_us, time_kernel
 from dmattn_bench.space import FwdConfig, as_4d
+from dmattn_bench.tuning.timing import host_us, time_kernel
 
 
 def workloads(device):

@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks import host_overhead
 from dmattn_bench import flash_dmattn_func
 from dmattn_bench.bench.operators import operator
-from dmattn_bench.bench.timing import host_us
+from dmattn_bench.tuning.timing import host_us
 
 def _decode_inputs(batch, seqlen_k, padded, device):
     g = torch.Generator(device=device).manual_seed(0)
@@ -191,14 +191,14 @@ def decode_steps(device) -> list[tuple[str, float, float, float]]:
     """(row, host µs, GPU µs, eager wall µs) of ours and SDPA flash on the bench's B1 decode steps."""
     from pathlib import Path
 
-    from dmattn_bench.bench import harness as bench
+    from dmattn_bench.bench import harness
     from dmattn_bench.bench import peers
-    from dmattn_bench.bench.timing import eager_wall_ms, time_kernel
+    from dmattn_bench.tuning.timing import eager_wall_ms, time_kernel
 
     path = Path(__file__).resolve().parents[1] / "configs" / "workloads" / "peers-decode.yaml"
     rows = []
-    for workload in bench.load_peer_workloads(path, names=list(DECODE_WORKLOADS)):
-        inputs = bench.build_bench_inputs(workload, device)
+    for workload in harness.load_peer_workloads(path, names=list(DECODE_WORKLOADS)):
+        inputs = harness.build_bench_inputs(workload, device)
         for peer in (peers.OURS, "sdpa-flash-dense"):
             if peer != peers.OURS and workload.decode.lengths != "none":
                 continue  # SDPA flash takes no lengths: one row per cache
@@ -206,7 +206,7 @@ def decode_steps(device) -> list[tuple[str, float, float, float]]:
             with prepared.context(), torch.no_grad():
                 gpu_ms = time_kernel(prepared.forward, device).median_ms
                 host = host_us(prepared.forward)
-                wall_ms = eager_wall_ms(prepared.forward, device, bench.EAGER_LOOP_GPU[0], DECODE_WALL_LOOPS)
+                wall_ms = eager_wall_ms(prepared.forward, device, harness.EAGER_LOOP_GPU[0], DECODE_WALL_LOOPS)
             rows.append((f"{workload.name} {peer}", host, gpu_ms * 1e3, wall_ms * 1e3))
         del inputs
     return rows

@@ -33,7 +33,7 @@ from dmattn_bench.dispatch import lookup
 from dmattn_bench.dispatch.table import Entry
 from dmattn_bench.space import CONFIG_CLASSES, TableKey
 from dmattn_bench.tiles import DEFAULTS_FILE, GPU_DEFAULTS
-from dmattn_bench.tuning import learn_defaults as defaults
+from dmattn_bench.tuning import learn_defaults
 
 
 def similarity_distance(a: dict, b: dict) -> float | None:
@@ -44,7 +44,7 @@ def similarity_distance(a: dict, b: dict) -> float | None:
 def read_keys(journals: list[Path]) -> dict[tuple, tuple[dict, dict[tuple, float]]]:
     """{(journal, workload, direction): (table key, {config items: median ms})}."""
     keys: dict[tuple, tuple[dict, dict]] = {}
-    for name, trial, config in defaults.timed_trials(journals):
+    for name, trial, config in learn_defaults.timed_trials(journals):
         keys.setdefault((name, trial["workload"], trial["key"]["direction"]), (trial["key"], {}))[1][config] = \
             trial["median_ms"]
     return keys
@@ -72,23 +72,23 @@ def held_out_regrets(keys, qualified) -> list[dict]:
     rows = []
     for held, (key, times) in keys.items():
         best = min(times.values())
-        group = defaults.group_of(key)
+        group = learn_defaults.group_of(key)
         # the shape is held out on every GPU and in every dtype: another GPU's run of it, or its run
         # in the other dtype (the learned defaults pool bf16 and fp16), would leak its answer
         others = {(name, workload): t for (name, workload, direction), (k, t) in keys.items()
                   if _shape(workload) != _shape(held[1])
-                  and defaults.group_of(k) == group}
-        learned = defaults.learn({group: others}, qualified).get(group) if others else None
+                  and learn_defaults.group_of(k) == group}
+        learned = learn_defaults.learn({group: others}, qualified).get(group) if others else None
         heuristic = next(fwd if key["direction"] == "fwd" else bwd for h, fwd, bwd in GPU_DEFAULTS if h == group[1])
         near = [(similarity_distance(key, k), min(t, key=t.get)) for other, (k, t) in keys.items()
                 if other != held and other[0] == held[0] and similarity_distance(key, k) is not None]
         distance, nearest = min(near) if near else (None, None)
         regret = lambda items: times[items] / best if items in times else None  # noqa: E731
         runtime = runtime_choice(TableKey(**key), table_of(keys, held), learned.config if learned else heuristic)
-        rows.append(dict(key=held, heuristic=regret(defaults.config_items(heuristic)),
-                         learned=regret(defaults.config_items(learned.config)) if learned else None,
+        rows.append(dict(key=held, heuristic=regret(learn_defaults.config_items(heuristic)),
+                         learned=regret(learn_defaults.config_items(learned.config)) if learned else None,
                          nearest=regret(nearest) if nearest else None, distance=distance,
-                         runtime=regret(defaults.config_items(runtime))))
+                         runtime=regret(learn_defaults.config_items(runtime))))
     return rows
 
 
@@ -106,7 +106,7 @@ def main(argv: list[str]) -> None:
     learned_from = yaml.safe_load(DEFAULTS_FILE.read_text())
     journals = [root / name for name in learned_from["journals"]]
     tables = [root / name for name in learned_from["validated_tables"]]
-    qualified = defaults.qualified_configs(tables)
+    qualified = learn_defaults.qualified_configs(tables)
     rows = held_out_regrets(read_keys(journals), qualified)
     print("# Selection regret on held-out shapes (sm90, offline from the committed journals)\n")
     print(f"Command: `python -m benchmarks selection-regret`. Journals: "

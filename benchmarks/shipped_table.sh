@@ -9,7 +9,7 @@
 #                 short-query forward's keys), merged into this GPU's table (`tune --merge`).
 #   verify-bf16   `verify --suite full --restamp` of that table in bf16 (and verify-fp16).
 #   learn-defaults  configs/defaults.yaml learned again (`python -m benchmarks learn-defaults`) from
-#                 the journals and validated tables it lists (the H100's), so a verified H100
+#                 the journals and validated tables configs/defaults.yaml lists (the H100's), so a verified H100
 #                 table's configs qualify.
 #   held_out, held_out_b  a grid of held-out shapes (configs/workloads/held-out.yaml), tuned on
 #                 their own: the tune's JSON reports each key's regret of the runtime's choice today.

@@ -154,7 +154,7 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if CHECK_PAGES and block_table is not None:
             checks.check_pages(block_table, key.shape[0], key.shape[1], cache_seqlens)
         if needs_grad:
-            out, lse = plans.Attention.apply(plan, query, key, value, attn_mask, attn_bias)
+            out, lse = plans.AttentionFunction.apply(plan, query, key, value, attn_mask, attn_bias)
         else:
             out, lse = plan.infer(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table, return_lse)
             if entry is not None:

@@ -71,6 +71,8 @@ def check_device_and_dtypes(query, key, value, attn_bias) -> None:
 
 
 def check_no_gradient_with_cache(cache_seqlens, block_table, needs_grad: bool) -> None:
+    """Raises ValueError when a call that needs a gradient passes a KV cache's lengths or pages
+    (the short-query forward serves them, and it has no backward)."""
     for name, given in (("cache_seqlens", cache_seqlens), ("block_table", block_table)):
         if given is not None and needs_grad:
             raise ValueError(f"{name}: supported in calls that need no gradient (decode, serving); got inputs "

@@ -44,7 +44,8 @@ def plan_for(query, key, value, mask, bias, is_causal: bool, softmax_scale: floa
 def _activity_shape(mask, query, key) -> tuple[int, ...]:
     if mask is None:
         return (0,)
-    from dmattn_kernels.triton.layouts import activity_shape  # imported on first use (registry)
+    # imported on first use: importing the Triton kernels fixes whether the interpreter runs them
+    from dmattn_kernels.triton.layouts import activity_shape
 
     return activity_shape(mask.shape, query.shape[1], key.shape[1])
 

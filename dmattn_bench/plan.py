@@ -4,10 +4,11 @@ backward passes.
 
 A signature is the shapes, strides, dtypes, device and 16-byte alignment of q, k, v, the mask and
 the bias, the flags and scalars, the backend, table and configs asked for, whether the bias needs
-a gradient, and the dispatch state (the table the environment names, `use_table`). Building a
-plan chooses each direction's backend and config (`dmattn_bench.tiles`, once per signature and
-direction; the backward's on its first use) and, on the first run of each direction, prepares
-its launches (the backends' `ForwardPlan` and Triton's `BackwardPlan`: grids, strides, flags,
+a gradient, and the dispatch state (the table the environment names, `use_table`, the backends
+replaced: `registry.overrides`). Building a plan chooses the forward's backend and config
+(`dmattn_bench.tiles`, once per signature and direction; the backward's and the short-query
+forward's on their first use) and, on the first run of each direction, prepares its launches
+(the backends' `ForwardPlan`, Triton's `BackwardPlan` and `DecodePlan`: grids, strides, flags,
 compiled handles, native programs; a forward's config fitted to the GPU there). Running one
 allocates the outputs and launches. The mask and bias reach the launchers as the caller passed
 them.
@@ -106,7 +107,8 @@ class AttentionPlan:
         self.bias_dtype = None if bias is None else bias.dtype
         self.activity_shape = None  # without a mask there is no tile summary
         if mask is not None:
-            from dmattn_kernels.triton.layouts import activity_shape  # imported on first use (registry)
+            # imported on first use: importing the Triton kernels fixes whether the interpreter runs them
+            from dmattn_kernels.triton.layouts import activity_shape
 
             self.activity_shape = activity_shape(mask_dims, seqlen_q, seqlen_k)
         # nothing to compute: no query rows (empty outputs), or no keys (every row dead)
@@ -183,7 +185,7 @@ class AttentionPlan:
         self.fwd_config, launch = tiles.fit_forward(
             backend.name, self.fwd_config, lambda config: backend.forward_plan(
                 q, k, v, mask, bias, config=config, out=out, lse=lse, **self.options),
-            q_dtype=self.dtype, bias_dtype=self.bias_dtype, shared_memory_limit=tiles.shared_memory_limit(device))
+            q_dtype=self.dtype, bias_dtype=self.bias_dtype, limit=tiles.shared_memory_limit(device))
         self._fwd_launch = launch
         launch(q, k, v, mask, bias, out, lse, activity)
         return out, lse, activity
@@ -257,7 +259,7 @@ class AttentionPlan:
         return dq, dk, dv, grad_bias
 
 
-class Attention(torch.autograd.Function):
+class AttentionFunction(torch.autograd.Function):
     """An eager call with a gradient: the plan's forward, and its backward from the context."""
 
     @staticmethod

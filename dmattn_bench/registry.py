@@ -1,7 +1,7 @@
 """The one list of attention backends: name, launchers, support check.
 
 Every backend has the same launch interface so the autograd wrapper, the validator and the
-tuner treat them alike: inputs already checked by `dmattn_bench.api` (the mask and bias
+tuner treat them alike: inputs already checked by `dmattn_bench.checks` (the mask and bias
 broadcastable, of up to 4 dims: the launchers read them as 4-D), outputs preallocated by the
 caller.
 """

@@ -14,8 +14,8 @@ of:
 and then the fit rule: a forward config whose tiles do not fit the GPU's shared memory with the
 call's operands has its key tiles halved (`fit_forward`). The shared memory a config needs is
 the launcher's model, which this module only compares with the GPU's limit: the CUDA kernels'
-formula (`dmattn_kernels.cuda.shared_bytes`, which also picks the CUDA defaults that fit) and
-the Triton forward plan's compiled kernel (`ForwardPlan.shared_bytes`).
+formula (`dmattn_kernels.cuda.shared_bytes`; `_first_fitting` picks the CUDA defaults that fit
+by it) and the Triton forward plan's compiled kernel (`ForwardPlan.shared_bytes`).
 
 A forced backend (`backend="cuda"` or `"triton"` without an explicit config) skips the table and
 takes that backend's default.
@@ -101,7 +101,7 @@ _CONFIG_CLASSES = {"fwd": FwdConfig, "bwd": BwdConfig}
 _READ_ENV = object()  # sentinel: `choose` reads DMATTN_BENCH_TABLE itself
 
 
-# -- 1. explicit configs ----------------------------------------------------------------------------
+# -- explicit configs ----------------------------------------------------------------------------
 
 
 def check_explicit(backend, shape: AttentionShape, **configs) -> None:
@@ -114,7 +114,7 @@ def check_explicit(backend, shape: AttentionShape, **configs) -> None:
             raise ValueError(f"{name}: {reason} (the {backend.name} backend cannot run it)")
 
 
-# -- 3. learned defaults ----------------------------------------------------------------------------
+# -- learned defaults ----------------------------------------------------------------------------
 
 
 @lru_cache(maxsize=1)
@@ -133,7 +133,7 @@ def learned_defaults() -> dict[tuple, FwdConfig | BwdConfig]:
     return chosen
 
 
-# -- 4. heuristic defaults --------------------------------------------------------------------------
+# -- heuristic defaults --------------------------------------------------------------------------
 
 
 def decode_config(head_dim: int, device: torch.device | str) -> DecodeConfig:
@@ -259,7 +259,7 @@ def choose(key: TableKey, device: torch.device | str | None = None, *, backend: 
     return entry if entry is not None else default_choice(key, device)
 
 
-# -- 5. the fit rule ----------------------------------------------------------------------------------
+# -- the fit rule ----------------------------------------------------------------------------------
 
 
 def shared_memory_limit(device: torch.device) -> int | None:
@@ -271,11 +271,11 @@ def shared_memory_limit(device: torch.device) -> int | None:
 
 
 def fit_forward(backend_name: str, config: FwdConfig, build: Callable[[FwdConfig], object], *, q_dtype: torch.dtype,
-                bias_dtype: torch.dtype | None, shared_memory_limit: int | None) -> tuple[FwdConfig, object]:
+                bias_dtype: torch.dtype | None, limit: int | None) -> tuple[FwdConfig, object]:
     """The config a forward runs and its launch plan (`build(config)`): `config`, or, where the
     fit applies, its key tiles halved until the plan's shared memory (`plan.shared_bytes()`, the
-    launcher's model: its compiled kernel) fits `shared_memory_limit` or the tile is
-    `MIN_KEY_TILE`. The plan that fits is the one returned: nothing is built twice.
+    launcher's model: its compiled kernel) fits `limit` (the GPU's shared memory per block) or the
+    tile is `MIN_KEY_TILE`. The plan that fits is the one returned: nothing is built twice.
 
     The fit applies to the Triton forward under 16-bit inputs with an fp32 bias on a GPU (None:
     no limit, the interpreter). A table key has no bias dtype, so a config tuned on a 16-bit bias
@@ -285,11 +285,10 @@ def fit_forward(backend_name: str, config: FwdConfig, build: Callable[[FwdConfig
     pipeline: one stage instead (the other way to fit) ran W1 in 1.509 ms against 0.693 ms with
     the bf16 bias (H100). `prune` checks that the halved tiles fit.
     """
-    launch = build(config)
-    if (backend_name != "triton" or bias_dtype != torch.float32 or q_dtype == torch.float32
-            or shared_memory_limit is None or launch is None):
-        return config, launch
-    while config.block_n > MIN_KEY_TILE and launch.shared_bytes() > shared_memory_limit:
+    plan = build(config)
+    if backend_name != "triton" or bias_dtype != torch.float32 or q_dtype == torch.float32 or limit is None:
+        return config, plan
+    while config.block_n > MIN_KEY_TILE and plan.shared_bytes() > limit:
         config = replace(config, block_n=config.block_n // 2)
-        launch = build(config)
-    return config, launch
+        plan = build(config)
+    return config, plan

@@ -66,7 +66,7 @@ class FwdConfig:
             issued with the tile before's P V, the two consumers taking turns, the scale in the
             exp where scores are scaled dots, a row's max and sum reduced as trees.
         persistent: 1 (with overlap): a CTA per SM walking a schedule of work items
-            (FWD_PERSISTENT, `launch.persistent_schedule`) instead of a CTA per item.
+            (FWD_PERSISTENT, `forward.persistent_schedule`) instead of a CTA per item.
     """
 
     block_m: int = 64

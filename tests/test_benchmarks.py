@@ -12,10 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the module `-m` runs for the package; named in full, so that no test quotes the folder's bare
-# name (tests/test_layout.py reads that as a test loading a benchmark script)
-RUNNER = "benchmarks.__main__"
-FOLDER = ROOT / RUNNER.partition(".")[0]
+RUNNER = "benchmarks"  # run as `python -m benchmarks`, from the repository root
+FOLDER = ROOT / RUNNER
 HELP_JOBS = 4  # --help runs at once: each imports torch (about 1.5 s of CPU)
 
 

@@ -340,7 +340,7 @@ def test_an_expanded_gradient_is_a_broadcast_dim_but_a_size_1_dim_is_not():
 
 def test_a_warp_specialized_backward_config_off_sm90_is_refused_before_any_launch(monkeypatch):
     """Its shape would otherwise build flash_bwd.cu with 12 warps, 192 keys, in a CTA sized for 128."""
-    monkeypatch.setattr(backward, "check_tensor", lambda q: None)
+    monkeypatch.setattr(backward, "check_query", lambda q: None)
     monkeypatch.setattr(backward, "arch_of", lambda device: "sm80")
     q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 64)

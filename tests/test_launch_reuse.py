@@ -56,9 +56,9 @@ def test_fp32_bias_forward_halves_key_tiles_until_it_fits(bias_dtype, expected):
             return self.config.block_n * 1024
 
     chosen, plan = tiles.fit_forward("triton", FwdConfig(16, 128, 4, 2), Plan, q_dtype=torch.float16,
-                                     bias_dtype=bias_dtype, shared_memory_limit=32 * 1024)
+                                     bias_dtype=bias_dtype, limit=32 * 1024)
     assert chosen == FwdConfig(16, expected, 4, 2) and plan.config == chosen
     assert built == ([128, 64, 32] if bias_dtype == torch.float32 else [128])
     _, interpreted = tiles.fit_forward("triton", FwdConfig(16, 128, 4, 2), Plan, q_dtype=torch.float16,
-                                       bias_dtype=torch.float32, shared_memory_limit=None)
+                                       bias_dtype=torch.float32, limit=None)
     assert interpreted.config.block_n == 128  # no limit to fit (the interpreter)

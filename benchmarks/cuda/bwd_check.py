@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from dmattn_bench.bench.operators import operator
-from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, config_label
 from dmattn_bench.tuning.adversarial import adversarial_cases, build_inputs
+from dmattn_bench.tuning.timing import time_kernel
 from dmattn_bench.tuning.validator import check_case, config_tiles, run_kernel
 
 DTYPES = (torch.bfloat16, torch.float16)

@@ -19,8 +19,8 @@ from benchmarks.cuda.section_probe import bench_call, building, parse_config, pr
 from dmattn_bench import flash_dmattn_func
 from dmattn_bench.bench.harness import load_peer_workloads
 from dmattn_bench.bench.operators import operator
-from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import get_backend
+from dmattn_bench.tuning.timing import time_kernel
 from dmattn_kernels.cuda import build, driver, shared_memory
 from dmattn_kernels.cuda.variants import backward_staging, staged_tiles
 

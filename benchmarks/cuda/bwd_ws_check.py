@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from dmattn_bench.bench.operators import operator
-from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, config_label
 from dmattn_bench.tuning.adversarial import build_inputs
+from dmattn_bench.tuning.timing import time_kernel
 from dmattn_bench.tuning.validator import check_case, config_suite, run_kernel
 
 WS_CONFIGS = (BwdConfig(64, 128, 64, 128, 12, 2), BwdConfig(64, 64, 64, 64, 8, 2))

@@ -9,9 +9,9 @@ import argparse
 import torch
 
 from dmattn_bench.bench.operators import operator
-from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, config_label
+from dmattn_bench.tuning.timing import time_kernel
 
 # On sm90 the configs of 16 rows per warp in whole warpgroups run wgmma (dmattn_kernels.cuda.uses_wgmma), the
 # others (32 rows per warp, 2 warps, 16-row tiles) mma.sync.

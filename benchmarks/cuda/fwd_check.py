@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dmattn_bench.bench.operators import operator
-from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import Backend, get_backend
 from dmattn_bench.space import FwdConfig
 from dmattn_bench.tuning.adversarial import adversarial_cases
+from dmattn_bench.tuning.timing import time_kernel
 from dmattn_bench.tuning.validator import check_case, config_tiles
-from dmattn_kernels import cuda as cl
+from dmattn_kernels import cuda as cuda_kernels
 from dmattn_kernels.cuda import build as cb
 
 # warps owning 32 rows (block_m = 32 x num_warps) and 16 rows (16 x num_warps); on sm90 the 16-row
@@ -53,13 +53,14 @@ def check_suite(cuda) -> None:
         for case in suite(cfg):
             for dt in (torch.bfloat16, torch.float16):
                 bias_dtype = (torch.float32 if case.bias_fp32 else dt) if case.bias != "none" else None
-                jobs.add(cl.variant(cfg, case.head_dim, dt, bias_dtype, arch=cl.arch_of(torch.device('cuda')),
-                                    is_causal=case.causal, has_mask=case.mask != "none", softcap=case.softcap))
+                arch = cuda_kernels.arch_of(torch.device("cuda"))
+                jobs.add(cuda_kernels.variant(cfg, case.head_dim, dt, bias_dtype, arch=arch, is_causal=case.causal,
+                                              has_mask=case.mask != "none", softcap=case.softcap))
     errors = []
 
     def one(flags):
         try:
-            cb.build("fwd", cl.arch_of(torch.device("cuda")), flags)
+            cb.build("fwd", cuda_kernels.arch_of(torch.device("cuda")), flags)
         except Exception as exc:
             errors.append(str(exc)[:300])
     with ThreadPoolExecutor(16) as pool:
@@ -92,7 +93,8 @@ def time_w3() -> None:
     flops = 4 * B * H * L * L * D / 2
     rows = []
     tri = get_backend("triton")
-    for name, launch_fn, cfgs in (("cuda", cl.attention_forward, CUDA_TIMED), ("triton", tri.forward, TRITON_TIMED)):
+    for name, launch_fn, cfgs in (("cuda", cuda_kernels.attention_forward, CUDA_TIMED),
+                                  ("triton", tri.forward, TRITON_TIMED)):
         for cfg in cfgs:
             def f(launch_fn=launch_fn, cfg=cfg):
                 launch_fn(q, k, v, None, None, is_causal=True, softmax_scale=D ** -0.5, softcap=0.0, config=cfg,
@@ -121,5 +123,5 @@ def time_w3() -> None:
 @operator("cuda-fwd-check", help="CUDA forward: the full adversarial suite, then W3 timing against Triton and SDPA")
 def main(argv: list[str]) -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
-    check_suite(Backend("cuda", cl.attention_forward, no_backward, cl.is_supported))
+    check_suite(Backend("cuda", cuda_kernels.attention_forward, no_backward, cuda_kernels.is_supported))
     time_w3()

@@ -17,9 +17,9 @@ import torch
 
 from dmattn_bench.bench.harness import build_bench_inputs, load_peer_workloads
 from dmattn_bench.bench.operators import operator
-from dmattn_bench.bench.timing import time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
+from dmattn_bench.tuning.timing import time_kernel
 from dmattn_kernels.cuda import build, forward
 
 

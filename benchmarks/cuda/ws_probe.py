@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from dmattn_bench import flash_dmattn_func
 from dmattn_bench.bench.harness import build_bench_inputs, flops_needed, load_peer_workloads
 from dmattn_bench.bench.operators import operator
-from dmattn_bench.bench.timing import host_us, time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import FwdConfig
 from dmattn_bench.tuning.adversarial import adversarial_cases
+from dmattn_bench.tuning.timing import host_us, time_kernel
 from dmattn_bench.tuning.validator import check_case, config_tiles
 from dmattn_kernels.cuda import build, driver, forward, rules, shared_memory, variants
 

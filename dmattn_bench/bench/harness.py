@@ -33,10 +33,10 @@ import torch
 
 from dmattn_bench import hardware, output
 from dmattn_bench.bench.peers import OURS, OURS_PEERS, PEERS, BenchInputs, DecodeOperands, Prepared, unavailable_reason
-from dmattn_bench.bench.timing import eager_wall_ms, time_kernel
 from dmattn_bench.reference import PAGE_MULTIPLE, attention
 from dmattn_bench.space import DTYPES, MAX_DECODE_QUERIES, is_valid_head_dim, load_yaml
 from dmattn_bench.tuning.adversarial import paged_cache
+from dmattn_bench.tuning.timing import eager_wall_ms, time_kernel
 from dmattn_bench.tuning.validator import TensorCheck, compare
 from dmattn_bench.tuning.workloads import Workload, positive_int, reject_table
 

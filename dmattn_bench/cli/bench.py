@@ -15,7 +15,7 @@ from rich.table import Table
 
 from dmattn_bench import output
 from dmattn_bench.bench.harness import (COPY_BYTES, DIRECTIONS, Row, copy_rate, eager_loop, failed_rows_of_ours,
-                                load_peer_workloads, run_bench, timed_directions)
+                                        load_peer_workloads, run_bench, timed_directions)
 from dmattn_bench.bench.peers import DECODE_PEERS, DEFAULT_PEERS, OURS, PEER_GROUPS, PEERS, parse_peers
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
 from dmattn_bench.errors import DmattnError

@@ -23,7 +23,7 @@ from dmattn_bench.tuning.journal import JournalError, JournalState, mark_finishe
 from dmattn_bench.tuning.prune import load_ci_space, load_space, read_yaml_mapping
 from dmattn_bench.tuning.table_writer import dump_table, merged, new_table
 from dmattn_bench.tuning.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, combine_backends,
-                                planned_trial_ids, tune)
+                                       planned_trial_ids, tune)
 from dmattn_bench.tuning.workloads import load_workloads, workload_of_key
 
 CI_FILE = CONFIGS_DIR / "ci.yaml"

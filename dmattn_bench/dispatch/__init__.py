@@ -11,8 +11,6 @@ from dmattn_bench.dispatch.lookup import (
     Dispatcher,
     DispatchWarning,
     clear_cache,
-    nearest,
-    table_choice,
     use_table,
 )
 from dmattn_bench.dispatch.table import (
@@ -29,6 +27,6 @@ from dmattn_bench.dispatch.table import (
 
 __all__ = [
     "DISPATCHER", "ENV_VAR", "MAX_TABLE_BYTES", "SCHEMA_VERSION", "Choice", "DispatchWarning", "Dispatcher",
-    "Entry", "Table", "TableError", "Timing", "Validation", "clear_cache", "load_table", "nearest",
-    "table_choice", "table_from_dict", "use_table",
+    "Entry", "Table", "TableError", "Timing", "Validation", "clear_cache", "load_table", "table_from_dict",
+    "use_table",
 ]

@@ -204,7 +204,7 @@ class Dispatcher:
     def use_table(self, path: str | os.PathLike | None) -> None:
         """Selects `path` ahead of the environment and shipped tables; None clears the selection.
 
-        The file is read at the next `choose`; calling this again with the same path re-reads it.
+        The file is read at the next `table_choice`; calling this again with the same path re-reads it.
         """
         self._explicit = os.fspath(path) if path is not None else None
         self._choices.clear()

@@ -37,6 +37,7 @@ from dmattn_bench.space import (
     expand_grid,
     load_yaml,
 )
+from dmattn_bench.tiles import MIN_KEY_TILE  # the fit rule stops halving a key tile there
 from dmattn_bench.tuning.workers import abandon_pool, ignore_interrupts
 
 Config = FwdConfig | BwdConfig | DecodeConfig
@@ -89,7 +90,6 @@ I32_POINTERS = ("blocks_ptr", "seqlens_ptr", "block_table_ptr", "spans_ptr")  # 
 KV_DESCRIPTORS = ("k_desc", "v_desc")  # the forward's K/V: TMA descriptors where `forward.kv_by_tma`, else pointers
 FP32_SCALARS = ("softmax_scale", "softcap")
 WARP_SIZE = 32
-MIN_TILE = 16  # tl.dot's smallest tile dim (`layouts.MIN_BLOCK`): the fp32-bias fallback stops there
 ERROR_REASON_CHARS = 200
 CUOBJDUMP_TIMEOUT_S = 60
 
@@ -413,7 +413,7 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
                                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
             except Exception as exc:  # noqa: BLE001 - a failed candidate is data
                 return verdict("compile_error", f"{where}: {_one_line(exc)}", "compile")
-            if not fallback or compiled.metadata.shared <= limits.shared_memory_per_block or constexprs["BLOCK_N"] <= MIN_TILE:
+            if not fallback or compiled.metadata.shared <= limits.shared_memory_per_block or constexprs["BLOCK_N"] <= MIN_KEY_TILE:
                 break
             constexprs = dict(constexprs, BLOCK_N=constexprs["BLOCK_N"] // 2)
             where = f"{where} at BLOCK_N={constexprs['BLOCK_N']}"

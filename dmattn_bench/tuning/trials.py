@@ -17,13 +17,13 @@ from typing import Callable
 import torch
 
 from dmattn_bench import plan
-from dmattn_bench.bench.timing import Timing, time_kernel
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import DTYPES, BwdConfig, DecodeConfig, FwdConfig, as_4d
 from dmattn_bench.tuning.adversarial import Case, Inputs, build_inputs, decode_cases
-from dmattn_bench.tuning.validator import (DECODE, CaseResult, check_case, check_decode_case, classify_failure, compare,
-                                    config_suite, reference_forward, run_reference, shape_of_case, up_to_head_dim,
-                                    validate)
+from dmattn_bench.tuning.timing import Timing, time_kernel
+from dmattn_bench.tuning.validator import (DECODE, CaseResult, check_case, check_decode_case, classify_failure,
+                                           compare, config_suite, reference_forward, run_reference, shape_of_case,
+                                           up_to_head_dim, validate)
 from dmattn_bench.tuning.workloads import Workload
 
 WARMUP = 2

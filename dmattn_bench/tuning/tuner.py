@@ -44,7 +44,8 @@ from dmattn_bench.tuning.adversarial import specialization_class
 from dmattn_bench.tuning.journal import Journal, suite_id, trial_id
 from dmattn_bench.tuning.prune import precheck
 from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, Trial, measure_job, problem_job, ready_job,
-                                 shape_of_workload, suite_case_job, suite_cases, suite_job, suite_verdict, warm_job)
+                                        shape_of_workload, suite_case_job, suite_cases, suite_job, suite_verdict,
+                                        warm_job)
 from dmattn_bench.tuning.validator import CaseResult, shape_of_case
 from dmattn_bench.tuning.workers import PoolStats, Worker, WorkerCrashed, WorkerTimedOut, parallel_map
 from dmattn_bench.tuning.workloads import Workload

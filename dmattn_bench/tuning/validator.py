@@ -28,7 +28,7 @@ from dmattn_bench.space import (AttentionShape, BwdConfig, DecodeConfig, FwdConf
                                 config_label, is_valid_head_dim)
 from dmattn_bench.tiles import DECODE_DEFAULTS, decode_config, default_configs, default_entries
 from dmattn_bench.tuning.adversarial import (MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, bias_kind, build_inputs,
-                                      decode_cases)
+                                             decode_cases)
 
 # Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
 # exact low-precision reference (error 0 on a tensor) does not demand an exact kernel.
@@ -160,12 +160,13 @@ def run_kernel(backend: Backend, inputs: Inputs, case: Case, fwd_config: FwdConf
     if fwd_config is not None:
         out = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), nan, dtype=torch.float32, device=q.device)
-        if backend.forward_plan is not None:  # the tiles a call runs: an fp32 bias may halve a 16-bit bias's
-            fwd_config, _ = tiles.fit_forward(  # key tiles to fit
+        # the tiles a call runs: an fp32 bias may halve a 16-bit bias's key tiles to fit
+        if backend.forward_plan is not None:
+            fwd_config, _ = tiles.fit_forward(
                 backend.name, fwd_config, lambda config: backend.forward_plan(
                     q, k, v, mask, bias, config=config, out=out, lse=lse, **options),
                 q_dtype=q.dtype, bias_dtype=None if bias is None else bias.dtype,
-                shared_memory_limit=tiles.shared_memory_limit(q.device))
+                limit=tiles.shared_memory_limit(q.device))
         backend.forward(q, k, v, mask, bias, config=fwd_config, out=out, lse=lse, **options)
         result.update(out=out, lse=lse)
     else:

@@ -1,7 +1,7 @@
 """CUDA flash dynamic-mask attention (mma.sync, SM80/SM90/SM120): built on first use with nvcc.
 
 Launchers for the CUDA kernels: explicit configs in, preallocated outputs filled. The same
-interface as `dmattn_kernels.triton` (inputs already checked by `dmattn_bench.api`). Cubins come
+interface as `dmattn_kernels.triton` (inputs already checked by `dmattn_bench.checks`). Cubins come
 from `build.py` and are launched through the CUDA driver API over ctypes (`driver.py`).
 
 Modules, one concern each: `params` (the kernels' parameter blocks), `driver` (libcuda and the

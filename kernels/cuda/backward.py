@@ -17,7 +17,7 @@ from dmattn_kernels.configs import BwdConfig
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
 from dmattn_kernels.cuda.forward import section_slices
 from dmattn_kernels.cuda.params import BwdParams, BwdWsParams, inputs
-from dmattn_kernels.cuda.rules import (backward_kernel, check_aligned, check_arch, check_call, check_tensor,
+from dmattn_kernels.cuda.rules import (backward_kernel, check_aligned, check_arch, check_config, check_query,
                                        padded_head_dim)
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_ROWS, backward_shared_bytes
 from dmattn_kernels.cuda.variants import backward_staging, backward_variant, staged_tiles, stores_dbias_by_tma
@@ -84,8 +84,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
     group = num_heads // num_heads_kv
-    check_tensor(q)
-    check_call(config, q, k, mask, bias, is_causal, softcap, dbias is not None)
+    check_query(q)
+    check_config(config, q, k, mask, bias, is_causal, softcap, dbias is not None)
     arch = arch_of(q.device)
     check_arch(config, head_dim, arch)
     source = backward_kernel(config, head_dim, arch)

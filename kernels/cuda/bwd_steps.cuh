@@ -41,8 +41,8 @@ struct BwdParams {  // `dmattn_kernels.cuda.params.BwdParams` mirrors it
 // DELTA_ROW_LANES lanes read a 16-byte chunk of out and dO each (HEAD_DIM <= 256 is a multiple of
 // 8; rows start on 16-byte boundaries: the launcher checks), and a warp has DELTA_UNROLL such
 // rows per lane group in flight (a row per warp left the loads too few: H200, W3, 30 us;
-// `benchmarks/cuda/bwd_ws_check.py time`).
-// `launch.delta_rows_per_block` mirrors the count.
+// `python -m benchmarks cuda-bwd-ws-check time`).
+// `backward.delta_rows_per_block` mirrors the count.
 constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
 constexpr int DELTA_ROW_LANES = pow2_at_least(BLOCK_D / 8);
 constexpr int DELTA_UNROLL = 4;

@@ -286,7 +286,7 @@ struct HeadSlices {
 
 // A warp-specialized kernel's CTA in launch order (blockIdx.x + gridDim.x blockIdx.y): the head
 // slices (gridDim.x of them) in sections of `section_slices`, whose operands re-read from L2 fit
-// it together (launch.section_slices); in a section, blocks (gridDim.y of them) in order, head
+// it together (forward.section_slices); in a section, blocks (gridDim.y of them) in order, head
 // slices varying fastest, so the CTAs resident at once share blocks' worth of work and the
 // section's operands. The last section may be short.
 struct SectionOrder {

@@ -83,7 +83,7 @@ constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
 constexpr int CONSUMER_THREADS = CONSUMERS * GROUP_WARPS * 32;
 constexpr int DQ_COLS = BLOCK_D / CONSUMERS;  // the columns of a dQ share one consumer computes
 constexpr bool SCORE_TILES = (HAS_MASK && MASK_TILES == 1) || (HAS_BIAS && BIAS_TILES == 1);  // a staged ring
-constexpr int DQ_BUFFERS = SCORE_TILES ? 1 : 2;  // `launch.backward_shared_bytes` mirrors the layout below
+constexpr int DQ_BUFFERS = SCORE_TILES ? 1 : 2;  // `shared_memory.backward_shared_bytes` mirrors the layout below
 static_assert(CONSUMERS >= 1 && NUM_WARPS % GROUP_WARPS == 0 && BLOCK_N == CONSUMERS * GROUP_ROWS && BLOCK_M == 64,
               "one producer warpgroup and a consumer warpgroup per 64 keys; query tiles of 64 rows");
 static_assert(BLOCK_D % CONSUMERS == 0 && DQ_COLS % SWIZZLE_COLS == 0 && is_wgmma_width(DQ_COLS),
@@ -526,7 +526,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_ws_delta_kernel
 
 // dQ = softmax_scale x the summed shares, in the input dtype: a thread per two columns of
 // DQ_ROWS rows (fewer rows a thread, and its index math outweighed its 8-byte loads: H200, W3,
-// 45 us for one row; `benchmarks/cuda/bwd_ws_check.py time`). `launch.DQ_CAST_ROWS` mirrors the count.
+// 45 us for one row; `python -m benchmarks cuda-bwd-ws-check time`). `backward.DQ_CAST_ROWS` mirrors the count.
 constexpr int DQ_ROWS = 4;
 static_assert(8 % DQ_ROWS == 0, "a thread's rows share a tile and its r");
 

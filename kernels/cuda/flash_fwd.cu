@@ -36,7 +36,7 @@
 // happen. For ldmatrix, shared rows are padded by 16 bytes: consecutive rows start in different
 // banks, and ldmatrix reads 8 rows without conflicts (wgmma tiles are swizzled instead).
 //
-// SM90 (WGMMA, launch.uses_wgmma picks it on sm90 where the tile allows): the two products run as
+// SM90 (WGMMA, rules.uses_wgmma picks it on sm90 where the tile allows): the two products run as
 // wgmma.mma_async on shared operands (Q, K, V in the swizzled layout of sm90.cuh; P from
 // registers), one m64 product per warpgroup of four warps. Each warp still owns 16 rows and
 // the same accumulator fragments, so the score rule and the online softmax are one code. The

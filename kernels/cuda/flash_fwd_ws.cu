@@ -47,7 +47,7 @@
 // wait after the softmax, ptxas scheduled the wait first and the softmax after the product).
 //
 // FWD_PERSISTENT (FwdConfig.persistent = 1, with overlap): a CTA per SM walks its list of work
-// items (launch.persistent_schedule: launch order, each item to the CTA free first, as the block
+// items (forward.persistent_schedule: launch order, each item to the CTA free first, as the block
 // scheduler would hand them out); the producer hands each item's index to the consumers through
 // shared memory (item_full / item_empty), and loads the next item's Q once the consumers' last
 // S of the item before has landed (q_empty), so it and the next item's first tiles load while
@@ -113,7 +113,7 @@ constexpr int BIAS_ROWS = BIAS_TILES == 1 ? BLOCK_M : BIAS_TILES == 2 ? 1 : 0;
 constexpr int BIAS_LINE = 128;
 constexpr int BIAS_BOXES = BIAS_ROWS == 1 ? 1 : BLOCK_N * int(sizeof(elem_t)) / BIAS_LINE;
 constexpr int round_to_kib(int bytes) { return (bytes + 1023) / 1024 * 1024; }  // TMA's swizzle atoms
-constexpr int MASK_SLOT_BYTES = round_to_kib(MASK_ROWS * BLOCK_N);  // launch.score_slot_bytes mirrors these
+constexpr int MASK_SLOT_BYTES = round_to_kib(MASK_ROWS * BLOCK_N);  // shared_memory.score_slot_bytes mirrors these
 constexpr int SCORE_SLOT_BYTES = MASK_SLOT_BYTES + round_to_kib(BIAS_ROWS * BLOCK_N * int(sizeof(elem_t)));
 // what each full barrier expects
 constexpr uint32_t Q_BYTES = BLOCK_M * BLOCK_D * sizeof(elem_t);
@@ -127,7 +127,7 @@ struct WsParams {  // `dmattn_kernels.cuda.params.WsParams` mirrors it (`Persist
   int section_slices;  // the launch order's sections (below)
 #if FWD_PERSISTENT
   int item_columns, item_rows;  // the work items: head slices x query blocks
-  // A persistent launch's items (`launch.persistent_schedule`): CTA c of G takes items
+  // A persistent launch's items (`forward.persistent_schedule`): CTA c of G takes items
   // schedule[G + 1 + schedule[c]] .. schedule[G + 1 + schedule[c + 1] - 1], in order. Null: one
   // item per CTA, the CTA's own.
   const int* schedule;

@@ -1,6 +1,6 @@
 """The CUDA forward's launch: a signature's checks, variant, cubin and geometry planned once
-(`_signature_launch`), a call's parameters filled from the signature's template, and the native
-program (`ForwardPlan`) that runs later calls in one C++ call.
+(`_signature_launch`), a call's parameters filled from the signature's template, and the plan
+(`ForwardPlan`) that builds the native program running later calls in one C++ call.
 
 The warp-specialized forward (flash_fwd_ws.cu) also gets its tensor maps, the head slices it
 runs at once (`section_slices`) and, launched persistent, its work items' schedule
@@ -21,7 +21,7 @@ import triton
 from dmattn_kernels.configs import FwdConfig
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
 from dmattn_kernels.cuda.params import FwdParams, Inputs, PersistentWsParams, TensorMap, WsParams, address, inputs
-from dmattn_kernels.cuda.rules import check_arch, check_call, check_rows, check_tensor, forward_kernel, padded_head_dim
+from dmattn_kernels.cuda.rules import check_arch, check_config, check_query, check_rows, forward_kernel, padded_head_dim
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_KEYS, TILES_OF_ROWS, forward_shared_bytes
 from dmattn_kernels.cuda.variants import staged_layout, staging, variant
 from dmattn_kernels.runtime import launch_context, native
@@ -108,7 +108,7 @@ def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: F
     (q_shape, _, dtype, device, _), _, _, mask_layout, bias_layout, _ = layouts
     batch, seqlen_q, num_heads, head_dim = q_shape
     q, k, _, mask, bias, _ = _meta_tensors(layouts)
-    check_call(config, q, k, mask, bias, is_causal, softcap, False)
+    check_config(config, q, k, mask, bias, is_causal, softcap, False)
     for name, layout in zip(("query", "key", "value", None, None, "out"), layouts):
         if name is not None:
             check_rows(name, layout[1], layout[4])
@@ -203,7 +203,7 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
                       config: FwdConfig, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call; the mask and bias as
     the caller passed them (up to 4 dims, broadcastable as (B|1, H|Hkv|1, Lq|1, Lk|1))."""
-    check_tensor(q)
+    check_query(q)
     layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
     plan = _forward_launch(layouts, is_causal, softcap, config)
     if is_compile_only():
@@ -218,7 +218,7 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
 
 def _native_parameters(layouts: tuple, softmax_scale: float, softcap: float, lse_stride: tuple,
                        plan: _ForwardLaunch, schedule: torch.Tensor | None) -> tuple[bytes, list, list]:
-    """A forward signature's parameters for a native program (`dmattn_bench.native.structure_spec`):
+    """A forward signature's parameters for a native program (`dmattn_kernels.runtime.native.structure_spec`):
     the template (its FwdParams, inside a WsParams where the kernel reads tensor maps, with a
     persistent launch's schedule), the address slots (q, k, v, the mask and bias where given, then
     the program's out and lse allocations) and the map slots (`_ForwardLaunch.maps`' operands)."""
@@ -241,7 +241,7 @@ class ForwardPlan:
     runtime's call). The mask and bias come as the caller passed them (any dims up to 4).
 
     A run of `allocate_and_run` from Python builds the program of the later ones
-    (`dmattn_bench.native`): the same two allocations and one launch in one C++ call, the
+    (`dmattn_kernels.runtime.native`): the same two allocations and one launch in one C++ call, the
     parameters copied from the signature's template with the call's addresses and, for the
     warp-specialized forward, its tensor maps filled in (encoded again only for new addresses).
     """

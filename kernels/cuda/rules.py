@@ -34,7 +34,7 @@ WARPGROUP = 4  # warps that issue one wgmma together
 # its S^T and dP^T fragments, and spills heavily (at 128 only the largest 4-warp tiles spill a
 # little, 128x64 w4: the tuner measures those): H200, B2 H16 L4096
 # D256 causal bf16, 32x64 dq64x32 w4 s1: 9.79 ms through wgmma vs 5.90 ms through mma.sync
-# (`python3 benchmarks/cuda/defaults_sweep.py`, 2026-11-22).
+# (`python -m benchmarks cuda-defaults-sweep`, 2026-11-22).
 WGMMA_BWD_MAX_HEAD_DIM = 128
 
 
@@ -205,31 +205,36 @@ def _warp_specialized_backward_reason(config: BwdConfig, head_dim: int) -> str |
 
 
 def check_aligned(name: str, t: torch.Tensor) -> None:
+    """`check_rows` of a tensor: its strides and its address modulo 16."""
     check_rows(name, t.stride(), t.data_ptr() % 16)
 
 
 def check_rows(name: str, stride: tuple[int, ...], offset: int) -> None:
-    # cp.async and TMA move 16-byte chunks: each row of the head dim must start on a 16-byte
-    # boundary (`offset`: the data's address modulo 16)
+    """Raises ValueError unless each row of the head dim starts on a 16-byte boundary (`offset`:
+    the data's address modulo 16): cp.async and TMA move 16-byte chunks."""
     if offset or any(s % 8 for s in stride[:3]):
         raise ValueError(f"{name}: the cuda backend needs rows on 16-byte boundaries, got strides "
                          f"{tuple(stride)} at offset {offset}")
 
 
-def element(dtype: torch.dtype) -> str:
+def element_name(dtype: torch.dtype) -> str:
+    """The kernels' name for the query's dtype ("bf16", "fp16"); TypeError for any other."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"query: the cuda backend runs fp16 and bf16, got {dtype}")
     return "bf16" if dtype == torch.bfloat16 else "fp16"
 
 
-def check_tensor(q: torch.Tensor) -> None:
+def check_query(q: torch.Tensor) -> None:
+    """Raises unless the query is a CUDA tensor (or a data-less one of a plan for a stamp) of a
+    dtype the kernels run."""
     planning = q.device.type == "meta" and target.planned_arch() is not None  # data-less tensors of a plan
     if q.device.type != "cuda" and not planning:
         raise ValueError(f"query: the cuda backend runs on CUDA tensors, got device {q.device}")
-    element(q.dtype)
+    element_name(q.dtype)
 
 
-def check_call(config, q, k, mask, bias, is_causal: bool, softcap: float, bias_requires_grad: bool) -> None:
+def check_config(config, q, k, mask, bias, is_causal: bool, softcap: float, bias_requires_grad: bool) -> None:
+    """Raises ValueError when `config` cannot run this call's shape (`is_supported`)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     reason = is_supported(config, AttentionShape(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], num_heads=num_heads, num_heads_kv=k.shape[2],

@@ -11,7 +11,7 @@ import torch
 
 from dmattn_kernels.configs import BwdConfig, FwdConfig
 from dmattn_kernels.cuda.build import defines
-from dmattn_kernels.cuda.rules import backward_warp_specialized, element, knob_reason, uses_wgmma, warp_specialized
+from dmattn_kernels.cuda.rules import backward_warp_specialized, element_name, knob_reason, uses_wgmma, warp_specialized
 from dmattn_kernels.cuda.shared_memory import (NOT_STAGED, TILES_OF_KEYS, TILES_OF_ROWS, backward_score_stages,
                                                score_stages)
 from dmattn_kernels.runtime.operands import padded
@@ -44,7 +44,7 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
         raise ValueError(f"config: {reason} (here: {arch})")
     else:
         own.update(WGMMA=uses_wgmma(config, head_dim, arch))
-    return defines(element(dtype), head_dim, config.num_warps, config.num_stages,
+    return defines(element_name(dtype), head_dim, config.num_warps, config.num_stages,
                    **_features(bias_dtype, is_causal, has_mask, softcap), **own)
 
 
@@ -119,6 +119,6 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
                    DBIAS_TMA=stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma))
     else:
         own = dict(DKDV_BLOCK_M=config.block_m, DQ_BLOCK_N=config.block_n_dq, WGMMA=uses_wgmma(config, head_dim, arch))
-    return defines(element(dtype), head_dim, config.num_warps, config.num_stages,
+    return defines(element_name(dtype), head_dim, config.num_warps, config.num_stages,
                    **_features(bias_dtype, is_causal, has_mask, softcap), HAS_DBIAS=dbias is not None,
                    DBIAS_ROWS=rows, DBIAS_FP32=target_dtype == torch.float32, DKV_FP32=group > 1, **own)

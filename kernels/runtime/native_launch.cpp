@@ -777,7 +777,7 @@ struct EntryContext {  // `configure`'s Python objects
   PyObject* dispatcher = nullptr;    // dispatch.DISPATCHER: its `generation`
   PyObject* registry = nullptr;      // the registry module: its `overrides`
   PyObject* launch_module = nullptr; // its `LAUNCH_OBSERVERS`: a call they watch takes the Python path
-  PyObject* launch_stream = nullptr; // launch.launch_stream(): None where launches must take the JIT
+  PyObject* launch_stream = nullptr; // launch_context.launch_stream(): None where launches must take the JIT
   std::string env_name;
 };
 

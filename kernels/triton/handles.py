@@ -7,11 +7,11 @@ the arguments that encodes a new CUtensorMap for every host tensor descriptor
 so `DirectLaunch` encodes a descriptor once per base address and calls the C launcher with what
 Triton's wrappers would have handed it.
 
-`python benchmarks/host_probe.py --ab` (H100 host, triton 3.6, a masked forward of 3 launches,
+`python -m benchmarks host-probe --ab` (H100 host, triton 3.6, a masked forward of 3 launches,
 the one with two K/V descriptors included): 40.8 µs per call through the C launcher against
 66.5 µs through `run`.
 
-A runtime plan goes one step further once its kernels are compiled: `dmattn_bench.native` runs
+A runtime plan goes one step further once its kernels are compiled: `dmattn_kernels.runtime.native` runs
 a whole call (its allocations and every launch) as one C++ call, from the compiled kernels that
 `DirectLaunch` keeps (`compiled`) and the descriptors it encodes.
 

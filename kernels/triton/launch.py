@@ -2,7 +2,7 @@
 
 Callers (the runtime plan, the validator, the tuner) own the outputs, so the validator can hand
 in NaN-poisoned buffers and check that every element was written. Inputs arrive already checked
-by `dmattn_bench.api`: q (B, Lq, H, D), k/v (B, Lk, Hkv, D) with a contiguous head dim, mask/bias
+by `dmattn_bench.checks`: q (B, Lq, H, D), k/v (B, Lk, Hkv, D) with a contiguous head dim, mask/bias
 as the caller passed them (up to 4 dims, broadcastable as (B|1, H|Hkv|1, Lq|1, Lk|1)) or None.
 Nothing here copies or pads them.
 
@@ -12,8 +12,9 @@ run, each kernel's compiled handle (`launching.Launch`). Running a plan costs it
 one launcher call per kernel. The runtime (`dmattn_bench.plan`) keeps the plans it builds;
 `attention_forward` and `attention_backward`, the backend interface of the validator and the
 tuner, cache theirs by the call's signature. This module holds that interface: which configs
-run (`is_supported`), what a config compiles to (`KERNELS`, `tile_constexprs`, `kernel_keys`),
-the cached entry points, and the shared memory a forward call needs (`forward_shared_bytes`).
+run (`is_supported`), what a config compiles to (`KERNELS`, `tile_constexprs`, `kernel_keys`)
+and the cached entry points (the shared memory a forward needs is its plan's:
+`ForwardPlan.shared_bytes`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Callable
 import torch
 
 from dmattn_kernels.configs import AttentionShape, BwdConfig, DecodeConfig, FwdConfig, shape_problem
-from dmattn_kernels.runtime.plan_cache import PlanCache
+from dmattn_kernels.runtime.plan_cache import PlanCache, python_tensor_layouts
 from dmattn_kernels.triton.backward import BackwardPlan
 from dmattn_kernels.triton.decode_launch import MASK_SCAN_KEYS, MAX_BLOCK_M
 from dmattn_kernels.triton.forward import ForwardPlan
@@ -104,14 +105,6 @@ def kernel_keys(direction: str, config: FwdConfig | BwdConfig | DecodeConfig,
 # -- the backend interface: plans cached by signature ----------------------------------------------
 
 
-def signature(*tensors) -> tuple:
-    """What a plan depends on of each tensor: shape, strides, dtype, device and where its data
-    starts within 16 bytes (Triton specializes pointers on 16-byte alignment, the activity pass
-    reads a mask as int64 words only when 8-byte aligned). None stays None."""
-    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() & 15)
-                 for t in tensors)
-
-
 _plans = PlanCache(PLAN_CACHE_SIZE)
 
 
@@ -123,7 +116,7 @@ def clear_plans() -> None:
 
 def _cached_plan(direction: str, tensors: tuple, options: dict, build: Callable[[], object]):
     """The plan `_plans` keeps for a call of `direction` on `tensors` with `options`, built on a miss."""
-    return _plans.get_or_build((direction, signature(*tensors), tuple(options.values())), build)
+    return _plans.get_or_build((direction, python_tensor_layouts(*tensors), tuple(options.values())), build)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -158,16 +151,3 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                         lambda: BackwardPlan(dout, q, k, v, out, lse, mask, bias, dq=dq, dk=dk, dv=dv, dbias=dbias,
                                              dlse=dlse, **options))
     plan(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
-
-
-# -- the shared memory of a forward call -------------------------------------------------------------
-
-
-def forward_shared_bytes(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
-                         config: FwdConfig) -> int:
-    """Shared memory the forward kernel of this call needs with `config` on the current GPU
-    (`ForwardPlan.shared_bytes` of a plan for it); nothing is launched."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    return ForwardPlan(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap,
-                       config=config, out=out, lse=lse).shared_bytes()
