@@ -98,7 +98,6 @@ HEAD_DIM_STEP = 8  # a class holds the head dims (multiples of 8) above the prev
 # tl.dot's smallest tile dim: the fit rule stops halving a key tile there
 MIN_KEY_TILE = 16
 _CONFIG_CLASSES = {"fwd": FwdConfig, "bwd": BwdConfig}
-_READ_ENV = object()  # sentinel: `choose` reads DMATTN_BENCH_TABLE itself
 
 
 # -- explicit configs ----------------------------------------------------------------------------
@@ -240,7 +239,7 @@ def default_choice(key: TableKey, device: torch.device | str | None, backend: st
 
 def choose(key: TableKey, device: torch.device | str | None = None, *, backend: str = "auto",
            table: str | os.PathLike | None = None, explicit: FwdConfig | BwdConfig | None = None,
-           env: str | None | object = _READ_ENV) -> Choice:
+           env: str | None | object = lookup.READ_ENV) -> Choice:
     """What a call of `key` on `device` runs (module docstring): `explicit` on the backend asked
     for; else, for `backend` "auto", the table's entry (`table`, else `dispatch.use_table`'s, else
     DMATTN_BENCH_TABLE's (`env`: its value when the caller read it), else the shipped one), else
@@ -253,8 +252,6 @@ def choose(key: TableKey, device: torch.device | str | None = None, *, backend: 
         return Choice(DEFAULT_BACKEND if backend == "auto" else backend, explicit, "explicit")
     if backend != "auto":
         return default_choice(key, device, backend)
-    if env is _READ_ENV:
-        env = os.environ.get(lookup.ENV_VAR)
     entry = lookup.table_choice(key, device, table=table, env=env)
     return entry if entry is not None else default_choice(key, device)
 

@@ -43,7 +43,7 @@ from dmattn_bench.hardware import DeviceFingerprint, device_fingerprint
 from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey
 
 ENV_VAR = "DMATTN_BENCH_TABLE"
-_READ_ENV = object()  # sentinel: table_choice() reads the environment itself
+READ_ENV = object()  # sentinel: table_choice() reads the environment itself
 
 
 def _shipped_tables_dir() -> Path:
@@ -218,7 +218,7 @@ class Dispatcher:
         self.generation += 1
 
     def table_choice(self, key: TableKey, device: torch.device | str | None = None, *,
-                     table: str | os.PathLike | None = None, env: str | None | object = _READ_ENV) -> Choice | None:
+                     table: str | os.PathLike | None = None, env: str | None | object = READ_ENV) -> Choice | None:
         """The table entry's backend and config to run `key` with on `device`, None where no
         table has a current entry near it (`dmattn_bench.tiles.choose` then takes the default).
 
@@ -231,7 +231,7 @@ class Dispatcher:
         Never raises because of a table.
         """
         requested = os.fspath(table) if table is not None else self._explicit
-        if env is _READ_ENV:
+        if env is READ_ENV:
             env = os.environ.get(ENV_VAR)
         memo = (requested, env or None, device, key)
         if memo not in self._choices:
@@ -348,7 +348,7 @@ DISPATCHER = Dispatcher()
 
 
 def table_choice(key: TableKey, device: torch.device | str | None = None, *,
-                 table: str | os.PathLike | None = None, env: str | None | object = _READ_ENV) -> Choice | None:
+                 table: str | os.PathLike | None = None, env: str | None | object = READ_ENV) -> Choice | None:
     """`DISPATCHER.table_choice`: the table entry's backend and config for `key` on `device`."""
     return DISPATCHER.table_choice(key, device, table=table, env=env)
 
