@@ -62,7 +62,8 @@ def _load_native() -> None:
 def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
                       is_causal: bool = False, softmax_scale: float | None = None, softcap: float = 0.0,
-                      return_lse: bool = False, backend: str = "auto", cache_seqlens: torch.Tensor | None = None, *,
+                      return_lse: bool = False, backend: str = "auto", cache_seqlens: torch.Tensor | None = None,
+                      window_size: tuple[int, int] = plans.NO_WINDOW, *,
                       block_table: torch.Tensor | None = None, table: str | None = None,
                       fwd_config: FwdConfig | None = None, bwd_config: BwdConfig | None = None):
     """Flash attention with a boolean dynamic mask and an additive learnable bias.
@@ -94,6 +95,11 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             keys all lie at or past cache_seqlens are never read; the keys of an entry outside
             [0, blocks) are excluded, as if masked (DMATTN_BENCH_CHECK_PAGES=1 raises on one
             instead, at the cost of a host sync). Same calls as cache_seqlens.
+        window_size: (left, right), FlashAttention's sliding window: query i sees keys
+            i + Lk - Lq - left .. i + Lk - Lq + right (inclusive, bottom-right aligned like the
+            causal rule, Lk the cache length with cache_seqlens), -1 for an unbounded side;
+            combined with the mask, the bias and is_causal by AND. Key tiles outside every row's
+            window are never loaded. The Triton kernels run it (not backend "cuda").
         table: a dispatch-table path for this call (overrides `use_table` and DMATTN_BENCH_TABLE).
         fwd_config, bwd_config: explicit kernel tiles, overriding the table for that direction.
 
@@ -114,7 +120,8 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             holding values other than 0 and 1 (checked on every call: prefer a bool mask).
     """
     entry = eager_entry.ENTRY
-    if entry is not None and not torch.compiler.is_compiling() and not CHECK_PAGES:
+    windowed = window_size != plans.NO_WINDOW  # the native entry keys calls without a window only
+    if entry is not None and not windowed and not torch.compiler.is_compiling() and not CHECK_PAGES:
         # a call without gradient whose arguments ran before: one C++ call (`eager_entry.learn` below)
         result = entry(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, return_lse, backend,
                        cache_seqlens, block_table, table, fwd_config, bwd_config)
@@ -132,8 +139,8 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             signature = plans.signature(
                 plans.tensor_layouts(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table),
                 type(is_causal), is_causal, type(softmax_scale), softmax_scale, type(softcap), softcap, backend,
-                table, fwd_config, bwd_config, bias_grad)
-            plan = plans.PLANS.get(signature)
+                table, fwd_config, bwd_config, bias_grad, window_size)
+            plan = plans.PLANS.get(signature)  # an unhashable window (a list) raises TypeError here
         except (AttributeError, TypeError):  # not a tensor, an unhashable option: the checks say which
             signature = plan = None
         if (isinstance(attn_mask, torch.Tensor) and attn_mask.dtype is not torch.bool
@@ -142,11 +149,12 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if plan is None:
             scale = checks.check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap,
                                       backend, fwd_config, bwd_config, cache_seqlens, block_table,
-                                      needs_grad=needs_grad, real_tensors=True)
+                                      needs_grad=needs_grad, real_tensors=True, window_size=window_size)
             plan = plans.AttentionPlan(query, key, value, attn_mask, attn_bias, is_causal=is_causal,
                                        softmax_scale=scale, softcap=float(softcap), backend=backend, table=table,
                                        fwd_config=fwd_config, bwd_config=bwd_config, bias_requires_grad=bias_grad,
-                                       cache_seqlens=cache_seqlens, block_table=block_table)
+                                       cache_seqlens=cache_seqlens, block_table=block_table,
+                                       window=tuple(window_size))
             if signature is not None:
                 plans.PLANS.put(signature, plan)
         elif cache_seqlens is not None or block_table is not None:  # no grad flag in the signature
@@ -157,7 +165,7 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             out, lse = plans.AttentionFunction.apply(plan, query, key, value, attn_mask, attn_bias)
         else:
             out, lse = plan.infer(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table, return_lse)
-            if entry is not None:
+            if entry is not None and not windowed:
                 eager_entry.learn(plan.native_program(return_lse), query, key, value, attn_mask, attn_bias, is_causal,
                                   softmax_scale, softcap, return_lse, backend, cache_seqlens, block_table, table,
                                   fwd_config, bwd_config)
@@ -166,20 +174,20 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     needs_grad = _needs_grad(query, key, value, attn_bias)
     softmax_scale = checks.check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap,
                                       backend, fwd_config, bwd_config, cache_seqlens, block_table,
-                                      needs_grad=needs_grad, real_tensors=False)
+                                      needs_grad=needs_grad, real_tensors=False, window_size=window_size)
     if CHECK_PAGES and block_table is not None and not torch.compiler.is_compiling() and not _traced(query):
         checks.check_pages(block_table, key.shape[0], key.shape[1], cache_seqlens)
     if backend == "reference":
         out, lse = reference.attention(
             query, key, value, attn_mask, attn_bias, is_causal=is_causal,
             softmax_scale=softmax_scale, softcap=softcap, return_lse=True, cache_seqlens=cache_seqlens,
-            block_table=block_table,
+            block_table=block_table, window_size=tuple(window_size),
         )
         return (out, lse.float()) if return_lse else out
     as_list = (lambda config: None if config is None else list(dataclasses.astuple(config)))  # every field, knobs at 0 too
     out, lse, _ = ops.attention_fwd(
         query, key, value, as_4d(attn_mask), as_4d(attn_bias), is_causal, softmax_scale,
         float(softcap), backend, table, as_list(fwd_config), as_list(bwd_config), cache_seqlens, block_table,
-        not needs_grad,
+        not needs_grad, list(window_size),
     )
     return (out, lse) if return_lse else out

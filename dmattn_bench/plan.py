@@ -26,23 +26,31 @@ from dmattn_bench import dispatch, registry, tiles
 from dmattn_bench.reference import cache_length
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import (DTYPE_NAMES, MAX_DECODE_QUERIES, AttentionShape, BwdConfig, FwdConfig, TableKey,
-                                operand_kind, seqlen_bucket)
+                                operand_kind, seqlen_bucket, window_bucket)
+from dmattn_kernels.configs import Packing
 from dmattn_kernels.runtime import native
 from dmattn_kernels.runtime.operands import padded_shape
 from dmattn_kernels.runtime.plan_cache import PlanCache, python_tensor_layouts
 
 INTERPRETER_SMS = 4
+NO_WINDOW = (-1, -1)  # window_size's default: no sliding window
+NO_SEQUENCES = (None, None, None)  # a dense call's (cu_seqlens_q, cu_seqlens_k, seqused_k)
 
 
 def table_keys(q_shape, seqlen_k: int, num_heads_kv: int, dtype: torch.dtype, mask_dims, bias_dims,
-               is_causal: bool, bias_requires_grad: bool) -> tuple[TableKey, TableKey]:
-    """The (fwd, bwd) dispatch keys of a call, derived as the tuner derives them for workloads."""
+               is_causal: bool, bias_requires_grad: bool, window: tuple[int, int] = NO_WINDOW,
+               packing: Packing | None = None) -> tuple[TableKey, TableKey]:
+    """The (fwd, bwd) dispatch keys of a call, derived as the tuner derives them for workloads
+    (a packed call's lengths are its longest sequence's; `q_shape` is its (1, total_q, H, D) view)."""
     batch, seqlen_q, num_heads, head_dim = q_shape
     mask_kind = operand_kind(mask_dims, num_heads, num_heads_kv, seqlen_q)
     bias_kind = operand_kind(bias_dims, num_heads, num_heads_kv, seqlen_q)
+    if packing is not None:
+        seqlen_q = packing.max_seqlen_q
     common = dict(dtype=DTYPE_NAMES[dtype], head_dim=head_dim, causal=is_causal, mask=mask_kind,
                   gqa_ratio=num_heads // num_heads_kv, seqlen_q_bucket=seqlen_bucket(seqlen_q),
-                  seqlen_k_bucket=seqlen_bucket(seqlen_k))
+                  seqlen_k_bucket=seqlen_bucket(seqlen_k), packed=packing is not None,
+                  window=window_bucket(window, is_causal))
     bwd_bias = bias_kind + "+grad" if bias_requires_grad and bias_kind != "none" else bias_kind
     return TableKey(direction="fwd", bias=bias_kind, **common), TableKey(direction="bwd", bias=bwd_bias, **common)
 
@@ -63,12 +71,13 @@ def direction_key(keys: tuple[TableKey, TableKey], direction: str) -> TableKey:
 
 
 def select(direction: str, query, key, mask4, bias4, is_causal: bool, backend: str, table: str | None,
-           explicit: FwdConfig | BwdConfig | None, bias_requires_grad: bool, block_table=None):
+           explicit: FwdConfig | BwdConfig | None, bias_requires_grad: bool, block_table=None,
+           window: tuple[int, int] = NO_WINDOW):
     """(Backend, config) a call of these arguments runs `direction` with, before the fp32-bias fit
     (`block_table`: `key` is a paged cache's pool)."""
     keys = table_keys(tuple(query.shape), cache_length(key, block_table), key.shape[2], query.dtype,
                       None if mask4 is None else tuple(mask4.shape), None if bias4 is None else tuple(bias4.shape),
-                      is_causal, bias_requires_grad)
+                      is_causal, bias_requires_grad, window)
     return _choose(direction_key(keys, direction), query.device, backend, table, explicit,
                    os.environ.get(dispatch.ENV_VAR))
 
@@ -82,16 +91,31 @@ def sm_count(device: torch.device) -> int:
 
 
 class AttentionPlan:
-    """One call signature's choices and launches (module docstring)."""
+    """One call signature's choices and launches (module docstring).
+
+    `window`: FlashAttention's (left, right) sliding window. `packing`: a packed call
+    (`dmattn_bench.varlen`), whose operands are the 4-D views of `configs.Packing` and whose runs
+    take their `sequences` (cu_seqlens_q, cu_seqlens_k, seqused_k or None); the Triton kernels
+    run both, never the short-query forward or the CUDA kernels."""
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
                  table: str | None, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None,
                  bias_requires_grad: bool, cache_seqlens: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None):
+                 block_table: torch.Tensor | None = None, window: tuple[int, int] = NO_WINDOW,
+                 packing: Packing | None = None):
         batch, seqlen_q, num_heads, _ = q.shape
         # a paged cache is (blocks, page, Hkv, D): its logical length is the table's pages x page
         seqlen_k = cache_length(k, block_table)
         self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap)
+        # passed to the launchers only when set: the CUDA launchers take neither
+        self.options.update({name: value for name, value, unset in (("window", window, NO_WINDOW),
+                                                                   ("packing", packing, None)) if value != unset})
+        self.packing = packing
+        if backend == "cuda" and (window != NO_WINDOW or packing is not None):
+            raise ValueError(f"backend: got 'cuda', whose kernels run no {'packed sequences' if packing else 'window'}; "
+                             f"expected 'auto' or 'triton'")
+        if packing is not None:  # a packed call's grids cover its longest sequence
+            seqlen_k = packing.max_seqlen_k if k.shape[1] else 0
         self.device, self.dtype = q.device, q.dtype
         self.out_shape, self.lse_shape = tuple(q.shape), (batch, num_heads, seqlen_q)
         self.k_shape = tuple(k.shape)
@@ -105,8 +129,8 @@ class AttentionPlan:
         bias_dims = None if bias is None else padded_shape(bias.shape)
         self.bias_shape, self.bias4_shape = None if bias is None else tuple(bias.shape), bias_dims
         self.bias_dtype = None if bias is None else bias.dtype
-        self.activity_shape = None  # without a mask there is no tile summary
-        if mask is not None:
+        self.activity_shape = None  # without a mask there is no tile summary (nor for packed sequences)
+        if mask is not None and packing is None:
             # imported on first use: importing the Triton kernels fixes whether the interpreter runs them
             from dmattn_kernels.triton.layouts import activity_shape
 
@@ -116,10 +140,12 @@ class AttentionPlan:
         self.no_keys = seqlen_k == 0
         self._requested = (backend, table, bwd_config)
         self._keys = None if self.no_rows or self.no_keys else table_keys(
-            tuple(q.shape), seqlen_k, k.shape[2], q.dtype, mask_dims, bias_dims, is_causal, bias_requires_grad)
+            tuple(q.shape), seqlen_k, k.shape[2], q.dtype, mask_dims, bias_dims, is_causal, bias_requires_grad,
+            window, packing)
         self._env = os.environ.get(dispatch.ENV_VAR)
         if not (self.no_rows or self.no_keys):
-            shape = AttentionShape(batch, seqlen_q, seqlen_k, num_heads, k.shape[2], q.shape[-1], is_causal,
+            rows = seqlen_q if packing is None else packing.max_seqlen_q
+            shape = AttentionShape(batch, rows, seqlen_k, num_heads, k.shape[2], q.shape[-1], is_causal,
                                    mask is not None, bias is not None, bias_requires_grad, softcap)
             tiles.check_explicit(get_backend("triton" if backend == "auto" else backend), shape,
                                  fwd_config=fwd_config, bwd_config=bwd_config)
@@ -128,12 +154,13 @@ class AttentionPlan:
             # the config may yet be fitted to the GPU when the forward's plan is built (`forward`)
             self.fwd_backend, self.fwd_config = self._choose("fwd", fwd_config)
         # whether the forward leaves the mask's tile activity for the backward (Triton's does)
-        self.fills_activity = self.fwd_backend is not None and mask is not None and getattr(
+        self.fills_activity = self.fwd_backend is not None and mask is not None and packing is None and getattr(
             self.fwd_backend.forward_plan, "leaves_activity", False)
         # a call that needs no gradient runs the short-query forward when it has few query rows
         # and no explicit tiles (`decode_launch`); `cache_seqlens` and `block_table` need it
         self.decodes = (backend in ("auto", "triton") and fwd_config is None and not (self.no_rows or self.no_keys)
-                        and seqlen_q <= MAX_DECODE_QUERIES and (q.is_cuda or registry.interpreter_enabled()))
+                        and seqlen_q <= MAX_DECODE_QUERIES and packing is None
+                        and (q.is_cuda or registry.interpreter_enabled()))
         for name, given in (("cache_seqlens", cache_seqlens), ("block_table", block_table)):
             if given is not None and not self.decodes:
                 raise ValueError(
@@ -158,24 +185,31 @@ class AttentionPlan:
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def forward(self, q, k, v, mask, bias, keep_activity: bool = True, keep_lse: bool = True) -> tuple:
+    def forward(self, q, k, v, mask, bias, keep_activity: bool = True, keep_lse: bool = True,
+                sequences: tuple = NO_SEQUENCES) -> tuple:
         """out, lse and, if `keep_activity` and the forward fills one (`fills_activity`), the mask's
         tile activity for the backward (`activity_shape`), else None.
         The mask and bias as the caller passed them (broadcastable, any dims up to 4).
-        `keep_lse=False`: the caller drops lse, which may then be a view of the run's scratch."""
+        `keep_lse=False`: the caller drops lse, which may then be a view of the run's scratch.
+        `sequences`: a packed call's (class docstring)."""
         launch = self._fwd_launch
         if launch is not None:  # every call after the first of a forward with a plan (Triton's, CUDA's)
+            if self.packing is not None:
+                return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse, sequences)
             return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse)
         device = self.device
         out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-        if self.no_rows or self.no_keys:
-            out.zero_()  # no keys: every row is dead (out 0, lse -inf)
+        if self.no_rows or self.no_keys or self.packing is not None:
+            # no keys: every row is dead (out 0, lse -inf); packed: rows no sequence owns are
+            out.zero_()
             lse.fill_(float("-inf"))
-            return out, lse, None
+            if self.no_rows or self.no_keys:
+                return out, lse, None
         backend = self.fwd_backend
+        packed = {} if self.packing is None else {"sequences": sequences}
         if backend.forward_plan is None:
-            backend.forward(q, k, v, mask, bias, config=self.fwd_config, out=out, lse=lse, **self.options)
+            backend.forward(q, k, v, mask, bias, config=self.fwd_config, out=out, lse=lse, **self.options, **packed)
             return out, lse, None
         activity = None
         if keep_activity and self.fills_activity:
@@ -187,16 +221,17 @@ class AttentionPlan:
                 q, k, v, mask, bias, config=config, out=out, lse=lse, **self.options),
             q_dtype=self.dtype, bias_dtype=self.bias_dtype, limit=tiles.shared_memory_limit(device))
         self._fwd_launch = launch
-        launch(q, k, v, mask, bias, out, lse, activity)
+        launch(q, k, v, mask, bias, out, lse, activity, **packed)
         return out, lse, activity
 
     def infer(self, q, k, v, mask, bias, cache_seqlens=None, block_table=None,
-              keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              keep_lse: bool = True, sequences: tuple = NO_SEQUENCES) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of a call that needs no gradient: the short-query forward where `decodes`,
         else `forward`'s (its tile activity unused). `keep_lse=False`: the caller drops lse, which
         may then be a view of the run's scratch buffer (a kept one would keep the buffer alive)."""
         if not self.decodes:
-            out, lse, _ = self.forward(q, k, v, mask, bias, keep_activity=False, keep_lse=keep_lse)
+            out, lse, _ = self.forward(q, k, v, mask, bias, keep_activity=False, keep_lse=keep_lse,
+                                       sequences=sequences)
             return out, lse
         launch = self._decode_launch
         if launch is None:
@@ -219,9 +254,10 @@ class AttentionPlan:
 
     # -- backward --------------------------------------------------------------------------------
 
-    def backward(self, dout, q, k, v, out, lse, mask, bias, activity, dlse, bias_requires_grad: bool):
+    def backward(self, dout, q, k, v, out, lse, mask, bias, activity, dlse, bias_requires_grad: bool,
+                 sequences: tuple = NO_SEQUENCES):
         """dq, dk, dv and dbias (None unless `bias_requires_grad`). `activity`: the forward's
-        summary when it filled one (`fills_activity`), else None."""
+        summary when it filled one (`fills_activity`), else None. `sequences`: a packed call's."""
         device = self.device
         if dout.stride(-1) != 1:
             dout = dout.contiguous()  # a copy of the incoming gradient, never of an input
@@ -244,8 +280,9 @@ class AttentionPlan:
                     grad.zero_()  # no visible key anywhere: nothing flows back
             return dq, dk, dv, grad_bias
         backend, config = self.bwd_choice()
+        packed = {} if self.packing is None else {"sequences": sequences}
         if backend.backward_plan is None:
-            extra = {} if dlse is None else {"dlse": dlse}
+            extra = dict(packed) if dlse is None else {"dlse": dlse, **packed}
             if activity is not None and backend.name == "triton":
                 extra["activity"] = activity
             backend.backward(dout, q, k, v, out, lse, mask, bias, config=config, dq=dq, dk=dk, dv=dv,
@@ -255,7 +292,7 @@ class AttentionPlan:
             launch = self._bwd_launches[layout] = backend.backward_plan(
                 dout, q, k, v, out, lse, mask, bias, config=config, dq=dq, dk=dk, dv=dv, dbias=dbias,
                 dlse=dlse, **self.options)
-        launch.run_and_prepare(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
+        launch.run_and_prepare(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse, **packed)
         return dq, dk, dv, grad_bias
 
 
@@ -263,11 +300,12 @@ class AttentionFunction(torch.autograd.Function):
     """An eager call with a gradient: the plan's forward, and its backward from the context."""
 
     @staticmethod
-    def forward(ctx, plan: AttentionPlan, query, key, value, attn_mask, attn_bias):
-        out, lse, activity = plan.forward(query, key, value, attn_mask, attn_bias)
+    def forward(ctx, plan: AttentionPlan, query, key, value, attn_mask, attn_bias, sequences=NO_SEQUENCES):
+        out, lse, activity = plan.forward(query, key, value, attn_mask, attn_bias, sequences=sequences)
         ctx.save_for_backward(query, key, value, out, lse, attn_mask, attn_bias,
                               activity if plan.fills_activity else None)
         ctx.plan = plan
+        ctx.sequences = sequences
         ctx.set_materialize_grads(False)  # an lse the loss does not use sends None, not zeros
         return out, lse
 
@@ -278,8 +316,8 @@ class AttentionFunction(torch.autograd.Function):
             dout = torch.zeros_like(out)
         bias_requires_grad = attn_bias is not None and ctx.needs_input_grad[5]
         dq, dk, dv, dbias = ctx.plan.backward(dout, query, key, value, out, lse, attn_mask, attn_bias, activity,
-                                              dlse, bias_requires_grad)
-        return None, dq, dk, dv, None, dbias
+                                              dlse, bias_requires_grad, ctx.sequences)
+        return None, dq, dk, dv, None, dbias, None
 
 
 # -- the plan cache ---------------------------------------------------------------------------------

@@ -10,6 +10,9 @@ For query head ``h`` (KV head ``h // (H // Hkv)``), query row ``i`` and key ``j`
     S[i, j] = softcap * tanh(S[i, j] / softcap)          if softcap > 0
     S[i, j] = S[i, j] + bias[i, j]                        bias is not scaled
     S[i, j] = -inf  unless  mask[i, j] and (not is_causal or j <= i + Lk - Lq)
+                            and i + Lk - Lq - left <= j <= i + Lk - Lq + right
+with ``window_size = (left, right)`` (FlashAttention's sliding window: inclusive, bottom-right
+aligned like the causal rule, -1 for an unbounded side).
 with ``cache_seqlens``, sequence b has Lk_b = clamp(cache_seqlens[b], 0, Lk) keys: keys at or past
 Lk_b are excluded (their K and V never reach a product) and Lk_b replaces Lk in the causal rule.
 With ``block_table`` (B, pages) the cache is paged: key and value are (blocks, page, Hkv, D), and
@@ -19,6 +22,13 @@ an entry whose keys all lie at or past Lk_b is never used, and the keys of an en
     lse[i]  = log(sum_j exp(S[i, j]))
     out[i]  = sum_j exp(S[i, j] - lse[i]) * v_j
 
+Packed sequences (:func:`varlen_attention`, FlashAttention's varlen convention): q is
+(total_q, H, D), k and v (total_k, Hkv, D), and sequence s has queries cu_seqlens_q[s]:cu_seqlens_q[s+1]
+and keys cu_seqlens_k[s]:cu_seqlens_k[s] + Lk_s (Lk_s = seqused_k[s], else the cu_seqlens_k span). Each
+sequence is the dense case above with B = 1, Lq = Lq_s, Lk = Lk_s. A mask or bias is per key
+(H|Hkv|1, total_k) or per query row (H|Hkv|1, total_q, max_seqlen_k), column j of row i being key j of
+row i's own sequence.
+
 A dead row (no visible key, or only ``-inf`` scores) gives ``out = 0``, ``lse = -inf`` and zero
 gradients; nothing in the forward or backward pass is NaN.
 """
@@ -26,10 +36,12 @@ gradients; nothing in the forward or backward pass is NaN.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
-__all__ = ["attention", "broadcast_dims", "check_inputs"]
+__all__ = ["attention", "broadcast_dims", "check_inputs", "check_varlen_inputs", "check_window", "varlen_attention",
+           "varlen_layout"]
 
 MASK_BIAS_LAYOUT = "(B|1, H|Hkv|1, Lq|1, Lk|1)"
 PAGE_MULTIPLE = 16  # keys per page of a paged cache are a multiple of this (the kernels' smallest key tile)
@@ -70,6 +82,47 @@ def broadcast_dims(shape: tuple[int, ...], name: str, B: int, H: int, Hkv: int, 
     return dims  # type: ignore[return-value]
 
 
+def _check_operands(operands) -> None:
+    """Checks each ``(name, tensor, layout)`` of query, key, value: its rank (the layout's) and a
+    floating dtype, and the query's head dim (first operand) >= 1."""
+    for name, t, layout in operands:
+        rank = layout.count(",") + 1
+        if t.dim() != rank:
+            raise ValueError(f"{name}: got shape {_shape(t)}, expected {rank}-D {layout}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: got dtype {t.dtype}, expected a floating dtype")
+    name, query, _ = operands[0]
+    if query.shape[-1] == 0:
+        raise ValueError(f"{name}: got shape {_shape(query)} with head dim 0, expected D >= 1")
+
+
+def _check_kv_heads(key_name: str, key: torch.Tensor, value_name: str, value: torch.Tensor, H: int) -> None:
+    """Checks that the KV heads (key's dim -2) divide the query's ``H`` and that value is key's shape."""
+    Hkv = key.shape[-2]
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"{key_name}: got shape {_shape(key)} with Hkv={Hkv} heads, expected Hkv "
+                         f"to divide the query's H={H} heads")
+    if value.shape != key.shape:
+        raise ValueError(f"{value_name}: got shape {_shape(value)}, expected {_shape(key)} ({key_name}'s shape)")
+
+
+def _check_devices(query_name: str, query: torch.Tensor, named) -> None:
+    """Checks that every given ``(name, tensor or None)`` lives on the query's device."""
+    for name, t in named:
+        if t is not None and t.device != query.device:
+            raise ValueError(f"{name}: got device {t.device}, expected {query.device} "
+                             f"({query_name}'s device)")
+
+
+def _check_mask_bias_dtypes(attn_mask: torch.Tensor | None, attn_bias: torch.Tensor | None) -> None:
+    """A mask is bool or integer (0/1, checked where data is read); a bias is floating."""
+    if attn_mask is not None and (attn_mask.is_floating_point() or attn_mask.is_complex()):
+        raise TypeError(f"attn_mask: got dtype {attn_mask.dtype}, expected torch.bool "
+                        f"(or an integer dtype holding 0/1); True = attend")
+    if attn_bias is not None and not attn_bias.is_floating_point():
+        raise TypeError(f"attn_bias: got dtype {attn_bias.dtype}, expected a floating dtype")
+
+
 def check_inputs(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -96,16 +149,10 @@ def check_inputs(
             received and the shape expected.
         TypeError: On a bad dtype.
     """
-    for name, t, layout in (("query", query, "(B, Lq, H, D)"), ("key", key, "(B, Lk, Hkv, D)"),
-                            ("value", value, "(B, Lk, Hkv, D)")):
-        if t.dim() != 4:
-            raise ValueError(f"{name}: got shape {_shape(t)}, expected 4-D {layout}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: got dtype {t.dtype}, expected a floating dtype")
+    _check_operands((("query", query, "(B, Lq, H, D)"), ("key", key, "(B, Lk, Hkv, D)"),
+                     ("value", value, "(B, Lk, Hkv, D)")))
     B, Lq, H, D = query.shape
     _, Lk, Hkv, _ = key.shape
-    if D == 0:
-        raise ValueError(f"query: got shape {_shape(query)} with head dim 0, expected D >= 1")
     if block_table is not None:
         if block_table.dtype != torch.int32:
             raise TypeError(f"block_table: got dtype {block_table.dtype}, expected torch.int32")
@@ -121,11 +168,7 @@ def check_inputs(
     if (block_table is None and key.shape[0] != B) or key.shape[3] != D:
         layout = f"(B={B}, Lk, Hkv, D={D})" if block_table is None else f"(blocks, page, Hkv, D={D})"
         raise ValueError(f"key: got shape {_shape(key)}, expected {layout} to match query {_shape(query)}")
-    if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(f"key: got shape {_shape(key)} with Hkv={Hkv} heads, expected Hkv "
-                         f"to divide the query's H={H} heads")
-    if value.shape != key.shape:
-        raise ValueError(f"value: got shape {_shape(value)}, expected {_shape(key)} (key's shape)")
+    _check_kv_heads("key", key, "value", value, H)
     if cache_seqlens is not None:
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens: got dtype {cache_seqlens.dtype}, expected torch.int32")
@@ -134,20 +177,27 @@ def check_inputs(
         if B > 1 and cache_seqlens.stride(0) != 1:  # the kernel reads sequence b's length at offset b
             raise ValueError(f"cache_seqlens: got stride {cache_seqlens.stride(0)}, expected 1 "
                              f"(pass cache_seqlens.contiguous())")
-    for name, t in (("key", key), ("value", value), ("attn_mask", attn_mask),
-                    ("attn_bias", attn_bias), ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
-        if t is not None and t.device != query.device:
-            raise ValueError(f"{name}: got device {t.device}, expected {query.device} "
-                             f"(query's device)")
+    _check_devices("query", query, (("key", key), ("value", value), ("attn_mask", attn_mask),
+                                    ("attn_bias", attn_bias), ("cache_seqlens", cache_seqlens),
+                                    ("block_table", block_table)))
+    _check_mask_bias_dtypes(attn_mask, attn_bias)
     if attn_mask is not None:
-        if attn_mask.is_floating_point() or attn_mask.is_complex():
-            raise TypeError(f"attn_mask: got dtype {attn_mask.dtype}, expected torch.bool "
-                            f"(or an integer dtype holding 0/1); True = attend")
         broadcast_dims(attn_mask.shape, "attn_mask", B, H, Hkv, Lq, Lk)
     if attn_bias is not None:
-        if not attn_bias.is_floating_point():
-            raise TypeError(f"attn_bias: got dtype {attn_bias.dtype}, expected a floating dtype")
         broadcast_dims(attn_bias.shape, "attn_bias", B, H, Hkv, Lq, Lk)
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """``window_size`` as ``(left, right)`` ints, each >= -1 (-1: unbounded side).
+
+    Raises:
+        ValueError: Not a pair of integers >= -1.
+    """
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size)):
+        raise ValueError(f"window_size: got {window_size!r}, expected (left, right), two ints >= -1 "
+                         f"(-1: unbounded side)")
+    return int(window_size[0]), int(window_size[1])
 
 
 def _expand_scores_like(
@@ -163,6 +213,18 @@ def _expand_scores_like(
     if dims[1] == Hkv and Hkv != H:
         t = t.repeat_interleave(H // Hkv, dim=1)  # query head h reads KV head h // group
     return t.expand(B, H, Lq, Lk)
+
+
+def _compute_dtype(compute_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``compute_dtype``, defaulting to fp64 on CPU and fp32 elsewhere."""
+    if compute_dtype is not None:
+        return compute_dtype
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
+def _lse_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The lse's dtype: fp32 unless the computation ran wider (what the kernels write)."""
+    return torch.float32 if torch.finfo(compute_dtype).bits <= 32 else compute_dtype
 
 
 def cache_length(key: torch.Tensor, block_table: torch.Tensor | None) -> int:
@@ -198,6 +260,7 @@ def attention(
     compute_dtype: torch.dtype | None = None,
     cache_seqlens: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dynamic-mask attention, computed eagerly in ``compute_dtype``.
 
@@ -225,6 +288,9 @@ def attention(
         cache_seqlens: Optional ``(B,)`` int32 key lengths (module docstring), clamped to
             ``[0, Lk]``; what lies past them in ``key`` and ``value`` is never used.
         block_table: Optional ``(B, pages)`` int32: a paged ``key``/``value`` (module docstring).
+        window_size: ``(left, right)``: key ``j`` is visible from query ``i`` only within
+            ``[i + Lk - Lq - left, i + Lk - Lq + right]`` (Lk as in the causal rule), -1 for an
+            unbounded side; ANDed with the mask and the causal rule.
 
     Returns:
         ``out`` of shape ``(B, Lq, H, D)`` in ``query.dtype``, or ``(out, lse)`` where ``lse``
@@ -236,6 +302,7 @@ def attention(
         TypeError: On bad dtypes.
     """
     check_inputs(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table)
+    left, right = check_window(window_size)
     if softcap < 0:
         raise ValueError(f"softcap: got {softcap}, expected >= 0 (0 disables soft-capping)")
     on_cache = None  # (B, Lk): the keys of a paged cache that lie on one of its blocks
@@ -244,8 +311,7 @@ def attention(
     B, Lq, H, D = query.shape
     Lk, Hkv = key.shape[1], key.shape[2]
     group = H // Hkv
-    if compute_dtype is None:
-        compute_dtype = torch.float64 if query.device.type == "cpu" else torch.float32
+    compute_dtype = _compute_dtype(compute_dtype, query.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
 
@@ -281,9 +347,13 @@ def attention(
     cols = torch.arange(Lk, device=query.device)
     if in_cache is not None:
         visible = in_cache if visible is None else visible & in_cache
+    diagonal = rows + ((Lk if key_lengths is None else key_lengths) - Lq)  # key j = i + Lk - Lq
     if is_causal:
-        causal = cols <= rows + ((Lk if key_lengths is None else key_lengths) - Lq)
+        causal = cols <= diagonal
         visible = causal if visible is None else visible & causal
+    for bounded, inside in ((left >= 0, lambda: cols >= diagonal - left), (right >= 0, lambda: cols <= diagonal + right)):
+        if bounded:
+            visible = inside() if visible is None else visible & inside()
     if visible is not None:
         s = torch.where(visible, s, torch.full((), -math.inf, dtype=compute_dtype,
                                                device=query.device))
@@ -304,7 +374,249 @@ def attention(
         return out
 
     lse = torch.where(dead, torch.full_like(m, -math.inf), m_safe + torch.log(l_safe))
-    lse = lse.squeeze(-1)
-    if torch.finfo(compute_dtype).bits <= 32:
-        lse = lse.to(torch.float32)
-    return out, lse
+    return out, lse.squeeze(-1).to(_lse_dtype(compute_dtype))
+
+
+# -- packed sequences (FlashAttention's varlen convention), built on `attention` per sequence --
+
+VARLEN_LAYOUTS = ("per_key", "per_row")
+
+
+def varlen_layout(shape: tuple[int, ...], name: str, H: int, Hkv: int, total_q: int, total_k: int,
+                  max_seqlen_k: int) -> str:
+    """Which packed layout a varlen mask or bias has, decided by its shape alone.
+
+    ``(H|Hkv|1, total_k)`` is ``"per_key"``: sequence ``s`` reads columns ``cu_k[s]:cu_k[s] + Lk_s``
+    for all of its queries. ``(H|Hkv|1, total_q, max_seqlen_k)`` is ``"per_row"``: column ``j`` of
+    row ``i`` is key ``j`` of row ``i``'s own sequence. The ranks differ, so no shape is both.
+
+    Args:
+        shape: The mask's or bias's shape.
+        name: Argument name used in error messages (``"attn_mask"`` or ``"attn_bias"``).
+        H, Hkv: Query heads and KV heads.
+        total_q, total_k: Packed query rows and keys (``q.shape[0]``, ``k.shape[0]``).
+        max_seqlen_k: The call's ``max_seqlen_k``.
+
+    Returns:
+        ``"per_key"`` or ``"per_row"``.
+
+    Raises:
+        ValueError: If ``shape`` is neither layout.
+    """
+    shape = tuple(shape)
+    trailing = {2: (total_k,), 3: (total_q, max_seqlen_k)}
+    if len(shape) in trailing and shape[0] in (H, Hkv, 1) and shape[1:] == trailing[len(shape)]:
+        return VARLEN_LAYOUTS[len(shape) - 2]
+    heads = f"{H}|1" if H == Hkv else f"{H}|{Hkv}|1"
+    raise ValueError(f"{name}: got shape {shape}, expected per key (H|Hkv|1, total_k) = ({heads}, {total_k}) "
+                     f"or per query row (H|Hkv|1, total_q, max_seqlen_k) = ({heads}, {total_q}, {max_seqlen_k})")
+
+
+def _check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """The kernels read entry ``s`` of a per-sequence vector at offset ``s``."""
+    if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name}: got stride {t.stride(0)}, expected 1 (pass {name}.contiguous())")
+
+
+def check_varlen_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    attn_mask: torch.Tensor | None,
+    attn_bias: torch.Tensor | None,
+    seqused_k: torch.Tensor | None = None,
+) -> None:
+    """Checks a packed-sequence call's shapes, dtypes and devices without reading tensor data.
+
+    Args:
+        q: ``(total_q, H, D)`` floating tensor.
+        k: ``(total_k, Hkv, D)`` floating tensor with ``H % Hkv == 0``.
+        v: Same shape as ``k``.
+        cu_seqlens_q, cu_seqlens_k: ``(N+1,)`` int32 prefix sums, stride 1.
+        max_seqlen_q, max_seqlen_k: Python ints >= 0.
+        attn_mask: ``None`` or a bool/integer tensor in a layout of :func:`varlen_layout`.
+        attn_bias: ``None`` or a floating tensor in a layout of :func:`varlen_layout`.
+        seqused_k: ``None`` or an ``(N,)`` int32 tensor of keys used per sequence, stride 1.
+
+    Raises:
+        ValueError: On a bad shape, stride, length or device; the message names the argument,
+            what it got and what is expected.
+        TypeError: On a bad dtype or a non-integer length.
+    """
+    _check_operands((("q", q, "(total_q, H, D)"), ("k", k, "(total_k, Hkv, D)"), ("v", v, "(total_k, Hkv, D)")))
+    total_q, H, D = q.shape
+    total_k, Hkv, _ = k.shape
+    if k.shape[2] != D:
+        raise ValueError(f"k: got shape {_shape(k)}, expected (total_k, Hkv, D={D}) to match q {_shape(q)}")
+    _check_kv_heads("k", k, "v", v, H)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name}: got dtype {t.dtype}, expected torch.int32")
+        if t.dim() != 1 or t.shape[0] == 0:
+            raise ValueError(f"{name}: got shape {_shape(t)}, expected (N+1,) prefix sums of N >= 0 sequences")
+        _check_unit_stride(name, t)
+    N = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k: got shape {_shape(cu_seqlens_k)}, expected (N+1,) = ({N + 1},) "
+                         f"(cu_seqlens_q's shape)")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{name}: got {type(n).__name__} {n!r}, expected an int >= 0")
+        if n < 0:
+            raise ValueError(f"{name}: got {n}, expected an int >= 0 (the longest sequence's length)")
+    if seqused_k is not None:
+        if seqused_k.dtype != torch.int32:
+            raise TypeError(f"seqused_k: got dtype {seqused_k.dtype}, expected torch.int32")
+        if tuple(seqused_k.shape) != (N,):
+            raise ValueError(f"seqused_k: got shape {_shape(seqused_k)}, expected (N,) = ({N},)")
+        _check_unit_stride("seqused_k", seqused_k)
+    _check_devices("q", q, (("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                            ("seqused_k", seqused_k), ("attn_mask", attn_mask), ("attn_bias", attn_bias)))
+    _check_mask_bias_dtypes(attn_mask, attn_bias)
+    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        if t is not None:
+            varlen_layout(t.shape, name, H, Hkv, total_q, total_k, max_seqlen_k)
+
+
+def _sequence_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, total_q, total_k):
+    """Reads the prefix sums (a host sync; the reference is eager) and checks them.
+
+    Returns:
+        ``(bounds, first_row, end_row)``: ``bounds`` holds ``(q0, Lq_s, k0, Lk_s)`` per sequence;
+        rows before ``first_row`` or from ``end_row`` on belong to no sequence.
+
+    Raises:
+        ValueError: Prefix sums that decrease, start below 0 or end past the packed total; a
+            ``seqused_k`` outside ``[0, span]``; a sequence longer than its ``max_seqlen_*``.
+    """
+    prefix_sums = {}
+    for name, t, total_name, total in (("cu_seqlens_q", cu_seqlens_q, "total_q", total_q),
+                                       ("cu_seqlens_k", cu_seqlens_k, "total_k", total_k)):
+        cu = t.tolist()
+        if cu[0] < 0:
+            raise ValueError(f"{name}: got first entry {cu[0]}, expected prefix sums starting at >= 0")
+        for s in range(len(cu) - 1):
+            if cu[s + 1] < cu[s]:
+                raise ValueError(f"{name}: got entry [{s + 1}] = {cu[s + 1]} after {cu[s]}, expected "
+                                 f"non-decreasing prefix sums")
+        if cu[-1] > total:
+            raise ValueError(f"{name}: got last entry {cu[-1]}, expected at most {total_name} = {total}")
+        prefix_sums[name] = cu
+    cu_q, cu_k = prefix_sums["cu_seqlens_q"], prefix_sums["cu_seqlens_k"]
+    used = None if seqused_k is None else seqused_k.tolist()
+    bounds = []
+    for s in range(len(cu_q) - 1):
+        q0, lq, k0, span = cu_q[s], cu_q[s + 1] - cu_q[s], cu_k[s], cu_k[s + 1] - cu_k[s]
+        lk = span if used is None else used[s]
+        if not 0 <= lk <= span:  # past its span a sequence would read the next one's keys
+            raise ValueError(f"seqused_k: sequence {s} uses {lk} keys, expected 0..{span} "
+                             f"(its span cu_seqlens_k[{s}:{s + 2}] = {k0}, {k0 + span})")
+        if lq > max_seqlen_q:
+            raise ValueError(f"cu_seqlens_q: sequence {s} has {lq} queries, expected at most "
+                             f"max_seqlen_q = {max_seqlen_q}")
+        if lk > max_seqlen_k:
+            source = "cu_seqlens_k" if used is None else "seqused_k"
+            raise ValueError(f"{source}: sequence {s} has {lk} keys, expected at most "
+                             f"max_seqlen_k = {max_seqlen_k}")
+        bounds.append((q0, lq, k0, lk))
+    return bounds, cu_q[0], cu_q[-1]
+
+
+def _sequence_part(t: torch.Tensor | None, layout: str | None, q0: int, lq: int, k0: int, lk: int):
+    """One sequence's slice of a packed mask or bias, in `attention`'s broadcast layout:
+    ``(heads, 1, Lk_s)`` per key, ``(heads, Lq_s, Lk_s)`` per row. Slicing is differentiable, so
+    a bias gradient lands back in the packed bias (0 wherever no sequence reads)."""
+    if t is None:
+        return None
+    if layout == "per_key":
+        return t[:, k0:k0 + lk].unsqueeze(1)
+    return t[:, q0:q0 + lq, :lk]
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    attn_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    seqused_k: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences: :func:`attention` on each sequence, one call apiece.
+
+    Sequence ``s`` has queries ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and keys
+    ``cu_seqlens_k[s]:cu_seqlens_k[s] + Lk_s``, with ``Lk_s = seqused_k[s]`` if given, else
+    ``cu_seqlens_k[s+1] - cu_seqlens_k[s]``. Only those rows and keys are sliced out, so another
+    sequence's keys, keys past ``Lk_s`` and memory past the last prefix sum never reach a result.
+    The causal rule and the window are bottom-right aligned per sequence (``Lk_s - Lq_s``).
+
+    Args:
+        q: ``(total_q, H, D)``.
+        k, v: ``(total_k, Hkv, D)``, ``H % Hkv == 0``.
+        cu_seqlens_q, cu_seqlens_k: ``(N+1,)`` int32 prefix sums, non-decreasing; zero-length
+            sequences allowed.
+        max_seqlen_q, max_seqlen_k: Upper bounds on ``Lq_s`` and ``Lk_s``; a longer sequence is
+            a ValueError.
+        attn_mask: Optional bool (or 0/1 integer) mask, True = attend, per key
+            ``(H|Hkv|1, total_k)`` or per query row ``(H|Hkv|1, total_q, max_seqlen_k)``
+            (:func:`varlen_layout`).
+        attn_bias: Optional floating bias in the same two layouts. Differentiable; its gradient
+            has the bias's shape, 0 at entries no sequence reads.
+        is_causal, window_size, softcap, softmax_scale, compute_dtype: As in :func:`attention`.
+        return_lse: Also return the natural-log ``lse`` of shape ``(H, total_q)``.
+        seqused_k: Optional ``(N,)`` int32 keys used per sequence, each within its
+            ``cu_seqlens_k`` span.
+
+    Returns:
+        ``out`` of shape ``(total_q, H, D)`` in ``q.dtype``, or ``(out, lse)`` with ``lse`` in
+        :func:`attention`'s lse dtype. Rows of no sequence and dead rows give ``out = 0`` and
+        ``lse = -inf``.
+
+    Raises:
+        ValueError: On bad shapes, devices, prefix sums or lengths, or a negative ``softcap``.
+        TypeError: On bad dtypes.
+    """
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask, attn_bias,
+                        seqused_k)
+    check_window(window_size)
+    if softcap < 0:
+        raise ValueError(f"softcap: got {softcap}, expected >= 0 (0 disables soft-capping)")
+    total_q, H, D = q.shape
+    total_k, Hkv, _ = k.shape
+    layouts = {name: varlen_layout(t.shape, name, H, Hkv, total_q, total_k, max_seqlen_k)
+               for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)) if t is not None}
+    bounds, first_row, end_row = _sequence_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  seqused_k, total_q, total_k)
+    compute_dtype = _compute_dtype(compute_dtype, q.device)
+    lse_dtype = _lse_dtype(compute_dtype)
+
+    def no_sequence(rows: int) -> tuple[torch.Tensor, torch.Tensor]:  # dead rows: out 0, lse -inf
+        return q.new_zeros(rows, H, D), torch.full((H, rows), -math.inf, dtype=lse_dtype, device=q.device)
+
+    pieces = [no_sequence(first_row)]
+    for q0, lq, k0, lk in bounds:
+        if lq == 0:
+            continue
+        out, lse = attention(
+            q[q0:q0 + lq].unsqueeze(0), k[k0:k0 + lk].unsqueeze(0), v[k0:k0 + lk].unsqueeze(0),
+            _sequence_part(attn_mask, layouts.get("attn_mask"), q0, lq, k0, lk),
+            _sequence_part(attn_bias, layouts.get("attn_bias"), q0, lq, k0, lk),
+            is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, return_lse=True,
+            compute_dtype=compute_dtype, window_size=window_size)
+        pieces.append((out[0], lse[0]))
+    pieces.append(no_sequence(total_q - end_row))
+    out = torch.cat([out for out, _ in pieces])
+    return (out, torch.cat([lse for _, lse in pieces], dim=1)) if return_lse else out

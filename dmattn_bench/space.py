@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from dmattn_kernels.configs import (FWD_KNOBS, MAX_HEAD_DIM, MAX_SPLITS, AttentionShape, BwdConfig,  # noqa: F401
-                                    DecodeConfig, FwdConfig, as_4d)
+                                    DecodeConfig, FwdConfig, Packing, as_4d)
 
 
 def _configs_dir() -> Path:
@@ -196,9 +196,41 @@ def seqlen_bucket(seqlen: int) -> int:
     return low if seqlen / low < high / seqlen else high
 
 
+def window_bucket(window_size: tuple[int, int], is_causal: bool) -> int:
+    """A table key's `window`: 0 without a sliding window, else `seqlen_bucket` of the span of
+    keys a row sees, left + right + 1 (right is 0 under causal: the causal rule already bounds
+    that side). A window with an unbounded side (-1) is 0: such a row sees a whole side of its
+    sequence, as without a window, so the sequence-length buckets describe its work.
+
+    Why the span, bucketed like the lengths: a windowed call's speed is driven by the key tiles
+    each query tile visits, about (span + block_m) / block_n of them whatever the sequence length,
+    so a long sequence with a short window runs like many short sequences (more programs, each
+    with a short loop), not like a long one; the lengths still set how many programs there are.
+    Its best tiles follow the span as they follow a length (a small span wastes a large key
+    tile's columns at both window edges), and powers of two keep the keys a table holds few.
+    """
+    left, right = window_size
+    if is_causal:
+        right = 0
+    if left < 0 or right < 0:
+        return 0
+    return seqlen_bucket(left + right + 1)
+
+
+# A key field with a default is written only when it differs from it (`TableKey.to_dict`), so a
+# table or journal written before the field reads, and is written back, unchanged.
+KEY_DEFAULTS = {"packed": False, "window": 0}
+
+
 @dataclass(frozen=True)
 class TableKey:
-    """The categorical and bucketed key of a dispatch-table entry (DESIGN §3)."""
+    """The categorical and bucketed key of a dispatch-table entry (DESIGN §3).
+
+    `packed` and `window` are categories of their own (`categorical`): packed sequences and a
+    sliding window run other kernel code (VARLEN, HAS_WINDOW) and other loop bounds than a dense
+    call, so an entry of one never serves a call of another. A packed call's length buckets are
+    those of its longest sequences (max_seqlen_q, max_seqlen_k): they set its grid.
+    """
 
     direction: str  # fwd | bwd | decode (`TUNED_DIRECTIONS`)
     dtype: str
@@ -209,9 +241,18 @@ class TableKey:
     gqa_ratio: int
     seqlen_q_bucket: int
     seqlen_k_bucket: int
+    packed: bool = False  # packed sequences (a varlen call)
+    window: int = 0  # 0: no sliding window; else `window_bucket` of its span
 
     def categorical(self) -> tuple:
-        return (self.direction, self.dtype, self.head_dim, self.causal, self.mask, self.bias, self.gqa_ratio)
+        return (self.direction, self.dtype, self.head_dim, self.causal, self.mask, self.bias, self.gqa_ratio,
+                self.packed, self.window)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The key's fields, those of `KEY_DEFAULTS` only where they differ from their default."""
+        return {name: value for name, value in asdict(self).items()
+                if name not in KEY_DEFAULTS or value != KEY_DEFAULTS[name]}
+
+    def label(self) -> str:
+        """What sets the key apart from a dense call's, for labels: " packed", " window 1024", both, or ""."""
+        return (" packed" if self.packed else "") + (f" window {self.window}" if self.window else "")

@@ -174,3 +174,37 @@ def as_4d(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or t.dim() == 4:
         return t
     return t[(None,) * (4 - t.dim())]
+
+
+# -- packed sequences and windows ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How a packed ("varlen") call's tokens are laid out, as far as its plans depend on it (the
+    prefix sums themselves are data, passed on each run).
+
+    The launchers take the packed operands as 4-D views of one batch row: q (1, total_q, H, D),
+    k and v (1, total_k, Hkv, D), out likewise, lse (1, H, total_q), and a mask or bias as
+    (1, H|Hkv|1, 1, total_k) when it is per key (`mask_per_key`, `bias_per_key`) or
+    (1, H|Hkv|1, total_q, max_seqlen_k) when it is per query row (column j of row i is key j of
+    row i's own sequence).
+    """
+
+    num_sequences: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seqused_k: bool = False  # key counts come from seqused_k, not from cu_seqlens_k
+    mask_per_key: bool = False
+    bias_per_key: bool = False
+
+
+def window_bounds(window: tuple[int, int], is_causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[bool, int, int]:
+    """(whether a window applies, left, right) as the kernels take them: the causal rule already
+    bounds the right side (FlashAttention sets it to 0 under causal), and an unbounded side (-1)
+    becomes Lq + Lk, wider than any row's keys, so the kernels test plain integers."""
+    left, right = window
+    if is_causal:
+        right = -1
+    unbounded = seqlen_q + seqlen_k
+    return (left >= 0 or right >= 0), (unbounded if left < 0 else left), (unbounded if right < 0 else right)

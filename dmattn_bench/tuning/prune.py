@@ -55,18 +55,21 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # forward reads a mask and bias row per query row unless every row of a program shares one
 # (MASK_SHARED, BIAS_SHARED), and its key tiles through a block table when the cache is paged: it
 # is compiled paged and contiguous, and with a padding mask's span scan and span pass (MASK_SPANS,
-# the chunks of a 32k cache), which hold other registers than a tile of mask rows.
+# the chunks of a 32k cache), which hold other registers than a tile of mask rows. A sliding window
+# (HAS_WINDOW) adds a loop over its leading edge tiles; packed sequences (VARLEN) read their mask
+# tile by tile without a block list (LISTED off) and their K/V by pointer.
 WORST_CASE_FEATURES = dict(
     IS_CAUSAL=True, HAS_MASK=True, HAS_BIAS=True, HAS_SOFTCAP=False,
     HAS_DBIAS=True, DBIAS_ROWS=True, GROUP=1, HEADS_PER_PROGRAM=1, BIAS_PER_KEY=False,
     HAS_SEQLENS=True, MASK_SHARED=False, BIAS_SHARED=False, PAGED=True, PAGE_SIZE=256,
-    MASK_SPANS=False, SPAN_CHUNKS=1,
+    MASK_SPANS=False, SPAN_CHUNKS=1, LISTED=True, VARLEN=False, HAS_SEQUSED=False, HAS_WINDOW=True,
 )
 FEATURE_VARIANTS = (
     WORST_CASE_FEATURES,
-    dict(WORST_CASE_FEATURES, HAS_MASK=False),
+    dict(WORST_CASE_FEATURES, HAS_MASK=False, LISTED=False),
     dict(WORST_CASE_FEATURES, GROUP=4, HEADS_PER_PROGRAM=4),
-    dict(WORST_CASE_FEATURES, GROUP=4, HEADS_PER_PROGRAM=4, HAS_MASK=False),
+    dict(WORST_CASE_FEATURES, GROUP=4, HEADS_PER_PROGRAM=4, HAS_MASK=False, LISTED=False),
+    dict(WORST_CASE_FEATURES, LISTED=False, VARLEN=True, HAS_SEQUSED=True),
     dict(WORST_CASE_FEATURES, PAGED=False, PAGE_SIZE=0),
     dict(WORST_CASE_FEATURES, MASK_SHARED=True, MASK_SPANS=True, SPAN_CHUNKS=16),
 )
@@ -86,7 +89,9 @@ BIAS_POINTERS = ("bias_ptr",)  # the input dtype or fp32 (DESIGN §1)
 # monotone in shared memory: fp32 bias is larger per tile, but 16-bit bias tiles get pipelined.
 SPECIALIZATIONS = tuple(dict(ints_aligned=aligned, bias_fp32=fp32) for aligned in (False, True) for fp32 in (False, True))
 U8_POINTERS = ("mask_ptr",)  # bool masks are launched as a uint8 view
-I32_POINTERS = ("blocks_ptr", "seqlens_ptr", "block_table_ptr", "spans_ptr")  # block lists, cache lengths, a paged cache's table, mask spans
+# block lists, cache lengths, a paged cache's table, mask spans, packed sequences' prefix sums and key counts
+I32_POINTERS = ("blocks_ptr", "seqlens_ptr", "block_table_ptr", "spans_ptr", "cu_seqlens_q_ptr", "cu_seqlens_k_ptr",
+                "seqused_k_ptr")
 KV_DESCRIPTORS = ("k_desc", "v_desc")  # the forward's K/V: TMA descriptors where `forward.kv_by_tma`, else pointers
 FP32_SCALARS = ("softmax_scale", "softcap")
 WARP_SIZE = 32
@@ -372,7 +377,9 @@ def _compile_jobs(direction: str, config: Config, major: int, head_dim: int, dty
     tma_variants = (False, True) if major in TMA_ARCH_MAJORS else (False,)
     for flags in _variants(features):
         for fn in filter(lambda fn: _serves(fn, flags), _kernel_functions(direction)):
-            for use_tma in (tma_variants if "USE_TMA" in fn.arg_names else (None,)):
+            # packed sequences load K/V by pointer (`forward.kv_by_tma`)
+            uses_tma = "USE_TMA" in fn.arg_names
+            for use_tma in ((False,) if uses_tma and flags["VARLEN"] else tma_variants if uses_tma else (None,)):
                 constexprs = {name: value for name, value in flags.items() if name in fn.arg_names}
                 constexprs.update(HEAD_DIM=head_dim, BLOCK_D=_head_block(head_dim), **tile_constexprs(fn.__name__, config))
                 if use_tma is not None:

@@ -5,7 +5,7 @@
 
     active[b, h, r, c] = any(visible_ij for i in cell row r, j in cell column c)
 
-with visible_ij the full rule of `common.visible_tile` (bounds, causal, mask). Each attention
+with visible_ij the full rule of `common.visible_tile` (bounds, causal, window, mask). Each attention
 kernel then pools the cells to its own tile shape and walks a compacted, increasing list of the
 active tiles (`block_list_kernel`, one program per list row), so its key (or query) loop has no
 data-dependent branch and Triton can software-pipeline its loads; tiles with no visible position
@@ -20,7 +20,7 @@ bytes leaves the loads, not the reduction, as its cost.
 import triton
 import triton.language as tl
 
-from dmattn_kernels.triton.common import load_keep, visible_tile
+from dmattn_kernels.triton.common import load_keep, visible_tile, window_key_range
 
 CELL = 16  # rows and columns of a cell: the smallest tile any kernel uses (tl.dot's minimum)
 WORD_BYTES = 8  # mask bytes per int64 word of an interior tile (`tile_activity_kernel`)
@@ -38,13 +38,15 @@ def _word_cells(mask_base, offs_m, pid_n, stride_mm, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
-def _byte_cells(mask_base, offs_m, pid_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CELL: tl.constexpr):
+def _byte_cells(mask_base, offs_m, pid_n, stride_mm, stride_mn, seqlen_q, seqlen_k, window_left, window_right,
+                IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CELL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr):
     """Cell activity of any tile under the full visibility rule, one mask byte at a time."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     keep = load_keep(mask_base, offs_m[:, None], offs_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
                      True, True)
-    visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, True)
+    visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, True, True,
+                           HAS_WINDOW, window_left, window_right)
     cells = tl.reshape(visible.to(tl.int32), [BLOCK_M // CELL, CELL, BLOCK_N // CELL, CELL])
     return tl.max(tl.max(cells, 3), 1)
 
@@ -55,12 +57,14 @@ def tile_activity_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ab, stride_ah, stride_am, stride_an,
     num_mask_heads, seqlen_q, seqlen_k,
+    window_left, window_right,
     IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CELL: tl.constexpr,
     WORDS: tl.constexpr,
     WORD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Writes every cell of `active` (no zero-filled output needed).
 
@@ -85,21 +89,33 @@ def tile_activity_kernel(
             # output needs no zero-filling launch of its own)
             tl.store(active_tile, tl.zeros([BLOCK_M // CELL, BLOCK_N // CELL], dtype=tl.int8), mask=in_range)
             return
+    if HAS_WINDOW:
+        lo, hi = window_key_range(pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, seqlen_q, seqlen_k, window_left,
+                                  window_right)
+        if (pid_n * BLOCK_N >= hi) | ((pid_n + 1) * BLOCK_N <= lo):  # wholly outside the window: as above
+            tl.store(active_tile, tl.zeros([BLOCK_M // CELL, BLOCK_N // CELL], dtype=tl.int8), mask=in_range)
+            return
     mask_base = mask_ptr + b * stride_mb + h * stride_mh
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     interior = ((pid_m + 1) * BLOCK_M <= seqlen_q) & ((pid_n + 1) * BLOCK_N <= seqlen_k)
     if IS_CAUSAL:
         # the tile's last key is visible from its first query
         interior = interior & ((pid_n + 1) * BLOCK_N - 1 <= pid_m * BLOCK_M + seqlen_k - seqlen_q)
+    if HAS_WINDOW:
+        # every key of the tile inside every row's window: the last row's lower bound, the first's upper
+        lo_all, _ = window_key_range(pid_m * BLOCK_M + BLOCK_M - 1, pid_m * BLOCK_M + BLOCK_M - 1, seqlen_q, seqlen_k,
+                                     window_left, window_right)
+        _, hi_all = window_key_range(pid_m * BLOCK_M, pid_m * BLOCK_M, seqlen_q, seqlen_k, window_left, window_right)
+        interior = interior & (pid_n * BLOCK_N >= lo_all) & ((pid_n + 1) * BLOCK_N <= hi_all)
     if WORDS:
         if interior:
             cells = _word_cells(mask_base, offs_m, pid_n, stride_mm, BLOCK_M, BLOCK_N, CELL, WORD)
         else:
-            cells = _byte_cells(mask_base, offs_m, pid_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL,
-                                BLOCK_M, BLOCK_N, CELL)
+            cells = _byte_cells(mask_base, offs_m, pid_n, stride_mm, stride_mn, seqlen_q, seqlen_k, window_left,
+                                window_right, IS_CAUSAL, BLOCK_M, BLOCK_N, CELL, HAS_WINDOW)
     else:
-        cells = _byte_cells(mask_base, offs_m, pid_n, stride_mm, stride_mn, seqlen_q, seqlen_k, IS_CAUSAL,
-                            BLOCK_M, BLOCK_N, CELL)
+        cells = _byte_cells(mask_base, offs_m, pid_n, stride_mm, stride_mn, seqlen_q, seqlen_k, window_left,
+                            window_right, IS_CAUSAL, BLOCK_M, BLOCK_N, CELL, HAS_WINDOW)
     tl.store(active_tile, cells.to(tl.int8), mask=in_range)
 
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from dmattn_kernels.configs import BwdConfig
+from dmattn_kernels.configs import BwdConfig, Packing, window_bounds
 from dmattn_kernels.runtime import launch_context, native
 from dmattn_kernels.runtime.launch_context import launch_stream
 from dmattn_kernels.runtime.operands import contiguous_strides
@@ -48,19 +48,37 @@ class _Call(CallLayout):
     softmax_scale: float
     softcap: float
     flags: dict  # the constexprs the dK/dV and dQ kernels share
-    scalars: tuple  # their last scalar arguments: head divisors, scale, softcap
+    scalars: tuple  # their last scalar arguments: head divisors, scale, softcap, window
+    packing: Packing | None  # packed sequences (`configs.Packing`)
+    programs: int  # batch rows, or packed sequences
+    rows: int  # query rows and keys a program's grid covers: Lq and Lk, or the longest sequence's
+    keys: int
+    window: tuple[int, int]
+    sequence_strides: tuple[int, int]  # the mask's and bias's offset per key a packed sequence starts at
 
     @classmethod
-    def of(cls, q, k, mask, bias, is_causal: bool, softmax_scale: float, softcap: float) -> _Call:
+    def of(cls, q, k, mask, bias, is_causal: bool, softmax_scale: float, softcap: float,
+           window: tuple[int, int] = (-1, -1), packing: Packing | None = None) -> _Call:
         """The call's layout, the mask and bias read by their shapes and strides (as passed: up to 4 dims)."""
         layout = CallLayout.of(q.shape, k.shape, None if mask is None else (mask.shape, mask.stride()),
                                None if bias is None else (bias.shape, bias.stride()))
+        programs, rows, keys = layout.batch, layout.seqlen_q, layout.seqlen_k
+        sequence_strides = (0, 0)
+        if packing is not None:
+            programs, rows, keys = packing.num_sequences, packing.max_seqlen_q, packing.max_seqlen_k
+            sequence_strides = (layout.mask_strides[3] if packing.mask_per_key else 0,
+                                layout.bias_strides[3] if packing.bias_per_key else 0)
+        has_window, window_left, window_right = window_bounds(window, is_causal, rows, keys)
         flags = dict(GROUP=layout.group, HEAD_DIM=layout.head_dim, BLOCK_D=layout.block_d, IS_CAUSAL=is_causal,
                      HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0,
-                     BIAS_PER_KEY=layout.bias_per_key)
-        scalars = (layout.mask_head_div, layout.bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0)
+                     BIAS_PER_KEY=layout.bias_per_key, LISTED=mask is not None and packing is None,
+                     VARLEN=packing is not None, HAS_SEQUSED=packing is not None and packing.seqused_k,
+                     HAS_WINDOW=has_window)
+        scalars = (layout.mask_head_div, layout.bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0,
+                   window_left, window_right)
         return cls(**vars(layout), is_causal=is_causal, has_mask=mask is not None, softmax_scale=softmax_scale,
-                   softcap=softcap, flags=flags, scalars=scalars)
+                   softcap=softcap, flags=flags, scalars=scalars, packing=packing, programs=programs, rows=rows,
+                   keys=keys, window=window, sequence_strides=sequence_strides)
 
 
 class _DbiasTarget(NamedTuple):
@@ -97,12 +115,17 @@ class BackwardPlan:
     of dK/dV and dBias's broadcast dims where the kernel kept them apart).
 
     The mask and bias come as the caller passed them (up to 4 dims, as `forward.ForwardPlan`'s);
-    dbias is the bias's 4-D broadcast shape.
+    dbias is the bias's 4-D broadcast shape. `window` and `packing` as `forward.ForwardPlan`'s
+    (each run then given `sequences`); a packed call's gradients and scratch are zero-filled
+    first: rows no sequence owns (and a per-row bias's columns past its sequence's keys) are
+    written by no program.
     """
 
     def __init__(self, dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
-                 config: BwdConfig, dq, dk, dv, dbias, dlse):
-        call = _Call.of(q, k, mask, bias, is_causal, softmax_scale, softcap)
+                 config: BwdConfig, dq, dk, dv, dbias, dlse, window: tuple[int, int] = (-1, -1),
+                 packing: Packing | None = None):
+        call = _Call.of(q, k, mask, bias, is_causal, softmax_scale, softcap, window, packing)
+        self.packing = packing
         self.device, self.lse_shape = q.device, tuple(lse.shape)
         self.num_heads_kv, self.group = call.num_heads_kv, call.group
         dbias_target = self._dbias_target(call, config, dbias)
@@ -132,10 +155,15 @@ class BackwardPlan:
         skipped tiles as zeros), else fp32 scratch summed by `grad_reduce_kernel`."""
         if dbias is None:
             return _DbiasTarget(True, 1, (0, 0, 0, 0), None)
-        rows = dbias.shape[2] != 1 or call.seqlen_q == 1
+        if call.packing is not None:  # a per-row bias has rows; a per-key one a row per query block
+            rows = not call.packing.bias_per_key
+        else:
+            rows = dbias.shape[2] != 1 or call.seqlen_q == 1
         heads_per_program = call.group if rows and dbias.shape[1] < call.num_heads else 1
+        # a packed per-row bias's columns are keys of the row's own sequence: max_seqlen_k of them
+        keys = call.seqlen_k if call.packing is None or call.packing.bias_per_key else call.packing.max_seqlen_k
         shape = (call.batch, call.num_heads // heads_per_program,
-                 call.seqlen_q if rows else triton.cdiv(call.seqlen_q, config.block_m), call.seqlen_k)
+                 call.seqlen_q if rows else triton.cdiv(call.rows, config.block_m), keys)
         if tuple(dbias.shape) == shape and dbias.is_contiguous():
             return _DbiasTarget(rows, heads_per_program, dbias.stride(), None)
         return _DbiasTarget(rows, heads_per_program, contiguous_strides(shape), shape)
@@ -144,10 +172,10 @@ class BackwardPlan:
         """With a mask, its activity pass and the block lists of both kernels' tiles."""
         self.activity = self.kv_lists = self.q_lists = None
         self.group_union = False
-        if mask is None:
+        if mask is None or call.packing is not None:  # a packed call reads its mask tile by tile
             return
         self.activity = ActivityPass(call.mask_shape, call.mask_strides, mask.element_size(), mask.data_ptr(),
-                                     call.seqlen_q, call.seqlen_k, call.is_causal)
+                                     call.seqlen_q, call.seqlen_k, call.is_causal, call.window)
         kv_active_shape = self.activity.shape
         # group mode visits the union of its query heads' tiles (each tile still applies its
         # own head's mask); a mask with Hkv or 1 heads already has one list per kv head
@@ -175,7 +203,7 @@ class BackwardPlan:
              *(dlse.stride() if dlse is not None else (0, 0, 0)), call.num_heads, call.seqlen_q, delta_blocks,
              *list_scalars),
             dict(HEAD_DIM=call.head_dim, BLOCK_D=call.block_d, BLOCK_M=PREPROCESS_BLOCK_M, HAS_DLSE=dlse is not None,
-                 HAS_MASK=call.has_mask, **list_cells),
+                 HAS_MASK=self.activity is not None, **list_cells),
             num_warps=PREPROCESS_NUM_WARPS,
         )
 
@@ -191,10 +219,10 @@ class BackwardPlan:
             dk_strides = dv_strides = contiguous_strides(self.share_shape)
         return Launch(
             flash_bwd_dkdv_kernel,
-            (triton.cdiv(call.seqlen_k, config.block_n), call.batch * call.num_heads // dbias_target.heads_per_program),
+            (triton.cdiv(call.keys, config.block_n), call.programs * call.num_heads // dbias_target.heads_per_program),
             (*q.stride(), *k.stride(), *v.stride(), *call.mask_strides, *call.bias_strides, *dout.stride(),
              *lse.stride(), *dk_strides, *dv_strides, *dbias_target.strides, *list_strides(self.kv_lists),
-             call.num_heads, call.seqlen_q, call.seqlen_k, *call.scalars),
+             *call.sequence_strides, call.num_heads, call.rows, call.keys, *call.scalars),
             dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_DBIAS=dbias is not None,
                  DBIAS_ROWS=dbias_target.rows, HEADS_PER_PROGRAM=dbias_target.heads_per_program, **call.flags),
             num_warps=config.num_warps, num_stages=config.num_stages,
@@ -205,23 +233,25 @@ class BackwardPlan:
         """dQ: one program per query block and query head; from the stored dS when the dK/dV
         kernel wrote it whole, as the gradient of a full per-head bias without softcap."""
         self.dq_from_ds = (dbias is not None and self.partial_shape is None and dbias_target.rows
-                           and dbias_target.heads_per_program == 1 and call.softcap <= 0)
-        grid = (triton.cdiv(call.seqlen_q, config.block_m_dq), call.batch * call.num_heads)
+                           and dbias_target.heads_per_program == 1 and call.softcap <= 0 and call.packing is None)
+        grid = (triton.cdiv(call.rows, config.block_m_dq), call.programs * call.num_heads)
         q_blocks_strides = list_strides(self.q_lists)
         if self.dq_from_ds:
             return Launch(
                 flash_bwd_dq_from_ds_kernel, grid,
                 (*dbias.stride(), *k.stride(), *dq.stride(), *q_blocks_strides,
-                 call.num_heads, call.seqlen_q, call.seqlen_k, call.mask_head_div, call.softmax_scale),
+                 call.num_heads, call.seqlen_q, call.seqlen_k, call.mask_head_div, call.softmax_scale,
+                 *call.scalars[-2:]),
                 dict(GROUP=call.group, HEAD_DIM=call.head_dim, BLOCK_D=call.block_d, BLOCK_M=config.block_m_dq,
-                     BLOCK_N=config.block_n_dq, IS_CAUSAL=call.is_causal, HAS_MASK=call.has_mask),
+                     BLOCK_N=config.block_n_dq, IS_CAUSAL=call.is_causal, HAS_MASK=call.has_mask,
+                     HAS_WINDOW=call.flags["HAS_WINDOW"]),
                 num_warps=config.num_warps, num_stages=config.num_stages,
             )
         return Launch(
             flash_bwd_dq_kernel, grid,
             (*q.stride(), *k.stride(), *v.stride(), *call.mask_strides, *call.bias_strides, *dout.stride(),
-             *lse.stride(), *dq.stride(), *q_blocks_strides, call.num_heads, call.seqlen_q, call.seqlen_k,
-             *call.scalars),
+             *lse.stride(), *dq.stride(), *q_blocks_strides, *call.sequence_strides, call.num_heads, call.rows,
+             call.keys, *call.scalars),
             dict(BLOCK_M=config.block_m_dq, BLOCK_N=config.block_n_dq, **call.flags),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -273,7 +303,7 @@ class BackwardPlan:
         left no activity (the CUDA forward's) gets its activity pass in the program, into a buffer
         of its own. A group-mode union of the mask's activity (a torch op) stays in Python."""
         self.native_tried = True
-        if self.group_union:
+        if self.group_union or self.packing is not None:  # packed calls stay on the Python path
             return
         dout, q, k, v, out, lse, mask_in, bias_in, activity_in, dlse_in = (native.given(i) for i in range(10))
         allocations = [(tuple(t.shape), t.dtype) for t in (dq, dk, dv)]
@@ -301,19 +331,25 @@ class BackwardPlan:
         kernels += [(self.preprocess, [out, dout, delta, lse, lse if dlse is None else dlse_in, active, kv_blocks,
                                        active, q_blocks]),
                     (self.dkdv, [q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial,
-                                 kv_blocks])]
+                                 kv_blocks, q, q, q])]
         if self.dq_from_ds:
             kernels.append((self.dq, [dbias_out, k, dq_out, q_blocks]))
         else:
-            kernels.append((self.dq, [q, k, v, mask_arg, bias_arg, dout, lse, delta, dq_out, q_blocks]))
+            kernels.append((self.dq, [q, k, v, mask_arg, bias_arg, dout, lse, delta, dq_out, q_blocks, q, q, q]))
         if self.reduce is not None:
             kernels.append((self.reduce, [dk_share, dv_share, dk_out, dv_out, partial, dbias_out]))
         self.native = native.program(device, 10, allocations, [], kernels,
                                      (0, 1, 2, 3 if dbias is not None else -1))
 
-    def __call__(self, dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity=None, dlse=None) -> None:
+    def __call__(self, dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity=None, dlse=None,
+                 sequences=(None, None, None)) -> None:
         stream = launch_stream()
         buffer = self.workspace.allocate(self.device)
+        if self.packing is not None:
+            for written_in_part in (buffer, dq, dk, dv, dbias):
+                if written_in_part is not None:
+                    written_in_part.zero_()
+        sequences = tuple(q if t is None else t for t in (tuple(sequences) + (None,) * 3)[:3])
         # addresses once every kernel is compiled; tensors for the JIT (the first run, a profiler)
         by_address = stream is not None and self.compiled
         scratch = self.workspace.pointers(buffer) if by_address else self.workspace.tensors(buffer)
@@ -331,21 +367,22 @@ class BackwardPlan:
         dk_share, dv_share = scratch.get("dk_share", dk), scratch.get("dv_share", dv)
         mask_arg = q if mask is None else mask
         bias_arg = q if bias is None else bias
-        self.dkdv.run(stream, q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks)
+        self.dkdv.run(stream, q, k, v, mask_arg, bias_arg, dout, lse, delta, dk_share, dv_share, partial, kv_blocks,
+                      *sequences)
         if self.dq_from_ds:
             self.dq.run(stream, dbias, k, dq, q_blocks)
         else:
-            self.dq.run(stream, q, k, v, mask_arg, bias_arg, dout, lse, delta, dq, q_blocks)
+            self.dq.run(stream, q, k, v, mask_arg, bias_arg, dout, lse, delta, dq, q_blocks, *sequences)
         if self.reduce is not None:
             self.reduce.run(stream, dk_share, dv_share, dk, dv, partial, q if dbias is None else dbias)
         if not self.compiled:
             self.compiled = all(launch.launcher is not None for launch in self.launches)
 
     def run_and_prepare(self, dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity=None,
-                        dlse=None) -> None:
+                        dlse=None, sequences=(None, None, None)) -> None:
         """`__call__` for the runtime: once the kernels are compiled it also builds the program
         of its later runs (`allocate_and_run`; the validator's and tuner's plans build none)."""
-        self(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
+        self(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse, sequences)
         if self.compiled and not self.native_tried and launch_stream() is not None:
             self._go_native(q.device, mask, bias, dq, dk, dv, dbias, activity, dlse)
 

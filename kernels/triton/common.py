@@ -4,10 +4,16 @@ Both directions must agree bit for bit on which positions are visible and on the
 visibility rule and the score pipeline live here once:
 
     visible_ij = (i < Lq) & (j < Lk) & [causal: j <= i + Lk - Lq] & [mask: mask_ij != 0]
+                 & [window: i + Lk - Lq - left <= j <= i + Lk - Lq + right]
     s_ij       = scale * q_i . k_j
     s_ij       = softcap * tanh(s_ij / softcap)        (softcap > 0)
     s_ij       = s_ij + bias_ij                        (bias present; never scaled)
     s_ij       = -inf where not visible_ij             (bias at excluded positions is ignored)
+
+Packed sequences (VARLEN in the kernels): program b works on sequence b of cu_seqlens, whose Lq
+and Lk replace the call's (`packed_sequence`); rows and keys are counted from the sequence's
+first, so every rule above, the causal diagonal included, holds per sequence. A window side the
+caller leaves unbounded (-1) arrives as Lq + Lk of the call: wider than any row's keys.
 """
 
 import triton
@@ -55,6 +61,45 @@ def load_keep(mask_base, rows, cols, stride_mm, stride_mn, seqlen_q, seqlen_k, w
 
 
 @triton.jit
+def packed_sequence(cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr, b, max_seqlen_q, max_seqlen_k,
+                    HAS_SEQUSED: tl.constexpr):
+    """(first query row, first key row, Lq, Lk) of packed sequence b: rows cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1] - 1, keys from cu_seqlens_k[b], seqused_k[b] of them when given, else up
+    to cu_seqlens_k[b + 1]. The lengths are clamped to [0, max_seqlen]: the grid covers
+    max_seqlen_q rows and a per-row mask has max_seqlen_k columns, so no program reads past them
+    whatever the prefix sums hold. The row offsets are int64 (they scale strides)."""
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    k_start = tl.load(cu_seqlens_k_ptr + b)
+    seqlen_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    if HAS_SEQUSED:
+        seqlen_k = tl.load(seqused_k_ptr + b)
+    else:
+        seqlen_k = tl.load(cu_seqlens_k_ptr + b + 1) - k_start
+    seqlen_q = tl.minimum(tl.maximum(seqlen_q, 0), max_seqlen_q)
+    seqlen_k = tl.minimum(tl.maximum(seqlen_k, 0), max_seqlen_k)
+    return q_start.to(tl.int64), k_start.to(tl.int64), seqlen_q, seqlen_k
+
+
+@triton.jit
+def window_key_range(first_row, last_row, seqlen_q, seqlen_k, window_left, window_right):
+    """[lo, hi): the keys rows first_row .. last_row see under the window (before the mask),
+    clipped to [0, Lk]; lo >= hi when they see none. Row i sees i + Lk - Lq - left ..
+    i + Lk - Lq + right."""
+    lo = tl.maximum(first_row + (seqlen_k - seqlen_q) - window_left, 0)
+    hi = tl.minimum(last_row + (seqlen_k - seqlen_q) + window_right + 1, seqlen_k)
+    return lo, hi
+
+
+@triton.jit
+def window_query_range(first_key, last_key, seqlen_q, seqlen_k, window_left, window_right):
+    """[lo, hi): the query rows that see any of keys first_key .. last_key under the window,
+    clipped to [0, Lq] (`window_key_range` turned around)."""
+    lo = tl.maximum(first_key - (seqlen_k - seqlen_q) - window_right, 0)
+    hi = tl.minimum(last_key - (seqlen_k - seqlen_q) + window_left + 1, seqlen_q)
+    return lo, hi
+
+
+@triton.jit
 def visible_tile(
     keep,
     rows,
@@ -64,6 +109,9 @@ def visible_tile(
     IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     EDGE: tl.constexpr = True,
+    HAS_WINDOW: tl.constexpr = False,
+    window_left=0,
+    window_right=0,
 ):
     """Boolean tile of positions that take part in the softmax.
 
@@ -73,7 +121,8 @@ def visible_tile(
     same indices (ignored without a mask).
 
     EDGE=False is for an interior tile: the caller knows every key of it inside Lk and seen by
-    every query of it under the causal rule, so only the mask and the query bound decide. The
+    every query of it under the causal rule and the window, so only the mask and the query bound
+    decide. HAS_WINDOW: keys outside row i's window_left/window_right are excluded. The
     full rule costs integer instructions on every element of every tile (sm90 SASS counts in
     commit fe4de37).
     """
@@ -82,6 +131,9 @@ def visible_tile(
         if IS_CAUSAL:
             # bottom-right alignment: query i sees key j iff j <= i + Lk - Lq
             visible = visible & (cols <= rows + (seqlen_k - seqlen_q))
+        if HAS_WINDOW:
+            diagonal = rows + (seqlen_k - seqlen_q)
+            visible = visible & (cols >= diagonal - window_left) & (cols <= diagonal + window_right)
         if HAS_MASK:
             visible = visible & (keep != 0)
     elif HAS_MASK:
@@ -182,27 +234,27 @@ def scores_tile(
 
 
 @triton.jit
-def listed_block(blocks, i, num_blocks, HAS_MASK: tl.constexpr):
-    """The i-th tile index a loop visits (0 for i >= num_blocks, a prefetch past the end).
+def listed_block(blocks, i, num_blocks, LISTED: tl.constexpr, first=0):
+    """The i-th tile index a loop visits (0 for i >= num_blocks with a list, a prefetch past the end).
 
-    With a mask, `blocks` points at one row of `schedule.block_lists`: [count, index_0, index_1,
-    ...], the tiles that hold a visible position, increasing. Without one every tile in the loop
-    bounds is visited and the index is `i` itself.
+    LISTED (a mask with its activity schedule): `blocks` points at one row of
+    `schedule.block_lists`: [count, index_0, index_1, ...], the tiles that hold a visible
+    position, increasing. Without one every tile in the loop bounds is visited, from `first`.
     """
-    if HAS_MASK:
+    if LISTED:
         return tl.load(blocks + 1 + i, mask=i < num_blocks, other=0)
     else:
-        return i
+        return first + i
 
 
 @triton.jit
-def listed_below(blocks, num_blocks, bound, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr = 64):
+def listed_below(blocks, num_blocks, bound, LISTED: tl.constexpr, first=0, CHUNK: tl.constexpr = 64):
     """How many of the first `num_blocks` tiles a loop visits have an index below `bound`.
 
-    With a mask the listed indices increase (`listed_block`), so these are the first ones; the
-    scan reads the list once per program. Without a mask the loop visits 0, 1, ... itself.
+    With a list the indices increase (`listed_block`), so these are the first ones; the
+    scan reads the list once per program. Without one the loop visits first, first + 1, ... itself.
     """
-    if HAS_MASK:
+    if LISTED:
         count = 0
         for start in range(0, num_blocks, CHUNK):
             at = start + tl.arange(0, CHUNK)
@@ -210,18 +262,21 @@ def listed_below(blocks, num_blocks, bound, HAS_MASK: tl.constexpr, CHUNK: tl.co
             count += tl.sum(((tiles < bound) & (at < num_blocks)).to(tl.int32), 0)
         return count
     else:
-        return tl.minimum(tl.maximum(bound, 0), num_blocks)
+        return tl.minimum(tl.maximum(bound - first, 0), num_blocks)
 
 
 @triton.jit
-def key_tiles(blocks_ptr, list_offset, pid_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
-    """The key tiles query block `pid_m` visits, as (blocks, count) for `listed_block`.
+def key_tiles(blocks_ptr, list_offset, pid_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, LISTED: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The key tiles query block `pid_m` visits, as (blocks, first, count) for `listed_block`.
 
-    With a mask: the block-list row at `blocks_ptr + list_offset` (`schedule.block_lists`).
-    Without one: every tile up to Lk or, causal, up to the diagonal of the block's last row.
+    LISTED: the block-list row at `blocks_ptr + list_offset` (`schedule.block_lists`; its
+    activity pass applied the causal rule and the window). Otherwise every tile up to Lk or,
+    causal, up to the diagonal of the block's last row; with a window, from the tile of the
+    block's first row's first key to that of its last row's last.
     """
-    if HAS_MASK:
+    first = 0
+    if LISTED:
         blocks = blocks_ptr + list_offset
         num_blocks = tl.load(blocks)
     else:
@@ -230,5 +285,10 @@ def key_tiles(blocks_ptr, list_offset, pid_m, seqlen_q, seqlen_k, BLOCK_M: tl.co
         if IS_CAUSAL:
             # the last row of the block sees keys up to (pid_m + 1) * BLOCK_M - 1 + Lk - Lq
             n_end = tl.minimum(seqlen_k, (pid_m + 1) * BLOCK_M + seqlen_k - seqlen_q)
-        num_blocks = tl.cdiv(n_end, BLOCK_N)
-    return blocks, num_blocks
+        if HAS_WINDOW:
+            n_start, n_end_window = window_key_range(pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, seqlen_q,
+                                                     seqlen_k, window_left, window_right)
+            n_end = tl.minimum(n_end, n_end_window)
+            first = n_start // BLOCK_N
+        num_blocks = tl.maximum(tl.cdiv(n_end, BLOCK_N) - first, 0)
+    return blocks, first, num_blocks

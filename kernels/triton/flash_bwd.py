@@ -40,6 +40,13 @@ gradient when the bias is (B, Hkv, Lq, Lk). Each element has exactly one writer,
 element is written: the tiles a key block skips get zeros, so no buffer is zero-filled first.
 `grad_reduce_kernel` sums the remaining broadcast dims (and, in the same launch, the GQA shares).
 
+Packed sequences (VARLEN) and the sliding window (HAS_WINDOW) as in `flash_fwd.py`: a program
+works on one sequence, counts rows and keys from its first, and leaves the tiles outside its
+sequence and window out of its loop bounds; dQ, dK, dV and dBias rows no sequence owns are
+left as the launcher zero-filled them. dBias partials of a packed call are per packed key
+(a per-key bias: one row per query block of the sequence) or per packed query row (a per-row
+bias, whose column j is the row's own sequence's key j).
+
 Skipped work: with a mask both kernels walk only the tiles the activity summary lists
 (`activity.py`, `schedule.block_lists`); in group mode that is the union of the group's lists, and
 each tile still applies its own query head's mask. Tiles wholly inside the bounds and the causal
@@ -65,9 +72,12 @@ from dmattn_kernels.triton.common import (
     listed_block,
     load_bias,
     load_keep,
+    packed_sequence,
     score_dot,
     scores_tile,
     visible_tile,
+    window_key_range,
+    window_query_range,
 )
 
 
@@ -327,11 +337,11 @@ def _dkdv_query_tile(
     i, num_blocks, m_first, h_first, offs_n, offs_d,
     stride_qm, stride_qh, stride_qd, stride_dom, stride_doh, stride_dod, stride_lh, stride_lm,
     stride_mh, stride_mm, stride_mn, stride_bh, stride_bm, stride_bn, stride_dbm, stride_dbn,
-    seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale, softcap,
+    seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
     DBIAS_ROWS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, PREFETCH: tl.constexpr, EDGE: tl.constexpr,
-    BIAS_PER_KEY: tl.constexpr,
+    BIAS_PER_KEY: tl.constexpr, LISTED: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """The loop's i-th query tile of one key block, whose mask tile `keep` and bias `bias_t` the
     previous step loaded: returns dk, dv updated and the next tile's mask and bias. EDGE: the
@@ -344,9 +354,9 @@ def _dkdv_query_tile(
     pipeliner prefetched it only from the end of the previous step, after the last product; H100,
     W1 backward 32x128 dq64x64 w8 s2: 1.893 -> 1.751 ms, though 64x128 went 1.959 -> 2.179,
     commit 6bba9a8)."""
-    start_m = (m_first + listed_block(blocks, i, num_blocks, HAS_MASK)) * BLOCK_M
+    start_m = listed_block(blocks, i, num_blocks, LISTED, m_first) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    next_m = (m_first + listed_block(blocks, i + 1, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    next_m = listed_block(blocks, i + 1, num_blocks, LISTED, m_first) * BLOCK_M + tl.arange(0, BLOCK_M)
     keep_next = load_keep(mask_base, next_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
                           i + 1 < num_blocks, PREFETCH)
     # split mode carries the bias (`_first_bias_t`); group mode reads one per query head in place
@@ -374,7 +384,7 @@ def _dkdv_query_tile(
         else:
             keep_h = keep
         visible_t = visible_tile(keep_h, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK,
-                                 EDGE)
+                                 EDGE, HAS_WINDOW, window_left, window_right)
         # -- load q, dO and the row statistics of this query head --
         q = tl.load(q_base + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in,
                     other=0.0)
@@ -434,7 +444,7 @@ def _first_bias_t(bias_base, first_m, offs_n, stride_bm, stride_bn, seqlen_q, se
 @triton.jit
 def flash_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr,
-    dk_ptr, dv_ptr, dbias_ptr, blocks_ptr,
+    dk_ptr, dv_ptr, dbias_ptr, blocks_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -446,9 +456,11 @@ def flash_bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_dbb, stride_dbh, stride_dbm, stride_dbn,
     stride_blb, stride_blh, stride_bln,
+    stride_ms, stride_bs,
     num_heads, seqlen_q, seqlen_k,
     mask_head_div, bias_head_div,
     softmax_scale, softcap,
+    window_left, window_right,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -462,9 +474,15 @@ def flash_bwd_dkdv_kernel(
     DBIAS_ROWS: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     BIAS_PER_KEY: tl.constexpr,
+    LISTED: tl.constexpr,
+    VARLEN: tl.constexpr,
+    HAS_SEQUSED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
+    """LISTED, VARLEN, HAS_SEQUSED, HAS_WINDOW as in `flash_fwd.flash_fwd_kernel`."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    tl.static_assert(not (VARLEN and LISTED))
     # group mode serves one case only, a per-kv-head dBias with query rows (module docstring)
     tl.static_assert(HEADS_PER_PROGRAM == 1 or (HEADS_PER_PROGRAM == GROUP and HAS_DBIAS and DBIAS_ROWS))
     pid_n = tl.program_id(0)
@@ -477,15 +495,43 @@ def flash_bwd_dkdv_kernel(
     h_first = slot * HEADS_PER_PROGRAM
     h_kv = h_first // GROUP
 
+    if VARLEN:
+        q_start, k_start, seqlen_q, seqlen_k = packed_sequence(cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr, b,
+                                                               seqlen_q, seqlen_k, HAS_SEQUSED)
+        if pid_n * BLOCK_N >= seqlen_k:  # the grid covers the longest sequence
+            return
+        q_row0 = q_start * stride_qm
+        do_row0 = q_start * stride_dom
+        l_row0 = q_start * stride_lm
+        k_row0 = k_start * stride_kn
+        v_row0 = k_start * stride_vn
+        dk_row0 = k_start * stride_dkn
+        dv_row0 = k_start * stride_dvn
+        mask_row0 = q_start * stride_mm + k_start * stride_ms
+        bias_row0 = q_start * stride_bm + k_start * stride_bs
+        # a per-row bias's partial has the bias's own columns; a per-key one's, one row per query block
+        dbias_row0 = q_start * stride_dbm if DBIAS_ROWS else k_start * stride_dbn
+    else:
+        q_row0 = b * stride_qb
+        do_row0 = b * stride_dob
+        l_row0 = b * stride_lb
+        k_row0 = b * stride_kb
+        v_row0 = b * stride_vb
+        dk_row0 = b * stride_dkb
+        dv_row0 = b * stride_dvb
+        mask_row0 = b * stride_mb
+        bias_row0 = b * stride_bb
+        dbias_row0 = b * stride_dbb
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(k_ptr + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
-    v = tl.load(v_ptr + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
+    k = tl.load(k_ptr + k_row0 + h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
+    v = tl.load(v_ptr + v_row0 + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    if HAS_MASK:
+    m_end = tl.cdiv(seqlen_q, BLOCK_M)
+    if LISTED:
         # the active query tiles of this key block (key-major `schedule.block_lists`)
         # (group mode: the union over the group's query heads, one list per kv head)
         list_head = h_first // mask_head_div if HEADS_PER_PROGRAM == 1 else slot
@@ -498,10 +544,15 @@ def flash_bwd_dkdv_kernel(
         if IS_CAUSAL:
             # the first query that sees key n0 is n0 - (Lk - Lq); earlier query blocks are all excluded
             m_first = tl.maximum(pid_n * BLOCK_N - (seqlen_k - seqlen_q), 0) // BLOCK_M
-        num_blocks = tl.cdiv(seqlen_q, BLOCK_M) - m_first
+        if HAS_WINDOW:
+            m_lo, m_hi = window_query_range(pid_n * BLOCK_N, pid_n * BLOCK_N + BLOCK_N - 1, seqlen_q, seqlen_k,
+                                            window_left, window_right)
+            m_first = tl.maximum(m_first, m_lo // BLOCK_M)
+            m_end = tl.minimum(m_end, tl.cdiv(m_hi, BLOCK_M))
+        num_blocks = tl.maximum(m_end - m_first, 0)
 
-    mask_base = mask_ptr + b * stride_mb + (h_first // mask_head_div) * stride_mh
-    bias_base = bias_ptr + b * stride_bb + (h_first // bias_head_div) * stride_bh
+    mask_base = mask_ptr + mask_row0 + (h_first // mask_head_div) * stride_mh
+    bias_base = bias_ptr + bias_row0 + (h_first // bias_head_div) * stride_bh
     # split mode: the mask of the first tile; each iteration then loads the next one's
     # (`common.load_keep`). Group mode loads each query head's tile in place.
     PREFETCH: tl.constexpr = HAS_MASK and HEADS_PER_PROGRAM == 1
@@ -511,33 +562,46 @@ def flash_bwd_dkdv_kernel(
     # last, in a loop of their own. In the other order the interior loop spilled (sm90, 64x128 w8
     # s2: 95 local loads and stores per tile against 8) and W1's backward took 2.41 ms against
     # 2.13 before the split; interior first, 2.10 (H100, commit eda6b11).
+    # With a window, query tiles past the last one whose rows all see the block's first key
+    # (its window's left edge) are edge tiles too: they follow the interior ones in the list and
+    # run last, in a third loop.
     if IS_CAUSAL:
         first_interior = tl.cdiv(tl.maximum(pid_n * BLOCK_N + BLOCK_N - 1 - (seqlen_k - seqlen_q), 0), BLOCK_M)
     else:
         first_interior = 0
+    interior_end = num_blocks
+    if HAS_WINDOW:
+        # rows from m_lo on see the block's last key (the window's right side), rows up to
+        # m_hi - 1 its first (the left side)
+        m_lo, _ = window_query_range(pid_n * BLOCK_N + BLOCK_N - 1, pid_n * BLOCK_N + BLOCK_N - 1, seqlen_q, seqlen_k,
+                                     window_left, window_right)
+        _, m_hi = window_query_range(pid_n * BLOCK_N, pid_n * BLOCK_N, seqlen_q, seqlen_k, window_left, window_right)
+        first_interior = tl.maximum(first_interior, tl.cdiv(m_lo, BLOCK_M))
+        interior_end = listed_below(blocks, num_blocks, m_hi // BLOCK_M, LISTED, m_first)
     if pid_n * BLOCK_N + BLOCK_N <= seqlen_k:
-        num_edge = listed_below(blocks, num_blocks, first_interior - m_first, HAS_MASK)
+        num_edge = tl.minimum(listed_below(blocks, num_blocks, first_interior, LISTED, m_first), interior_end)
     else:
         num_edge = num_blocks
-    first_m = (m_first + listed_block(blocks, 0, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
-    edge_m = (m_first + listed_block(blocks, num_edge, num_blocks, HAS_MASK)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        interior_end = num_blocks
+    first_m = listed_block(blocks, 0, num_blocks, LISTED, m_first) * BLOCK_M + tl.arange(0, BLOCK_M)
+    edge_m = listed_block(blocks, num_edge, num_blocks, LISTED, m_first) * BLOCK_M + tl.arange(0, BLOCK_M)
     keep = load_keep(mask_base, edge_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
-                     num_edge < num_blocks, PREFETCH)
-    bias_t = _first_bias_t(bias_base, edge_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k, num_edge < num_blocks,
-                           HAS_BIAS, HEADS_PER_PROGRAM, BIAS_PER_KEY)
-    q_base = q_ptr + b * stride_qb
-    dout_base = dout_ptr + b * stride_dob
-    lse_base = lse_ptr + b * stride_lb
-    delta_base = delta_ptr + b * stride_lb
-    dbias_base = dbias_ptr + b * stride_dbb + slot * stride_dbh
-    for i in range(num_edge, num_blocks):
+                     num_edge < interior_end, PREFETCH)
+    bias_t = _first_bias_t(bias_base, edge_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k,
+                           num_edge < interior_end, HAS_BIAS, HEADS_PER_PROGRAM, BIAS_PER_KEY)
+    q_base = q_ptr + q_row0
+    dout_base = dout_ptr + do_row0
+    lse_base = lse_ptr + l_row0
+    delta_base = delta_ptr + l_row0
+    dbias_base = dbias_ptr + dbias_row0 + slot * stride_dbh
+    for i in range(num_edge, interior_end):
         dk, dv, keep, bias_t = _dkdv_query_tile(
             dk, dv, keep, bias_t, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base,
             blocks, i, num_blocks, m_first, h_first, offs_n, offs_d, stride_qm, stride_qh, stride_qd, stride_dom, stride_doh,
             stride_dod, stride_lh, stride_lm, stride_mh, stride_mm, stride_mn, stride_bh, stride_bm, stride_bn,
             stride_dbm, stride_dbn, seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale, softcap,
-            HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, HAS_DBIAS, DBIAS_ROWS,
-            HEADS_PER_PROGRAM, PREFETCH, False, BIAS_PER_KEY,
+            window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+            HAS_DBIAS, DBIAS_ROWS, HEADS_PER_PROGRAM, PREFETCH, False, BIAS_PER_KEY, LISTED, HAS_WINDOW,
         )
     # the diagonal tiles last: their first mask tile is loaded here, the chain then goes on
     keep = load_keep(mask_base, first_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
@@ -550,9 +614,26 @@ def flash_bwd_dkdv_kernel(
             blocks, i, num_blocks, m_first, h_first, offs_n, offs_d, stride_qm, stride_qh, stride_qd, stride_dom, stride_doh,
             stride_dod, stride_lh, stride_lm, stride_mh, stride_mm, stride_mn, stride_bh, stride_bm, stride_bn,
             stride_dbm, stride_dbn, seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale, softcap,
-            HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, HAS_DBIAS, DBIAS_ROWS,
-            HEADS_PER_PROGRAM, PREFETCH, True, BIAS_PER_KEY,
+            window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+            HAS_DBIAS, DBIAS_ROWS, HEADS_PER_PROGRAM, PREFETCH, True, BIAS_PER_KEY, LISTED, HAS_WINDOW,
         )
+    if HAS_WINDOW:
+        # the window's left-edge tiles: their first mask tile and bias are loaded here
+        trail_m = listed_block(blocks, interior_end, num_blocks, LISTED, m_first) * BLOCK_M + tl.arange(0, BLOCK_M)
+        keep = load_keep(mask_base, trail_m[None, :], offs_n[:, None], stride_mm, stride_mn, seqlen_q, seqlen_k,
+                         interior_end < num_blocks, PREFETCH)
+        bias_t = _first_bias_t(bias_base, trail_m, offs_n, stride_bm, stride_bn, seqlen_q, seqlen_k,
+                               interior_end < num_blocks, HAS_BIAS, HEADS_PER_PROGRAM, BIAS_PER_KEY)
+        for i in range(interior_end, num_blocks):
+            dk, dv, keep, bias_t = _dkdv_query_tile(
+                dk, dv, keep, bias_t, k, v, q_base, dout_base, lse_base, delta_base, dbias_base, mask_base, bias_base,
+                blocks, i, num_blocks, m_first, h_first, offs_n, offs_d, stride_qm, stride_qh, stride_qd, stride_dom,
+                stride_doh, stride_dod, stride_lh, stride_lm, stride_mh, stride_mm, stride_mn, stride_bh, stride_bm,
+                stride_bn, stride_dbm, stride_dbn, seqlen_q, seqlen_k, mask_head_div, bias_head_div, softmax_scale,
+                softcap, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS,
+                HAS_SOFTCAP, HAS_DBIAS, DBIAS_ROWS, HEADS_PER_PROGRAM, PREFETCH, True, BIAS_PER_KEY, LISTED,
+                HAS_WINDOW,
+            )
 
     if HAS_DBIAS:
         # the query tiles this key block skips hold no visible position: their dS is 0. Written
@@ -562,43 +643,44 @@ def flash_bwd_dkdv_kernel(
             zeros_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             zeros_t = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if HAS_MASK:
-            # the list row continues past its count with the skipped tiles (`schedule.block_lists`)
-            num_skipped = tl.cdiv(seqlen_q, BLOCK_M) - num_blocks
-        else:
-            num_skipped = m_first
+        # the list row continues past its count with the skipped tiles (`schedule.block_lists`);
+        # without one they are those before m_first and from m_first + num_blocks on
+        num_skipped = tl.cdiv(seqlen_q, BLOCK_M) - num_blocks
         for j in range(0, num_skipped):
-            if HAS_MASK:
+            if LISTED:
                 start_m = tl.load(blocks + 1 + num_blocks + j) * BLOCK_M
             else:
-                start_m = j * BLOCK_M
+                start_m = tl.where(j < m_first, j, j + num_blocks) * BLOCK_M
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            _store_dbias_t(dbias_ptr + b * stride_dbb + slot * stride_dbh, zeros_t, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k, BLOCK_M, DBIAS_ROWS)
+            _store_dbias_t(dbias_base, zeros_t, start_m, offs_m, offs_n, stride_dbm, stride_dbn, seqlen_q, seqlen_k,
+                           BLOCK_M, DBIAS_ROWS)
 
     # epilogue
     dk = dk * softmax_scale
     # dk_ptr/dv_ptr hold one share per query head in split mode under GQA (the launcher sums the
     # groups), else the kv head's dK/dV
-    tl.store(dk_ptr + b * stride_dkb + slot * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty), mask=kv_in)
-    tl.store(dv_ptr + b * stride_dvb + slot * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=kv_in)
+    tl.store(dk_ptr + dk_row0 + slot * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty), mask=kv_in)
+    tl.store(dv_ptr + dv_row0 + slot * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=kv_in)
 
 
 @triton.jit
 def _dq_key_tile(
-    dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks, offs_m, offs_d,
+    dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, first, i, num_blocks, offs_m, offs_d,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q, seqlen_k,
-    softmax_scale, softcap, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    EDGE: tl.constexpr, BIAS_PER_KEY: tl.constexpr,
+    softmax_scale, softcap, window_left, window_right, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, EDGE: tl.constexpr, BIAS_PER_KEY: tl.constexpr, LISTED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """The loop's i-th key tile of one query block, whose mask tile `keep` the previous step
     loaded: returns dq updated and the next tile's mask. EDGE as in the forward's
     `_online_softmax_step`: off, the tile is inside Lk and left of the block's diagonal."""
-    offs_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
-    next_n = listed_block(blocks, i + 1, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = listed_block(blocks, i, num_blocks, LISTED, first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    next_n = listed_block(blocks, i + 1, num_blocks, LISTED, first) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep_next = load_keep(mask_base, offs_m[:, None], next_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
                           i + 1 < num_blocks, HAS_MASK)
-    visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK, EDGE)
+    visible = visible_tile(keep, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, HAS_MASK, EDGE,
+                           HAS_WINDOW, window_left, window_right)
     if EDGE:
         kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     else:
@@ -629,6 +711,7 @@ def _dq_key_tile(
 @triton.jit
 def flash_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, blocks_ptr,
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -638,9 +721,11 @@ def flash_bwd_dq_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     stride_blb, stride_blh, stride_blm,
+    stride_ms, stride_bs,
     num_heads, seqlen_q, seqlen_k,
     mask_head_div, bias_head_div,
     softmax_scale, softcap,
+    window_left, window_right,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -651,67 +736,112 @@ def flash_bwd_dq_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     BIAS_PER_KEY: tl.constexpr,
+    LISTED: tl.constexpr,
+    VARLEN: tl.constexpr,
+    HAS_SEQUSED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
+    """LISTED, VARLEN, HAS_SEQUSED, HAS_WINDOW as in `flash_fwd.flash_fwd_kernel`."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    tl.static_assert(not (VARLEN and LISTED))
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // num_heads).to(tl.int64)
     h = (pid_bh % num_heads).to(tl.int64)
     h_kv = h // GROUP
 
+    if VARLEN:
+        q_start, k_start, seqlen_q, seqlen_k = packed_sequence(cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr, b,
+                                                               seqlen_q, seqlen_k, HAS_SEQUSED)
+        if pid_m * BLOCK_M >= seqlen_q:  # the grid covers the longest sequence
+            return
+        q_row0 = q_start * stride_qm
+        do_row0 = q_start * stride_dom
+        l_row0 = q_start * stride_lm
+        dq_row0 = q_start * stride_dqm
+        k_row0 = k_start * stride_kn
+        v_row0 = k_start * stride_vn
+        mask_row0 = q_start * stride_mm + k_start * stride_ms
+        bias_row0 = q_start * stride_bm + k_start * stride_bs
+    else:
+        q_row0 = b * stride_qb
+        do_row0 = b * stride_dob
+        l_row0 = b * stride_lb
+        dq_row0 = b * stride_dqb
+        k_row0 = b * stride_kb
+        v_row0 = b * stride_vb
+        mask_row0 = b * stride_mb
+        bias_row0 = b * stride_bb
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_in = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
-    dout = tl.load(dout_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
-    row_base = b * stride_lb + h * stride_lh
+    q = tl.load(q_ptr + q_row0 + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_in, other=0.0)
+    dout = tl.load(dout_ptr + do_row0 + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_in, other=0.0)
+    row_base = l_row0 + h * stride_lh
     lse, delta = _load_row_stats(lse_ptr + row_base, delta_ptr + row_base, offs_m, stride_lm, seqlen_q)
-    k_base = k_ptr + b * stride_kb + h_kv * stride_kh
-    v_base = v_ptr + b * stride_vb + h_kv * stride_vh
-    mask_base = mask_ptr + b * stride_mb + (h // mask_head_div) * stride_mh
-    bias_base = bias_ptr + b * stride_bb + (h // bias_head_div) * stride_bh
+    k_base = k_ptr + k_row0 + h_kv * stride_kh
+    v_base = v_ptr + v_row0 + h_kv * stride_vh
+    mask_base = mask_ptr + mask_row0 + (h // mask_head_div) * stride_mh
+    bias_base = bias_ptr + bias_row0 + (h // bias_head_div) * stride_bh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    blocks, num_blocks = key_tiles(blocks_ptr, b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm,
-                                   pid_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK)
+    blocks, first, num_blocks = key_tiles(
+        blocks_ptr, b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm, pid_m, seqlen_q,
+        seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, LISTED, HAS_WINDOW)
 
     # Without a mask, interior key tiles (inside Lk, left of the causal diagonal of the block's
     # first row, as in `flash_fwd.py`) take a loop of their own that tests nothing: W3, H100,
     # backward 64x64 dq64x32 w4 s2, 1.206 -> 1.159 ms. With a mask the same split measured
     # slower (W2 2.497 -> 2.548 ms), so every tile takes the edge loop
     # (H100, commit eda6b11).
+    # With a window the interior tiles sit between its two edges, as in `flash_fwd.py`.
     SPLIT: tl.constexpr = not HAS_MASK
+    num_lead = 0
     num_interior = 0
     if SPLIT:
         interior_end = seqlen_k // BLOCK_N
         if IS_CAUSAL:
             interior_end = tl.minimum(interior_end,
                                       tl.maximum(pid_m * BLOCK_M + seqlen_k - seqlen_q + 1, 0) // BLOCK_N)
-        num_interior = listed_below(blocks, num_blocks, interior_end, HAS_MASK)
+        if HAS_WINDOW:
+            lo, _ = window_key_range(pid_m * BLOCK_M + BLOCK_M - 1, pid_m * BLOCK_M + BLOCK_M - 1, seqlen_q, seqlen_k,
+                                     window_left, window_right)
+            _, hi = window_key_range(pid_m * BLOCK_M, pid_m * BLOCK_M, seqlen_q, seqlen_k, window_left, window_right)
+            interior_end = tl.minimum(interior_end, hi // BLOCK_N)
+            num_lead = listed_below(blocks, num_blocks, tl.cdiv(lo, BLOCK_N), LISTED, first)
+        num_interior = tl.maximum(listed_below(blocks, num_blocks, interior_end, LISTED, first), num_lead)
 
     # the mask of the first tile; each iteration then loads the next one's (`common.load_keep`)
-    first_n = listed_block(blocks, 0, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_n = listed_block(blocks, 0, num_blocks, LISTED, first) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep = load_keep(mask_base, offs_m[:, None], first_n[None, :], stride_mm, stride_mn, seqlen_q, seqlen_k,
                      num_blocks > 0, HAS_MASK)
-    for i in range(0, num_interior):
+    if SPLIT and HAS_WINDOW:
+        for i in range(0, num_lead):
+            dq, keep = _dq_key_tile(
+                dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, first, i, num_blocks,
+                offs_m, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm,
+                stride_bn, seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right, HEAD_DIM, BLOCK_D,
+                BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, True, BIAS_PER_KEY, LISTED, HAS_WINDOW,
+            )
+    for i in range(num_lead, num_interior):
         dq, keep = _dq_key_tile(
-            dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks, offs_m, offs_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q,
-            seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-            False, BIAS_PER_KEY,
+            dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, first, i, num_blocks, offs_m,
+            offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q,
+            seqlen_k, softmax_scale, softcap, window_left, window_right, HEAD_DIM, BLOCK_D, BLOCK_N, IS_CAUSAL,
+            HAS_MASK, HAS_BIAS, HAS_SOFTCAP, False, BIAS_PER_KEY, LISTED, HAS_WINDOW,
         )
     for i in range(num_interior, num_blocks):
         dq, keep = _dq_key_tile(
-            dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, i, num_blocks, offs_m, offs_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q,
-            seqlen_k, softmax_scale, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-            True, BIAS_PER_KEY,
+            dq, keep, q, dout, lse, delta, k_base, v_base, mask_base, bias_base, blocks, first, i, num_blocks, offs_m,
+            offs_d, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn, stride_bm, stride_bn, seqlen_q,
+            seqlen_k, softmax_scale, softcap, window_left, window_right, HEAD_DIM, BLOCK_D, BLOCK_N, IS_CAUSAL,
+            HAS_MASK, HAS_BIAS, HAS_SOFTCAP, True, BIAS_PER_KEY, LISTED, HAS_WINDOW,
         )
 
     # epilogue
     dq = dq * softmax_scale
-    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(dq_ptr.dtype.element_ty), mask=q_in)
+    tl.store(dq_ptr + dq_row0 + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(dq_ptr.dtype.element_ty), mask=q_in)
 
 
 @triton.jit
@@ -723,6 +853,7 @@ def flash_bwd_dq_from_ds_kernel(
     stride_blb, stride_blh, stride_blm,
     num_heads, seqlen_q, seqlen_k,
     mask_head_div, softmax_scale,
+    window_left, window_right,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -730,6 +861,7 @@ def flash_bwd_dq_from_ds_kernel(
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """dQ_i = scale * sum_j dS_ij k_j from a dS the dK/dV kernel already wrote: the gradient of a
     full (B, H, Lq, Lk) bias is dS itself (no softcap). One program per (query block, batch,
@@ -747,11 +879,12 @@ def flash_bwd_dq_from_ds_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     ds_base = ds_ptr + b * stride_dsb + h * stride_dsh
     k_base = k_ptr + b * stride_kb + (h // GROUP) * stride_kh
-    blocks, num_blocks = key_tiles(blocks_ptr, b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm,
-                                   pid_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK)
+    blocks, first, num_blocks = key_tiles(
+        blocks_ptr, b * stride_blb + (h // mask_head_div) * stride_blh + pid_m * stride_blm, pid_m, seqlen_q,
+        seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, HAS_WINDOW)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i in range(0, num_blocks):
-        offs_n = listed_block(blocks, i, num_blocks, HAS_MASK) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = listed_block(blocks, i, num_blocks, HAS_MASK, first) * BLOCK_N + tl.arange(0, BLOCK_N)
         ds_in = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
         ds = tl.load(ds_base + offs_m[:, None] * stride_dsm + offs_n[None, :] * stride_dsn, mask=ds_in, other=0.0)
         kv_in = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)

@@ -11,7 +11,7 @@ import triton
 from triton.runtime.jit import MockTensor
 
 from dmattn_kernels import target
-from dmattn_kernels.configs import FwdConfig
+from dmattn_kernels.configs import FwdConfig, Packing, window_bounds
 from dmattn_kernels.runtime import launch_context, native
 from dmattn_kernels.runtime.launch_context import launch_stream
 from dmattn_kernels.triton.flash_fwd import flash_fwd_kernel
@@ -32,7 +32,9 @@ def kv_by_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
 
     A single key (Lk = 1) takes pointer loads: Triton turns an int argument equal to 1 into a
     constant, and with it the pipelined descriptor variant crashed Triton 3.6's ptxas (error
-    -11; H200, adversarial case single_key_lk1, every config with num_stages > 1).
+    -11; H200, adversarial case single_key_lk1, every config with num_stages > 1). Packed
+    sequences take pointer loads too (`ForwardPlan`): a descriptor zero-fills past the tensor,
+    not past a sequence, and would read the next sequence's keys.
     """
     major = target.planned_major()
     if major is None:
@@ -63,13 +65,18 @@ class ForwardPlan:
     the kernels their data.
 
     With a mask: the activity pass (into `activity`, or a scratch buffer), the block lists of this
-    config's tiles, then the forward; without: the forward alone.
+    config's tiles, then the forward; without: the forward alone. `window`: FlashAttention's
+    (left, right) sliding window. `packing`: packed sequences (`configs.Packing`, whose layouts
+    the operands then have), each run given the sequences' (cu_seqlens_q, cu_seqlens_k,
+    seqused_k or None) as `sequences`; their mask is read tile by tile without an activity pass
+    (its summary is laid out by batch row, not by sequence).
     """
 
     leaves_activity = True  # with a mask, its tile activity for the backward (`allocate_and_run`)
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
-                 config: FwdConfig, out: torch.Tensor, lse: torch.Tensor):
+                 config: FwdConfig, out: torch.Tensor, lse: torch.Tensor, window: tuple[int, int] = (-1, -1),
+                 packing: Packing | None = None):
         # the layout helpers take the mask's and bias's shapes, strides, element size and address,
         # never the tensors: a call's mask goes from this module straight to its launches
         layout = CallLayout.of(q.shape, k.shape, None if mask is None else (mask.shape, mask.stride()),
@@ -81,39 +88,53 @@ class ForwardPlan:
         blocks_strides = (0, 0, 0)
         self.lse_shape = tuple(lse.shape)
         self.workspace = None  # `allocate_and_run`'s scratch: the mask's schedule
-        if mask is not None:
+        self.packing = packing
+        seqlen_q, seqlen_k, programs = layout.seqlen_q, layout.seqlen_k, layout.batch
+        if packing is not None:
+            seqlen_q, seqlen_k, programs = packing.max_seqlen_q, packing.max_seqlen_k, packing.num_sequences
+        has_window, window_left, window_right = window_bounds(window, is_causal, seqlen_q, seqlen_k)
+        if mask is not None and packing is None:
             self.activity = ActivityPass(layout.mask_shape, layout.mask_strides, mask.element_size(), mask.data_ptr(),
-                                         layout.seqlen_q, layout.seqlen_k, is_causal)
+                                         layout.seqlen_q, layout.seqlen_k, is_causal, window)
             self.lists = BlockLists(self.activity.shape, config.block_m, config.block_n, key_major=False)
             blocks_strides = self.lists.strides
             self.workspace = Workspace({"lse": (self.lse_shape, torch.float32),
                                         "activity": (self.activity.shape, torch.int8),
                                         "blocks": (self.lists.shape, torch.int32)})
-        self.use_tma = kv_by_tma(k, v)
+        self.use_tma = packing is None and kv_by_tma(k, v)
         descriptors = None  # the kernel's k_desc and v_desc (arguments 8 and 9: `_forward_tensors`)
         if self.use_tma:
             kv_block = [1, config.block_n, 1, layout.block_d]  # zero-filled past Lk and D
             descriptors = {8: descriptor_template(k, kv_block), 9: descriptor_template(v, kv_block)}
+        # a packed sequence's mask and bias move by their key stride per key it starts at when
+        # they are per key, not at all when per query row (`flash_fwd` module docstring)
+        sequence_strides = (0, 0) if packing is None else (
+            layout.mask_strides[3] if packing.mask_per_key else 0, layout.bias_strides[3] if packing.bias_per_key else 0)
         self.forward = Launch(
-            flash_fwd_kernel, (triton.cdiv(layout.seqlen_q, config.block_m), layout.batch * layout.num_heads),
+            flash_fwd_kernel, (triton.cdiv(seqlen_q, config.block_m), programs * layout.num_heads),
             (*q.stride(), *k.stride(), *v.stride(), *layout.mask_strides, *layout.bias_strides, *out.stride(),
-             *lse.stride(), *blocks_strides, layout.num_heads, layout.seqlen_q, layout.seqlen_k, layout.mask_head_div,
-             layout.bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0),
+             *lse.stride(), *blocks_strides, *sequence_strides, layout.num_heads, seqlen_q, seqlen_k,
+             layout.mask_head_div, layout.bias_head_div, softmax_scale, softcap if softcap > 0 else 1.0,
+             window_left, window_right),
             dict(GROUP=layout.group, HEAD_DIM=layout.head_dim, BLOCK_D=layout.block_d, BLOCK_M=config.block_m,
                  BLOCK_N=config.block_n, IS_CAUSAL=is_causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
-                 HAS_SOFTCAP=softcap > 0, USE_TMA=self.use_tma, BIAS_PER_KEY=layout.bias_per_key),
+                 HAS_SOFTCAP=softcap > 0, USE_TMA=self.use_tma, BIAS_PER_KEY=layout.bias_per_key,
+                 LISTED=self.activity is not None, VARLEN=packing is not None,
+                 HAS_SEQUSED=packing is not None and packing.seqused_k, HAS_WINDOW=has_window),
             descriptors, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         # what the JIT specializes the forward's tensor arguments on, in their order: dtype (a bool
         # mask launches as uint8) and address modulo 16; a block list is a fresh int32 buffer
         kinds = [None if t is None else (torch.uint8 if t.dtype is torch.bool else t.dtype, t.data_ptr() & 15)
                  for t in (q, k, v, mask, bias, out, lse)]
-        self.compiled_on = self._forward_tensors(*kinds, (torch.int32, 0) if mask is not None else kinds[0])
+        sequences = (None, None, None) if packing is None else ((torch.int32, 0),) * (3 if packing.seqused_k else 2)
+        self.compiled_on = self._forward_tensors(*kinds, (torch.int32, 0) if self.activity is not None else kinds[0],
+                                                 sequences)
         self.has_mask, self.has_bias = mask is not None, bias is not None
         # (keep_activity, lse in the scratch buffer) -> that run's `native.Program` (None: not native)
         self.native: dict[tuple[bool, bool], object] = {}
 
-    def __call__(self, q, k, v, mask, bias, out, lse, activity=None) -> None:
+    def __call__(self, q, k, v, mask, bias, out, lse, activity=None, sequences=(None, None, None)) -> None:
         stream = launch_stream()
         blocks = q  # an unused pointer without a mask
         if self.activity is not None:
@@ -122,7 +143,7 @@ class ForwardPlan:
             blocks = torch.empty(self.lists.shape, dtype=torch.int32, device=q.device)
         # the forward's arguments before the first launch: once the mask is handed to a launch,
         # nothing of this module takes it again
-        tensors = self._forward_tensors(q, k, v, mask, bias, out, lse, blocks)
+        tensors = self._forward_tensors(q, k, v, mask, bias, out, lse, blocks, sequences)
         if self.activity is not None:
             self.activity.launch.run(stream, mask, activity)
             self.lists.launch.run(stream, activity, blocks)
@@ -141,7 +162,8 @@ class ForwardPlan:
             raise RuntimeError("ForwardPlan.shared_bytes: the Triton interpreter compiles no kernel (TRITON_INTERPRET)")
         return compiled.metadata.shared
 
-    def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool, keep_lse: bool = True) -> tuple:
+    def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool, keep_lse: bool = True,
+                         sequences=(None, None, None)) -> tuple:
         """Runs into new outputs: (out, lse, the mask's tile activity if `keep_activity` and there
         is a mask, else None).
 
@@ -160,8 +182,11 @@ class ForwardPlan:
                                                                        device=q.device)
         if not lse_in_scratch:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.packing is not None:  # rows no sequence owns: dead (no program writes them)
+            out.zero_()
+            lse.fill_(float("-inf"))
         if self.activity is None:
-            self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, q))
+            self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, q, sequences))
             self._go_native(stream, q.device, keep_activity, lse_in_scratch)
             return out, lse, None
         if keep_activity:
@@ -176,7 +201,7 @@ class ForwardPlan:
                 lse = self.workspace.tensor(buffer, "lse")
             activity = self.workspace.part(buffer, "activity", by_address)
             blocks = self.workspace.part(buffer, "blocks", by_address)
-        tensors = self._forward_tensors(q, k, v, mask, bias, out, lse, blocks)
+        tensors = self._forward_tensors(q, k, v, mask, bias, out, lse, blocks, sequences)
         self.activity.launch.run(stream, mask, activity)
         self.lists.launch.run(stream, activity, blocks)
         self.forward.run(stream, *tensors)
@@ -193,7 +218,8 @@ class ForwardPlan:
         call (`native.program`): the same allocations, launches and outputs."""
         launches = [self.forward] if self.activity is None else [self.activity.launch, self.lists.launch, self.forward]
         kind = (keep_activity, lse_in_scratch)
-        if kind in self.native or stream is None or any(launch.launcher is None for launch in launches):
+        if (kind in self.native or stream is None or self.packing is not None  # packed: the Python path
+                or any(launch.launcher is None for launch in launches)):
             return
         q, k, v, mask, bias = (native.given(i) for i in range(5))
         mask, bias = (mask if self.has_mask else q), (bias if self.has_bias else q)  # q: an unused pointer
@@ -215,10 +241,11 @@ class ForwardPlan:
                 lse, returns = native.allocated(scratch, offset["lse"]), (0, 2, -1)
         if self.activity is not None:
             kernels += [(self.activity.launch, [mask, activity]), (self.lists.launch, [activity, blocks])]
-        kernels.append((self.forward, [q, k, v, mask, bias, native.allocated(0), lse, blocks, k, v]))
+        kernels.append((self.forward, [q, k, v, mask, bias, native.allocated(0), lse, blocks, k, v, q, q, q]))
         self.native[kind] = native.program(device, 5, allocations, views, kernels, returns)
 
-    def _forward_tensors(self, q, k, v, mask, bias, out, lse, blocks) -> tuple:
-        """The forward kernel's tensor arguments; q stands in for an absent mask, bias or block list
-        (an unused pointer)."""
-        return q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks, k, v
+    def _forward_tensors(self, q, k, v, mask, bias, out, lse, blocks, sequences=(None, None, None)) -> tuple:
+        """The forward kernel's tensor arguments; q stands in for an absent mask, bias, block list
+        or packed sequences' prefix sums and key counts (an unused pointer)."""
+        return (q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks, k, v,
+                *(q if t is None else t for t in (tuple(sequences) + (None,) * 3)[:3]))

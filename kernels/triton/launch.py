@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from dmattn_kernels.configs import AttentionShape, BwdConfig, DecodeConfig, FwdConfig, shape_problem
+from dmattn_kernels.configs import AttentionShape, BwdConfig, DecodeConfig, FwdConfig, Packing, shape_problem
 from dmattn_kernels.runtime.plan_cache import PlanCache, python_tensor_layouts
 from dmattn_kernels.triton.backward import BackwardPlan
 from dmattn_kernels.triton.decode_launch import MASK_SCAN_KEYS, MAX_BLOCK_M
@@ -122,22 +122,29 @@ def _cached_plan(direction: str, tensors: tuple, options: dict, build: Callable[
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       bias: torch.Tensor | None, *, is_causal: bool, softmax_scale: float, softcap: float,
                       config: FwdConfig, out: torch.Tensor, lse: torch.Tensor,
-                      activity: torch.Tensor | None = None) -> None:
+                      activity: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1),
+                      packing: Packing | None = None, sequences: tuple = (None, None, None)) -> None:
     """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call, and, when a mask
     and an `activity` buffer (`activity_shape`, contiguous) are given, the mask's tile activity
     into it, for the backward of the same call (`attention_backward`). Runs `config` as given
-    (the runtime fits an fp32 bias's tiles before: `dmattn_bench.tiles`)."""
-    options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, config=config)
+    (the runtime fits an fp32 bias's tiles before: `dmattn_bench.tiles`).
+
+    `window`: FlashAttention's (left, right) sliding window. `packing` (`configs.Packing`): the
+    operands are packed sequences in its 4-D views and `sequences` holds (cu_seqlens_q,
+    cu_seqlens_k, seqused_k or None); out's and lse's rows no sequence owns are left as given."""
+    options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, config=config, window=window,
+                   packing=packing)
     plan = _cached_plan("fwd", (q, k, v, mask, bias, out, lse), options,
                         lambda: ForwardPlan(q, k, v, mask, bias, out=out, lse=lse, **options))
-    plan(q, k, v, mask, bias, out, lse, activity)
+    plan(q, k, v, mask, bias, out, lse, activity, sequences)
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None, *, is_causal: bool,
                        softmax_scale: float, softcap: float, config: BwdConfig, dq: torch.Tensor, dk: torch.Tensor,
                        dv: torch.Tensor, dbias: torch.Tensor | None, activity: torch.Tensor | None = None,
-                       dlse: torch.Tensor | None = None) -> None:
+                       dlse: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1),
+                       packing: Packing | None = None, sequences: tuple = (None, None, None)) -> None:
     """Writes dq, dk, dv and, when given, dbias (the bias's 4-D broadcast shape and its dtype).
 
     `dlse`: the gradient reaching lse, (B, H, Lq) fp32. d lse_i / d s_ij = P_ij, so it adds
@@ -145,9 +152,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     `activity`: the mask's tile activity as the forward of this call wrote it (`tile_activity`);
     without it the mask is read again (W1, the bench's full (B, H, L, L) mask, H100: 2.254 ->
-    2.129 ms for the backward with it)."""
-    options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, config=config)
+    2.129 ms for the backward with it).
+
+    `window`, `packing`, `sequences` as `attention_forward`'s; a packed call's gradients are
+    zero-filled first (rows no sequence owns are written by no program)."""
+    options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, config=config, window=window,
+                   packing=packing)
     plan = _cached_plan("bwd", (dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, dlse), options,
                         lambda: BackwardPlan(dout, q, k, v, out, lse, mask, bias, dq=dq, dk=dk, dv=dv, dbias=dbias,
                                              dlse=dlse, **options))
-    plan(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse)
+    plan(dout, q, k, v, out, lse, mask, bias, dq, dk, dv, dbias, activity, dlse, sequences)

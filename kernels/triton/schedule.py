@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from dmattn_kernels.configs import window_bounds
 from dmattn_kernels.runtime.operands import broadcast_strides, contiguous_strides, padded_shape, words_readable
 from dmattn_kernels.triton.activity import CELL, WORD_BYTES, block_list_kernel, tile_activity_kernel
 from dmattn_kernels.triton.launching import Launch
@@ -27,15 +28,17 @@ class ActivityPass:
     `operands.words_readable`)."""
 
     def __init__(self, mask_shape: tuple[int, ...], mask_strides: tuple[int, ...], itemsize: int, address: int,
-                 seqlen_q: int, seqlen_k: int, is_causal: bool):
+                 seqlen_q: int, seqlen_k: int, is_causal: bool, window: tuple[int, int] = (-1, -1)):
         batch_m, heads_m = mask_shape[0], mask_shape[1]
+        has_window, window_left, window_right = window_bounds(window, is_causal, seqlen_q, seqlen_k)
         self.shape = activity_shape(mask_shape, seqlen_q, seqlen_k)
         self.launch = Launch(
             tile_activity_kernel,
             (triton.cdiv(seqlen_q, ACTIVITY_BLOCK_M), triton.cdiv(seqlen_k, ACTIVITY_BLOCK_N), batch_m * heads_m),
-            (*mask_strides, *contiguous_strides(self.shape), heads_m, seqlen_q, seqlen_k),
+            (*mask_strides, *contiguous_strides(self.shape), heads_m, seqlen_q, seqlen_k, window_left, window_right),
             dict(IS_CAUSAL=is_causal, BLOCK_M=ACTIVITY_BLOCK_M, BLOCK_N=ACTIVITY_BLOCK_N, CELL=CELL,
-                 WORDS=words_readable(mask_strides, itemsize, address, WORD_BYTES), WORD=WORD_BYTES),
+                 WORDS=words_readable(mask_strides, itemsize, address, WORD_BYTES), WORD=WORD_BYTES,
+                 HAS_WINDOW=has_window),
             num_warps=ACTIVITY_NUM_WARPS,
         )
 
@@ -88,14 +91,14 @@ def list_strides(lists: BlockLists | None) -> tuple[int, int, int]:
 
 
 def tile_activity(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, window: tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """(Bm, Hm, ceil(Lq/CELL), ceil(Lk/CELL)) int8: 1 where a CELL x CELL cell of the mask's own
     batch and head slices holds a visible position (`activity.py`). One read of the mask.
 
     `out`, when given, is a contiguous buffer of that shape to fill (every element is written)."""
     shape, strides = tuple(mask.shape), mask.stride()
     activity = ActivityPass(padded_shape(shape), broadcast_strides(shape, strides), mask.element_size(),
-                            mask.data_ptr(), seqlen_q, seqlen_k, is_causal)
+                            mask.data_ptr(), seqlen_q, seqlen_k, is_causal, window)
     return activity(mask, out)
 
 
