@@ -1,21 +1,44 @@
-"""Drop-in replacements for flash-dmattn 1.2's `flash_dmattn_func` and `triton_dmattn_func`.
+"""Drop-in replacements for flash-dmattn 1.2's `flash_dmattn_func` and `triton_dmattn_func`, and
+for FlashAttention 2's `flash_attn_func` and `flash_attn_varlen_func`.
 
 Switching is one import::
 
     # from flash_dmattn import flash_dmattn_func, triton_dmattn_func
     from dmattn_bench.compat import flash_dmattn_func, triton_dmattn_func
+    # from flash_attn import flash_attn_func, flash_attn_varlen_func
+    from dmattn_bench.compat import flash_attn_func, flash_attn_varlen_func
 
-Both keep flash-dmattn's argument names, positional order and defaults exactly, as released in
-flash-dmattn 1.2.2 (``flash_dmattn/flash_dmattn_interface.py`` and
-``flash_dmattn/flash_dmattn_triton.py`` of the PyPI sdist ``flash_dmattn-1.2.2.tar.gz``, sha256
-``19187214989acc5c93269c54a27dda61d734c8d8091e30ab0d62f98ff1e3f265``). The
-same signatures are in SmallDoges/flash-dmattn at commits ``ddc8cd5ff127`` (interface) and
-``b7deeba48b7b`` (triton). Note that the two differ in positional order: the CUDA function
+**FlashAttention 2.** `flash_attn_func` and `flash_attn_varlen_func` keep the argument names,
+positional order and defaults of ``flash_attn/flash_attn_interface.py`` (Dao-AILab/flash-attention,
+read at commit ``005300258a22``): q ``(B, Lq, H, D)`` / ``(total_q, H, D)``, k/v with ``Hkv``
+heads, ``cu_seqlens_*`` int32 prefix sums, causal and ``window_size`` bottom-right aligned (per
+sequence in varlen), ``softcap``. They run on `dmattn_bench.flash_dmattn_func` and
+`dmattn_bench.flash_dmattn_varlen_func`, so a module holding both names serves as the kernel that
+transformers' FlashAttention path loads (it passes ``cu_seqlens_q``, ``cu_seqlens_k``,
+``max_seqlen_q``, ``max_seqlen_k``, ``causal``, ``softmax_scale``, ``dropout_p``, ``window_size``,
+``softcap`` and ``deterministic`` by keyword, and only those our signatures name). Beyond
+FlashAttention, both take keyword-only ``attn_mask`` and ``attn_bias`` (the dynamic mask and the
+learnable bias, in the layouts of the functions they run on; the varlen one also
+``seqused_k``). ``max_seqlen_*`` given as 0-dim tensors (transformers derives them so) are read
+as ints, one host sync each. ``deterministic`` is accepted and ignored: our kernels are always
+deterministic (DESIGN.md §1). What we cannot honour raises `NotImplementedError` naming the
+argument: ``dropout_p`` other than 0 (our kernels have no attention dropout),
+``alibi_slopes`` (give the ALiBi term as ``attn_bias`` instead), ``return_attn_probs=True``
+(the probabilities are never materialised) and ``block_table`` (paged caches go through
+`dmattn_bench.flash_dmattn_func(..., block_table=...)`).
+
+**flash-dmattn.** `flash_dmattn_func` and `triton_dmattn_func` keep flash-dmattn's argument
+names, positional order and defaults exactly, as released in flash-dmattn 1.2.2
+(``flash_dmattn/flash_dmattn_interface.py`` and ``flash_dmattn/flash_dmattn_triton.py`` of the
+PyPI sdist ``flash_dmattn-1.2.2.tar.gz``, sha256
+``19187214989acc5c93269c54a27dda61d734c8d8091e30ab0d62f98ff1e3f265``). The same signatures
+are in SmallDoges/flash-dmattn at commits ``ddc8cd5ff127`` (interface) and ``b7deeba48b7b``
+(triton). Note that the two differ in positional order: the CUDA function
 takes ``softmax_scale`` before ``is_causal``, the Triton function ``is_causal`` first. Both
 take the same layout, q ``(B, Lq, H, D)`` and k/v ``(B, Lk, Hkv, D)``, as
 `dmattn_bench.flash_dmattn_func` does, and both run on our kernels (`backend="auto"`).
 
-Arguments we cannot honour raise, naming the argument: ``return_attn_probs=True``
+Of flash-dmattn's arguments, ``return_attn_probs=True`` raises
 (`NotImplementedError`: the probabilities are never materialised; use
 `dmattn_bench.flash_dmattn_func(..., return_lse=True)` for the log-sum-exp). ``deterministic``
 is accepted and ignored: our kernels are always deterministic (DESIGN.md §1).
@@ -63,9 +86,10 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_bench import api, checks
+from dmattn_bench import api, checks, varlen
+from dmattn_bench.plan import NO_WINDOW
 
-__all__ = ["flash_dmattn_func", "triton_dmattn_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_dmattn_func", "triton_dmattn_func"]
 
 
 def _bool_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -125,3 +149,100 @@ def triton_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, is_cau
         query, key, value, _bool_mask(attn_mask), attn_bias, is_causal=bool(is_causal),
         softmax_scale=softmax_scale,
     )
+
+
+def _check_flash_attn_options(causal, deterministic, dropout_p, alibi_slopes, return_attn_probs, block_table=None):
+    """FlashAttention 2's options we take as given, or raise on, naming the argument."""
+    checks.check_flag("causal", causal)
+    checks.check_flag("deterministic", deterministic, optional=True)
+    del deterministic  # every configuration we ship is deterministic
+    if dropout_p:
+        raise NotImplementedError(
+            f"dropout_p: got {dropout_p}, but dmattn-bench has no attention dropout; pass dropout_p=0.0 "
+            f"(in transformers, set the model's attention dropout, e.g. config.attention_dropout, to 0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            "alibi_slopes: not supported; pass the ALiBi term as attn_bias instead (a learnable bias is added "
+            "to the scaled scores)")
+    if return_attn_probs:
+        raise NotImplementedError(
+            "return_attn_probs: got True, but dmattn-bench never materialises the attention probabilities; "
+            "pass return_attn_probs=False, or call dmattn_bench's functions with return_lse=True for the log-sum-exp")
+    if block_table is not None:
+        raise NotImplementedError(
+            "block_table: paged KV caches are not taken by flash_attn_varlen_func here; call "
+            "dmattn_bench.flash_dmattn_func(q, k_cache, v_cache, block_table=..., cache_seqlens=...)")
+
+
+def _window(window_size):
+    """FlashAttention takes a list or a tuple; our plans key on a tuple (anything else is left to
+    the checks, which name it)."""
+    return tuple(window_size) if isinstance(window_size, list) else window_size
+
+
+def _length(name: str, n):
+    """A max_seqlen as an int: transformers may hand a 0-dim tensor (read here, a host sync)."""
+    if isinstance(n, torch.Tensor):
+        if n.numel() != 1 or n.is_floating_point():
+            raise TypeError(f"{name}: got a tensor of shape {tuple(n.shape)} and dtype {n.dtype}, "
+                            f"expected an int (or a one-element integer tensor)")
+        return int(n.item())
+    return n
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, attn_mask=None,
+                    attn_bias=None):
+    """FlashAttention 2's `flash_attn_func`, run on `dmattn_bench.flash_dmattn_func`.
+
+    Args:
+        q: (B, Lq, H, D).
+        k, v: (B, Lk, Hkv, D) with H % Hkv == 0.
+        dropout_p: only 0; anything else raises NotImplementedError.
+        softmax_scale: default 1/sqrt(D).
+        causal: bottom-right aligned (FlashAttention 2.1+'s rule).
+        window_size: (left, right), -1 unbounded: query i sees keys i + Lk - Lq - left ..
+            i + Lk - Lq + right.
+        softcap: > 0 soft-caps the scaled scores; 0 (or None) disables.
+        alibi_slopes: only None; give ALiBi as `attn_bias`.
+        deterministic: accepted; we are always deterministic.
+        return_attn_probs: only False.
+        attn_mask, attn_bias: keyword only, our extension: a bool mask and a learnable bias,
+            broadcastable as (B|1, H|Hkv|1, Lq|1, Lk|1) (see `dmattn_bench.flash_dmattn_func`).
+
+    Returns:
+        out (B, Lq, H, D) in q's dtype.
+    """
+    _check_flash_attn_options(causal, deterministic, dropout_p, alibi_slopes, return_attn_probs)
+    return api.flash_dmattn_func(q, k, v, attn_mask, attn_bias, is_causal=causal, softmax_scale=softmax_scale,
+                                 softcap=0.0 if softcap is None else float(softcap), window_size=_window(window_size))
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, attn_mask=None,
+                           attn_bias=None, seqused_k=None):
+    """FlashAttention 2's `flash_attn_varlen_func`, run on `dmattn_bench.flash_dmattn_varlen_func`.
+
+    Args:
+        q: (total_q, H, D), the sequences' query rows one after another.
+        k, v: (total_k, Hkv, D) with H % Hkv == 0.
+        cu_seqlens_q, cu_seqlens_k: (N + 1,) int32 prefix sums of the N sequences' lengths.
+        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (ints, or one-element tensors).
+        dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs: as in
+            `flash_attn_func`.
+        causal, window_size: as in `flash_attn_func`, aligned to each sequence's own lengths.
+        block_table: only None (a paged cache raises NotImplementedError).
+        attn_mask, attn_bias: keyword only, our extension, per key (H|Hkv|1, total_k) or per query
+            row (H|Hkv|1, total_q, max_seqlen_k) (see `dmattn_bench.flash_dmattn_varlen_func`).
+        seqused_k: keyword only, (N,) int32: the keys sequence s uses, from cu_seqlens_k[s].
+
+    Returns:
+        out (total_q, H, D) in q's dtype.
+    """
+    _check_flash_attn_options(causal, deterministic, dropout_p, alibi_slopes, return_attn_probs, block_table)
+    return varlen.flash_dmattn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, _length("max_seqlen_q", max_seqlen_q),
+        _length("max_seqlen_k", max_seqlen_k), attn_mask, attn_bias, is_causal=causal,
+        window_size=_window(window_size), softcap=0.0 if softcap is None else float(softcap),
+        softmax_scale=softmax_scale, seqused_k=seqused_k)

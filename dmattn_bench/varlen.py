@@ -10,6 +10,8 @@ The call runs the dense call's plan (`plan.AttentionPlan`) on one batch row: q, 
 (1, total, heads, D) views, lse (1, H, total_q), the mask and bias as (1, H|Hkv|1, 1, total_k)
 views when per key or (1, H|Hkv|1, total_q, max_seqlen_k) when per query row
 (`configs.Packing`); the Triton kernels give each sequence its own programs. Nothing is copied.
+No custom op takes packed sequences yet (the dense call has `ops`): the call is for eager code;
+`torch.compile` of it is not tested.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ def _packed_view(t: torch.Tensor | None, layout: str | None) -> torch.Tensor | N
     return t[None, :, None, :] if layout == reference.VARLEN_LAYOUTS[0] else t[None]
 
 
-@torch.compiler.disable  # traced, the call runs eagerly (a graph break): no custom op takes packed sequences yet
 def flash_dmattn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                              attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,

@@ -5,6 +5,13 @@
 One launch when the keys take one split (the kernel writes out and lse), else the split kernel
 into fp32 partials and `decode_combine_kernel`; before them, on a long cache under a padding mask,
 `decode_mask_span_kernel` (the splits then cut the span the mask keeps).
+
+A sliding window (`window=(left, right)`, FlashAttention's `window_size`) is the kernel's
+HAS_WINDOW: its splits cut the keys the window spans rather than the cache, so the split count
+follows the window's key tiles. The span pass reads a padding mask over the whole cache, so it runs
+only where the window leaves the left side unbounded (then the rows' windows together span every
+key of the sequence, as without one); under a left bound the window is the span the splits cut,
+and each split scans only its part of it.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from dmattn_kernels.configs import MAX_SPLITS, DecodeConfig
+from dmattn_kernels.configs import MAX_SPLITS, DecodeConfig, window_bounds
 from dmattn_kernels.runtime import launch_context, native
 from dmattn_kernels.runtime.launch_context import launch_stream
 from dmattn_kernels.runtime.operands import broadcast_layout, contiguous_strides
@@ -64,10 +71,13 @@ class DecodePlan:
     """A short-query forward for one signature; `plan(q, k, v, mask, bias, seqlens, block_table,
     out, lse)` runs it. `num_sms`: the GPU's SM count (splits chosen for it when the config leaves
     them to the plan). With a `block_table`, k and v are a paged cache (`flash_decode.py`). The
-    mask and bias come as the caller passed them (up to 4 dims, as `forward.ForwardPlan`'s)."""
+    mask and bias come as the caller passed them (up to 4 dims, as `forward.ForwardPlan`'s).
+    `window`: (left, right), FlashAttention's `window_size` (inclusive, bottom-right aligned per
+    sequence, -1 = unbounded side), ANDed with the causal rule and the mask."""
 
     def __init__(self, q, k, v, mask, bias, seqlens, block_table, *, is_causal: bool, softmax_scale: float,
-                 softcap: float, config: DecodeConfig, out: torch.Tensor, lse: torch.Tensor, num_sms: int):
+                 softcap: float, config: DecodeConfig, out: torch.Tensor, lse: torch.Tensor, num_sms: int,
+                 window: tuple[int, int] = (-1, -1)):
         batch, seqlen_q, num_heads, head_dim = q.shape
         seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
         block_n, page_size = config.block_n, 0
@@ -80,6 +90,17 @@ class DecodePlan:
         block_m = min(max(MIN_BLOCK_M, triton.next_power_of_2(rows)), MAX_BLOCK_M)
         row_blocks = triton.cdiv(rows, block_m)
         key_tiles = triton.cdiv(seqlen_k, block_n)
+        has_window, window_left, window_right = window_bounds(window, is_causal, seqlen_q, seqlen_k)
+        # A side of the window excludes a key only below these bounds: row i sees keys up to
+        # Lk_b - Lq + i + right (so right >= Lq - 1 reaches the last key, Lk_b - 1, from every row)
+        # and down to Lk_b - Lq + i - left (left >= Lk - 1 reaches key 0 from every row). A window
+        # that excludes nothing runs the plain kernel.
+        left_bounded = has_window and window_left < seqlen_k - 1
+        has_window = left_bounded or (has_window and window_right < seqlen_q - 1)
+        # the key tiles a program's splits cut: the cache's, or under a left bound at most the
+        # window's span of left + Lq keys (its rows' lower bounds from Lk_b - Lq - left, upper
+        # bounds up to Lk_b - 1), off the tile grid
+        work_tiles = min(key_tiles, triton.cdiv(window_left + seqlen_q, block_n) + 1) if left_bounded else key_tiles
         self.device = q.device
         mask_strides, mask_head_div = broadcast_layout(None if mask is None else (mask.shape, mask.stride()),
                                                        num_heads, group)
@@ -91,10 +112,11 @@ class DecodePlan:
                                     for strides, head_div in ((mask_strides, mask_head_div),
                                                               (bias_strides, bias_head_div)))
         padding_mask = mask is not None and mask_shared
-        mask_spans = padding_mask and seqlen_k >= MASK_SPAN_MIN_KEYS
-        splits = config.num_splits or split_count(batch * num_heads_kv * row_blocks, key_tiles, num_sms,
+        # under a left bound the window is the span (module docstring)
+        mask_spans = padding_mask and seqlen_k >= MASK_SPAN_MIN_KEYS and not left_bounded
+        splits = config.num_splits or split_count(batch * num_heads_kv * row_blocks, work_tiles, num_sms,
                                                   padding_mask=padding_mask and not mask_spans)
-        splits = min(splits, key_tiles, MAX_SPLITS)
+        splits = min(splits, work_tiles, MAX_SPLITS)
         keys_per_split = triton.cdiv(key_tiles, splits) * block_n
         self.splits = triton.cdiv(seqlen_k, keys_per_split)  # no split left without keys
         mask_spans = mask_spans and self.splits > 1
@@ -125,13 +147,13 @@ class DecodePlan:
             (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *bias_strides, *out_strides, *lse_strides,
              *((0, 0) if block_table is None else (block_table.stride(0), k.shape[0])),
              num_heads_kv, seqlen_q, seqlen_k, keys_per_split, span_chunks, mask_head_div, bias_head_div,
-             softmax_scale, softcap if softcap > 0 else 1.0),
+             softmax_scale, softcap if softcap > 0 else 1.0, window_left, window_right),
             dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                  IS_CAUSAL=is_causal, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
                  HAS_SOFTCAP=softcap > 0, HAS_SEQLENS=seqlens is not None, MASK_SHARED=mask_shared,
                  BIAS_SHARED=bias_shared, PAGED=block_table is not None, PAGE_SIZE=page_size,
                  MASK_SCAN=MASK_SCAN_KEYS, MASK_SPANS=mask_spans,
-                 SPAN_CHUNKS=triton.next_power_of_2(max(span_chunks, 1))),
+                 SPAN_CHUNKS=triton.next_power_of_2(max(span_chunks, 1)), HAS_WINDOW=has_window),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         self.combine = None

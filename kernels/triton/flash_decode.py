@@ -16,7 +16,17 @@ is read once for the whole group instead of once per query head, and Lq * GROUP 
 tensor-core tile that one decode row alone would leave 1/16 full. Scores per row, as the prefill:
 
     s_rj = scale * q_r . k_j ; softcap ; + bias_rj ; -inf unless mask_rj and j < L_b and
-           (not causal or j <= i_r + L_b - Lq)
+           (not causal or j <= i_r + L_b - Lq) and
+           (not HAS_WINDOW or i_r + L_b - Lq - left <= j <= i_r + L_b - Lq + right)
+
+HAS_WINDOW: a sliding window (FlashAttention's `window_size`, inclusive, bottom-right aligned per
+sequence) with bounds `window_left`, `window_right` >= 0, runtime ints: one compile serves every
+window (`configs.window_bounds` gives an unbounded side a bound that excludes no key). A
+program's rows see keys [lo, hi] = [its first row's lower bound, its last row's upper bound] at
+most (both grow with i), and that span, not the cache, is what its splits cut: a key tile wholly
+outside it is never visited (no K, V, mask, bias or page-table read), so a 1k window over a 128k
+cache costs ~1k keys per program. Inside a visited tile, keys before lo read as 0 like keys past
+the range, and each row's own bounds exclude the rest per element, as the causal rule does.
 
 Split-KV: the keys are cut into `num_splits` ranges of `keys_per_split` (a multiple of BLOCK_N),
 one program each, so a short query still fills the GPU; with `seqlens` the ranges cut each
@@ -27,7 +37,8 @@ mask's tail (and head) is never read, as a tail past L_b is not. MASK_SPANS: the
 each padding-mask row was found first (`decode_mask_span_kernel`, per chunk of keys), and the
 splits cut that span evenly, as they cut L_b: a short window of a long cache (a sliding window,
 a cache allocated far past its filled length) spreads over every split instead of the few whose
-ranges hold it.
+ranges hold it. With a window (the launcher runs the pass only where it has no left bound) the
+splits cut that span up to the window's end.
 
 Each program keeps the online softmax over its range (natural units, fp32: m_r = running max,
 l_r = sum exp(s - m_r)) and, with one split, writes out and lse itself; with several it writes
@@ -45,7 +56,9 @@ import triton.language as tl
 from dmattn_kernels.triton.common import tanh
 
 
-@triton.jit
+# the window's bounds are not specialized on (a value of 1, a multiple of 16): one compile serves
+# every window a model's layers use
+@triton.jit(do_not_specialize=["window_left", "window_right"])
 def flash_decode_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, seqlens_ptr, block_table_ptr, spans_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -59,6 +72,7 @@ def flash_decode_kernel(
     num_heads_kv, seqlen_q, seqlen_k, keys_per_split, num_span_chunks,
     mask_head_div, bias_head_div,
     softmax_scale, softcap,
+    window_left, window_right,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -76,6 +90,7 @@ def flash_decode_kernel(
     MASK_SCAN: tl.constexpr,
     MASK_SPANS: tl.constexpr,
     SPAN_CHUNKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Grid (num_splits, B * Hkv, ceil(Lq * GROUP / BLOCK_M)). MASK_SHARED / BIAS_SHARED: every
     row of a program reads the same mask / bias row (no query dim, one head per KV group or
@@ -83,7 +98,8 @@ def flash_decode_kernel(
     (B, Lq, H, D) / (B, H, Lq) tensors with one split (stride_os = stride_ls = 0), else the fp32
     partials (splits, B, Lq, H, D) / (splits, B, H, Lq). MASK_SPANS (with MASK_SHARED): `spans`
     holds `decode_mask_span_kernel`'s (B * Hkv, 2, num_span_chunks) chunk spans; SPAN_CHUNKS >=
-    num_span_chunks."""
+    num_span_chunks. HAS_WINDOW: `window_left`, `window_right` >= 0 bound each row's keys (module
+    docstring); read only under it."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(not MASK_SPANS or (HAS_MASK and MASK_SHARED))
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
@@ -115,6 +131,14 @@ def flash_decode_kernel(
     last_key = tl.full([BLOCK_M], 0, tl.int32) + seqlen_b - 1
     if IS_CAUSAL:
         last_key = query + seqlen_b - seqlen_q
+    if HAS_WINDOW:
+        # each row's keys [first_key, last_key] (first_key < 0, last_key >= L_b: that side unbounded);
+        # the program's span from its first row's lower bound to its last row's upper bound
+        diagonal = query + seqlen_b - seqlen_q
+        first_key = diagonal - window_left
+        last_key = tl.minimum(last_key, diagonal + window_right)
+        window_start = tl.maximum(tl.min(tl.where(row_in, first_key, seqlen_b), 0), 0)
+        window_end = tl.minimum(tl.max(tl.where(row_in, last_key, -1), 0) + 1, seqlen_b)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -130,9 +154,19 @@ def flash_decode_kernel(
         span_start = tl.min(tl.load(chunk_spans, mask=chunk_in, other=seqlen_k), 0) // BLOCK_N * BLOCK_N
         span_end = tl.maximum(tl.minimum(tl.max(tl.load(chunk_spans + num_span_chunks, mask=chunk_in, other=0), 0),
                                          seqlen_b), span_start)
+        if HAS_WINDOW:  # up to the window's end (no span pass runs under a left bound: `decode_launch`)
+            span_end = tl.maximum(tl.minimum(span_end, window_end), span_start)
         keys_per_split = tl.cdiv(tl.cdiv(span_end - span_start, BLOCK_N), tl.num_programs(0)) * BLOCK_N
         start = span_start + split * keys_per_split
         end = tl.minimum(start + keys_per_split, span_end)
+    elif HAS_WINDOW:  # the splits cut the window's span, on the tile grid, evenly
+        span_start = window_start // BLOCK_N * BLOCK_N
+        span_end = tl.maximum(window_end, span_start)
+        keys_per_split = tl.cdiv(tl.cdiv(span_end - span_start, BLOCK_N), tl.num_programs(0)) * BLOCK_N
+        start = span_start + split * keys_per_split
+        end = tl.minimum(start + keys_per_split, span_end)
+    if HAS_WINDOW:
+        start = tl.maximum(start, window_start)  # the mask scan below reads no flag before the window
     if HAS_MASK and MASK_SHARED:
         # the range shrunk to the key tiles from the first key the mask keeps to the last: a
         # padding mask's tail costs no K/V reads. The span is found first so that no K/V load
@@ -145,6 +179,8 @@ def flash_decode_kernel(
             last = tl.maximum(last, tl.max(tl.where(keep, offs_scan, start - 1), 0))
         start = tl.maximum(start, first // BLOCK_N * BLOCK_N)  # on the tile grid (and a page's)
         end = last + 1
+    if HAS_WINDOW:  # back on the tile grid (a page's); an empty range stays empty
+        start = tl.where(start < end, start // BLOCK_N * BLOCK_N, start)
     for start_n in range(start, end, BLOCK_N):
         # -- load k, v: keys outside the range and lanes past HEAD_DIM read as 0, never as memory --
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -162,10 +198,14 @@ def flash_decode_kernel(
         key_in = offs_n < tile_end
         if HAS_MASK and MASK_SHARED:
             key_in = key_in & (offs_n >= first)  # nor the keys before the span in its first tile
+        if HAS_WINDOW:
+            key_in = key_in & (offs_n >= window_start)  # nor the keys before the window in its first tile
         kv_in = key_in[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_tile + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_in, other=0.0)
         v = tl.load(v_tile + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_in, other=0.0)
         visible = row_in[:, None] & key_in[None, :] & (offs_n[None, :] <= last_key[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] >= first_key[:, None])
         if HAS_MASK:
             if MASK_SHARED:
                 keep = tl.load(mask_row + offs_n * stride_mn, mask=key_in, other=0)
