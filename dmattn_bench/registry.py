@@ -20,7 +20,7 @@ from typing import Callable, ContextManager
 import torch
 
 from dmattn_bench import reference, sourcehash
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, as_4d
 
 
 def interpreter_enabled() -> bool:
@@ -61,32 +61,67 @@ class Backend:
     backward_plan: Callable[..., Callable[..., None]] | None = None
 
 
-def _reference_forward(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap, config, out, lse):
+NO_WINDOW = (-1, -1)
+NO_SEQUENCES = (None, None, None)
+
+
+def _packed_operand(t: torch.Tensor | None, per_key: bool) -> torch.Tensor | None:
+    """A packed call's mask or bias as the launchers take it (`configs.Packing`: (1, H|Hkv|1, 1,
+    total_k) per key, (1, H|Hkv|1, total_q, max_seqlen_k) per row) in `reference.varlen_attention`'s
+    layout: (H|Hkv|1, total_k) or (H|Hkv|1, total_q, max_seqlen_k), a view."""
+    if t is None:
+        return None
+    t = as_4d(t)
+    return t[0, :, 0, :] if per_key else t[0]
+
+
+def _reference_call(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap, window, packing, sequences,
+                    compute_dtype=None):
+    """(out, lse) of the reference in the launchers' layouts: a dense call's, or a packed one's
+    (4-D views of one batch row, `configs.Packing`) through `reference.varlen_attention`."""
+    options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, return_lse=True,
+                   window_size=tuple(window), compute_dtype=compute_dtype)
+    if packing is None:
+        return reference.attention(q, k, v, mask, bias, **options)
+    cu_seqlens_q, cu_seqlens_k, seqused_k = sequences
+    out, lse = reference.varlen_attention(
+        q[0], k[0], v[0], cu_seqlens_q, cu_seqlens_k, packing.max_seqlen_q, packing.max_seqlen_k,
+        _packed_operand(mask, packing.mask_per_key), _packed_operand(bias, packing.bias_per_key),
+        seqused_k=seqused_k if packing.seqused_k else None, **options)
+    return out.unsqueeze(0), lse.unsqueeze(0)
+
+
+def _reference_forward(q, k, v, mask, bias, *, is_causal, softmax_scale, softcap, config, out, lse,
+                       window=NO_WINDOW, packing=None, sequences=NO_SEQUENCES):
+    """The launchers' forward interface on the reference; a packed call writes only the rows its
+    sequences own, leaving the rest as given (as the Triton launcher does)."""
     del config  # the reference has no tiles
     with torch.no_grad():
-        result, result_lse = reference.attention(
-            q, k, v, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
-            softcap=softcap, return_lse=True,
-        )
-    out.copy_(result)
-    lse.copy_(result_lse)
+        result, result_lse = _reference_call(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
+                                             softcap=softcap, window=window, packing=packing, sequences=sequences)
+    rows = slice(None)
+    if packing is not None:
+        cu_seqlens_q = sequences[0]
+        rows = slice(int(cu_seqlens_q[0]), int(cu_seqlens_q[-1]))
+    out[:, rows].copy_(result[:, rows])
+    lse[:, :, rows].copy_(result_lse[:, :, rows])
 
 
 def _reference_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal, softmax_scale, softcap,
-                        config, dq, dk, dv, dbias, dlse=None):
+                        config, dq, dk, dv, dbias, dlse=None, window=NO_WINDOW, packing=None, sequences=NO_SEQUENCES):
     del out, lse, config  # recomputed by autograd through the reference
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     bias_leaf = bias.detach().requires_grad_(dbias is not None) if bias is not None else None
     with torch.enable_grad():
-        result, result_lse = reference.attention(
-            *leaves, mask, bias_leaf, is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap,
-            return_lse=True,
-        )
+        result, result_lse = _reference_call(*leaves, mask, bias_leaf, is_causal=is_causal,
+                                             softmax_scale=softmax_scale, softcap=softcap, window=window,
+                                             packing=packing, sequences=sequences)
         inputs = leaves + ([bias_leaf] if dbias is not None else [])
         outputs, grads_in = ([result], [dout]) if dlse is None else ([result, result_lse], [dout, dlse])
-        grads = torch.autograd.grad(outputs, inputs, grads_in)
+        grads = torch.autograd.grad(outputs, inputs, grads_in, allow_unused=True)
     for target, grad in zip((dq, dk, dv, dbias), grads):
-        target.copy_(grad)
+        if target is not None:
+            target.copy_(grad.reshape(target.shape) if grad is not None else torch.zeros_like(target))
 
 
 def _reference_is_supported(config, shape) -> str | None:

@@ -199,8 +199,7 @@ def seqlen_bucket(seqlen: int) -> int:
 def window_bucket(window_size: tuple[int, int], is_causal: bool) -> int:
     """A table key's `window`: 0 without a sliding window, else `seqlen_bucket` of the span of
     keys a row sees, left + right + 1 (right is 0 under causal: the causal rule already bounds
-    that side). A window with an unbounded side (-1) is 0: such a row sees a whole side of its
-    sequence, as without a window, so the sequence-length buckets describe its work.
+    that side); with one side unbounded (-1, not causal), of the bounded side's reach + 1.
 
     Why the span, bucketed like the lengths: a windowed call's speed is driven by the key tiles
     each query tile visits, about (span + block_m) / block_n of them whatever the sequence length,
@@ -210,10 +209,14 @@ def window_bucket(window_size: tuple[int, int], is_causal: bool) -> int:
     tile's columns at both window edges), and powers of two keep the keys a table holds few.
     """
     left, right = window_size
-    if is_causal:
-        right = 0
-    if left < 0 or right < 0:
+    if is_causal:  # the causal rule bounds the right side at the diagonal (FlashAttention's right = 0)
+        return 0 if left < 0 else seqlen_bucket(left + 1)
+    if left < 0 and right < 0:
         return 0
+    if left < 0 or right < 0:
+        # one side bounded (not causal): the kernels still run the window's code, so the key is
+        # a window's too, bucketed by the bounded side's reach, and no dense entry serves it
+        return seqlen_bucket(max(left, right) + 1)
     return seqlen_bucket(left + right + 1)
 
 

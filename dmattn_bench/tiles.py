@@ -18,7 +18,9 @@ formula (`dmattn_kernels.cuda.shared_bytes`; `_first_fitting` picks the CUDA def
 by it) and the Triton forward plan's compiled kernel (`ForwardPlan.shared_bytes`).
 
 A forced backend (`backend="cuda"` or `"triton"` without an explicit config) skips the table and
-takes that backend's default.
+takes that backend's default. The CUDA kernels run neither packed sequences nor sliding windows:
+a key with either (`TableKey.packed`, `TableKey.window`) never gets them (`key_problem`), and
+forcing them on one is a ValueError.
 """
 
 from __future__ import annotations
@@ -237,6 +239,15 @@ def default_choice(key: TableKey, device: torch.device | str | None, backend: st
 # -- the order ----------------------------------------------------------------------------------------
 
 
+def key_problem(backend: str, key: TableKey) -> str | None:
+    """Why `backend` cannot run any call of `key`, whatever its config (None: it can). The
+    backends' `is_supported` judge a config on an `AttentionShape`, which has no packed sequences
+    or window; the key has, so the tuner, the validator and `choose` ask here."""
+    if backend == "cuda" and (key.packed or key.window):
+        return "the CUDA kernels run neither packed sequences nor sliding windows (the Triton kernels run both)"
+    return None
+
+
 def choose(key: TableKey, device: torch.device | str | None = None, *, backend: str = "auto",
            table: str | os.PathLike | None = None, explicit: FwdConfig | BwdConfig | None = None,
            env: str | None | object = lookup.READ_ENV) -> Choice:
@@ -246,8 +257,12 @@ def choose(key: TableKey, device: torch.device | str | None = None, *, backend: 
     the default; for a forced backend, its default.
 
     Raises:
-        ValueError: only for a head_dim no default covers; never because of a table.
+        ValueError: a head_dim no default covers, or a forced backend that cannot run the key
+            (`key_problem`); never because of a table.
     """
+    reason = None if backend == "auto" else key_problem(backend, key)
+    if reason:
+        raise ValueError(f"backend: got {backend!r}, but {reason}; use backend='auto' or 'triton'")
     if explicit is not None:
         return Choice(DEFAULT_BACKEND if backend == "auto" else backend, explicit, "explicit")
     if backend != "auto":

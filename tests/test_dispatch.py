@@ -513,11 +513,9 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     assert counts == {"exact": 16, "nearest bucket": 0, "similar entry": 0, "default": 0, "default (stale entries)": 0}
     # drop the L4096 entries of one categorical key: its L1000 entry now serves them by nearest bucket;
     # drop every entry of another: those keys fall back to the defaults
-    from dataclasses import asdict
-
     from dmattn_bench.tuning.workloads import load_workloads
 
-    grid = {tuple(sorted(asdict(w.key(d)).items())) for w in load_workloads(workloads) for d in ("fwd", "bwd")}
+    grid = {tuple(sorted(w.key(d).to_dict().items())) for w in load_workloads(workloads) for d in ("fwd", "bwd")}
     in_grid = [e for e in shipped["entries"] if tuple(sorted(e["key"].items())) in grid]
     first, second = in_grid[0]["key"], in_grid[2]["key"]  # two kinds (sorted by key)
     def same_kind(a, b):
@@ -548,7 +546,7 @@ def test_show_coverage_says_how_each_workload_key_is_served(tmp_path):
     counts = json.loads(full.output)["coverage"]["counts"]
     # the full grid has bf16 and fp16: a shipped entry serves each workload of its key exactly
     # (two workloads may share a key); its non-causal GQA keys of the shipped kinds take the causal entries
-    full_grid = [tuple(sorted(asdict(w.key(d)).items())) for w in load_workloads(workloads, "full")
+    full_grid = [tuple(sorted(w.key(d).to_dict().items())) for w in load_workloads(workloads, "full")
                  for d in w.directions()]
     entry_keys = {tuple(sorted(e["key"].items())) for e in shipped["entries"]}
     assert counts["exact"] == sum(key in entry_keys for key in full_grid) > 16

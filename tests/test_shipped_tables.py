@@ -123,10 +123,12 @@ def test_edits_that_change_no_compiled_code_stale_no_entry(tmp_path):
     # a Triton knob that stays off: a new constexpr parameter, default off, and its branch
     fwd = copy / "triton" / "flash_fwd.py"
     text = fwd.read_text()
-    signature = text.index("    BIAS_PER_KEY: tl.constexpr,\n):\n", text.index("def flash_fwd_kernel("))
-    text = (text[:signature] + "    BIAS_PER_KEY: tl.constexpr,\n    NEW_KNOB: tl.constexpr = False,\n):\n"
-            + "    if NEW_KNOB:\n        tl.static_print('a knob left off')\n"
-            + text[signature + len("    BIAS_PER_KEY: tl.constexpr,\n):\n"):])
+    last = "    HAS_WINDOW: tl.constexpr,\n):\n"
+    signature = text.index(last, text.index("def flash_fwd_kernel("))
+    body = text.index('"""', text.index('"""', signature) + 3) + 4  # after the kernel's docstring
+    text = (text[:signature] + "    HAS_WINDOW: tl.constexpr,\n    NEW_KNOB: tl.constexpr = False,\n):\n"
+            + text[signature + len(last):body] + "    if NEW_KNOB:\n        tl.static_print('a knob left off')\n"
+            + text[body:])
     fwd.write_text(text)
     stale = _stale(_statuses(copy))
     assert stale == {path.name: set() for path in SHIPPED}

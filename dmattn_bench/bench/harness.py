@@ -1,15 +1,18 @@
 """`dmattn-bench bench`: our dispatch-selected kernel against its peers, same run, same GPU.
 
-For each workload of `configs/workloads/peers.yaml` (prefill: forward and forward+backward) or
-`peers-decode.yaml` (decode steps: forward only, no gradient) and each peer
-(`dmattn_bench.bench.peers`), every direction is timed with `timing.time_kernel` (warm-up, L2 flushed,
-median and spread) and `timing.eager_wall_ms`. Reported per row:
+For each workload of `configs/workloads/peers.yaml` (prefill: forward and forward+backward),
+`peers-decode.yaml` (decode steps: forward only, no gradient) or `packed.yaml` (packed documents
+and sliding windows, `bench.packed`: forward and forward+backward) and each peer
+(`dmattn_bench.bench.peers`; on packed and window workloads `bench.packed_peers`), every
+direction is timed with `timing.time_kernel` (warm-up, L2 flushed, median and spread) and
+`timing.eager_wall_ms`. Reported per row:
 
 - ms (median, p20-p80 spread) of GPU time, and beside it the host's own time to enqueue one call
   and the eager wall time per call (back-to-back calls, one sync): a CUDA-graph user sees the
   first, an eager loop the last;
 - TFLOP/s over the work actually needed: the matmuls of the
   (query, key) pairs the causal rule leaves (2 GEMMs forward, 5 backward; FlashAttention's count);
+  on packed and window workloads, the pairs their documents, window and mask keep (`packed.kept_pairs`);
 - the floor: max(FLOPs / tensor-core peak, bytes that must move / HBM bandwidth) for this GPU
   (`hardware.device_peaks`), and the fraction of it reached;
 - in a decode step, the K/V bytes it must read over its GPU time as a fraction of a device
@@ -32,7 +35,10 @@ from pathlib import Path
 import torch
 
 from dmattn_bench import hardware, output
-from dmattn_bench.bench.peers import OURS, OURS_PEERS, PEERS, BenchInputs, DecodeOperands, Prepared, unavailable_reason
+from dmattn_bench.bench import packed, packed_peers
+from dmattn_bench.bench.packed import Layout, PackedInputs
+from dmattn_bench.bench.peers import (OURS, OURS_PEERS, PEERS, STRUCTURED_ONLY, BenchInputs, DecodeOperands, Prepared,
+                                      unavailable_reason)
 from dmattn_bench.reference import PAGE_MULTIPLE, attention
 from dmattn_bench.space import DTYPES, MAX_DECODE_QUERIES, is_valid_head_dim, load_yaml
 from dmattn_bench.tuning.adversarial import paged_cache
@@ -81,6 +87,7 @@ class PeerWorkload:
     workload: Workload
     keep: tuple[str, float] | None  # ("top_fraction", f) or ("top_k", n); None without a mask
     decode: DecodeCache | None = None  # a decode step: forward only, no gradient
+    layout: Layout | None = None  # packed documents or a sliding window (`bench.packed`)
 
     @property
     def directions(self) -> tuple[str, ...]:
@@ -92,6 +99,8 @@ class PeerWorkload:
         return self.workload.seqlen_k if self.decode is None else self.decode.filled
 
     def describe(self) -> str:
+        if self.layout is not None:
+            return f"{self.name}: {packed.describe(self.workload, self.layout)}"
         keep = "" if self.keep is None else f" keep {self.keep[0]}={self.keep[1]:g}"
         cache = self.decode
         if cache is not None and cache.lengths != "none":
@@ -115,14 +124,20 @@ def _dtype_and_heads(entry: dict, where: str, dtype_override: str | None) -> tup
 
 
 def _parse(entry, where: str, dtype_override: str | None) -> list[PeerWorkload]:
-    """A prefill entry's workload, or one decode workload per length variant of a decode entry."""
+    """A prefill entry's workload, one decode workload per length variant of a decode entry, or a
+    packed or window workload (`packed.parse_structured`)."""
+    if isinstance(entry, dict) and packed.STRUCTURE_KEYS & set(entry):
+        dtype, heads, heads_kv = _dtype_and_heads(entry, where, dtype_override)
+        workload, layout = packed.parse_structured(entry, where, dtype, heads, heads_kv)
+        return [PeerWorkload(str(entry["name"]), workload, None, layout=layout)]
     if isinstance(entry, dict) and set(entry) == _PREFILL_KEYS:
         return [_parse_prefill(entry, where, dtype_override)]
     if isinstance(entry, dict) and set(entry) - {"page"} == _DECODE_KEYS:
         return _parse_decode(entry, where, dtype_override)
     keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
     raise ValueError(f"{where}: expected keys {sorted(_PREFILL_KEYS)} (prefill) or {sorted(_DECODE_KEYS)} "
-                     f"and page with the paged variant (decode), got {keys}")
+                     f"and page with the paged variant (decode), got {keys} (packed documents and sliding windows: "
+                     "with documents or window)")
 
 
 def _parse_prefill(entry: dict, where: str, dtype_override: str | None) -> PeerWorkload:
@@ -236,10 +251,12 @@ def _keep_top_of_causal_prefix(bias_rows: torch.Tensor, keep: tuple[str, float],
     return rank < count[:, None]
 
 
-def build_bench_inputs(pw: PeerWorkload, device: torch.device | str, seed: int = 0) -> BenchInputs:
+def build_bench_inputs(pw: PeerWorkload, device: torch.device | str, seed: int = 0) -> BenchInputs | PackedInputs:
     """Seeded inputs for a bench workload; the mask is built slice by slice from the bias, or in a
-    decode step from the cache's lengths."""
+    decode step from the cache's lengths; a packed or window workload's by `packed.build_inputs`."""
     w = pw.workload
+    if pw.layout is not None:
+        return packed.build_inputs(w, pw.layout, device, seed)
     dtype = DTYPES[w.dtype]
     generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -306,9 +323,12 @@ def kv_bytes(pw: PeerWorkload) -> float:
     return 2.0 * w.batch * pw.keys_read * w.heads_kv * w.head_dim * DTYPES[w.dtype].itemsize
 
 
-def bytes_needed(pw: PeerWorkload, direction: str) -> float:
+def bytes_needed(pw: PeerWorkload, direction: str, inputs: PackedInputs | None = None) -> float:
     """Bytes that must cross HBM: q, k, v, out (+lse), mask and bias over the causal part;
-    the backward also reads dout and them again and writes dq, dk, dv and dbias."""
+    the backward also reads dout and them again and writes dq, dk, dv and dbias. A packed or
+    window workload's from its inputs (`packed.bytes_needed`)."""
+    if pw.layout is not None:
+        return packed.bytes_needed(inputs, direction)
     w = pw.workload
     item = DTYPES[w.dtype].itemsize
     qo = w.batch * w.seqlen_q * w.heads * w.head_dim * item
@@ -323,19 +343,23 @@ def bytes_needed(pw: PeerWorkload, direction: str) -> float:
     return forward + backward
 
 
-def flops_needed(pw: PeerWorkload, direction: str) -> float:
+def flops_needed(pw: PeerWorkload, direction: str, inputs: PackedInputs | None = None) -> float:
     """The workload's FLOPs (`Workload.flops`) over the keys it must read: a decode step's
-    unfilled tail needs none."""
+    unfilled tail needs none. A packed or window workload's over the pairs its inputs keep
+    (`packed.flops_needed`)."""
+    if pw.layout is not None:
+        return packed.flops_needed(inputs, direction)
     w = pw.workload
     flops = w.flops("fwd") + (w.flops("bwd") if direction == "fwd+bwd" else 0.0)
     return flops * pw.keys_read / w.seqlen_k
 
 
-def floor_ms(pw: PeerWorkload, direction: str, peaks: hardware.DevicePeaks | None) -> float | None:
+def floor_ms(pw: PeerWorkload, direction: str, peaks: hardware.DevicePeaks | None,
+             inputs: PackedInputs | None = None) -> float | None:
     if peaks is None:
         return None
-    return 1e3 * max(flops_needed(pw, direction) / peaks.tensor_flops,
-                     bytes_needed(pw, direction) / peaks.hbm_bytes_per_s)
+    return 1e3 * max(flops_needed(pw, direction, inputs) / peaks.tensor_flops,
+                     bytes_needed(pw, direction, inputs) / peaks.hbm_bytes_per_s)
 
 
 def copy_rate(device: torch.device | str) -> float:
@@ -440,7 +464,27 @@ def _fwd_bwd(prepared: Prepared, grad_out: torch.Tensor):
 
 
 def _as_blhd(out: torch.Tensor, layout: str) -> torch.Tensor:
-    return out.transpose(1, 2) if layout == "bhld" else out
+    """A peer's out in (B, L, H, D) order; packed (total, H, D) ("thd") as (1, total, H, D)."""
+    return out.transpose(1, 2) if layout == "bhld" else out.unsqueeze(0) if layout == "thd" else out
+
+
+def _prepare(pw: PeerWorkload, peer: str, inputs, table: str | None, device) -> Prepared:
+    """The peer ready for this workload (`peers.PEERS`, or `packed_peers.PEERS` on a packed or
+    window workload), after asking whether it can run it here.
+
+    Raises:
+        _Unavailable: it cannot, with the reason in one line.
+    """
+    if pw.layout is not None:
+        reason = packed_peers.unavailable_reason(peer, device, inputs)
+        builders = packed_peers.PEERS
+    else:
+        reason = (unavailable_reason(peer, device) if peer not in STRUCTURED_ONLY
+                  else "runs only packed-document and sliding-window workloads")
+        builders = PEERS
+    if reason is not None:
+        raise _Unavailable(reason)
+    return builders[peer](inputs, table)
 
 
 class _Mismatch(Exception):
@@ -453,10 +497,7 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
     rows: list[Row] = []
     out = None
     try:
-        reason = unavailable_reason(peer, device)
-        if reason is not None:
-            raise _Unavailable(reason)
-        prepared = PEERS[peer](inputs, table)
+        prepared = _prepare(pw, peer, inputs, table, device)
     except Exception as exc:  # a peer that cannot even be set up is data
         error = str(exc) if isinstance(exc, _Unavailable) else _one_line(exc)
         for direction in directions:
@@ -472,14 +513,18 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
                     with torch.no_grad():
                         out = _as_blhd(prepared.forward(), prepared.layout).detach()
                         if peer in OURS_PEERS:  # a wrong answer's speed is no result
-                            check = check_against_reference(out, inputs)
+                            check = (packed.check_against_reference if pw.layout is not None
+                                     else check_against_reference)(out, inputs)
                             row.error_over_bound = check.ratio if check.finite else None
                             if not check.passed:
                                 raise _Mismatch(f"against the reference, {check.failure()}")
                         timing = time_kernel(prepared.forward, device, repeats=repeats)
                         wall_ms = eager_wall_ms(prepared.forward, device, calls, loops, warmup=0)
                         if ours_out is not None and prepared.semantic:
-                            row.max_abs_diff_vs_ours = (out.float() - ours_out.float()).abs().max().item()
+                            # the same values in token order: a packed peer's (1, total, H, D)
+                            # against ours' (B, L, H, D) on a dense batch
+                            diff = out.float().reshape(ours_out.shape) - ours_out.float()
+                            row.max_abs_diff_vs_ours = diff.abs().max().item()
                 else:
                     grad_out = torch.ones_like(prepared.forward().detach()) / math.sqrt(pw.workload.head_dim)
                     timing = time_kernel(_fwd_bwd(prepared, grad_out), device, repeats=repeats)
@@ -492,8 +537,8 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
                 row.median_ms, row.p20_ms, row.p80_ms, row.spread, row.host_ms = (
                     timing.median_ms, timing.p20_ms, timing.p80_ms, timing.spread, timing.host_ms)
                 row.wall_ms = wall_ms
-                row.tflops = flops_needed(pw, direction) / (timing.median_ms * 1e-3) / 1e12
-                row.floor_ms = floor_ms(pw, direction, peaks)
+                row.tflops = flops_needed(pw, direction, inputs) / (timing.median_ms * 1e-3) / 1e12
+                row.floor_ms = floor_ms(pw, direction, peaks, inputs)
                 if row.floor_ms is not None:
                     row.floor_fraction = row.floor_ms / timing.median_ms
                 row.kv_bandwidth_fraction = kv_bandwidth_fraction(pw, timing.median_ms, copy_bytes_per_s)

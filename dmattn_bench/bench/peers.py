@@ -1,4 +1,5 @@
 """The kernels `dmattn-bench bench` measures side by side: ours (dispatch-selected) and its peers.
+(Packed-document and sliding-window workloads have their own, `bench.packed_peers`.)
 
 Every peer is prepared once per workload (layout copies, block masks, float masks: setup, not
 timed) into a `Prepared`: a call that runs the forward on the prepared tensors, and the leaves the
@@ -314,6 +315,11 @@ DEFAULT_PEERS = ("flex", "flex-small-bwd", "sdpa-efficient", "sdpa-flash-dense",
 # ... and on decode workloads (issue #27's list): SDPA flash takes no mask, the memory-efficient
 # kernel takes the padding as a float mask, FlexAttention as a mask_mod
 DECODE_PEERS = ("sdpa-flash-dense", "sdpa-efficient", "flex")
+# Peers of the packed-document and sliding-window workloads alone (`bench.packed_peers` builds
+# them, and its own ours and flex for those workloads); on W1-W3 and decode steps their rows say so
+STRUCTURED_ONLY = ("flex-rebuild", "varlen-attn", "sdpa-per-doc")
+# ... and what `bench` runs on them without --peers (issue 56's list)
+PACKED_PEERS = ("flex", *STRUCTURED_ONLY)
 # Group names (DESIGN §4 writes `--peers flex,sdpa,...`).
 PEER_GROUPS = {"sdpa": ("sdpa-efficient", "sdpa-flash-dense", "sdpa-cudnn-dense"),
                "flex-all": ("flex", "flex-small-bwd")}
@@ -328,7 +334,8 @@ def parse_peers(text: str) -> list[str]:
     names = []
     for name in (part.strip() for part in text.split(",")):
         names.extend(PEER_GROUPS.get(name, (name,)) if name else ())
-    unknown = [name for name in names if name not in PEERS]
+    known = (*PEERS, *STRUCTURED_ONLY)
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"--peers: unknown {unknown}, expected names from {', '.join([*PEERS, *PEER_GROUPS])}")
+        raise ValueError(f"--peers: unknown {unknown}, expected names from {', '.join([*known, *PEER_GROUPS])}")
     return [OURS] + [name for name in dict.fromkeys(names) if name != OURS]

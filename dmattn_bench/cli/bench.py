@@ -16,7 +16,8 @@ from rich.table import Table
 from dmattn_bench import output
 from dmattn_bench.bench.harness import (COPY_BYTES, DIRECTIONS, Row, copy_rate, eager_loop, failed_rows_of_ours,
                                         load_peer_workloads, run_bench, timed_directions)
-from dmattn_bench.bench.peers import DECODE_PEERS, DEFAULT_PEERS, OURS, PEER_GROUPS, PEERS, parse_peers
+from dmattn_bench.bench.peers import (DECODE_PEERS, DEFAULT_PEERS, OURS, PACKED_PEERS, PEER_GROUPS, PEERS,
+                                      STRUCTURED_ONLY, parse_peers)
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_peaks, software_versions
@@ -86,7 +87,8 @@ def markdown(document: dict) -> str:
               "launch work hidden behind a GPU spin (what a CUDA-graph user sees); spread = (p80 - p20) / median; "
               "host ms = the host's own time to enqueue one call (median, no sync; '-' in reports from before it "
               f"was measured); wall ms = eager wall time per call ({wall}). "
-              "TFLOP/s over the causal pairs (fwd 2 GEMMs, bwd 5) in gpu ms. Floor = max(FLOPs / tensor peak, "
+              "TFLOP/s over the causal pairs (packed and window workloads: the pairs their documents, window "
+              "and mask keep; fwd 2 GEMMs, bwd 5) in gpu ms. Floor = max(FLOPs / tensor peak, "
               "needed bytes / HBM bandwidth) with "
               f"{document['peaks'] or 'no known peaks for this device'}. " + _copy_text(document) +
               "ours/peer gpu and ours/peer wall: our gpu ms and wall ms over the peer's; < 1: ours is faster. "
@@ -187,14 +189,16 @@ def _check_plot_available(plot_path: str | None) -> None:
 @click.option("--workloads", "workloads_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Peer workloads YAML. Default: configs/workloads/peers.yaml on a GPU, "
                    "configs/workloads/peers-cpu.yaml (interpreter-sized) without one. Decode steps: "
-                   "configs/workloads/peers-decode.yaml (peers-decode-cpu.yaml in the interpreter).")
+                   "configs/workloads/peers-decode.yaml (peers-decode-cpu.yaml in the interpreter). Packed "
+                   "documents and sliding windows: configs/workloads/packed.yaml (packed-cpu.yaml).")
 @click.option("--only", multiple=True, help="Run only workloads whose name starts with this (repeatable), e.g. --only W3.")
 @click.option("--direction", "directions", multiple=True, type=click.Choice(DIRECTIONS),
               help="Time only this direction (repeatable). Default: fwd and fwd+bwd (decode steps: fwd).")
 @click.option("--peers", "peer_names", default=None,
-              help=f"Comma-separated peers besides ours, from: {', '.join(PEERS)}; groups: "
+              help=f"Comma-separated peers besides ours, from: {', '.join([*PEERS, *STRUCTURED_ONLY])}; groups: "
                    + ", ".join(f"{group} = {'+'.join(members)}" for group, members in PEER_GROUPS.items())
-                   + f". Default: {','.join(DEFAULT_PEERS)}; on decode workloads alone {','.join(DECODE_PEERS)}.")
+                   + f". Default: {','.join(DEFAULT_PEERS)}; on decode workloads alone {','.join(DECODE_PEERS)}; "
+                   f"on packed and window workloads alone {','.join(PACKED_PEERS)}.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Override every workload's dtype (fp32/fp16 in the CPU interpreter).")
 @click.option("--repeats", type=click.IntRange(3, 1000), default=20, show_default=True, help="Timed repeats per row.")
@@ -233,8 +237,9 @@ def bench(table_path, workloads_path, only, directions, peer_names, dtype, repea
         try:
             workloads = load_peer_workloads(workloads_path, dtype, list(only))
             decoding = [w.decode is not None for w in workloads]
-            peers = parse_peers(peer_names if peer_names is not None
-                                else ",".join(DECODE_PEERS if all(decoding) else DEFAULT_PEERS))
+            default = (DECODE_PEERS if all(decoding) else PACKED_PEERS if all(w.layout is not None for w in workloads)
+                       else DEFAULT_PEERS)
+            peers = parse_peers(peer_names if peer_names is not None else ",".join(default))
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
         reject_bf16_without_gpu({w.workload.dtype for w in workloads}, has_gpu, param_hint="--workloads")

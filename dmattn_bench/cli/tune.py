@@ -106,17 +106,19 @@ def _winners_table(result: TuneResult) -> Table:
     title = "tuned entries" + ("" if result.meaningful_timings else " (interpreter: timings not meaningful)")
     table = Table(title=title)
     numbers = ("ms", "TFLOP/s", "vs default", "regret of today's choice")
-    for column in ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "Lq~", "Lk~", "backend", "config", *numbers):
+    for column in ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "packed/window", "Lq~", "Lk~", "backend",
+                   "config", *numbers):
         table.add_column(column, justify="right" if column in numbers else "left")
     for winner in result.winners:
         k, e = winner.key, winner.evidence
         table.add_row(k.direction, k.dtype, str(k.head_dim), str(k.causal), k.mask, k.bias, str(k.gqa_ratio),
-                      str(k.seqlen_q_bucket), str(k.seqlen_k_bucket), winner.backend,
+                      k.label().strip() or "-", str(k.seqlen_q_bucket), str(k.seqlen_k_bucket), winner.backend,
                       config_label(winner.config),
                       f"{e['median_ms']:.4f}", f"{e['tflops']:.1f}", f"{e['speedup_vs_default'] or 0:.2f}x",
                       _current_label(e.get("current_choice")))
     table.caption = ("regret of today's choice: what a call of the key ran before this tune (a table entry or the "
-                     "default), its time over the winner's")
+                     "default), its time over the winner's; packed/window: a packed-sequence key, a sliding "
+                     "window's span bucket (Lq~ and Lk~ of a packed key: its longest sequences')")
     return table
 
 

@@ -37,7 +37,8 @@ def _summary_table(results: list[tuple[str, SuiteResult]], dtype: str, device: s
             f"{ok}/{len(result.cases)}", f"[{style}]{status}[/{style}]",
             *(f"{worst[name]:.3f}" if name in worst else "-" for name in CHECKED),
         )
-    table.caption = "tensor columns: worst error / bound over all cases (must be <= 1)"
+    table.caption = ("tensor columns: worst error / bound over all cases (must be <= 1); "
+                     "packed/window: the packed-sequence and sliding-window suite, for entries of such keys")
     return table
 
 
@@ -102,7 +103,8 @@ def _plan(table_path: str | None, dtype: str, device: str, suite: str, backend: 
 def _rejected(entry) -> tuple[str, SuiteResult]:
     """A (label, result) row failing an entry whose config no kernel can run (`InvalidConfig`)."""
     key = entry.key
-    label = f"{entry.backend} {key.direction} entry D{key.head_dim} Lq{key.seqlen_q_bucket} Lk{key.seqlen_k_bucket}"
+    label = (f"{entry.backend} {key.direction} entry D{key.head_dim} Lq{key.seqlen_q_bucket} "
+             f"Lk{key.seqlen_k_bucket}{key.label()}")
     configs = (entry.config, None) if key.direction != "bwd" else (None, entry.config)
     failed = CaseResult("config", "invalid", entry.config.problem)
     return label, SuiteResult(entry.backend, *configs, key.dtype, [failed])

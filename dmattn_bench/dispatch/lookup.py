@@ -12,10 +12,13 @@ first reaches it (its stamp costs tens of milliseconds), so a call pays for the 
 key only.
 
 Within the chosen table: the entries of the key's categories (direction, dtype, head dim, causal,
-mask, bias, GQA ratio), at the nearest sequence-length buckets (log2 distance); without any, the
-entry most similar to the key (`similarity_distance`) within `SIMILAR_WITHIN`, among those of
-the same head dim, mask and bias kinds and GQA-or-not, whose configs run for the key as for their
-own: one step in the causal flag or the GQA ratio. A key with nothing that close gets no entry
+mask, bias, GQA ratio, packed, window span), at the nearest sequence-length buckets (log2
+distance); without any, the entry most similar to the key (`similarity_distance`) within
+`SIMILAR_WITHIN`, among those of the same head dim, mask and bias kinds and GQA-or-not, whose
+configs run for the key as for their own: one step in the causal flag or the GQA ratio, or two
+octaves of window span. A packed call and a dense one, or a windowed call and one without a
+window, never stand in for each other (`similarity_distance` is None across them): they run
+other kernel code and other loop bounds. A key with nothing that close gets no entry
 (the default, silently). Each rule's regret on held-out keys is printed by
 `python -m benchmarks selection-regret` (each tuned key of the committed sm90 journals held out
 in turn, the other keys of its journal standing in for a table).
@@ -95,7 +98,8 @@ class _Usable:
 
 # Weights of `similarity_distance` per key field: per octave of head dim, GQA ratio and length
 # bucket, per differing kind or flag. Head dim decides the tiles' register and shared-memory use.
-SIMILARITY_WEIGHTS = dict(head_dim=2.0, gqa_ratio=0.5, mask=1.0, bias=1.0, causal=0.5, seqlen=0.25)
+# A window's span counts as a length bucket does (both set the key tiles a query tile visits).
+SIMILARITY_WEIGHTS = dict(head_dim=2.0, gqa_ratio=0.5, mask=1.0, bias=1.0, causal=0.5, seqlen=0.25, window=0.25)
 # How similar an entry of other categories must be to stand in for a key (`most_similar`): 0.5
 # lets the causal flag or one octave of GQA ratio differ at the same length buckets. Chosen on
 # the held-out journal keys of `python -m benchmarks selection-regret`, where 0 (categories only) and
@@ -104,8 +108,9 @@ SIMILAR_WITHIN = 0.5
 
 
 def similarity_distance(a: TableKey, b: TableKey) -> float | None:
-    """Distance between two keys by `SIMILARITY_WEIGHTS`; None across directions or dtypes."""
-    if a.direction != b.direction or a.dtype != b.dtype:
+    """Distance between two keys by `SIMILARITY_WEIGHTS`; None across directions or dtypes, between
+    a packed and a dense key, and between a key with a window and one without (module docstring)."""
+    if a.direction != b.direction or a.dtype != b.dtype or a.packed != b.packed or (a.window > 0) != (b.window > 0):
         return None
     octaves = lambda x, y: abs(math.log2(x / y))  # noqa: E731
     weights = SIMILARITY_WEIGHTS
@@ -114,7 +119,8 @@ def similarity_distance(a: TableKey, b: TableKey) -> float | None:
             + weights["mask"] * (a.mask != b.mask) + weights["bias"] * (a.bias != b.bias)
             + weights["causal"] * (a.causal != b.causal)
             + weights["seqlen"] * (octaves(a.seqlen_q_bucket, b.seqlen_q_bucket)
-                                   + octaves(a.seqlen_k_bucket, b.seqlen_k_bucket)))
+                                   + octaves(a.seqlen_k_bucket, b.seqlen_k_bucket))
+            + (weights["window"] * octaves(a.window, b.window) if a.window else 0.0))
 
 
 def _runs_alike(key: TableKey, other: TableKey) -> bool:
@@ -307,7 +313,8 @@ class Dispatcher:
         else:
             why = "never validated" if state == "unvalidated" else "validated on other code than is installed here"
         self._warn(path, "invalid" if state == "invalid" else "stale",
-                   f"dispatch table {path}: entry {entry.key.direction} {entry.key.dtype} D{entry.key.head_dim} "
+                   f"dispatch table {path}: entry {entry.key.direction} {entry.key.dtype} D{entry.key.head_dim}"
+                   f"{entry.key.label()} "
                    f"({entry.backend}) skipped, {why}; the nearest current entry or the default runs instead "
                    f"(`dmattn-bench show {path}` counts them; on its GPU, "
                    f"`dmattn-bench verify --table {path} --suite full --restamp` re-validates them)")

@@ -42,6 +42,10 @@ SOFTCAP = 30.0  # a representative softcap (any positive value compiles the same
 PAGE_SIZES = (16, 256)  # paged caches a decode entry serves: vLLM's 16-key pages, FlashAttention's 256
 
 
+NO_WINDOW = (-1, -1)
+PACKED_SEQUENCES = 2  # sequences of a representative packed call (its programs do not depend on it)
+
+
 @dataclass(frozen=True)
 class Call:
     """One kind of call an entry serves: what, besides the key, decides which programs it launches."""
@@ -52,39 +56,90 @@ class Call:
     lse_grad: bool = False  # bwd: a gradient reaching lse
     cache_lengths: bool = False  # decode: per-sequence cache_seqlens
     page: int = 0  # decode: a paged cache of pages this long (0: none)
+    window: tuple[int, int] = NO_WINDOW  # a windowed key's (left, right) (`representative_window`)
+    packed: bool = False  # packed sequences (`configs.Packing`), seqlen_k the longest's keys
+    seqused: bool = False  # packed: key counts from seqused_k
 
     def label(self) -> str:
-        return (f"Lk{self.seqlen_k} softcap={int(self.softcap)} bias_fp32={int(self.bias_fp32)} "
-                f"dlse={int(self.lse_grad)} seqlens={int(self.cache_lengths)} page={self.page}")
+        # a dense call's label is the one it had before windows and packing (its stamp unchanged)
+        label = (f"Lk{self.seqlen_k} softcap={int(self.softcap)} bias_fp32={int(self.bias_fp32)} "
+                 f"dlse={int(self.lse_grad)} seqlens={int(self.cache_lengths)} page={self.page}")
+        if self.window != NO_WINDOW:
+            label += f" window={self.window[0]},{self.window[1]}"
+        if self.packed:
+            label += f" packed seqused={int(self.seqused)}"
+        return label
+
+
+def representative_window(key: TableKey) -> tuple[int, int]:
+    """A window of exactly `key.window` keys (its span, `space.window_bucket`): (window - 1, 0)
+    under causal, about half on each side of the diagonal otherwise; no window for a key
+    without one."""
+    if not key.window:
+        return NO_WINDOW
+    left = key.window - 1 if key.causal else key.window // 2
+    return left, key.window - 1 - left
 
 
 def representative_calls(key: TableKey) -> list[Call]:
     """The calls an entry of `key` serves, as far as they change its programs: with and without
     softcap; a bias in the input's dtype and in fp32; a key length of the bucket and one past it
     (an odd length: alignment-dependent paths); for the backward, with and without an lse
-    gradient; for the short-query forward, with and without cache lengths, unpaged and paged."""
+    gradient; for the short-query forward, with and without cache lengths, unpaged and paged. A
+    windowed key's calls have its `representative_window`; a packed key's are packed, with key
+    counts from the prefix sums and from seqused_k."""
     has_bias = key.bias != "none"
     lengths = (key.seqlen_k_bucket,) if key.seqlen_k_bucket == 1 else (key.seqlen_k_bucket, key.seqlen_k_bucket + 1)
+    window = representative_window(key)
+    packings = (dict(packed=True, seqused=False), dict(packed=True, seqused=True)) if key.packed else ({},)
     calls = []
     for seqlen_k in lengths:
         for softcap in (False, True):
             for bias_fp32 in ((False, True) if has_bias else (False,)):
-                if key.direction == "bwd":
-                    calls += [Call(seqlen_k, softcap, bias_fp32, lse_grad) for lse_grad in (False, True)]
-                elif key.direction == "decode":
-                    calls += [Call(seqlen_k, softcap, bias_fp32, cache_lengths=cached, page=page)
-                              for cached in (False, True) for page in (0, *PAGE_SIZES)]
-                else:
-                    calls.append(Call(seqlen_k, softcap, bias_fp32))
+                for packing in packings:
+                    if key.direction == "bwd":
+                        calls += [Call(seqlen_k, softcap, bias_fp32, lse_grad, window=window, **packing)
+                                  for lse_grad in (False, True)]
+                    elif key.direction == "decode":
+                        calls += [Call(seqlen_k, softcap, bias_fp32, cache_lengths=cached, page=page, window=window)
+                                  for cached in (False, True) for page in (0, *PAGE_SIZES)]
+                    else:
+                        calls.append(Call(seqlen_k, softcap, bias_fp32, window=window, **packing))
     return calls
 
 
-def _operand_shape(kind: str, key: TableKey, heads: int, seqlen_k: int) -> tuple[int, int, int, int] | None:
-    """The (B, H|Hkv|1, Lq|1, Lk) shape of a mask or bias of `kind` (`space.operand_kind`)."""
+def _operand_shape(kind: str, key: TableKey, heads: int, seqlen_k: int,
+                   rows: int | None = None) -> tuple[int, int, int, int] | None:
+    """The (B, H|Hkv|1, Lq|1, Lk) shape of a mask or bias of `kind` (`space.operand_kind`);
+    `rows`: its query rows where they are not the key's bucket (a packed call's total_q)."""
     kind = kind.removesuffix("+grad")
-    rows = key.seqlen_q_bucket
+    rows = key.seqlen_q_bucket if rows is None else rows
     return {"none": None, "full": (1, heads, rows, seqlen_k), "kv_head": (1, HEADS_KV, rows, seqlen_k),
             "per_key": (1, HEADS_KV, 1, seqlen_k), "shared": (1, 1, rows, seqlen_k)}[kind]
+
+
+def _packed_tensors(key: TableKey, call: Call, heads: int, dtype: torch.dtype):
+    """A packed call's data-less operands in the launchers' 4-D views (`configs.Packing`): q
+    (1, total_q, H, D), k and v (1, total_k, Hkv, D), a per-key mask or bias (1, Hkv, 1, total_k),
+    a per-row one (1, H|Hkv|1, total_q, max_seqlen_k); then its packing and sequences."""
+    from dmattn_kernels.configs import Packing
+
+    total_q, total_k = PACKED_SEQUENCES * key.seqlen_q_bucket, PACKED_SEQUENCES * call.seqlen_k
+    q = _meta((1, total_q, heads, key.head_dim), dtype)
+    k, v = (_meta((1, total_k, HEADS_KV, key.head_dim), dtype) for _ in range(2))
+
+    def operand(kind: str, operand_dtype):
+        per_key = kind.removesuffix("+grad") == "per_key"
+        shape = _operand_shape(kind, key, heads, total_k if per_key else call.seqlen_k, rows=total_q)
+        return _meta(shape, operand_dtype), per_key
+
+    mask, mask_per_key = operand(key.mask, torch.bool)
+    bias, bias_per_key = operand(key.bias, torch.float32 if call.bias_fp32 else dtype)
+    packing = Packing(PACKED_SEQUENCES, key.seqlen_q_bucket, call.seqlen_k, seqused_k=call.seqused,
+                      mask_per_key=mask_per_key, bias_per_key=bias_per_key)
+    sequences = (_meta((PACKED_SEQUENCES + 1,), torch.int32), _meta((PACKED_SEQUENCES + 1,), torch.int32),
+                 _meta((PACKED_SEQUENCES,), torch.int32) if call.seqused else None)
+    return q, k, v, mask, bias, packing, sequences
 
 
 def _meta(shape, dtype) -> torch.Tensor | None:
@@ -98,12 +153,19 @@ def _plan(backend, key: TableKey, config, call: Call, num_sms: int, programs: li
 
     dtype = DTYPES[key.dtype]
     heads, seqlen_q, dim = HEADS_KV * key.gqa_ratio, key.seqlen_q_bucket, key.head_dim
-    q = _meta((1, seqlen_q, heads, dim), dtype)
-    k, v = (_meta((1, call.seqlen_k, HEADS_KV, dim), dtype) for _ in range(2))
-    mask = _meta(_operand_shape(key.mask, key, heads, call.seqlen_k), torch.bool)
-    bias = _meta(_operand_shape(key.bias, key, heads, call.seqlen_k), torch.float32 if call.bias_fp32 else dtype)
-    out, lse = _meta(q.shape, dtype), _meta((1, heads, seqlen_q), torch.float32)
     options = dict(is_causal=key.causal, softmax_scale=dim ** -0.5, softcap=SOFTCAP if call.softcap else 0.0)
+    if call.window != NO_WINDOW:  # passed only when set, as the runtime does (the CUDA launchers take none)
+        options["window"] = call.window
+    runs = {}  # what a packed call's runs take besides the launchers' options
+    if call.packed:
+        q, k, v, mask, bias, packing, sequences = _packed_tensors(key, call, heads, dtype)
+        options["packing"], runs["sequences"] = packing, sequences
+    else:
+        q = _meta((1, seqlen_q, heads, dim), dtype)
+        k, v = (_meta((1, call.seqlen_k, HEADS_KV, dim), dtype) for _ in range(2))
+        mask = _meta(_operand_shape(key.mask, key, heads, call.seqlen_k), torch.bool)
+        bias = _meta(_operand_shape(key.bias, key, heads, call.seqlen_k), torch.float32 if call.bias_fp32 else dtype)
+    out, lse = _meta(q.shape, dtype), _meta((1, heads, q.shape[1]), torch.float32)
     with compile_only():
         if key.direction == "decode":
             from dmattn_kernels.triton.decode_launch import DecodePlan
@@ -120,7 +182,7 @@ def _plan(backend, key: TableKey, config, call: Call, num_sms: int, programs: li
             if backend.forward_plan is not None:
                 backend.forward_plan(q, k, v, mask, bias, config=config, out=out, lse=lse, **options)
             if not programs:  # a backend that plans each call (CUDA's): planned, not launched, in compile-only mode
-                backend.forward(q, k, v, mask, bias, config=config, out=out, lse=lse, **options)
+                backend.forward(q, k, v, mask, bias, config=config, out=out, lse=lse, **options, **runs)
         else:
             dbias = _meta(bias.shape, bias.dtype) if key.bias.endswith("+grad") else None
             grads = dict(dq=_meta(q.shape, dtype), dk=_meta(k.shape, dtype), dv=_meta(v.shape, dtype), dbias=dbias,
@@ -128,7 +190,7 @@ def _plan(backend, key: TableKey, config, call: Call, num_sms: int, programs: li
             if backend.backward_plan is not None:
                 backend.backward_plan(out, q, k, v, out, lse, mask, bias, config=config, **grads, **options)
             else:
-                backend.backward(out, q, k, v, out, lse, mask, bias, config=config, **grads, **options)
+                backend.backward(out, q, k, v, out, lse, mask, bias, config=config, **grads, **options, **runs)
 
 
 def arch_of_table(compute_capability: str) -> str:

@@ -9,6 +9,7 @@ Layout (DESIGN §3)::
     interpreter: false
     entries:
     - key: {direction, dtype, head_dim, causal, mask, bias, gqa_ratio, seqlen_q_bucket, seqlen_k_bucket}
+             # and, only where set: packed: true (packed sequences), window: 1024 (a sliding window's span bucket)
       backend: triton
       config: {block_m, block_n, num_warps, num_stages}
       validated: {stamp: 'sha256:...', date: '2025-01-02T00:00:00+00:00', suite: full}  # the last validation it passed
@@ -23,6 +24,11 @@ The tuner validates what it writes (its adversarial suite, usually `quick`);
 `dmattn-bench verify --suite full --restamp` re-validates the entries that are not current
 (`writer.restamp`) without touching their timings; `verify --declare-stale` marks, without a GPU, the
 entries whose code changed since their validation.
+
+A key's `packed` and `window` (`space.TableKey`) are written only where set, so a table of dense
+keys is the schema-3 file it was before they existed and reads unchanged; a reader that predates
+them rejects a table holding such keys by naming the field, never misreads one as dense. No
+schema bump: nothing a schema-3 reader accepts changes meaning.
 
 Schema 2 recorded one validation per backend and dtype, on `registry.kernel_source_hash` (the
 whole sources of the backend): each entry reads it as its own, with the stamp
@@ -235,8 +241,17 @@ def _device(doc: Any) -> DeviceFingerprint:
     )
 
 
+def _window(value: Any, where: str) -> int:
+    value = _int(value, where, minimum=0)
+    if value & (value - 1):
+        raise _Bad(where, f"expected 0 (no window) or a power of two (spans are bucketed by seqlen_bucket), "
+                          f"got {value}")
+    return value
+
+
 def _key(doc: Any, where: str) -> TableKey:
-    doc = _mapping(doc, where, KEY_KEYS)
+    # a field of `space.KEY_DEFAULTS` left out takes its default (a dense call's)
+    doc = _mapping({**space.KEY_DEFAULTS, **_mapping(doc, where, None)}, where, KEY_KEYS)
     direction = _str(doc["direction"], f"{where}.direction", TUNED_DIRECTIONS)
     bias = _str(doc["bias"], f"{where}.bias")
     base = bias.removesuffix(GRAD_SUFFIX)
@@ -246,6 +261,10 @@ def _key(doc: Any, where: str) -> TableKey:
     if bias != base and (direction != "bwd" or base == "none"):
         raise _Bad(f"{where}.bias",
                    f"{GRAD_SUFFIX!r} only applies to a present bias in the bwd direction, got {bias!r}")
+    packed = _bool(doc["packed"], f"{where}.packed")
+    if packed and direction == "decode":
+        raise _Bad(f"{where}.packed", "got true for a decode entry, expected false (packed sequences run the "
+                                      "prefill kernels, never the short-query forward)")
     return TableKey(
         direction=direction,
         dtype=_str(doc["dtype"], f"{where}.dtype", DTYPES),
@@ -256,6 +275,8 @@ def _key(doc: Any, where: str) -> TableKey:
         gqa_ratio=_int(doc["gqa_ratio"], f"{where}.gqa_ratio"),
         seqlen_q_bucket=_bucket(doc["seqlen_q_bucket"], f"{where}.seqlen_q_bucket"),
         seqlen_k_bucket=_bucket(doc["seqlen_k_bucket"], f"{where}.seqlen_k_bucket"),
+        packed=packed,
+        window=_window(doc["window"], f"{where}.window"),
     )
 
 
@@ -323,6 +344,9 @@ def _entry(doc: Any, where: str, version: int, v1_stamp: dict[str, Timing] | Non
     if key.direction == "decode" and backend != "triton":
         raise _Bad(f"{where}.backend", f"got {backend!r} for a decode entry, expected 'triton' (the short-query "
                                        f"forward is a Triton kernel)")
+    if (key.packed or key.window) and backend == "cuda":
+        raise _Bad(f"{where}.backend", f"got 'cuda' for a{key.label()} entry, expected 'triton' (the CUDA kernels "
+                                       f"run neither packed sequences nor sliding windows)")
     return Entry(
         key=key,
         backend=backend,

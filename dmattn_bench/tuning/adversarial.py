@@ -1,18 +1,27 @@
 """The adversarial suite of DESIGN.md §2: case definitions and their input builders.
 
 A `Case` is a small declarative record; `build_inputs` turns it into tensors. Cases that depend
-on tile sizes (fully masked tiles, a mask that is True only in tile corners) are built on the
-tile sizes of the configuration under test, so each config is attacked on its own tiles.
+on tile sizes (fully masked tiles, a mask that is True only in tile corners, window edges on tile
+edges) are built on the tile sizes of the configuration under test, so each config is attacked on
+its own tiles.
+
+Two suites of each size: the dense calls' (`SUITES`), and the packed-sequence and sliding-window
+calls' (`varlen_cases`, for the table keys with `packed` or `window`), chosen by
+`adversarial_cases(..., varlen=True)`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from dmattn_bench.space import MAX_DECODE_QUERIES, operand_kind
+# the case record and what its builders share (imported from here by the rest of the tuner)
+from dmattn_bench.tuning.case import (KEEP_PROBABILITY, LARGE_BIAS, NAN_TAIL, NO_WINDOW, Case, Inputs,  # noqa: F401
+                                      window_visible)
+from dmattn_bench.tuning.varlen_cases import VARLEN_SUITES, build_packed_inputs
 
 MASK_KINDS = ("none", "random", "dead_rows", "all_false", "corner", "tile_holes", "window")
 MASK_SHAPES = ("full", "kv_head", "key")  # (B,H,Lq,Lk), (B,Hkv,Lq,Lk), (B,1,1,Lk)
@@ -20,63 +29,10 @@ MASK_SHAPES = ("full", "kv_head", "key")  # (B,H,Lq,Lk), (B,Hkv,Lq,Lk), (B,1,1,L
 MASK_SHAPE_OF_KIND = {"full": "full", "kv_head": "kv_head", "per_key": "key"}
 BIAS_KINDS = ("none", "full", "kv_head", "per_key")  # ..., (B,Hkv,1,Lk)
 POISONS = (None, "nan", "+inf", "-inf", "finfo.min")
-KEEP_PROBABILITY = 0.7  # random masks keep 70% of positions: most tiles mixed, a few rows sparse
-NAN_TAIL = 7  # extra rows/cols of NaN around sliced operands: odd so it straddles any tile
 LARGE_LOGIT_FACTOR = 8.0  # q and k scaled x8: logits of O(100) stress the online max
-LARGE_BIAS = {torch.bfloat16: 1e4, torch.float16: 1e3, torch.float32: 1e3}
 # cache lengths of a `cache_lengths` case, sequence b taking entry b % 4 (in keys): the whole
 # cache, about half of it (odd: a tile straddles it), none (a dead sequence), one key
 CACHE_LENGTHS = (lambda lk: lk, lambda lk: lk // 2 + 1, lambda lk: 0, lambda lk: 1)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One adversarial input configuration (sizes, features, and what is poisoned)."""
-
-    name: str
-    batch: int = 1
-    heads: int = 2
-    heads_kv: int = 2
-    seqlen_q: int = 33
-    seqlen_k: int = 33
-    head_dim: int = 32
-    causal: bool = False
-    mask: str = "none"
-    mask_shape: str = "full"
-    bias: str = "none"
-    bias_grad: bool = True
-    bias_fp32: bool = False
-    bias_poison: str | None = None  # value written into the bias wherever it is excluded
-    bias_neg_inf_allowed: bool = False  # -inf bias at some allowed positions (one whole row)
-    sliced: bool = False  # k, v, mask and bias are views into larger NaN-tailed buffers
-    bhld_views: bool = False  # q, k, v are transposes of contiguous (B, H, L, D) tensors
-    logit_factor: float = 1.0
-    large_bias: bool = False
-    softcap: float = 0.0
-    window: int = 0  # for mask="window": keys i - window < j <= i (bottom-right aligned)
-    cache_lengths: bool = False  # per-sequence `cache_seqlens` (CACHE_LENGTHS), K/V NaN past them
-    page: int = 0  # > 0: k and v are a paged cache of pages this long (`build_inputs`)
-    pages_out_of_range: bool = False  # with page: some used table entries name no block (`paged_cache`)
-    tile_m: int = 16  # tile sizes the tile-aware masks are built on (set from the config)
-    tile_n: int = 16
-    tags: tuple[str, ...] = field(default=())
-
-    def key(self) -> str:
-        return self.name
-
-
-@dataclass
-class Inputs:
-    """Tensors of one case, as the user would pass them."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    mask: torch.Tensor | None
-    bias: torch.Tensor | None
-    dout: torch.Tensor
-    cache_seqlens: torch.Tensor | None = None
-    block_table: torch.Tensor | None = None
 
 
 def _within(buffer_shape, values: torch.Tensor, fill) -> torch.Tensor:
@@ -146,7 +102,8 @@ def specialization_class(case: Case, dtype: str) -> tuple:
     the tensors (poisons, mask patterns, scales) decide nothing. Views into larger buffers have
     strides of their own: such a case is a class alone. Inputs that differ only in batch, or in
     lengths of one class, share their compiled kernels; a class too coarse for some kernel
-    costs a wait and a compile of its own, never a wrong kernel."""
+    costs a wait and a compile of its own, never a wrong kernel. A window is a constexpr flag
+    (any bounded side); packed inputs are views into NaN-surrounded buffers: a class alone."""
     def strides(shape, broadcast: bool = False) -> list[int]:
         """Contiguous strides of `shape` but the last (1); a broadcast operand's size-1 dims are
         launched with stride 0 (`operands.broadcast_strides`) and drop out."""
@@ -164,11 +121,12 @@ def specialization_class(case: Case, dtype: str) -> tuple:
     return (dtype, d, case.causal, case.mask != "none" and case.mask_shape, mask_words, case.bias, case.bias_grad,
             case.bias_fp32, case.softcap > 0, h // hkv, b == 1,
             tuple((value == 1, value % 16 == 0, value >= 2**31) for value in ints),
-            case.name if case.sliced or case.bhld_views else None)
+            case.name if case.sliced or case.bhld_views or case.packed else None, case.window_size != NO_WINDOW)
 
 
 def _excluded_positions(case: Case, mask: torch.Tensor | None, bias_shape, device) -> torch.Tensor:
-    """Bias positions that no query head ever sees (mask False for all its readers, or causal)."""
+    """Bias positions that no query head ever sees (mask False for all its readers, causal, or
+    outside the window)."""
     b, hb, lqb, lk = bias_shape
     excluded = torch.zeros(bias_shape, dtype=torch.bool, device=device)
     if mask is not None and lqb > 1:
@@ -181,12 +139,16 @@ def _excluded_positions(case: Case, mask: torch.Tensor | None, bias_shape, devic
         excluded |= ~m[:b]
     if case.causal and lqb > 1:
         excluded |= ~_causal_visible(case.seqlen_q, lk, device)
+    if case.window_size != NO_WINDOW and lqb > 1:
+        excluded |= ~window_visible(case.seqlen_q, lk, case.window_size, device)
     return excluded
 
 
 def build_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Inputs:
     """Random inputs for `case` (seeded), with every adversarial feature applied."""
     generator = torch.Generator(device=device).manual_seed(seed)
+    if case.packed:
+        return build_packed_inputs(case, dtype, device, generator)
 
     def randn(shape, scale=1.0, dt=dtype):
         return (torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * scale).to(dt)
@@ -398,15 +360,25 @@ def decode_cases(suite: str, block_n: int) -> list[Case]:
     return cases + [replace(case, batch=2 * case.batch) if suite == "full" else case for case in _cache_cases()]
 
 
-def adversarial_cases(suite: str, tiles: list[tuple[int, int]]) -> list[Case]:
-    """The cases of `suite`; tile-aware cases are repeated for each distinct (tile_m, tile_n)."""
+def window_on_tiles(rule: tuple, tile_m: int, tile_n: int) -> tuple[int, int]:
+    """The window_size a `Case.window_rule` gives on tiles of tile_m x tile_n (-1: unbounded side)."""
+    return tuple(-1 if side is None else side[0] * tile_m + side[1] * tile_n + side[2] for side in rule)
+
+
+def adversarial_cases(suite: str, tiles: list[tuple[int, int]], varlen: bool = False) -> list[Case]:
+    """The cases of `suite` (the packed-sequence and window suite with `varlen`); tile-aware
+    cases are repeated for each distinct (tile_m, tile_n)."""
     if suite not in SUITES:
         raise ValueError(f"suite: got {suite!r}, expected one of {sorted(SUITES)}")
+    defined = VARLEN_SUITES[suite]() if varlen else SUITES[suite]()
     cases = []
-    for case in SUITES[suite]():
-        if case.mask in ("corner", "tile_holes"):
+    for case in defined:
+        if case.mask in ("corner", "tile_holes") or case.window_rule:
             for tile_m, tile_n in dict.fromkeys(tiles):
-                cases.append(replace(case, name=f"{case.name}@{tile_m}x{tile_n}", tile_m=tile_m, tile_n=tile_n))
+                tiled = replace(case, name=f"{case.name}@{tile_m}x{tile_n}", tile_m=tile_m, tile_n=tile_n)
+                if case.window_rule:
+                    tiled = replace(tiled, window_size=window_on_tiles(case.window_rule, tile_m, tile_n))
+                cases.append(tiled)
         else:
             cases.append(case)
     return cases

@@ -99,6 +99,8 @@ def read_journal_times(journals: list[Path], backend: str = "triton") -> dict[tu
         key = trial["key"]
         if key["dtype"] not in POOLED_DTYPES or key["direction"] not in _CONFIG_CLASSES:
             continue  # the short-query forward has its own defaults (`tiles.DECODE_DEFAULTS`)
+        if key.get("packed") or key.get("window"):
+            continue  # learned on dense calls' shapes: packed and windowed ones tune their own entries
         groups.setdefault(group_of(key), {}).setdefault((name, trial["workload"]), {})[config] = trial["median_ms"]
     return groups
 

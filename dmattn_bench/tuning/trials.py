@@ -12,18 +12,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from dmattn_bench import plan
 from dmattn_bench.registry import get_backend
-from dmattn_bench.space import DTYPES, BwdConfig, DecodeConfig, FwdConfig, as_4d
+from dmattn_bench.space import DTYPES, BwdConfig, DecodeConfig, FwdConfig
 from dmattn_bench.tuning.adversarial import Case, Inputs, build_inputs, decode_cases
+from dmattn_bench.tuning.runs import (fill_unowned, kernel_layout, launch_operands, poisoned_outputs,
+                                      reference_forward, run_reference, user_layout)
 from dmattn_bench.tuning.timing import Timing, time_kernel
 from dmattn_bench.tuning.validator import (DECODE, CaseResult, check_case, check_decode_case, classify_failure,
-                                           compare, config_suite, reference_forward, run_reference, shape_of_case,
-                                           up_to_head_dim, validate)
+                                           compare, config_suite, shape_of_case, up_to_head_dim, validate)
 from dmattn_bench.tuning.workloads import Workload
 
 WARMUP = 2
@@ -68,20 +69,21 @@ def _suite_backend(backend_name: str, direction: str) -> str:
 
 
 class _Problem:
-    """A workload's tensors, outputs and references, shared by all its candidates."""
+    """A workload's tensors, outputs and references, shared by all its candidates. A packed or
+    windowed workload's launches take its packing, window and sequences (`runs.launch_operands`);
+    its outputs are checked in the reference's layouts (`runs.user_layout`)."""
 
     def __init__(self, workload: Workload, device: torch.device, with_reference: bool = True):
         self.workload = workload
         self.case = workload.case()
         self.dtype = DTYPES[workload.dtype]
         self.inputs: Inputs = build_inputs(self.case, self.dtype, device, seed=0)
-        q, k, v = self.inputs.q, self.inputs.k, self.inputs.v
-        self.mask = as_4d(self.inputs.mask)
-        self.bias = as_4d(self.inputs.bias)
-        self.options = dict(is_causal=workload.causal, softmax_scale=workload.head_dim ** -0.5, softcap=0.0)
+        self.operands = launch_operands(self.inputs, self.case)
+        q, k, v, bias = self.operands.q, self.operands.k, self.operands.v, self.operands.bias
+        self.mask, self.bias = self.operands.mask, bias
+        self.options = self.operands.options
         nan = float("nan")
-        self.out = torch.full(q.shape, nan, dtype=q.dtype, device=device)
-        self.lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), nan, dtype=torch.float32, device=device)
+        self.out, self.lse = poisoned_outputs(self.operands, self.inputs)
         self.dq = torch.full(q.shape, nan, dtype=q.dtype, device=device)
         self.dk = torch.full(k.shape, nan, dtype=k.dtype, device=device)
         self.dv = torch.full(v.shape, nan, dtype=v.dtype, device=device)
@@ -93,38 +95,38 @@ class _Problem:
             self.high = run_reference(self.inputs, self.case, None)
             self.low = run_reference(self.inputs, self.case, self.dtype)
             # the backward is tuned on the reference's forward, independent of any fwd candidate
-            self.ref_out, self.ref_lse = reference_forward(self.high, self.dtype)
+            self.ref_out, self.ref_lse = kernel_layout(reference_forward(self.high, self.dtype), self.inputs)
         else:
             self.ref_out, self.ref_lse = torch.zeros_like(q), torch.zeros_like(self.lse)
 
     def launcher(self, backend, direction: str, config) -> Callable[[], None]:
-        i = self.inputs
+        o, runs = self.operands, self.operands.runs
         if direction == "decode":
             from dmattn_kernels.triton.decode_launch import DecodePlan
 
-            launch = DecodePlan(i.q, i.k, i.v, self.mask, self.bias, None, None, **self.options, config=config,
-                                out=self.out, lse=self.lse, num_sms=plan.sm_count(i.q.device))
-            return lambda: launch(i.q, i.k, i.v, self.mask, self.bias, None, None, self.out, self.lse)
+            launch = DecodePlan(o.q, o.k, o.v, self.mask, self.bias, None, None, **self.options, config=config,
+                                out=self.out, lse=self.lse, num_sms=plan.sm_count(o.q.device))
+            return lambda: launch(o.q, o.k, o.v, self.mask, self.bias, None, None, self.out, self.lse)
         if direction == "fwd":
-            return lambda: backend.forward(i.q, i.k, i.v, self.mask, self.bias, config=config,
-                                           out=self.out, lse=self.lse, **self.options)
-        return lambda: backend.backward(i.dout, i.q, i.k, i.v, self.ref_out, self.ref_lse, self.mask, self.bias,
+            return lambda: backend.forward(o.q, o.k, o.v, self.mask, self.bias, config=config,
+                                           out=self.out, lse=self.lse, **self.options, **runs)
+        return lambda: backend.backward(o.dout, o.q, o.k, o.v, self.ref_out, self.ref_lse, self.mask, self.bias,
                                         config=config, dq=self.dq, dk=self.dk, dv=self.dv, dbias=self.dbias,
-                                        **self.options)
+                                        **self.options, **runs)
 
     def poison(self) -> None:
         for t in (self.out, self.lse, self.dq, self.dk, self.dv, self.dbias):
             if t is not None:
                 t.fill_(float("nan"))
+        fill_unowned(self.out, self.lse, self.inputs)
 
     def checks(self, direction: str) -> dict:
         if direction != "bwd":
             names = ("out", "lse")
         else:
             names = ("dq", "dk", "dv") + (("dbias",) if self.dbias is not None else ())
-        got = {"out": self.out, "lse": self.lse, "dq": self.dq, "dk": self.dk, "dv": self.dv, "dbias": self.dbias}
-        if "dbias" in names:
-            got["dbias"] = self.dbias.view(self.inputs.bias.shape)
+        got = user_layout({"out": self.out, "lse": self.lse, "dq": self.dq, "dk": self.dk, "dv": self.dv,
+                           **({"dbias": self.dbias} if self.dbias is not None else {})}, self.inputs)
         return {n: compare(n, got[n], self.high[n], self.low[n], self.dtype) for n in names}
 
 
@@ -197,27 +199,44 @@ def suite_verdict(results: list[CaseResult], suite: str) -> tuple[str, str]:
 
 
 def suite_job(backend_name: str, direction: str, config, dtype_name: str, suite: str, device_name: str,
-              max_head_dim: int | None = None) -> tuple[str, str]:
+              max_head_dim: int | None = None, varlen: bool = False) -> tuple[str, str]:
     """Worker: the adversarial suite for one direction's config (`suite_cases`); returns (status, note)."""
     result = validate(_suite_backend(backend_name, direction), *_alone(direction, config), DTYPES[dtype_name],
                       device_name, suite=suite,
-                      cases=list(suite_cases(backend_name, direction, config, suite, max_head_dim)))
+                      cases=list(suite_cases(backend_name, direction, config, suite, max_head_dim, varlen)))
     return suite_verdict(result.cases, suite)
 
 
 @lru_cache(maxsize=256)
 def suite_cases(backend_name: str, direction: str, config, suite: str,
-                max_head_dim: int | None = None) -> tuple[Case, ...]:
+                max_head_dim: int | None = None, varlen: bool = False) -> tuple[Case, ...]:
     """The cases of a direction's config's suite for a key of head dim `max_head_dim`, in order
     (built once per process: each case job of the GPU phase picks one by index): those `verify`
     runs for such an entry (`validator.up_to_head_dim`), or every case where that leaves none
-    (a key below every case's head dim; verify adds cases shaped as its entries) or none is given."""
+    (a key below every case's head dim; verify adds cases shaped as its entries) or none is given.
+    `varlen`: the packed-sequence and window suite, for a key with `packed` or `window`."""
     if direction == "decode":
         cases = decode_cases(suite, config.block_n)
     else:
-        cases = config_suite(backend_name, suite, *_alone(direction, config))
+        cases = config_suite(backend_name, suite, *_alone(direction, config), varlen)
     capped = up_to_head_dim(cases, max_head_dim) if max_head_dim is not None else []
     return tuple(capped or cases)
+
+
+class CaseJob(NamedTuple):
+    """One case of a direction's config's suite (`suite_case_job`): the suite (`suite_cases`'s
+    arguments) and the case's index in it. A plain tuple of the first eight fields is one too
+    (the dense suite)."""
+
+    backend_name: str
+    direction: str
+    config: object
+    dtype_name: str
+    suite: str
+    device_name: str
+    max_head_dim: int | None
+    index: int
+    varlen: bool = False  # the packed-sequence and window suite
 
 
 _context_lost = False  # this process's CUDA context died in a case (illegal access): it runs no more
@@ -232,16 +251,16 @@ def suite_case_job(job: tuple) -> CaseResult:
     blamed for it; the parent reruns those in fresh processes.
     """
     global _context_lost
-    backend_name, direction, config, dtype_name, suite, device_name, max_head_dim, index = job
-    case = suite_cases(backend_name, direction, config, suite, max_head_dim)[index]
+    job = CaseJob(*job)
+    case = suite_cases(job.backend_name, job.direction, job.config, job.suite, job.max_head_dim, job.varlen)[job.index]
     if _context_lost:
         return CaseResult(case.name, "retry", "an earlier case in this process lost the CUDA context")
     try:
-        if direction == "decode":
-            result = check_decode_case(case, DTYPES[dtype_name], device_name, config)
+        if job.direction == "decode":
+            result = check_decode_case(case, DTYPES[job.dtype_name], job.device_name, job.config)
         else:
-            result = check_case(get_backend(backend_name), case, DTYPES[dtype_name], device_name,
-                                *_alone(direction, config))
+            result = check_case(get_backend(job.backend_name), case, DTYPES[job.dtype_name], job.device_name,
+                                *_alone(job.direction, job.config))
     except Exception as exc:  # noqa: BLE001 - inputs or references failed: data, not a crash
         result = CaseResult(case.name, *classify_failure(exc))
     _context_lost = result.status == "launch_error"

@@ -43,7 +43,7 @@ from dmattn_bench.tiles import decode_config, default_configs
 from dmattn_bench.tuning.adversarial import specialization_class
 from dmattn_bench.tuning.journal import Journal, suite_id, trial_id
 from dmattn_bench.tuning.prune import precheck
-from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, Trial, measure_job, problem_job, ready_job,
+from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, CaseJob, Trial, measure_job, problem_job, ready_job,
                                         shape_of_workload, suite_case_job, suite_cases, suite_job, suite_verdict,
                                         warm_job)
 from dmattn_bench.tuning.validator import CaseResult, shape_of_case
@@ -265,7 +265,9 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             fields = {k: record[k] for k in ("status", "reason", "median_ms", "spread", "tflops", "validation", "stage")}
             finish(workload, direction, config, is_default, fields, replayed=True)
             continue
-        reason = backend.is_supported(config, shape_of_workload(workload))
+        # the shape judges the config; the key, whether the backend runs packed sequences and windows
+        reason = (tiles.key_problem(backend_name, workload.key(direction))
+                  or backend.is_supported(config, shape_of_workload(workload)))
         if reason is None and device.type == "cuda":
             pruned = precheck(direction, config, limits, workload.head_dim, workload.dtype, backend_name)
             reason = pruned.reason if pruned is not None else None
@@ -413,18 +415,30 @@ def _leaders(kernels_per_job: list[list[tuple]]) -> list[tuple[int, ...]]:
     return after
 
 
+def _cases_of(job: CaseJob) -> tuple:
+    """The cases of the suite a case job belongs to (`trials.suite_cases`)."""
+    return suite_cases(job.backend_name, job.direction, job.config, job.suite, job.max_head_dim, job.varlen)
+
+
 def _case_kernels(job: tuple) -> list[tuple]:
     """The kernels one suite case job compiles (`suite_case_job`'s job), keyed so that cases of
     one `specialization_class` (e.g. the NaN, +inf and -inf poisoned biases) meet on them."""
-    backend_name, direction, config, dtype_name, suite, _, max_head_dim, index = job
-    case = suite_cases(backend_name, direction, config, suite, max_head_dim)[index]
-    return [(specialization_class(case, dtype_name), *kernel)
-            for kernel in get_backend(backend_name).kernels(direction, config, shape_of_case(case))]
+    job = CaseJob(*job)
+    case = _cases_of(job)[job.index]
+    return [(specialization_class(case, job.dtype_name), *kernel)
+            for kernel in get_backend(job.backend_name).kernels(job.direction, job.config, shape_of_case(case))]
 
 
 def _work(workload: Workload) -> int:
-    """Relative cost of a workload's trials: its score-matrix elements times the head dim."""
-    return workload.batch * workload.heads * workload.seqlen_q * workload.seqlen_k * workload.head_dim
+    """Relative cost of a workload's trials: its score-matrix elements (a packed one's, of its
+    documents) times the head dim."""
+    pairs = sum(n * n for n in workload.documents) if workload.packed else workload.seqlen_q * workload.seqlen_k
+    return workload.batch * workload.heads * pairs * workload.head_dim
+
+
+def _varlen(key: TableKey) -> bool:
+    """Whether a key's winner runs the packed/window suite (`trials.suite_cases`)."""
+    return key.packed or key.window > 0
 
 
 def _start_quietly(worker, device_name: str, timeout_s: float) -> None:
@@ -466,17 +480,18 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         for direction in tuned_directions(workload, spaces):
             groups.setdefault(workload.key(direction), []).append(workload)
 
-    # a candidate's suite is run for the head dim of the key it is chosen for (`suite_cases`)
-    def suite_key(direction, config, dtype, head_dim) -> str:
-        names = [case.name for case in suite_cases(backend_name, direction, config, suite, head_dim)]
+    # a candidate's suite is run for the head dim of the key it is chosen for, and for a key with
+    # packed sequences or a window is the packed/window suite (`suite_cases`)
+    def suite_key(direction, config, dtype, head_dim, varlen) -> str:
+        names = [case.name for case in suite_cases(backend_name, direction, config, suite, head_dim, varlen)]
         return suite_id(backend_name, direction, config, dtype, suite, names)
 
-    def verdict_of(direction, config, dtype, head_dim) -> tuple[str, str]:
-        identifier = suite_key(direction, config, dtype, head_dim)
+    def verdict_of(direction, config, dtype, head_dim, varlen) -> tuple[str, str]:
+        identifier = suite_key(direction, config, dtype, head_dim, varlen)
         if identifier not in journal.suites:
             try:
                 status, note = worker.call(suite_job, (backend_name, direction, config, dtype, suite, str(device),
-                                                       head_dim), suite_timeout_s)
+                                                       head_dim, varlen), suite_timeout_s)
             except WorkerTimedOut as exc:
                 status, note = "timeout", f"adversarial suite: {exc}"
             except (WorkerCrashed, RuntimeError) as exc:
@@ -494,16 +509,15 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         for key, ranked in ranked_by_key.items():
             if not ranked:
                 continue
-            identifier = suite_key(key.direction, ranked[0][0], key.dtype, key.head_dim)
+            identifier = suite_key(key.direction, ranked[0][0], key.dtype, key.head_dim, _varlen(key))
             if identifier not in journal.suites:
-                unjournaled.setdefault(identifier, (backend_name, key.direction, ranked[0][0], key.dtype, suite,
-                                                    str(device), key.head_dim))
-        suites = list(unjournaled.values())
-        case_jobs = [(*one, index) for one in suites
-                     for index in range(len(suite_cases(*one[:3], suite, one[-1])))]
+                unjournaled.setdefault(identifier, CaseJob(backend_name, key.direction, ranked[0][0], key.dtype, suite,
+                                                           str(device), key.head_dim, 0, _varlen(key)))
+        suites = list(unjournaled.values())  # each a suite's first case job
+        case_jobs = [one._replace(index=index) for one in suites for index in range(len(_cases_of(one)))]
 
         def crashed(job, reason) -> CaseResult:
-            return CaseResult(suite_cases(*job[:3], suite, job[-2])[job[-1]].name, "crash", reason)
+            return CaseResult(_cases_of(job)[job.index].name, "crash", reason)
 
         done = on_phase(f"adversarial suite of {len(suites)} configs", len(case_jobs)) if on_phase and suites else None
         outcomes: dict[tuple, CaseResult] = {}
@@ -515,17 +529,19 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
             outcomes.update((job, result) for job, result in zip(pending, results) if result.status != "retry")
             pending = [job for job, result in zip(pending, results) if result.status == "retry"]
         for one in suites:
-            status, note = suite_verdict([outcomes[job] for job in case_jobs if job[:-1] == one], suite)
+            status, note = suite_verdict([outcomes[job] for job in case_jobs if job._replace(index=0) == one], suite)
             if status != "crash":
                 # a dead pool process is blamed on the first pending job, not always the culprit: a
                 # config with a crash is left to the isolated serial path below, which times it too
-                journal.append({"kind": "suite", "id": suite_key(*one[1:4], one[-1]), "status": status, "note": note})
+                journal.append({"kind": "suite", "id": suite_key(one.direction, one.config, one.dtype_name,
+                                                                 one.max_head_dim, one.varlen),
+                                "status": status, "note": note})
 
     winners = []
     for key, ranked in ranked_by_key.items():
         defaults = next((runs for config, runs in ranked if runs[0].is_default), None)
         for config, runs in ranked:
-            status, note = verdict_of(key.direction, config, key.dtype, key.head_dim)
+            status, note = verdict_of(key.direction, config, key.dtype, key.head_dim, _varlen(key))
             if status != "ok":
                 for trial in runs:
                     trial.status, trial.reason = status, note

@@ -7,7 +7,9 @@ For every checked tensor X in {out, lse, dq, dk, dv, dbias}:
      dtype: the error an honest same-precision implementation makes. factor = 2 for the forward,
      3 for gradients. No percent-of-elements escape hatch.
   3. Every output buffer is filled with NaN before the kernel runs, so an element the kernel
-     forgot to write fails rule 1.
+     forgot to write fails rule 1. A packed call's out and lse rows that no sequence owns are
+     then filled as `flash_dmattn_varlen_func` fills them before its forward (out 0, lse -inf:
+     the launchers leave them as given), so the tensors checked are those a user gets.
 A second run must reproduce every tensor bitwise (determinism).
 
 A kernel failure is data: it becomes a status and a one-line reason, never an exception.
@@ -15,20 +17,22 @@ A kernel failure is data: it becomes a status and a one-line reason, never an ex
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from itertools import count, takewhile
 from typing import Callable
 
 import torch
 
-from dmattn_bench import plan, reference, tiles
+from dmattn_bench import tiles
+from dmattn_bench.dispatch.stamps import representative_window
 from dmattn_bench.registry import Backend, get_backend
-from dmattn_bench.space import (AttentionShape, BwdConfig, DecodeConfig, FwdConfig, as_4d, bias_has_rows,
+from dmattn_bench.space import (AttentionShape, BwdConfig, DecodeConfig, FwdConfig, TableKey, bias_has_rows,
                                 config_label, is_valid_head_dim)
 from dmattn_bench.tiles import DECODE_DEFAULTS, decode_config, default_configs, default_entries
-from dmattn_bench.tuning.adversarial import (MASK_SHAPE_OF_KIND, Case, Inputs, adversarial_cases, bias_kind, build_inputs,
-                                             decode_cases)
+from dmattn_bench.tuning.adversarial import (MASK_SHAPE_OF_KIND, NO_WINDOW, Case, adversarial_cases, bias_kind,
+                                             build_inputs, decode_cases)
+# how a case runs through a kernel and the reference (tests and the tuner's trials import them here too)
+from dmattn_bench.tuning.runs import reference_forward, run_decode, run_kernel, run_reference
 
 # Floor under the bound: a few units of the dtype's rounding at O(1) magnitudes, so a lucky
 # exact low-precision reference (error 0 on a tensor) does not demand an exact kernel.
@@ -135,91 +139,28 @@ def classify_failure(exc: BaseException) -> tuple[str, str]:
 
 
 def shape_of_case(case: Case) -> AttentionShape:
+    """The case's problem as `is_supported` judges configs on it (a packed case's lengths: its
+    longest sequence's, its batch: its sequences)."""
+    batch, seqlen_q, seqlen_k = case.batch, case.seqlen_q, case.seqlen_k
+    if case.packed:
+        spans = case.seqused or case.documents_k or case.documents
+        batch, seqlen_q, seqlen_k = len(case.documents), max(case.documents), max(spans)
     return AttentionShape(
-        batch=case.batch, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, num_heads=case.heads,
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=case.heads,
         num_heads_kv=case.heads_kv, head_dim=case.head_dim, is_causal=case.causal,
         has_mask=case.mask != "none", has_bias=case.bias != "none",
         bias_requires_grad=case.bias != "none" and case.bias_grad, softcap=case.softcap,
     )
 
 
-def run_kernel(backend: Backend, inputs: Inputs, case: Case, fwd_config: FwdConfig | None,
-               bwd_config: BwdConfig | None, forward: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> dict[str, torch.Tensor]:
-    """Forward and backward through `backend` into NaN-poisoned buffers.
-
-    Either direction can be left out (its config None). Without the forward, the backward reads
-    `forward` (out, lse), e.g. the reference's: that is how a backward config is checked on its
-    own, as the tuner times it.
-    """
-    q, k, v = inputs.q, inputs.k, inputs.v
-    mask, bias = as_4d(inputs.mask), as_4d(inputs.bias)
-    options = dict(is_causal=case.causal, softmax_scale=case.head_dim ** -0.5, softcap=case.softcap)
-    nan = float("nan")
-    result = {}
-    if fwd_config is not None:
-        out = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
-        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), nan, dtype=torch.float32, device=q.device)
-        # the tiles a call runs: an fp32 bias may halve a 16-bit bias's key tiles to fit
-        if backend.forward_plan is not None:
-            fwd_config, _ = tiles.fit_forward(
-                backend.name, fwd_config, lambda config: backend.forward_plan(
-                    q, k, v, mask, bias, config=config, out=out, lse=lse, **options),
-                q_dtype=q.dtype, bias_dtype=None if bias is None else bias.dtype,
-                limit=tiles.shared_memory_limit(q.device))
-        backend.forward(q, k, v, mask, bias, config=fwd_config, out=out, lse=lse, **options)
-        result.update(out=out, lse=lse)
-    else:
-        out, lse = forward
-    if bwd_config is None:
-        return result
-    dq = torch.full(q.shape, nan, dtype=q.dtype, device=q.device)
-    dk = torch.full(k.shape, nan, dtype=k.dtype, device=k.device)
-    dv = torch.full(v.shape, nan, dtype=v.dtype, device=v.device)
-    with_dbias = bias is not None and case.bias_grad
-    dbias = torch.full(bias.shape, nan, dtype=bias.dtype, device=bias.device) if with_dbias else None
-    backend.backward(inputs.dout, q, k, v, out, lse, mask, bias, config=bwd_config, dq=dq, dk=dk,
-                     dv=dv, dbias=dbias, **options)
-    result.update(dq=dq, dk=dk, dv=dv)
-    if with_dbias:
-        result["dbias"] = dbias.view(inputs.bias.shape)
-    return result
-
-
-def run_reference(inputs: Inputs, case: Case, compute_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The reference's out, lse and gradients; `compute_dtype=None` means high precision."""
-    high = compute_dtype is None
-    dtype = (torch.float64 if inputs.q.device.type == "cpu" else torch.float32) if high else compute_dtype
-
-    def leaf(t):
-        return t.detach().to(dtype if high else t.dtype).requires_grad_()
-
-    q, k, v = leaf(inputs.q), leaf(inputs.k), leaf(inputs.v)
-    with_dbias = inputs.bias is not None and case.bias_grad
-    bias = None
-    if inputs.bias is not None:
-        bias = leaf(inputs.bias) if with_dbias else inputs.bias.detach().to(dtype if high else inputs.bias.dtype)
-    with torch.enable_grad():
-        out, lse = reference.attention(
-            q, k, v, inputs.mask, bias, is_causal=case.causal, softmax_scale=case.head_dim ** -0.5,
-            softcap=case.softcap, return_lse=True, compute_dtype=dtype, cache_seqlens=inputs.cache_seqlens,
-            block_table=inputs.block_table,
-        )
-        wrt = [q, k, v] + ([bias] if with_dbias else [])
-        with warnings.catch_warnings():
-            # in a fresh worker process autograd's device thread has no CUDA context yet at its
-            # first matmul: torch warns once and sets the primary context (15 lines per 2-GPU tune)
-            warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
-            grads = torch.autograd.grad(out, wrt, inputs.dout.to(out.dtype))
-    result = {"out": out.detach(), "lse": lse.detach()}
-    result.update(zip(("dq", "dk", "dv", "dbias"), grads))
-    return result
-
-
-def reference_forward(high: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) a backward checked or timed on its own reads: the high-precision reference's,
-    out rounded to the kernel's dtype."""
-    return high["out"].to(dtype), high["lse"].float()
+def feature_problem(backend_name: str, case: Case) -> str | None:
+    """Why `backend_name` runs no call with the case's packed sequences or window, whatever the
+    config (`tiles.key_problem`: the CUDA kernels run neither); any bounded side is a window here."""
+    if not case.packed and case.window_size == NO_WINDOW:
+        return None
+    key = TableKey("fwd", "fp32", case.head_dim, case.causal, "none", "none", 1, 1, 1, packed=case.packed,
+                   window=int(case.window_size != NO_WINDOW))
+    return tiles.key_problem(backend_name, key)
 
 
 def _worst_element(diff: torch.Tensor) -> str:
@@ -254,22 +195,6 @@ def compare(name: str, x: torch.Tensor, x_ref: torch.Tensor, x_lowp: torch.Tenso
     return TensorCheck(name, error, bound, error / bound, True, detail)
 
 
-def run_decode(inputs: Inputs, case: Case, config: DecodeConfig) -> dict[str, torch.Tensor]:
-    """The short-query forward (`decode_launch.DecodePlan`, the split count the runtime picks on
-    this device) into NaN-poisoned out and lse."""
-    from dmattn_kernels.triton.decode_launch import DecodePlan
-
-    q = inputs.q
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
-    mask, bias = as_4d(inputs.mask), as_4d(inputs.bias)
-    launch = DecodePlan(q, inputs.k, inputs.v, mask, bias, inputs.cache_seqlens, inputs.block_table,
-                        is_causal=case.causal, softmax_scale=case.head_dim ** -0.5, softcap=case.softcap, config=config,
-                        out=out, lse=lse, num_sms=plan.sm_count(q.device))
-    launch(q, inputs.k, inputs.v, mask, bias, inputs.cache_seqlens, inputs.block_table, out, lse)
-    return {"out": out, "lse": lse}
-
-
 def check_decode_case(case: Case, dtype: torch.dtype, device: torch.device | str, config: DecodeConfig,
                       seed: int = 0) -> CaseResult:
     """`check_case` for the short-query forward: out and lse, twice (bitwise), never raises."""
@@ -288,6 +213,9 @@ def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.d
     """
     device = torch.device(device)
     shape = shape_of_case(case)
+    reason = feature_problem(backend.name, case)
+    if reason:
+        return CaseResult(case.name, "unsupported", reason)
     for config in (fwd_config, bwd_config):
         reason = backend.is_supported(config, shape) if config is not None else None
         if reason:
@@ -354,11 +282,12 @@ def config_tiles(fwd_config: FwdConfig | None, bwd_config: BwdConfig | None) -> 
 
 
 def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
-                 bwd_config: BwdConfig | None) -> list[Case]:
-    """The adversarial suite on the configs' own tiles, each case at a head dim they run: a case
-    whose head dim they cannot take at all (`is_supported`; the warp-specialized forward needs
-    one that pads to a multiple of 64) runs at the next one they take. Dispatch sends a config
-    only the head dims of its own entries, which it takes."""
+                 bwd_config: BwdConfig | None, varlen: bool = False) -> list[Case]:
+    """The adversarial suite on the configs' own tiles (with `varlen`, its packed-sequence and
+    window half: `varlen_cases`), each case at a head dim they run: a case whose head dim they
+    cannot take at all (`is_supported`; the warp-specialized forward needs one that pads to a
+    multiple of 64) runs at the next one they take. Dispatch sends a config only the head dims of
+    its own entries, which it takes."""
     backend = get_backend(backend_name)
 
     def takes(case: Case) -> bool:
@@ -366,7 +295,7 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
         return all(config is None or backend.is_supported(config, shape) is None for config in (fwd_config, bwd_config))
 
     cases = []
-    for case in adversarial_cases(suite, config_tiles(fwd_config, bwd_config)):
+    for case in adversarial_cases(suite, config_tiles(fwd_config, bwd_config), varlen):
         if not takes(case):
             moved = (replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
                      for head_dim in takewhile(is_valid_head_dim, count(case.head_dim + 8, 8)))
@@ -442,18 +371,27 @@ def plan_decode(device: torch.device | str, suite: str) -> list[PlannedSuite]:
     return planned
 
 
+VARLEN_LABEL = "packed/window"  # what a planned suite of packed-sequence and window cases says in its label
+
+
 def plan_default_configs(device: torch.device | str, suite: str, backend: str = "triton",
                          dtype: str | None = None) -> list[PlannedSuite]:
     """The default configs of `backend` for `dtype`, each with the suite cases of its head-dim class
-    and bias kind (with rows or not: `tiles.default_entries`)."""
+    and bias kind (with rows or not: `tiles.default_entries`): the dense cases, and, for a
+    backend that runs packed sequences and windows (`tiles.key_problem`), the packed/window ones
+    (the defaults serve those calls where a table has no entry)."""
+    runs_varlen = tiles.key_problem(backend, TableKey("fwd", "fp32", 64, False, "none", "none", 1, 1, 1,
+                                                      packed=True, window=1)) is None
     plan = []
-    for bias_rows in (False, True):
-        for low, high, fwd, bwd in default_entries(device, backend, dtype, bias_rows):
-            cases = [c for c in config_suite(backend, suite, fwd, bwd)
-                     if low <= c.head_dim <= high and bias_has_rows(bias_kind(c)) == bias_rows]
-            if cases:
-                label = f"D {low}-{high}, bias {'with' if bias_rows else 'without'} rows"
-                plan.append(PlannedSuite(label, backend, fwd, bwd, cases))
+    for varlen in (False, True) if runs_varlen else (False,):
+        for bias_rows in (False, True):
+            for low, high, fwd, bwd in default_entries(device, backend, dtype, bias_rows):
+                cases = [c for c in config_suite(backend, suite, fwd, bwd, varlen)
+                         if low <= c.head_dim <= high and bias_has_rows(bias_kind(c)) == bias_rows]
+                if cases:
+                    label = f"D {low}-{high}, bias {'with' if bias_rows else 'without'} rows"
+                    plan.append(PlannedSuite(f"{VARLEN_LABEL}: {label}" if varlen else label, backend, fwd, bwd,
+                                             cases))
     return plan
 
 
@@ -473,13 +411,18 @@ def entry_case(key, batch: int = 1) -> Case:
     bias = key.bias.removesuffix("+grad")
     if bias == "shared":
         bias = "full"
+    packed = {}
+    if key.packed:  # the longest sequences of the buckets and a shorter pair (lengths that divide no tile)
+        packed = dict(documents=(key.seqlen_q_bucket, key.seqlen_q_bucket // 3 + 1),
+                      documents_k=(key.seqlen_k_bucket, key.seqlen_k_bucket // 3 + 1))
     return Case(
         name=f"entry {key.direction} D{key.head_dim} L{key.seqlen_q_bucket}x{key.seqlen_k_bucket} "
-             f"mask={key.mask} bias={key.bias} gqa{key.gqa_ratio}{' causal' if key.causal else ''}",
+             f"mask={key.mask} bias={key.bias} gqa{key.gqa_ratio}{' causal' if key.causal else ''}{key.label()}",
         batch=batch, heads=heads_kv * key.gqa_ratio, heads_kv=heads_kv, seqlen_q=key.seqlen_q_bucket,
         seqlen_k=key.seqlen_k_bucket, head_dim=key.head_dim, causal=key.causal,
         mask="none" if key.mask == "none" else "random", mask_shape=mask_shape, bias=bias,
         bias_grad=key.bias.endswith("+grad") or key.direction == "fwd",
+        window_size=representative_window(key), **packed,
     )
 
 
@@ -488,7 +431,8 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
     per short-query forward config of its decode entries.
 
     Each prefill entry's config is paired with the default of the other direction (for its head
-    dim); each pair runs the whole adversarial suite on its own tiles plus one case shaped like
+    dim); each pair runs the whole adversarial suite on its own tiles (for entries of packed or
+    windowed keys, its packed/window half: `varlen_cases`; labelled so) plus one case shaped like
     each of its entries. A decode config runs the decode cases (`adversarial.decode_cases`) and
     one case shaped like each of its entries.
     """
@@ -497,21 +441,24 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
         if entry.key.dtype != dtype_name:
             continue
         if entry.key.direction == "decode":
-            grouped.setdefault((DECODE, entry.config, None), []).append(entry)
+            grouped.setdefault((DECODE, entry.config, None, False), []).append(entry)
             continue
         default_fwd, default_bwd = default_configs(entry.key.head_dim, device, entry.backend, dtype_name,
                                                    entry.key.bias)
         pair = (entry.config, default_bwd) if entry.key.direction == "fwd" else (default_fwd, entry.config)
-        grouped.setdefault((entry.backend, *pair), []).append(entry)
+        varlen = entry.key.packed or entry.key.window > 0
+        grouped.setdefault((entry.backend, *pair, varlen), []).append(entry)
     plan = []
-    for (backend, fwd, bwd), group in grouped.items():
+    for (backend, fwd, bwd, varlen), group in grouped.items():
         largest = max(e.key.head_dim for e in group)  # dispatch sends the pair its entries' head dims
         if backend == DECODE:
             suite_cases = decode_cases(suite, fwd.block_n)
             label = f"{DECODE} {config_label(fwd)} ({len(group)} entries)"
         else:
-            suite_cases = config_suite(backend, suite, fwd, bwd)
+            suite_cases = config_suite(backend, suite, fwd, bwd, varlen)
             label = f"{backend} fwd {config_label(fwd)} / bwd {config_label(bwd)} ({len(group)} entries)"
+            if varlen:
+                label = f"{VARLEN_LABEL}: {label}"
         cases = up_to_head_dim(suite_cases, largest) + [entry_case(e.key) for e in group]
         plan.append(PlannedSuite(label, backend, fwd, bwd, cases))
     return plan

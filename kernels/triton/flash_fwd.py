@@ -202,8 +202,8 @@ def _listed_step(
 
 @triton.jit
 def flash_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, out_ptr, lse_ptr, blocks_ptr, k_desc, v_desc,
-    cu_seqlens_q_ptr, cu_seqlens_k_ptr, seqused_k_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, out_ptr, lse_ptr, blocks_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+    seqused_k_ptr, k_desc, v_desc,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,

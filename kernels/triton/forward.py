@@ -102,10 +102,12 @@ class ForwardPlan:
                                         "activity": (self.activity.shape, torch.int8),
                                         "blocks": (self.lists.shape, torch.int32)})
         self.use_tma = packing is None and kv_by_tma(k, v)
-        descriptors = None  # the kernel's k_desc and v_desc (arguments 8 and 9: `_forward_tensors`)
+        # the kernel's k_desc and v_desc (arguments 11 and 12: `_forward_tensors`), last: a compiled
+        # launcher takes descriptors only there (`handles.direct_launch`)
+        descriptors = None
         if self.use_tma:
             kv_block = [1, config.block_n, 1, layout.block_d]  # zero-filled past Lk and D
-            descriptors = {8: descriptor_template(k, kv_block), 9: descriptor_template(v, kv_block)}
+            descriptors = {11: descriptor_template(k, kv_block), 12: descriptor_template(v, kv_block)}
         # a packed sequence's mask and bias move by their key stride per key it starts at when
         # they are per key, not at all when per query row (`flash_fwd` module docstring)
         sequence_strides = (0, 0) if packing is None else (
@@ -241,11 +243,11 @@ class ForwardPlan:
                 lse, returns = native.allocated(scratch, offset["lse"]), (0, 2, -1)
         if self.activity is not None:
             kernels += [(self.activity.launch, [mask, activity]), (self.lists.launch, [activity, blocks])]
-        kernels.append((self.forward, [q, k, v, mask, bias, native.allocated(0), lse, blocks, k, v, q, q, q]))
+        kernels.append((self.forward, [q, k, v, mask, bias, native.allocated(0), lse, blocks, q, q, q, k, v]))
         self.native[kind] = native.program(device, 5, allocations, views, kernels, returns)
 
     def _forward_tensors(self, q, k, v, mask, bias, out, lse, blocks, sequences=(None, None, None)) -> tuple:
         """The forward kernel's tensor arguments; q stands in for an absent mask, bias, block list
         or packed sequences' prefix sums and key counts (an unused pointer)."""
-        return (q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks, k, v,
-                *(q if t is None else t for t in (tuple(sequences) + (None,) * 3)[:3]))
+        return (q, k, v, q if mask is None else mask, q if bias is None else bias, out, lse, blocks,
+                *(q if t is None else t for t in (tuple(sequences) + (None,) * 3)[:3]), k, v)
