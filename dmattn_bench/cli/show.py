@@ -10,13 +10,13 @@ from dmattn_bench.dispatch.lookup import most_similar
 from dmattn_bench.dispatch.stamps import STATUSES, entry_status
 from dmattn_bench.dispatch.table import SCHEMA_VERSION, Table, TableError, load_table
 from dmattn_bench.errors import DmattnError
-from dmattn_bench.space import InvalidConfig, TableKey, config_label
+from dmattn_bench.space import KEY_DEFAULTS, InvalidConfig, TableKey, config_label
 from dmattn_bench.tuning.table_writer import table_to_dict
 from dmattn_bench.tuning.workloads import load_workloads
 
 KEY_COLUMNS = ("direction", "dtype", "head_dim", "causal", "mask", "bias", "gqa_ratio",
-               "seqlen_q_bucket", "seqlen_k_bucket")
-KEY_HEADERS = ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "Lq", "Lk")
+               "seqlen_q_bucket", "seqlen_k_bucket", "packed", "window")
+KEY_HEADERS = ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "Lq", "Lk", "packed", "window")
 # Evidence shown as columns, with their formats; the rest stays in `--format json`.
 EVIDENCE_COLUMNS = (("median_ms", "{:.4g}"), ("tflops", "{:.1f}"), ("speedup_vs_default", "{:.2f}x"))
 
@@ -44,10 +44,10 @@ def _summary(path: str, table: Table, counts: dict[str, int]) -> RichTable:
 def _entries(doc: dict) -> RichTable:
     entries = RichTable(title="entries")
     for header in KEY_HEADERS + ("backend", "config", "status") + tuple(name for name, _ in EVIDENCE_COLUMNS):
-        entries.add_column(header, justify="right" if header in ("D", "gqa", "Lq", "Lk") else "left")
+        entries.add_column(header, justify="right" if header in ("D", "gqa", "Lq", "Lk", "window") else "left")
     for entry in doc["entries"]:  # table_to_dict has sorted them by key
         key, evidence = entry["key"], entry["evidence"]
-        cells = [str(key[name]) for name in KEY_COLUMNS]
+        cells = [str(key.get(name, KEY_DEFAULTS.get(name))) for name in KEY_COLUMNS]
         status = entry["status"] + (f" ({entry['problem']})" if "problem" in entry else "")
         cells += [entry["backend"], entry["config_label"], status]
         for name, fmt in EVIDENCE_COLUMNS:
