@@ -149,7 +149,8 @@ def test_a_kernel_edit_stales_exactly_the_entries_whose_code_changed(tmp_path):
     stale = _stale(_statuses(copy))
     for path in SHIPPED:
         table = load_table(path)
-        expected = {i for i, e in enumerate(table.entries) if e.key.direction == "bwd" and (
+        # an entry its table already declares stale is stale whatever the edit (`_stale`)
+        expected = {i for i, e in enumerate(table.entries) if e.key.direction == "bwd" and e.stale is None and (
             (e.backend == "triton" and e.key.bias.endswith("+grad") and bias_has_rows(e.key.bias))
             or (e.backend == "cuda" and backward_warp_specialized(e.config, e.key.head_dim, "sm90")))}
         assert expected, f"{path.name}: the edits touch no entry of this table; pick other edits"
