@@ -31,7 +31,7 @@ import torch
 from dmattn_bench.reference import attention
 from dmattn_bench.space import DTYPES, is_valid_head_dim
 from dmattn_bench.tuning.validator import TensorCheck, compare
-from dmattn_bench.tuning.workloads import Workload, positive_int
+from dmattn_bench.tuning.workloads import Workload, positive_int, visible_pairs
 
 FLOPS_PER_PAIR_PER_DIM = 4  # Q K^T and P V: two multiply-adds per pair and head dim, forward
 BWD_OVER_FWD = 2.5  # the backward's 5 GEMMs against the forward's 2 (FlashAttention's count, `Workload.flops`)
@@ -157,11 +157,10 @@ def kept_pairs(documents: tuple[int, ...], is_causal: bool, window: tuple[int, i
     device = None if mask is None else mask.device
     pairs, start = 0, 0
     for seqlen in documents:
-        visible = visibility(seqlen, is_causal, window, device)
-        if mask is None:
-            pairs += heads * int(visible.sum())
+        if mask is None:  # the tuner's count of the same rule (`workloads.visible_pairs`)
+            pairs += heads * visible_pairs(seqlen, seqlen, is_causal, window)
         else:
-            kept = mask[:, start:start + seqlen, :seqlen] & visible
+            kept = mask[:, start:start + seqlen, :seqlen] & visibility(seqlen, is_causal, window, device)
             pairs += heads // mask.shape[0] * int(kept.sum())
         start += seqlen
     return pairs
