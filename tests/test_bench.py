@@ -506,3 +506,33 @@ def test_bf16_without_a_gpu_is_the_same_usage_error_in_every_command(tmp_path, c
     errors = [line for line in captured.err.splitlines() if line.startswith("Error:")]
     assert errors == ["Error: Invalid value for --dtype: bf16 needs a CUDA GPU; the Triton interpreter on this "
                       "machine runs fp32 and fp16"], captured.err
+
+
+def _saved_report(tmp_path, name: str, workload: str, device: str = "NVIDIA H200") -> str:
+    """A `--format json` report of one workload's ours and flex forward rows, as a run writes it."""
+    rows = [Row(workload, "dmattn", "fwd", "ok", median_ms=0.5, wall_ms=0.6),
+            Row(workload, "flex", "fwd", "ok", median_ms=0.6, wall_ms=0.7)]
+    fill_ratios(rows)
+    document = {"command": f"dmattn-bench bench --only {workload}", "device": device, "software": "torch 2.11",
+                "peaks": None, "repeats": 20, "eager_loop": {"calls": 20, "loops": 15}, "copy_bytes_per_s": None,
+                "timings_meaningful": True, "workloads": [f"{workload}: bf16"],
+                "rows": [row.to_dict() for row in rows]}
+    path = tmp_path / name
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+def test_bench_renders_the_reports_of_split_runs_as_one(tmp_path):
+    first, second = _saved_report(tmp_path, "a.json", "packed-causal"), _saved_report(tmp_path, "b.json", "window")
+    rendered = CliRunner().invoke(bench, ["--from-json", first, "--from-json", second, "--format", "json"])
+    assert rendered.exit_code == 0, rendered.output
+    document = json.loads(rendered.stdout)
+    assert [(r["workload"], r["peer"]) for r in document["rows"]] == [
+        ("packed-causal", "dmattn"), ("packed-causal", "flex"), ("window", "dmattn"), ("window", "flex")]
+    assert document["workloads"] == ["packed-causal: bf16", "window: bf16"]
+    assert document["command"] == "dmattn-bench bench --only packed-causal; dmattn-bench bench --only window"
+    assert all(r["ours_over_peer_gpu"] == pytest.approx(0.5 / 0.6) for r in document["rows"] if r["peer"] == "flex")
+    other = _saved_report(tmp_path, "c.json", "window", device="NVIDIA H100 80GB HBM3")
+    mixed = CliRunner().invoke(bench, ["--from-json", first, "--from-json", other])
+    assert mixed.exit_code == 2
+    assert "c.json: its device 'NVIDIA H100 80GB HBM3' differs from" in mixed.output

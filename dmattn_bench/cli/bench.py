@@ -159,6 +159,41 @@ def plot(document: dict, path: str | Path) -> None:
     plt.close(figure)
 
 
+# -- saved reports ---------------------------------------------------------------------------------
+
+
+def _saved_report(path: str) -> dict:
+    """A `bench --format json` report read back; BadParameter naming the file when it is none."""
+    try:
+        document = json.loads(Path(path).read_text())
+        if not (isinstance(document, dict) and {"device", "rows"} <= set(document)
+                and isinstance(document["rows"], list)):
+            raise ValueError("no `device` and `rows` list")
+        for data in document["rows"]:
+            Row.from_dict(data)
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise click.BadParameter(f"{path}: not a `bench --format json` report ({exc})",
+                                 param_hint="--from-json") from None
+    return document
+
+
+def merged_reports(documents: list[dict], paths: tuple[str, ...]) -> dict:
+    """Reports of one device as one: the first's settings, every report's commands, workloads and
+    rows in order. A long bench split into runs (`--only`) keeps each run's rows when a later one
+    fails; reports of different devices, software or timing settings do not mix."""
+    first = documents[0]
+    for document, path in zip(documents[1:], paths[1:]):
+        for field in ("device", "software", "repeats", "eager_loop", "timings_meaningful"):
+            if document.get(field) != first.get(field):
+                raise click.BadParameter(f"{path}: its {field} {document.get(field)!r} differs from {paths[0]}'s "
+                                         f"{first.get(field)!r}", param_hint="--from-json")
+    if len(documents) == 1:
+        return first
+    return {**first, "command": "; ".join(str(d.get("command")) for d in documents),
+            "workloads": [w for d in documents for w in d.get("workloads", [])],
+            "rows": [row for d in documents for row in d["rows"]]}
+
+
 # -- the command ----------------------------------------------------------------------------------
 
 MEASURING_OPTIONS = ("table_path", "workloads_path", "only", "directions", "peer_names", "dtype", "repeats")
@@ -206,25 +241,17 @@ def _check_plot_available(plot_path: str | None) -> None:
               help="Result format on stdout.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Also write a PNG bar chart here (needs the `plot` extra: matplotlib).")
-@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Render a saved `--format json` report instead of measuring (e.g. to plot it elsewhere).")
+@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), multiple=True,
+              help="Render a saved `--format json` report instead of measuring (e.g. to plot it elsewhere); "
+                   "repeated, the reports of one device as one (runs split by --only).")
 def bench(table_path, workloads_path, only, directions, peer_names, dtype, repeats, fmt, plot_path, from_json) -> None:
     """Time our kernel and its peers on the peer workloads: forward and forward+backward of the
     prefill ones, the forward of the decode steps."""
     _check_plot_available(plot_path)
     failed: list[Row] = []  # of our own rows; a rendered report measured nothing, so none
-    if from_json is not None:
+    if from_json:
         _check_nothing_to_measure_given()
-        try:
-            document = json.loads(Path(from_json).read_text())
-            if not (isinstance(document, dict) and {"device", "rows"} <= set(document)
-                    and isinstance(document["rows"], list)):
-                raise ValueError("no `device` and `rows` list")
-            for data in document["rows"]:
-                Row.from_dict(data)
-        except ValueError as exc:  # json.JSONDecodeError is one
-            raise click.BadParameter(f"{from_json}: not a `bench --format json` report ({exc})",
-                                     param_hint="--from-json") from None
+        document = merged_reports([_saved_report(path) for path in from_json], from_json)
     else:
         has_gpu = torch.cuda.is_available()
         device = "cuda" if has_gpu else "cpu"
