@@ -6,6 +6,8 @@ own choice (`auto`: the table, CUDA where it holds the key). bf16 causal H16 Hkv
 `timing.time_kernel` (L2 flushed, median of 20).
 
     python -m benchmarks varlen-probe [--backward]
+    python -m benchmarks varlen-probe --padded-rows   # K/V rows padded past the head dim, as the
+                                                      # adversarial suite lays them out, against contiguous
 
 One markdown table on stdout."""
 
@@ -42,10 +44,25 @@ def _tensors(documents, heads, heads_kv, head_dim, device):
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks varlen-probe", description=__doc__.splitlines()[0])
     parser.add_argument("--backward", action="store_true", help="also time forward+backward over backward tiles")
+    parser.add_argument("--padded-rows", action="store_true",
+                        help="only the forward on K/V rows padded past the head dim (the adversarial suite's "
+                             "layout, strides no multiple of 16) against contiguous rows, the issue's documents")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     rows = []
-    for label, documents in (("issue 8 docs", ISSUE_DOCUMENTS), ("4 x 4096", [4096] * 4)):
+    if args.padded_rows:
+        q, k, v, cu = _tensors(ISSUE_DOCUMENTS, 16, 4, 128, device)
+        padded = [torch.zeros(t.shape[0], t.shape[1], 136, device=device, dtype=t.dtype)[..., :128] for t in (k, v)]
+        for target, source in zip(padded, (k, v)):
+            target.copy_(source.detach())
+        longest = max(ISSUE_DOCUMENTS)
+        for config in (FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3)):
+            for label, keys, values in (("contiguous K/V", k, v), ("K/V padded to 136", *padded)):
+                with torch.no_grad():
+                    call = lambda: flash_dmattn_varlen_func(q, keys, values, cu, cu, longest, longest, is_causal=True,
+                                                            backend="triton", fwd_config=config)
+                    rows.append((label, "fwd", _label(config), time_kernel(call, device).median_ms))
+    for label, documents in (() if args.padded_rows else (("issue 8 docs", ISSUE_DOCUMENTS), ("4 x 4096", [4096] * 4))):
         q, k, v, cu = _tensors(documents, 16, 4, 128, device)
         longest = max(documents)
         for config in FORWARD_TILES:
@@ -64,13 +81,14 @@ def main(argv: list[str]) -> None:
                                                    bwd_config=config)
                     torch.autograd.grad(out, (q, k, v), grad)
                 rows.append((label, "fwd+bwd", _label(config), time_kernel(step, device).median_ms))
-    dense = [t.detach().reshape(4, 4096, *t.shape[1:]) for t in _tensors([4096] * 4, 16, 4, 128, device)[:3]]
-    with torch.no_grad():
-        for config in FORWARD_TILES:
-            call = lambda: flash_dmattn_func(*dense, is_causal=True, backend="triton", fwd_config=config)
-            rows.append(("dense B4 L4096", "fwd", _label(config), time_kernel(call, device).median_ms))
-        call = lambda: flash_dmattn_func(*dense, is_causal=True)
-        rows.append(("dense B4 L4096", "fwd", "auto", time_kernel(call, device).median_ms))
+    if not args.padded_rows:
+        dense = [t.detach().reshape(4, 4096, *t.shape[1:]) for t in _tensors([4096] * 4, 16, 4, 128, device)[:3]]
+        with torch.no_grad():
+            for config in FORWARD_TILES:
+                call = lambda: flash_dmattn_func(*dense, is_causal=True, backend="triton", fwd_config=config)
+                rows.append(("dense B4 L4096", "fwd", _label(config), time_kernel(call, device).median_ms))
+            call = lambda: flash_dmattn_func(*dense, is_causal=True)
+            rows.append(("dense B4 L4096", "fwd", "auto", time_kernel(call, device).median_ms))
     print("| problem | pass | config | GPU ms |")
     print("|---|---|---|---|")
     for label, direction, config, ms in rows:

@@ -122,7 +122,8 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "T.yaml.trials.jsonl").read_text().splitlines()]
     trials = [r for r in records if r["kind"] == "trial"]
     assert len(trials) == 3 and all(r["status"] == "ok" for r in trials)
-    assert {r["kind"] for r in records} == {"run", "trial", "suite", "finished"}  # winners' adversarial verdicts too
+    # winners' adversarial verdicts too, and each key's ranking (the ranked search's order)
+    assert {r["kind"] for r in records} == {"run", "trial", "ranking", "suite", "finished"}
     assert records[0] == {"kind": "run", "backend": "triton", "device": CPU_FINGERPRINT.to_dict(),
                           "kernel_hash": kernel_source_hash("triton")}  # who measured, for --resume
     assert records[-1] == {"kind": "finished", "table": str(out.resolve()), "entries": 2, "unmeasured": 0}

@@ -216,3 +216,23 @@ def test_verify_labels_packed_and_windowed_rows(tmp_path, monkeypatch):
     assert row["configs"].startswith(VARLEN_LABEL) and row["status"] == "ok"
     assert [case["case"] for case in row["cases"]] == ["packed_small", entry_case(key).name]
 
+
+
+def test_a_packed_tuning_workload_times_contiguous_rows_and_the_suite_poisons_past_the_head_dim():
+    """The tuner times a packed workload on K/V rows laid out as a user's (contiguous: strides a
+    multiple of 16 elements, as Triton specialises them); the suite's cases keep NaN past the
+    head dim, where no lane may read."""
+    from dmattn_bench.tuning.workloads import Workload
+
+    workload = Workload(1, 4, 2, 40, 40, 32, True, "none", "none", False, "fp32", documents=(40, 17))
+    timed = build_inputs(workload.case(), torch.float32, "cpu")
+    assert timed.k.stride() == (2 * 32, 32, 1) and timed.v.stride() == (2 * 32, 32, 1)
+    suite = {c.name: c for c in varlen_cases.VARLEN_SUITES["quick"]()}
+    case = suite["packed_nan_neighbours_per_row"]
+    assert case.sliced
+    inputs = build_inputs(case, torch.float32, "cpu")
+    extra = varlen_cases.NAN_PAST_HEAD_DIM
+    assert inputs.k.stride(1) == case.head_dim + extra
+    whole = torch.empty(0, dtype=inputs.k.dtype).set_(inputs.k.untyped_storage())
+    past = whole[inputs.k.storage_offset():].view(-1, case.head_dim + extra)[:, case.head_dim:]
+    assert torch.isnan(past).all()

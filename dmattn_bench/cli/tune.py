@@ -20,6 +20,7 @@ from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.space import CONFIGS_DIR, TUNED_DIRECTIONS, config_label
 from dmattn_bench.tuning.journal import JournalError, JournalState, mark_finished, read_state
+from dmattn_bench.tuning.ranking import RankingModel, committed_journals
 from dmattn_bench.tuning.prune import load_ci_space, load_space, read_yaml_mapping
 from dmattn_bench.tuning.table_writer import dump_table, merged, new_table
 from dmattn_bench.tuning.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, combine_backends,
@@ -105,18 +106,22 @@ def _spaces(space_files: tuple[str, ...], backend: str, on_gpu: bool, several: b
 def _winners_table(result: TuneResult) -> Table:
     title = "tuned entries" + ("" if result.meaningful_timings else " (interpreter: timings not meaningful)")
     table = Table(title=title)
-    numbers = ("ms", "TFLOP/s", "vs default", "regret of today's choice")
+    numbers = ("ms", "TFLOP/s", "vs default", "ran", "rank", "regret of today's choice")
     for column in ("dir", "dtype", "D", "causal", "mask", "bias", "gqa", "packed/window", "Lq~", "Lk~", "backend",
                    "config", *numbers):
         table.add_column(column, justify="right" if column in numbers else "left")
     for winner in result.winners:
         k, e = winner.key, winner.evidence
+        search = result.search_of(winner)
         table.add_row(k.direction, k.dtype, str(k.head_dim), str(k.causal), k.mask, k.bias, str(k.gqa_ratio),
                       k.label().strip() or "-", str(k.seqlen_q_bucket), str(k.seqlen_k_bucket), winner.backend,
                       config_label(winner.config),
                       f"{e['median_ms']:.4f}", f"{e['tflops']:.1f}", f"{e['speedup_vs_default'] or 0:.2f}x",
+                      f"{search['ran']}/{search['candidates']}", str(search["predicted_rank"] or "-"),
                       _current_label(e.get("current_choice")))
-    table.caption = ("regret of today's choice: what a call of the key ran before this tune (a table entry or the "
+    table.caption = ("ran: the key's candidates compiled and timed of those that could run (the ranked search "
+                     "leaves the rest ranked_out); rank: the winner's place in the key's ranking (- exhaustive); "
+                     "regret of today's choice: what a call of the key ran before this tune (a table entry or the "
                      "default), its time over the winner's; packed/window: a packed-sequence key, a sliding "
                      "window's span bucket (Lq~ and Lk~ of a packed key: its longest sequences')")
     return table
@@ -290,10 +295,14 @@ def _stale_workloads(table_path: str, dtypes, on_gpu: bool) -> tuple[list, set]:
                    "here): --gpus actors of one GPU each; journal and table stay here (extra `cluster`).")
 @click.option("--suite", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
               help="Adversarial suite every winner must pass on its own tiles.")
+@click.option("--exhaustive", is_flag=True, default=False,
+              help="Time every candidate of every key. Default: rank each key's candidates by the committed "
+                   "trial journals' times on similar keys and time them in batches down the ranking until a "
+                   "batch brings no gain (the rest are journaled ranked_out; --exhaustive --resume times them).")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
 def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, merge_path, stale_only, resume, budget,
-                 trial_timeout, suite_timeout, gpus, ray_address, suite, fmt) -> None:
+                 trial_timeout, suite_timeout, gpus, ray_address, suite, exhaustive, fmt) -> None:
     """Tune the kernels on this machine's GPU and write a dispatch table.
 
     Every trial is journaled in <out>.trials.jsonl. Running the same command again after a run
@@ -377,11 +386,12 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
         with output.progress("tune", total=len(planned) - replayed) as advance:
             for index, name in enumerate(backends):
                 # one journal: trial ids name their backend, so a later backend continues it
+                ranking = None if exhaustive else RankingModel.from_journals(committed_journals(), name)
                 results[name] = tune(workloads, spaces[name], device, name, budget_s=budget_s, suite=suite,
                                      on_trial=lambda trial: advance(f"{trial.backend} {trial.direction} {trial.status}"),
                                      on_phase=_announce_phase, journal_path=trials_path, resume=resume or index > 0,
                                      trial_timeout_s=trial_timeout, suite_timeout_s=suite_timeout, gpus=gpu_count,
-                                     workers=workers)
+                                     workers=workers, ranking=ranking)
     except JournalError as exc:
         raise DmattnError(str(exc)) from None
     result = results[backends[0]] if len(backends) == 1 else combine_backends(results)
@@ -406,7 +416,9 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                 "entries": len(entries), "geomean_speedup_vs_default": speedup,
                 "current_choice_regret": regret,
                 "timings_meaningful": result.meaningful_timings,
-                "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence)
+                "search": "exhaustive" if exhaustive else "ranked",
+                "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence,
+                                 search=result.search_of(w))
                             for w in result.winners]}
     output.render(document, [_winners_table(result), _counts_table(result)], fmt)
     merged_note = f", {len(table.entries)} with those of {merge_path}" if kept is not None else ""

@@ -43,7 +43,9 @@ class Trial:
     direction: str
     backend: str
     config: dict
-    status: str  # ok | unsupported | compile_error | launch_error | oom | timeout | nonfinite | mismatch | crash | skipped
+    # ok | unsupported | compile_error | launch_error | oom | timeout | nonfinite | mismatch | crash | skipped
+    # | ranked_out (the ranked search did not run it: `ranking.RANKED_OUT`)
+    status: str
     reason: str = ""
     median_ms: float | None = None
     spread: float | None = None

@@ -14,6 +14,12 @@ short-query forward where calls of the shape without gradient run it):
      own tiles, in its own direction (a backward reads the reference's forward, as in step 2;
      cached per direction and config); if it fails, the next fastest is tried.
 
+With a ranking model (`ranking.RankingModel`, the default of `dmattn-bench tune`) steps 1 and 2
+run in rounds: each workload and direction compiles and times its default and the first batch of
+its ranked candidates, then the next batch while `ranking.Widening` says the ranking may still
+hold a faster one; the candidates it never reaches end "ranked_out" (journaled, and planned anew
+by a resumed run, so `--exhaustive --resume` times exactly them).
+
 Every finished trial and suite verdict is appended to a journal (one flushed JSON line each);
 `resume=True` skips what the journal already holds, and the winners are always computed from
 the journal's records, so a resumed run writes the table an uninterrupted run would have
@@ -38,11 +44,12 @@ from dmattn_bench import tiles
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint, local_limits
 from dmattn_bench.registry import get_backend, kernel_source_hash
-from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey, config_label
+from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey, config_from_dict, config_label
 from dmattn_bench.tiles import decode_config, default_configs
 from dmattn_bench.tuning.adversarial import specialization_class
 from dmattn_bench.tuning.journal import Journal, suite_id, trial_id
 from dmattn_bench.tuning.prune import precheck
+from dmattn_bench.tuning.ranking import RANKED_OUT, RankedRounds, RankingModel, Widening
 from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, CaseJob, Trial, measure_job, problem_job, ready_job,
                                         shape_of_workload, suite_case_job, suite_cases, suite_job, suite_verdict,
                                         warm_job)
@@ -70,6 +77,21 @@ class TuneResult:
     meaningful_timings: bool
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each phase that ran
     pools: dict[str, dict] = field(default_factory=dict)  # phase -> PoolStats.to_dict() of its processes
+    # a ranked search's order per (workload label, direction, backend): config labels, best predicted first
+    rankings: dict[tuple[str, str, str], list[str]] = field(default_factory=dict)
+
+    def search_of(self, winner: Winner) -> dict:
+        """How the search found `winner`'s config on its key: the candidates that ran (compiled
+        or further) of those that could, and the rank the ranking gave the winner on the key's
+        first workload (None in an exhaustive search)."""
+        key = winner.key.to_dict()
+        mine = [t for t in self.trials if t.key == key and t.backend == winner.backend and t.status != "unsupported"]
+        ran = [t for t in mine if t.status not in (RANKED_OUT, "skipped")]
+        order = next((self.rankings[(t.workload, t.direction, t.backend)] for t in mine
+                      if (t.workload, t.direction, t.backend) in self.rankings), None)
+        label = config_label(winner.config)
+        return {"ran": len({config_label_of(t) for t in ran}), "candidates": len({config_label_of(t) for t in mine}),
+                "predicted_rank": order.index(label) + 1 if order and label in order else None}
 
     def counts(self) -> dict[str, int]:
         """Trials by final status."""
@@ -84,6 +106,12 @@ class TuneResult:
         return {stage: sum(order.index(t.stage) >= order.index(stage) for t in self.trials if t.status != "skipped")
                 for stage in order[1:]} | {"pruned_before_gpu": sum(t.stage == "pruned" and t.status == "unsupported"
                                                                     for t in self.trials)}
+
+
+def config_label_of(trial: Trial) -> str:
+    """A trial's config as `config_label` writes it."""
+    kind = {"fwd": FwdConfig, "bwd": BwdConfig}.get(trial.direction, DecodeConfig)
+    return config_label(config_from_dict(kind, trial.config))
 
 
 def combine_backends(results: dict[str, TuneResult]) -> TuneResult:
@@ -103,6 +131,7 @@ def combine_backends(results: dict[str, TuneResult]) -> TuneResult:
         meaningful_timings=all(result.meaningful_timings for result in results.values()),
         phases={f"{name} {phase}": seconds for name, result in results.items() for phase, seconds in result.phases.items()},
         pools={f"{name} {phase}": pool for name, result in results.items() for phase, pool in result.pools.items()},
+        rankings={k: v for result in results.values() for k, v in result.rankings.items()},
     )
 
 
@@ -171,6 +200,8 @@ def tune(
     suite_timeout_s: float = DEFAULT_SUITE_TIMEOUT_S,
     gpus: int = 1,
     workers: list | None = None,
+    ranking: RankingModel | None = None,
+    widening: Widening = Widening(),
 ) -> TuneResult:
     """Tunes every workload in its directions (`Workload.directions`).
 
@@ -196,6 +227,9 @@ def tune(
         workers: measuring slots to use instead of `gpus` local ones (e.g. `cluster.RayWorker`
             on other hosts); the local compile phase is then skipped, each slot compiling what
             it measures, since a local compile cache would not reach them.
+        ranking: rank each key's candidates with this model and time them in rounds down the
+            ranking as `widening` says (`ranking.RankedRounds`); the rest end "ranked_out", and
+            the journal records each key's ranking. None: time every candidate (exhaustive).
 
     Returns:
         Winners (one per key), every trial, and the wall time.
@@ -220,7 +254,8 @@ def tune(
                    for gpu in range(max(1, gpus))]
     try:
         return _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase,
-                    journal, workers, trial_timeout_s, suite_timeout_s, start, compile_locally=not remote)
+                    journal, workers, trial_timeout_s, suite_timeout_s, start, compile_locally=not remote,
+                    ranking=ranking, widening=widening)
     finally:
         for worker in workers:
             worker.stop()
@@ -230,7 +265,8 @@ def tune(
 
 
 def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase, journal, workers,
-         trial_timeout_s, suite_timeout_s, start, compile_locally: bool) -> TuneResult:
+         trial_timeout_s, suite_timeout_s, start, compile_locally: bool, ranking: RankingModel | None,
+         widening: Widening) -> TuneResult:
     def out_of_budget() -> bool:
         return budget_s is not None and time.monotonic() - start > budget_s
 
@@ -261,7 +297,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     todo = []
     for workload, direction, config, is_default in plan:
         record = journal.trials.get(trial_id(workload, direction, backend_name, config))
-        if record is not None:
+        if record is not None and record["status"] != RANKED_OUT:  # a ranked-out one is planned anew
             fields = {k: record[k] for k in ("status", "reason", "median_ms", "spread", "tflops", "validation", "stage")}
             finish(workload, direction, config, is_default, fields, replayed=True)
             continue
@@ -276,110 +312,147 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         else:
             todo.append((workload, direction, config, is_default))
 
-    # -- compile in parallel (GPU): a failure here is the trial's status --
-    # The compile processes spread over the measuring GPUs (each holds a context and a workload's
-    # tensors there), while the measuring workers start up (imports, CUDA context) beside them.
     phases: dict[str, float] = {}
     pools: dict[str, PoolStats] = {"compile": PoolStats(), "winners": PoolStats()}
-    phase_start = time.monotonic()
-    if device.type == "cuda" and todo and compile_locally:
-        starting = [threading.Thread(target=_start_quietly, args=(worker, str(device), trial_timeout_s), daemon=True)
-                    for worker in workers]
-        for thread in starting:
-            thread.start()
-        jobs = [(w, d, c, backend_name) for w, d, c, _ in todo]
-        after = _leaders(compile_keys(jobs, backend))
-        done = on_phase("compile", len(jobs)) if on_phase else None
-        try:
-            outcomes = parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason),
-                                    on_done=(lambda job, result: done()) if done else None, gpus=len(workers),
-                                    stats=pools["compile"], after=after)
-        finally:
-            for thread in starting:  # before anyone else touches the workers (stop, measure)
-                thread.join()
-        remaining = []
-        for (w, d, c, is_default), (status, reason) in zip(todo, outcomes):
-            if status == "ok":
-                remaining.append((w, d, c, is_default))
-            else:
-                stage = "pruned" if status in ("compile_error", "unsupported") else "compiled"
-                finish(w, d, c, is_default, {"status": status, "reason": reason, "stage": stage})
-        todo = remaining
-        phases["compile"] = time.monotonic() - phase_start
-        phase_start = time.monotonic()
-
-    # -- validate and time in the measuring workers, one per GPU --
-    # Each worker takes the next whole workload from one queue (its inputs and reference stay
-    # cached in the worker), largest first, so the last workloads to finish are the small ones
-    # and no GPU idles while another works through a long tail.
     fatal: list[DmattnError] = []  # a worker that cannot go on (e.g. no cluster GPU): stop, keep the journal
-    queue: Queue = Queue()
-    for workload in sorted(dict.fromkeys(w for w, _, _, _ in todo), key=_work, reverse=True):
-        queue.put([item for item in todo if item[0] == workload])
 
-    def measure_share(worker) -> None:
-        try:
-            measure_queue(worker)
-        except Exception:
-            if not interrupted.is_set():
-                raise  # after an interrupt a killed worker may fail in any way: nothing to report
-
-    def measured(worker, job, args) -> dict | None:
-        """`job(*args)` in the worker: trial fields, or None for nothing to report. A lost or
-        hung worker is the trial's status, and the next job gets a fresh process (and CUDA
-        context); a DmattnError stops the tune (`fatal`), the trial "skipped"."""
-        try:
-            fields = worker.call(job, args, trial_timeout_s)
-        except WorkerTimedOut as exc:
-            fields = {"status": "timeout", "reason": str(exc), "stage": "compiled"}
-        except (WorkerCrashed, RuntimeError) as exc:
-            fields = {"status": "crash", "reason": str(exc)[:300], "stage": "compiled"}
-        except DmattnError as exc:
-            fatal.append(exc)
-            return {"status": "skipped", "reason": exc.one_line()}
-        if fields is not None and fields["status"] in RESTART_AFTER:
-            worker.stop()
-        return fields
-
-    def measure_queue(worker) -> None:
-        while True:
+    def compile_and_measure(todo: list) -> None:
+        """Compiles (on a GPU) and measures `todo`'s trials, recording each (`finish`)."""
+        # -- compile in parallel (GPU): a failure here is the trial's status --
+        # The compile processes spread over the measuring GPUs (each holds a context and a workload's
+        # tensors there), while the measuring workers start up (imports, CUDA context) beside them.
+        phase_start = time.monotonic()
+        if device.type == "cuda" and todo and compile_locally:
+            starting = [threading.Thread(target=_start_quietly, args=(worker, str(device), trial_timeout_s), daemon=True)
+                        for worker in workers]
+            for thread in starting:
+                thread.start()
+            jobs = [(w, d, c, backend_name) for w, d, c, _ in todo]
+            after = _leaders(compile_keys(jobs, backend))
+            done = on_phase("compile", len(jobs)) if on_phase else None
             try:
-                share = queue.get_nowait()
-            except Empty:
-                return
-            if interrupted.is_set():
-                return  # no fresh worker to race the parent's stop
-            # the workload's inputs and references first: if building them fails, its trials end
-            # with that one failure instead of each failing alike (and restarting the worker); a
-            # worker lost or hung meanwhile is left to the trials, each in a fresh process
-            failure = None
-            if not (out_of_budget() or fatal):
-                failure = measured(worker, problem_job, (share[0][0], str(device)))
-                if failure is not None and not failure["reason"].startswith(PROBLEM_FAILED):
-                    failure = None
-            for workload, direction, config, is_default in share:
+                outcomes = parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason),
+                                        on_done=(lambda job, result: done()) if done else None, gpus=len(workers),
+                                        stats=pools["compile"], after=after)
+            finally:
+                for thread in starting:  # before anyone else touches the workers (stop, measure)
+                    thread.join()
+            remaining = []
+            for (w, d, c, is_default), (status, reason) in zip(todo, outcomes):
+                if status == "ok":
+                    remaining.append((w, d, c, is_default))
+                else:
+                    stage = "pruned" if status in ("compile_error", "unsupported") else "compiled"
+                    finish(w, d, c, is_default, {"status": status, "reason": reason, "stage": stage})
+            todo = remaining
+            phases["compile"] = phases.get("compile", 0.0) + time.monotonic() - phase_start
+            phase_start = time.monotonic()
+
+        # -- validate and time in the measuring workers, one per GPU --
+        # Each worker takes the next whole workload from one queue (its inputs and reference stay
+        # cached in the worker), largest first, so the last workloads to finish are the small ones
+        # and no GPU idles while another works through a long tail.
+        queue: Queue = Queue()
+        for workload in sorted(dict.fromkeys(w for w, _, _, _ in todo), key=_work, reverse=True):
+            queue.put([item for item in todo if item[0] == workload])
+
+        def measure_share(worker) -> None:
+            try:
+                measure_queue(worker)
+            except Exception:
+                if not interrupted.is_set():
+                    raise  # after an interrupt a killed worker may fail in any way: nothing to report
+
+        def measured(worker, job, args) -> dict | None:
+            """`job(*args)` in the worker: trial fields, or None for nothing to report. A lost or
+            hung worker is the trial's status, and the next job gets a fresh process (and CUDA
+            context); a DmattnError stops the tune (`fatal`), the trial "skipped"."""
+            try:
+                fields = worker.call(job, args, trial_timeout_s)
+            except WorkerTimedOut as exc:
+                fields = {"status": "timeout", "reason": str(exc), "stage": "compiled"}
+            except (WorkerCrashed, RuntimeError) as exc:
+                fields = {"status": "crash", "reason": str(exc)[:300], "stage": "compiled"}
+            except DmattnError as exc:
+                fatal.append(exc)
+                return {"status": "skipped", "reason": exc.one_line()}
+            if fields is not None and fields["status"] in RESTART_AFTER:
+                worker.stop()
+            return fields
+
+        def measure_queue(worker) -> None:
+            while True:
+                try:
+                    share = queue.get_nowait()
+                except Empty:
+                    return
                 if interrupted.is_set():
                     return  # no fresh worker to race the parent's stop
-                if out_of_budget() or fatal:
-                    reason = "time budget exhausted" if not fatal else "tune stopped: " + fatal[0].one_line()
-                    finish(workload, direction, config, is_default, {"status": "skipped", "reason": reason})
-                    continue
-                finish(workload, direction, config, is_default,
-                       failure or measured(worker, measure_job, (workload, direction, config, backend_name, str(device))))
+                # the workload's inputs and references first: if building them fails, its trials end
+                # with that one failure instead of each failing alike (and restarting the worker); a
+                # worker lost or hung meanwhile is left to the trials, each in a fresh process
+                failure = None
+                if not (out_of_budget() or fatal):
+                    failure = measured(worker, problem_job, (share[0][0], str(device)))
+                    if failure is not None and not failure["reason"].startswith(PROBLEM_FAILED):
+                        failure = None
+                for workload, direction, config, is_default in share:
+                    if interrupted.is_set():
+                        return  # no fresh worker to race the parent's stop
+                    if out_of_budget() or fatal:
+                        reason = "time budget exhausted" if not fatal else "tune stopped: " + fatal[0].one_line()
+                        finish(workload, direction, config, is_default, {"status": "skipped", "reason": reason})
+                        continue
+                    finish(workload, direction, config, is_default,
+                           failure or measured(worker, measure_job, (workload, direction, config, backend_name, str(device))))
 
-    threads = [threading.Thread(target=measure_share, args=(worker,), daemon=True) for worker in workers]
-    for thread in threads:
-        thread.start()
-    try:
+        threads = [threading.Thread(target=measure_share, args=(worker,), daemon=True) for worker in workers]
         for thread in threads:
-            thread.join()
-    except BaseException:
-        with record_lock:  # no trial is being journaled as the flag goes up
-            interrupted.set()
-        raise
-    if fatal:
-        raise fatal[0]
-    phases["measure"] = time.monotonic() - phase_start
+            thread.start()
+        try:
+            for thread in threads:
+                thread.join()
+        except BaseException:
+            with record_lock:  # no trial is being journaled as the flag goes up
+                interrupted.set()
+            raise
+        if fatal:
+            raise fatal[0]
+        phases["measure"] = phases.get("measure", 0.0) + time.monotonic() - phase_start
+
+    # -- the search: every candidate (exhaustive), or rounds down each key's ranking --
+    rankings: dict[tuple[str, str, str], list[str]] = {}
+    if ranking is None:
+        compile_and_measure(todo)
+    else:
+        def finished(item):
+            """A trial's median ms, None when it failed, ... when it has not run."""
+            trial = trials.get(trial_id(item[0], item[1], backend_name, item[2]))
+            if trial is None:
+                return ...
+            return trial.median_ms if trial.status == "ok" else None
+
+        # what runs here: the candidates still to run and those a resumed journal measured
+        rounds = RankedRounds([item for item in plan if finished(item) is ... or
+                               trials[trial_id(item[0], item[1], backend_name, item[2])].status != "unsupported"],
+                              ranking, widening)
+        batch = rounds.first(finished)
+        while batch and not out_of_budget():
+            compile_and_measure(batch)
+            for item in batch:
+                median = finished(item)
+                rounds.timed_as(item, None if median is ... else median)
+            batch = rounds.next_round(finished)
+        # what did not run: ranked out, or (the budget spent) skipped, which --resume measures
+        ranked_out = dict(rounds.left_out()) if not out_of_budget() else {}
+        for item in plan:
+            if finished(item) is ...:
+                finish(*item, {"status": RANKED_OUT, "reason": ranked_out[item], "stage": "pruned"}
+                       if item in ranked_out else {"status": "skipped", "reason": "time budget exhausted"})
+        for record in rounds.records(backend_name):
+            journal.append(record)
+        rankings = {(w.label, d, backend_name): [config_label(item[2]) for item in group.ranked]
+                    for (w, d), group in rounds.groups.items()}
     worker = workers[0]
 
     # -- winners, from the journal's view of every trial --
@@ -391,7 +464,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     ordered = [trials[trial_id(w, d, backend_name, c)] for w, d, c, _ in plan]
     return TuneResult(winners, ordered, time.monotonic() - start, device.type == "cuda",
                       {name: round(seconds, 1) for name, seconds in phases.items()},
-                      {name: pool.to_dict() for name, pool in pools.items() if pool.jobs})
+                      {name: pool.to_dict() for name, pool in pools.items() if pool.jobs}, rankings)
 
 
 def compile_keys(jobs: list[tuple], backend) -> list[list[tuple]]:

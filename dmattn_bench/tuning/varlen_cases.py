@@ -6,7 +6,7 @@ A packed case's inputs are FlashAttention's varlen operands as `flash_dmattn_var
 them (q (total_q, H, D), k and v (total_k, Hkv, D), a mask or bias per key (H|Hkv|1, total_k) or
 per query row (H|Hkv|1, total_q, max_seqlen_k)), each a view into a larger buffer whose memory
 around it (before the first row, past `total`, past a row's last column) holds NaN, or True for
-a mask. Inside, NaN wherever no query row may read:
+a mask; the suite's cases (`sliced`) also hold NaN past the head dim of each K and V row. Inside, NaN wherever no query row may read:
 
 - the keys (K, V and a per-key bias) of a sequence without query rows: the cases put such
   sequences between live ones, so a program that reads its neighbour's keys meets NaN;
@@ -28,6 +28,7 @@ import torch
 
 from dmattn_bench.tuning.case import KEEP_PROBABILITY, LARGE_BIAS, NAN_TAIL, NO_WINDOW, Case, Inputs, window_visible
 
+NAN_PAST_HEAD_DIM = 8  # NaN lanes past the head dim of a sliced packed case's K and V rows
 # Window rules (`Case.window_rule`): per side (a, b, c) for a * tile_m + b * tile_n + c keys, None unbounded
 KEY_TILE = (0, 1, 0)  # a key tile: the window's edge on a key-tile edge for rows on a query-tile edge
 KEY_TILE_LESS_ONE = (0, 1, -1)  # one key short: the edge one column inside a tile
@@ -177,8 +178,14 @@ def build_packed_inputs(case: Case, dtype: torch.dtype, device, generator) -> In
     int32 = dict(dtype=torch.int32, device=device)
     sequences = (torch.tensor(layout.cu_seqlens_q, **int32), torch.tensor(layout.cu_seqlens_k, **int32),
                  torch.tensor(layout.used, **int32) if case.seqused else None)
-    return Inputs(_surrounded(q, 0, float("nan")), _surrounded(k, 0, float("nan"), extra_last=8),
-                  _surrounded(v, 0, float("nan"), extra_last=8), mask, bias, randn((layout.total_q, heads, head_dim)),
+    # NaN past the head dim makes the K/V rows' strides no multiple of 16 elements, so Triton
+    # cannot vectorise their loads: the suite's cases (sliced) have it, a tuning workload keeps a
+    # user's contiguous rows, or it times other code than calls run (H200, packed causal forward:
+    # 1.9x slower at 128x64 w8 s3, 2.8x at 64x64 w4 s3; `python -m benchmarks varlen-probe --padded-rows`)
+    past_head_dim = NAN_PAST_HEAD_DIM if case.sliced else 0
+    return Inputs(_surrounded(q, 0, float("nan")), _surrounded(k, 0, float("nan"), extra_last=past_head_dim),
+                  _surrounded(v, 0, float("nan"), extra_last=past_head_dim), mask, bias,
+                  randn((layout.total_q, heads, head_dim)),
                   sequences=sequences, max_seqlens=layout.max_seqlens, owned_rows=(first, end))
 
 
@@ -252,4 +259,9 @@ def _full_cases() -> list[Case]:
     return cases
 
 
-VARLEN_SUITES = {"quick": _quick_cases, "full": _full_cases}
+def _sliced(build):
+    """The cases of `build` with their packed K/V as views with NaN past the head dim too (`sliced`)."""
+    return lambda: [replace(c, sliced=True) if c.packed else c for c in build()]
+
+
+VARLEN_SUITES = {"quick": _sliced(_quick_cases), "full": _sliced(_full_cases)}

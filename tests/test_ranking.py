@@ -1,0 +1,134 @@
+"""The ranked search of `dmattn-bench tune` (issue 57): the model that ranks a key's candidates
+from journal shapes, the widening rule, their replay on known times, and the tuner's rounds with
+the journal they leave, which `--exhaustive --resume` completes. Interpreter timings rank nothing
+real; the tests that tune check what runs and what is journaled, not which config wins."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dmattn_bench.space import FwdConfig, TableKey, config_label
+from dmattn_bench.tuning.ranking import (RANKED_OUT, UNSEEN, RankedRounds, RankingModel, Shape, Widening, config_items,
+                                         misfit, replay, search, similarity)
+from dmattn_bench.tuning.tuner import tune
+from dmattn_bench.tuning.workloads import Workload
+
+KEY = TableKey("fwd", "bf16", 128, True, "none", "none", 1, 4096, 4096)
+A, B, C, D = FwdConfig(64, 64, 4, 2), FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 2), FwdConfig(64, 32, 4, 1)
+
+
+def _shape(key: TableKey, relative: dict, name: str = "w", journal: str = "j") -> Shape:
+    return Shape(journal, name, key.to_dict(), {config_items(c): r for c, r in relative.items()})
+
+
+def test_similarity_is_zero_across_directions_and_falls_with_each_difference():
+    key = KEY.to_dict()
+    assert similarity(key, key) == 1.0
+    assert similarity(key, dict(key, direction="bwd")) == 0.0
+    longer = dict(key, seqlen_q_bucket=16384, seqlen_k_bucket=16384)  # two octaves each
+    assert similarity(key, longer) == pytest.approx(0.6 ** 4)
+    assert similarity(key, dict(key, head_dim=64)) < similarity(key, dict(key, mask="full")) < 1.0
+    assert similarity(key, dict(key, head_dim=96)) == 1.0  # one head-dim class
+
+
+def test_the_model_ranks_by_the_nearest_shapes_and_puts_unseen_configs_last_in_space_order():
+    near = _shape(KEY, {A: 1.3, B: 1.0, C: 1.1})
+    far = _shape(TableKey("fwd", "bf16", 256, False, "full", "full", 1, 1024, 1024), {A: 1.0, B: 2.0, C: 1.5})
+    model = RankingModel([near, far])
+    assert [config for config, _ in model.rank(KEY, [A, D, B, C])] == [B, C, A, D]
+    assert model.predict(KEY, D) == UNSEEN
+    assert model.predict(KEY, B) < 1.01  # the far shape barely counts
+    other = TableKey("bwd", "bf16", 128, True, "none", "none+grad", 1, 4096, 4096)
+    assert model.predict(other, B) == UNSEEN  # no backward shape
+
+
+def test_widening_stops_after_a_batch_without_gain_unless_the_model_misfits():
+    widening = Widening(batch=2, tolerance=0.02, model_error=1.15)
+    ranked = [A, B, C, D]
+    predicted = {A: 1.0, B: 1.05, C: 1.1, D: 1.2}
+    # the first batch set the pace; the second did not beat it by 2%: stop
+    assert widening.next_batch(ranked, {A: 1.0, B: 1.05, C: 0.99, D: 1.3}, [C, D], predicted) == []
+    # it did: go on (nothing left here)
+    assert widening.next_batch(ranked, {A: 1.0, B: 1.05, C: 0.9}, [C], predicted) == [D]
+    # no gain, but the measured ratios are far from the predicted ones: the ranking is not to be trusted
+    assert misfit({A: 2.0, B: 1.0}, predicted) > 1.15
+    assert widening.next_batch(ranked, {A: 2.0, B: 1.0}, [B], {A: 1.0, B: 1.05, C: 1.1}) == [C, D]
+    assert misfit({A: 1.0}, predicted) == 1.0  # one point says nothing
+
+
+def test_search_times_down_the_ranking_until_a_batch_brings_nothing():
+    times = {A: 3.0, B: 2.0, C: 2.5, D: 1.0}
+    assert search([A, B, C, D], times, Widening(batch=1)) == [A, B, C]  # C did not beat B
+    assert search([D, B, C, A], times, Widening(batch=1)) == [D, B]
+    assert search([A, B, C, D], {A: None, B: None, C: 1.0, D: 0.5}, Widening(batch=2)) == [A, B, C, D]
+
+
+def test_replay_leaves_each_shape_out_of_its_own_ranking():
+    shapes = [_shape(KEY, {A: 1.5, B: 1.0, C: 1.2, D: 2.0}, name=f"w{i}") for i in range(3)]
+    rows = replay(RankingModel(shapes), Widening(batch=2), hold_out="workload")
+    # the model is right: the second batch brings nothing, so the search stops after it
+    assert len(rows) == 3 and all(r.regret == 1.0 and r.timed == 4 and r.candidates == 4 for r in rows)
+    lone = replay(RankingModel(shapes[:1]), Widening(batch=2), hold_out="workload")
+    assert lone[0].timed >= 2  # with nothing to learn from, the space's order and the rule alone
+
+
+class _Workload:
+    """What `RankedRounds` reads of a workload: its key per direction and a label."""
+
+    label = "w"
+
+    def key(self, direction):
+        return KEY
+
+
+def test_rounds_time_the_default_first_and_count_a_resumed_journal_s_trials_as_timed():
+    w = _Workload()
+    items = [(w, "fwd", A, False), (w, "fwd", B, False), (w, "fwd", C, True), (w, "fwd", D, False)]
+    model = RankingModel([_shape(KEY, {A: 1.0, B: 1.1, C: 1.5, D: 3.0})])
+    rounds = RankedRounds(items, model, Widening(batch=2))
+    assert [item[2] for item in rounds.first(lambda item: ...)] == [C, A]  # the default, then the best predicted
+    for item, ms in ((items[2], 1.5), (items[0], 1.0)):
+        rounds.timed_as(item, ms)
+    # A beat the default: widen to the next two (B, then D)
+    times = {C: 1.5, A: 1.0}
+    assert [item[2] for item in rounds.next_round(lambda item: times.get(item[2], ...))] == [B, D]
+    rounds.timed_as(items[1], 1.1)
+    rounds.timed_as(items[3], 3.0)
+    assert rounds.next_round(lambda item: ...) == [] and rounds.left_out() == []
+    # resumed: A and C are in the journal already, so the first round runs only what follows them
+    again = RankedRounds(items, model, Widening(batch=2))
+    assert [item[2] for item in again.first(lambda item: {C: 1.5, A: 1.0}.get(item[2], ...))] == [B, D]
+    record = again.records("triton")[0]
+    assert record["kind"] == "ranking" and record["order"] == [config_label(c) for c in (C, A, B, D)]
+    assert record["timed"] == 4
+
+
+def test_a_ranked_tune_journals_what_it_left_out_and_exhaustive_resume_times_only_that(tmp_path):
+    workload = Workload(1, 2, 2, 24, 24, 32, True, "none", "none", False, "fp32")
+    default = FwdConfig(16, 16, 1, 1)
+    space = {"fwd": [default, FwdConfig(32, 16, 1, 1), FwdConfig(16, 32, 1, 1), FwdConfig(32, 32, 1, 1)]}
+    key = workload.key("fwd")
+    # the journals say 32x16 is the best here, 32x32 the worst
+    model = RankingModel([_shape(key, {space["fwd"][1]: 1.0, space["fwd"][2]: 1.2, space["fwd"][3]: 3.0, default: 1.5})])
+    journal = tmp_path / "T.trials.jsonl"
+    first = tune([workload], space, "cpu", journal_path=journal, ranking=model, widening=Widening(batch=1))
+    statuses = {(t.config["block_m"], t.config["block_n"]): t.status for t in first.trials}
+    assert set(statuses.values()) <= {"ok", RANKED_OUT}
+    # the first batch (the default), then always a second (the model's pick); the rest as times say
+    assert statuses[(16, 16)] == statuses[(32, 16)] == "ok"
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    ranking = [r for r in records if r["kind"] == "ranking"]
+    assert len(ranking) == 1 and ranking[0]["order"] == ["16x16 w1 s1", "32x16 w1 s1", "16x32 w1 s1", "32x32 w1 s1"]
+    assert ranking[0]["timed"] == sum(status == "ok" for status in statuses.values())
+    search = first.search_of(next(w for w in first.winners if w.key.direction == "fwd"))
+    assert search["candidates"] == 4 and search["ran"] == ranking[0]["timed"]
+    assert search["predicted_rank"] in (1, 2, 3, 4)
+    left = [t for t in first.trials if t.status == RANKED_OUT]
+    assert all("--exhaustive times it" in t.reason for t in left)
+    seen = []
+    second = tune([workload], space, "cpu", journal_path=journal, resume=True, on_trial=seen.append)
+    assert all(trial.status == "ok" for trial in second.trials) and len(second.trials) == 4
+    assert len(seen) == len(left)  # the resumed run measured the ranked-out ones only
+    assert second.search_of(second.winners[0])["predicted_rank"] is None  # exhaustive: no ranking
