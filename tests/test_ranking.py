@@ -97,6 +97,7 @@ def test_rounds_time_the_default_first_and_count_a_resumed_journal_s_trials_as_t
     rounds.timed_as(items[1], 1.1)
     rounds.timed_as(items[3], 3.0)
     assert rounds.next_round(lambda item: ...) == [] and rounds.left_out() == []
+    assert rounds.regret_estimate() == {"groups": 0, "unknown": 0, "geomean": None, "worst": None}
     # resumed: A and C are in the journal already, so the first round runs only what follows them
     again = RankedRounds(items, model, Widening(batch=2))
     assert [item[2] for item in again.first(lambda item: {C: 1.5, A: 1.0}.get(item[2], ...))] == [B, D]
@@ -125,6 +126,8 @@ def test_a_ranked_tune_journals_what_it_left_out_and_exhaustive_resume_times_onl
     search = first.search_of(next(w for w in first.winners if w.key.direction == "fwd"))
     assert search["candidates"] == 4 and search["ran"] == ranking[0]["timed"]
     assert search["predicted_rank"] in (1, 2, 3, 4)
+    estimate = first.search_regret["triton"]
+    assert estimate["groups"] + estimate["unknown"] == (1 if any(s == RANKED_OUT for s in statuses.values()) else 0)
     left = [t for t in first.trials if t.status == RANKED_OUT]
     assert all("--exhaustive times it" in t.reason for t in left)
     seen = []
@@ -132,3 +135,23 @@ def test_a_ranked_tune_journals_what_it_left_out_and_exhaustive_resume_times_onl
     assert all(trial.status == "ok" for trial in second.trials) and len(second.trials) == 4
     assert len(seen) == len(left)  # the resumed run measured the ranked-out ones only
     assert second.search_of(second.winners[0])["predicted_rank"] is None  # exhaustive: no ranking
+    assert second.search_regret == {}
+
+
+def test_the_search_s_regret_estimate_is_what_the_model_says_the_left_out_candidates_could_gain():
+    w = _Workload()
+    items = [(w, "fwd", A, True), (w, "fwd", B, False), (w, "fwd", C, False), (w, "fwd", D, False)]
+    model = RankingModel([_shape(KEY, {A: 1.5, B: 1.0, C: 1.2, D: 1.3})])
+    rounds = RankedRounds(items, model, Widening(batch=2))
+    assert [item[2] for item in rounds.first(lambda item: ...)] == [A, B]
+    rounds.timed_as(items[0], 1.0)  # the default came out fastest, though predicted 1.5x the best
+    rounds.timed_as(items[1], 1.2)
+    # stopped here (say, by the budget): C, predicted 1.2, may beat A, predicted 1.5, by 1.25x
+    estimate = rounds.regret_estimate()
+    assert estimate == {"groups": 1, "unknown": 0, "geomean": 1.25, "worst": 1.25}
+    rounds.timed_as(items[0], 2.0)  # B fastest now: the model gives C and D no edge over it
+    assert rounds.regret_estimate()["worst"] == 1.0
+    blind = RankedRounds(items, RankingModel([]), Widening(batch=2))
+    blind.first(lambda item: ...)
+    blind.timed_as(items[0], 1.0)
+    assert blind.regret_estimate() == {"groups": 0, "unknown": 1, "geomean": None, "worst": None}

@@ -116,6 +116,11 @@ def test_tune_writes_a_table_that_show_verify_and_dispatch_accept(tmp_path):
     document = json.loads(result.stdout)
     # fwd: the default and the alternative; bwd: the space holds only the default (deduplicated)
     assert document["entries"] == 2 and document["counts"] == {"ok": 3}
+    # the ranked search (the default) over two candidates times both: nothing to estimate
+    assert document["search"] == "ranked" and document["search_regret_estimate"] == {
+        "triton": {"groups": 0, "unknown": 0, "geomean": None, "worst": None}}
+    assert {(w["key"]["direction"], w["search"]["ran"], w["search"]["candidates"]) for w in document["winners"]} == {
+        ("fwd", 2, 2), ("bwd", 1, 1)}
     table = load_table(out)  # passes the schema
     assert {e.key.direction for e in table.entries} == {"fwd", "bwd"}
     assert table.interpreter is True

@@ -417,6 +417,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                 "current_choice_regret": regret,
                 "timings_meaningful": result.meaningful_timings,
                 "search": "exhaustive" if exhaustive else "ranked",
+                "search_regret_estimate": result.search_regret or None,
                 "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence,
                                  search=result.search_of(w))
                             for w in result.winners]}
@@ -425,6 +426,14 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     output.info(f"wrote {out} ({len(entries)} entries{merged_note})" + (
         "" if not result.meaningful_timings else "; geometric-mean speed-up over the defaults: "
         + (f"{speedup:.3f}x" if speedup else "n/a")))
+    for name, estimate in result.search_regret.items():
+        if estimate["groups"] or estimate["unknown"]:
+            output.info(f"{name}: the ranking left candidates out on {estimate['groups'] + estimate['unknown']} "
+                        "workload directions; the model puts what that may cost at "
+                        + (f"{estimate['geomean']:.3f}x in geometric mean, {estimate['worst']:.3f}x at worst"
+                           if estimate["groups"] else "nothing it can say")
+                        + (f" ({estimate['unknown']} without a prediction)" if estimate["unknown"] else "")
+                        + "; --exhaustive --resume times the rest")
     if regret["geomean"] is not None and result.meaningful_timings:
         output.info(f"before this tune, calls of these keys ran {regret['geomean']:.3f}x the tuned time in geometric "
                     f"mean ({regret['worst']:.3f}x at worst, {regret['keys']} keys"

@@ -323,6 +323,27 @@ class RankedRounds:
                     out.append((item, f"ranked {rank + 1} of {len(group.ranked)} ({guess}); --exhaustive times it"))
         return out
 
+    def regret_estimate(self) -> dict:
+        """The search's own estimate of what leaving candidates out cost: per (workload, direction),
+        the fastest timed candidate's predicted relative time over the lowest predicted among those
+        left out (at least 1; the model's word that one of them is faster, in its units), as a
+        geometric mean and a worst over the groups that left any out and whose fastest the model
+        has a prediction for; `unknown` counts the others that left some out."""
+        estimates, unknown = [], 0
+        for group in self.groups.values():
+            left = [group.predicted[item[2]] for item in group.ranked if item[2] not in group.timed]
+            timed = {c: ms for c, ms in group.timed.items() if ms is not None}
+            if not left:
+                continue
+            best = min(timed, key=timed.get) if timed else None
+            if best is None or not math.isfinite(group.predicted[best]) or not math.isfinite(min(left)):
+                unknown += 1
+                continue
+            estimates.append(max(1.0, group.predicted[best] / min(left)))
+        return {"groups": len(estimates), "unknown": unknown,
+                "geomean": round(math.exp(sum(map(math.log, estimates)) / len(estimates)), 4) if estimates else None,
+                "worst": round(max(estimates), 4) if estimates else None}
+
     def records(self, backend_name: str) -> list[dict]:
         """Journal records of each group's ranking: its order, predictions and how many it timed."""
         from dmattn_bench.space import config_label

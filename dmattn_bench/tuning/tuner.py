@@ -79,6 +79,8 @@ class TuneResult:
     pools: dict[str, dict] = field(default_factory=dict)  # phase -> PoolStats.to_dict() of its processes
     # a ranked search's order per (workload label, direction, backend): config labels, best predicted first
     rankings: dict[tuple[str, str, str], list[str]] = field(default_factory=dict)
+    # a ranked search's own regret estimate per backend (`RankedRounds.regret_estimate`)
+    search_regret: dict[str, dict] = field(default_factory=dict)
 
     def search_of(self, winner: Winner) -> dict:
         """How the search found `winner`'s config on its key: the candidates that ran (compiled
@@ -132,6 +134,7 @@ def combine_backends(results: dict[str, TuneResult]) -> TuneResult:
         phases={f"{name} {phase}": seconds for name, result in results.items() for phase, seconds in result.phases.items()},
         pools={f"{name} {phase}": pool for name, result in results.items() for phase, pool in result.pools.items()},
         rankings={k: v for result in results.values() for k, v in result.rankings.items()},
+        search_regret={k: v for result in results.values() for k, v in result.search_regret.items()},
     )
 
 
@@ -422,6 +425,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
 
     # -- the search: every candidate (exhaustive), or rounds down each key's ranking --
     rankings: dict[tuple[str, str, str], list[str]] = {}
+    search_regret: dict[str, dict] = {}
     if ranking is None:
         compile_and_measure(todo)
     else:
@@ -453,6 +457,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             journal.append(record)
         rankings = {(w.label, d, backend_name): [config_label(item[2]) for item in group.ranked]
                     for (w, d), group in rounds.groups.items()}
+        search_regret[backend_name] = rounds.regret_estimate()
     worker = workers[0]
 
     # -- winners, from the journal's view of every trial --
@@ -464,7 +469,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     ordered = [trials[trial_id(w, d, backend_name, c)] for w, d, c, _ in plan]
     return TuneResult(winners, ordered, time.monotonic() - start, device.type == "cuda",
                       {name: round(seconds, 1) for name, seconds in phases.items()},
-                      {name: pool.to_dict() for name, pool in pools.items() if pool.jobs}, rankings)
+                      {name: pool.to_dict() for name, pool in pools.items() if pool.jobs}, rankings, search_regret)
 
 
 def compile_keys(jobs: list[tuple], backend) -> list[list[tuple]]:
