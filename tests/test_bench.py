@@ -536,3 +536,46 @@ def test_bench_renders_the_reports_of_split_runs_as_one(tmp_path):
     mixed = CliRunner().invoke(bench, ["--from-json", first, "--from-json", other])
     assert mixed.exit_code == 2
     assert "c.json: its device 'NVIDIA H100 80GB HBM3' differs from" in mixed.output
+
+
+def test_an_interrupted_bench_reports_the_rows_that_finished(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM (a `timeout`) while a peer runs: the report holds ours' rows, says it was
+    interrupted, and the command exits 130 with how to run the rest."""
+    from dmattn_bench.bench import harness
+    from dmattn_bench.cli.bench import BenchStopped
+
+    measure = harness._measure_peer
+
+    def stopped_at_the_second_peer(pw, peer, *args, **kwargs):
+        if peer != "dmattn":
+            raise KeyboardInterrupt
+        return measure(pw, peer, *args, **kwargs)
+
+    monkeypatch.setattr(harness, "_measure_peer", stopped_at_the_second_peer)
+    path = _write(tmp_path, TINY)
+    result = CliRunner().invoke(bench, ["--workloads", path, "--peers", "sdpa-efficient", "--repeats", "3",
+                                        "--format", "json"])
+    assert isinstance(result.exception, BenchStopped) and result.exception.exit_code == 130
+    assert "--only" in result.exception.one_line()
+    document = json.loads(result.stdout)
+    assert document["interrupted"] == "interrupted after 2 of 4 rows"
+    assert [(r["peer"], r["direction"], r["status"]) for r in document["rows"]] == [
+        ("dmattn", "fwd", "ok"), ("dmattn", "fwd+bwd", "ok")]
+    report = tmp_path / "partial.json"
+    report.write_text(result.stdout)
+    rendered = CliRunner().invoke(bench, ["--from-json", str(report), "--format", "markdown"])
+    assert rendered.exit_code == 0, rendered.output  # rendering a partial report is no interruption
+    assert "**Interrupted**: interrupted after 2 of 4 rows" in rendered.stdout
+
+
+def test_sigterm_stops_the_bench_as_ctrl_c_does():
+    import os
+    import signal
+
+    from dmattn_bench.cli.bench import _sigterm_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with _sigterm_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is before

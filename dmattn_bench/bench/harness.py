@@ -548,16 +548,40 @@ def _measure_peer(pw: PeerWorkload, peer: str, inputs: BenchInputs, table: str |
     return rows, out
 
 
+class BenchInterrupted(KeyboardInterrupt):
+    """A bench stopped by Ctrl-C or SIGTERM, with the rows it finished (ratios filled) and how many
+    it planned: the caller reports them instead of losing them."""
+
+    def __init__(self, rows: list[Row], planned: int):
+        super().__init__(f"interrupted after {len(rows)} of {planned} rows")
+        self.rows, self.planned = rows, planned
+
+
 def run_bench(workloads: list[PeerWorkload], peers: list[str], device, table: str | None = None,
               repeats: int = 20, copy_bytes_per_s: float | None = None,
               directions: tuple[str, ...] = DIRECTIONS) -> list[Row]:
     """Every (workload, peer, direction of `directions` it has: `timed_directions`); ours first in
     each workload so ratios can be filled. The eager wall time runs `eager_loop(device)` calls;
-    decode rows get their bandwidth fraction of `copy_bytes_per_s` (`copy_rate`) when it is given."""
+    decode rows get their bandwidth fraction of `copy_bytes_per_s` (`copy_rate`) when it is given.
+
+    Raises:
+        BenchInterrupted: on KeyboardInterrupt, with the rows of every peer that finished."""
     device = torch.device(device)
-    peaks = hardware.device_peaks(device)
     rows: list[Row] = []
     total = sum(len(timed_directions(pw, directions)) for pw in workloads) * len(peers)
+    try:
+        _measure_all(workloads, peers, device, table, repeats, copy_bytes_per_s, directions, rows, total)
+    except KeyboardInterrupt:
+        fill_ratios(rows)
+        raise BenchInterrupted(rows, total) from None
+    fill_ratios(rows)
+    return rows
+
+
+def _measure_all(workloads, peers, device, table, repeats, copy_bytes_per_s, directions, rows: list[Row],
+                 total: int) -> None:
+    """`run_bench`'s measurements, each peer's rows appended to `rows` as they finish."""
+    peaks = hardware.device_peaks(device)
     with output.progress("bench", total=total) as advance:
         for pw in workloads:
             output.info(f"workload {pw.describe()}")
@@ -573,8 +597,6 @@ def run_bench(workloads: list[PeerWorkload], peers: list[str], device, table: st
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             del inputs, ours_out
-    fill_ratios(rows)
-    return rows
 
 
 def fill_ratios(rows: list[Row]) -> None:

@@ -3,9 +3,11 @@ the renderings of its report (rich table, markdown, PNG), from a run or a saved 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -14,8 +16,8 @@ import torch
 from rich.table import Table
 
 from dmattn_bench import output
-from dmattn_bench.bench.harness import (COPY_BYTES, DIRECTIONS, Row, copy_rate, eager_loop, failed_rows_of_ours,
-                                        load_peer_workloads, run_bench, timed_directions)
+from dmattn_bench.bench.harness import (COPY_BYTES, DIRECTIONS, BenchInterrupted, Row, copy_rate, eager_loop,
+                                        failed_rows_of_ours, load_peer_workloads, run_bench, timed_directions)
 from dmattn_bench.bench.peers import (DECODE_PEERS, DEFAULT_PEERS, OURS, PACKED_PEERS, PEER_GROUPS, PEERS,
                                       STRUCTURED_ONLY, parse_peers)
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
@@ -78,6 +80,8 @@ def markdown(document: dict) -> str:
              f"Command: `{document['command']}`", ""]
     if document.get("timings_meaningful") is False:
         lines += ["**Timings are not meaningful**: the Triton interpreter ran our kernel on the CPU.", ""]
+    if document.get("interrupted"):
+        lines += [f"**Interrupted**: {document['interrupted']}; the rows below are those that finished.", ""]
     loop = document.get("eager_loop")
     wall = ("not measured in this report" if loop is None else
             f"{loop['calls']} back-to-back calls, no spin, no flush, one sync at the end; median of {loop['loops']} "
@@ -157,6 +161,29 @@ def plot(document: dict, path: str | Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+class BenchStopped(DmattnError):
+    """The bench was interrupted; its report of the rows that finished was printed."""
+
+    exit_code = 130
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (a `timeout`, a job scheduler) stops the bench as Ctrl-C does, so its finished rows are
+    reported; the previous handler is restored after."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # -- saved reports ---------------------------------------------------------------------------------
@@ -279,8 +306,13 @@ def bench(table_path, workloads_path, only, directions, peer_names, dtype, repea
         rate = copy_rate(device) if has_gpu and any(decoding) else None
         if rate is not None:
             output.info(f"device copy: {rate / 1e12:.2f} TB/s")
-        rows = run_bench(workloads, peers, device, table=table_path, repeats=repeats, copy_bytes_per_s=rate,
-                         directions=directions)
+        interrupted = None
+        try:
+            with _sigterm_as_interrupt():
+                rows = run_bench(workloads, peers, device, table=table_path, repeats=repeats, copy_bytes_per_s=rate,
+                                 directions=directions)
+        except BenchInterrupted as stop:  # the rows that finished are reported, not lost
+            rows, interrupted = stop.rows, str(stop)
         failed = failed_rows_of_ours(rows)
         calls, loops = eager_loop(device)
         peaks = device_peaks(device)
@@ -296,6 +328,8 @@ def bench(table_path, workloads_path, only, directions, peer_names, dtype, repea
             "workloads": [w.describe() for w in workloads],
             "rows": [row.to_dict() for row in rows],
         }
+        if interrupted:
+            document["interrupted"] = interrupted
     if fmt == "markdown":
         output.write_text(markdown(document))
     else:
@@ -303,6 +337,9 @@ def bench(table_path, workloads_path, only, directions, peer_names, dtype, repea
     if plot_path is not None:
         plot(document, plot_path)
         output.info(f"plot written to {plot_path}")
+    if document.get("interrupted") and not from_json:
+        raise BenchStopped(f"bench {document['interrupted']}", "the report above holds those rows; "
+                           "`--only` runs the rest, `--from-json A --from-json B` renders the runs as one")
     if failed:
         # the report is printed, failed rows and all: exit 1 says the run failed at its one job
         raise DmattnError(f"our kernel (peer dmattn) failed on {len(failed)} row(s): "

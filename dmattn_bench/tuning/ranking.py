@@ -14,12 +14,14 @@ no tune.
 
 The widening rule (`Widening`): time the first batch of the ranking (the default and the model's
 first picks) and the next, and go on while each batch beats the best time before it by more than
-`tolerance`. (Stopping after the first batch when its best was the model's pick missed the best
-by 1.5x on H100 D256 backward shapes: two picks can agree with each other and both be wrong.) A batch without gain says that the model's order has become right near the
-top: the candidates below it are predicted slower than every one timed, and the last `batch` of
-them already failed to improve. Either way the search goes on while the measured times of the
-timed candidates stray from the predicted ones (`misfit` over `model_error`): there the model
-does not know the key. `--exhaustive` times every candidate.
+`tolerance`. A batch without gain says that the model's order has become right near the top: the
+candidates below it are predicted slower than every one timed, and the last `batch` of them
+already failed to improve. (Stopping after the first batch when its best was the model's pick
+missed the best by 1.5x on H100 D256 backward shapes: two picks can agree with each other and
+both be wrong.) Either way the search goes on while the measured times of the timed candidates
+stray from the predicted ones (`misfit` over `model_error`): there the model does not know the
+key. `--exhaustive` times every candidate; `benchmarks/ranked_replay.py` replays the rule on the
+committed journals.
 """
 
 from __future__ import annotations
