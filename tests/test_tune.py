@@ -208,8 +208,10 @@ def test_the_same_tune_again_starts_over_after_a_completed_run_and_resumes_only_
     assert f"dmattn-bench verify --table {out.resolve()} --dtype fp32" in first.stderr
     assert first.stderr.count("tune [") == 3
 
-    again = runner.invoke(tune_command, args)
+    again = runner.invoke(tune_command, args + ["--exhaustive"])  # every candidate, as the ranked run here
     assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["search"] == "exhaustive"
+    assert json.loads(again.stdout)["search_regret_estimate"] is None
     assert "completed run: starting over" in again.stderr
     kinds = [r["kind"] for r in _records(journal)]
     # measured again into an emptied journal: not refused, not appended to, not replayed
