@@ -155,3 +155,11 @@ def test_the_search_s_regret_estimate_is_what_the_model_says_the_left_out_candid
     blind.first(lambda item: ...)
     blind.timed_as(items[0], 1.0)
     assert blind.regret_estimate() == {"groups": 0, "unknown": 1, "geomean": None, "worst": None}
+
+
+def test_a_knob_no_journal_timed_is_ranked_beside_its_tiles():
+    plain, knob = FwdConfig(128, 128, 12, 2), FwdConfig(128, 128, 12, 2, overlap=1)
+    model = RankingModel([_shape(KEY, {plain: 1.0, A: 1.4, B: 1.8})])
+    assert model.predict(KEY, knob) == model.predict(KEY, plain) == 1.0
+    assert [config for config, _ in model.rank(KEY, [B, A, knob])] == [knob, A, B]
+    assert model.predict(KEY, FwdConfig(256, 64, 12, 2, overlap=1)) == UNSEEN  # no twin timed either
