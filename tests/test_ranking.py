@@ -163,3 +163,25 @@ def test_a_knob_no_journal_timed_is_ranked_beside_its_tiles():
     assert model.predict(KEY, knob) == model.predict(KEY, plain) == 1.0
     assert [config for config, _ in model.rank(KEY, [B, A, knob])] == [knob, A, B]
     assert model.predict(KEY, FwdConfig(256, 64, 12, 2, overlap=1)) == UNSEEN  # no twin timed either
+
+
+def test_ranked_against_exhaustive_takes_both_choices_times_from_the_exhaustive_journal(tmp_path):
+    from benchmarks.ranked_vs_exhaustive import compare
+
+    key, other = KEY.to_dict(), dict(KEY.to_dict(), head_dim=64)
+    journal = tmp_path / "e.trials.jsonl"
+    trials = [("w1", key, A, 1.0), ("w1", key, B, 1.1), ("w2", key, A, 2.0), ("w2", key, B, 2.2),
+              ("w3", other, A, 1.0)]
+    journal.write_text("\n".join(json.dumps({"kind": "trial", "status": "ok", "backend": "triton", "workload": w,
+                                             "key": k, "config": c.to_dict(), "median_ms": ms})
+                                  for w, k, c, ms in trials) + "\n")
+
+    def winner(k, config):
+        return {"key": k, "backend": "triton", "config": config.to_dict()}
+
+    exhaustive = {"wall_s": 200.0, "trials_file": str(journal), "winners": [winner(key, A), winner(other, A)]}
+    ranked = {"wall_s": 50.0, "winners": [winner(key, B), winner(other, C)]}
+    document = compare(ranked, exhaustive, journal)
+    assert document["wall_ratio"] == 0.25
+    assert [row["regret"] for row in document["rows"]] == [1.1, None]  # C: the exhaustive run has no time of it
+    assert document["regret_geomean"] == document["regret_worst"] == 1.1 and document["keys_without_regret"] == 1
