@@ -15,7 +15,12 @@ import math
 from pathlib import Path
 
 from dmattn_bench.bench.operators import operator
-from dmattn_bench.tuning.ranking import RankingModel, Widening, committed_journals, replay
+from dmattn_bench.tuning.ranking import RankingModel, Widening, replay
+
+
+def committed_journals() -> list[Path]:
+    """The trial journals under `results/`: the tunes of the GPUs the repository was measured on."""
+    return sorted(Path("results").glob("**/*.trials.jsonl"))
 
 
 def _geomean(values: list[float]) -> float:

@@ -13,51 +13,10 @@ regret_worst) on stdout."""
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 from dmattn_bench.bench.operators import operator
-
-
-def _times(journal: Path) -> dict[tuple, dict[str, float]]:
-    """{(backend, key as JSON, config as JSON): {workload: median ms}} of the journal's ok trials."""
-    times: dict[tuple, dict[str, float]] = {}
-    for line in journal.read_text().splitlines():
-        trial = json.loads(line)
-        if trial.get("kind") == "trial" and trial.get("status") == "ok" and trial.get("median_ms"):
-            where = (trial["backend"], json.dumps(trial["key"], sort_keys=True), json.dumps(trial["config"],
-                                                                                            sort_keys=True))
-            times.setdefault(where, {})[trial["workload"]] = trial["median_ms"]
-    return times
-
-
-def compare(ranked: dict, exhaustive: dict, journal: Path) -> dict:
-    """The comparison document (module docstring). A key the ranked run chose a config for that the
-    exhaustive run did not time on all the key's workloads is listed with regret None."""
-    times = _times(journal)
-    chosen = {json.dumps(w["key"], sort_keys=True): w for w in exhaustive["winners"]}
-    rows = []
-    for winner in ranked["winners"]:
-        key = json.dumps(winner["key"], sort_keys=True)
-        best = chosen.get(key)
-        regret = None
-        if best is not None:
-            ours = times.get((winner["backend"], key, json.dumps(winner["config"], sort_keys=True)), {})
-            theirs = times.get((best["backend"], key, json.dumps(best["config"], sort_keys=True)), {})
-            shared = sorted(set(ours) & set(theirs))
-            if shared and set(theirs) <= set(ours):
-                regret = math.exp(sum(math.log(ours[w] / theirs[w]) for w in shared) / len(shared))
-        rows.append({"key": winner["key"], "ranked": [winner["backend"], winner["config"]],
-                     "exhaustive": None if best is None else [best["backend"], best["config"]],
-                     "regret": None if regret is None else round(regret, 4)})
-    known = [r["regret"] for r in rows if r["regret"] is not None]
-    return {"wall_ratio": round(ranked["wall_s"] / exhaustive["wall_s"], 4),
-            "ranked_wall_s": ranked["wall_s"], "exhaustive_wall_s": exhaustive["wall_s"],
-            "ranked_phases_s": ranked.get("phases_s"), "exhaustive_phases_s": exhaustive.get("phases_s"),
-            "regret_geomean": round(math.exp(sum(map(math.log, known)) / len(known)), 4) if known else None,
-            "regret_worst": max(known) if known else None,
-            "keys": len(rows), "keys_without_regret": len(rows) - len(known),
-            "search_regret_estimate": ranked.get("search_regret_estimate"), "rows": rows}
+from dmattn_bench.tuning.ranking import compare_tunes
 
 
 @operator("ranked-vs-exhaustive", help="A ranked tune against an exhaustive one: wall ratio and regret per key")
@@ -70,7 +29,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--format", choices=("markdown", "json"), default="markdown")
     args = parser.parse_args(argv)
     ranked, exhaustive = (json.loads(path.read_text()) for path in (args.ranked, args.exhaustive))
-    document = compare(ranked, exhaustive, args.journal or Path(exhaustive["trials_file"]))
+    document = compare_tunes(ranked, exhaustive, args.journal or Path(exhaustive["trials_file"]))
     if args.format == "json":
         print(json.dumps(document, indent=1))
         return

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from dmattn_bench.space import FwdConfig, TableKey, config_label
-from dmattn_bench.tuning.ranking import (RANKED_OUT, UNSEEN, RankedRounds, RankingModel, Shape, Widening, config_items,
-                                         misfit, replay, search, similarity)
+from dmattn_bench.tuning.ranking import (RANKED_OUT, UNSEEN, RankedRounds, RankingModel, Shape, Widening, compare_tunes,
+                                         config_items, misfit, replay, search, similarity, write_shapes)
 from dmattn_bench.tuning.tuner import tune
 from dmattn_bench.tuning.workloads import Workload
 
@@ -166,8 +166,6 @@ def test_a_knob_no_journal_timed_is_ranked_beside_its_tiles():
 
 
 def test_ranked_against_exhaustive_takes_both_choices_times_from_the_exhaustive_journal(tmp_path):
-    from benchmarks.ranked_vs_exhaustive import compare
-
     key, other = KEY.to_dict(), dict(KEY.to_dict(), head_dim=64)
     journal = tmp_path / "e.trials.jsonl"
     trials = [("w1", key, A, 1.0), ("w1", key, B, 1.1), ("w2", key, A, 2.0), ("w2", key, B, 2.2),
@@ -181,7 +179,22 @@ def test_ranked_against_exhaustive_takes_both_choices_times_from_the_exhaustive_
 
     exhaustive = {"wall_s": 200.0, "trials_file": str(journal), "winners": [winner(key, A), winner(other, A)]}
     ranked = {"wall_s": 50.0, "winners": [winner(key, B), winner(other, C)]}
-    document = compare(ranked, exhaustive, journal)
+    document = compare_tunes(ranked, exhaustive, journal)
     assert document["wall_ratio"] == 0.25
     assert [row["regret"] for row in document["rows"]] == [1.1, None]  # C: the exhaustive run has no time of it
     assert document["regret_geomean"] == document["regret_worst"] == 1.1 and document["keys_without_regret"] == 1
+
+
+def test_the_ranking_file_holds_the_shapes_the_model_ranks_with(tmp_path):
+    shapes = [_shape(KEY, {A: 1.3, B: 1.0, C: 1.1}, name="w1"), _shape(KEY, {A: 1.0, D: 2.0}, name="w2")]
+    shapes[0] = Shape(shapes[0].journal, "w1", shapes[0].key, shapes[0].relative, config_items(A))
+    path = tmp_path / "ranking.json"
+    write_shapes({"triton": shapes}, path)
+    loaded = RankingModel.load("triton", path)
+    assert loaded.shapes == shapes
+    assert loaded.rank(KEY, [A, B, C, D]) == RankingModel(shapes).rank(KEY, [A, B, C, D])
+    assert RankingModel.load("cuda", path).shapes == [] and RankingModel.load("triton", tmp_path / "none").shapes == []
+
+
+def test_the_shipped_ranking_file_loads_for_both_backends():
+    assert len(RankingModel.load("triton").shapes) > 100 and len(RankingModel.load("cuda").shapes) > 10

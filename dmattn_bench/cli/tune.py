@@ -20,7 +20,7 @@ from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.space import CONFIGS_DIR, TUNED_DIRECTIONS, config_label
 from dmattn_bench.tuning.journal import JournalError, JournalState, mark_finished, read_state
-from dmattn_bench.tuning.ranking import RankingModel, committed_journals
+from dmattn_bench.tuning.ranking import RankingModel
 from dmattn_bench.tuning.prune import load_ci_space, load_space, read_yaml_mapping
 from dmattn_bench.tuning.table_writer import dump_table, merged, new_table
 from dmattn_bench.tuning.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, combine_backends,
@@ -386,7 +386,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
         with output.progress("tune", total=len(planned) - replayed) as advance:
             for index, name in enumerate(backends):
                 # one journal: trial ids name their backend, so a later backend continues it
-                ranking = None if exhaustive else RankingModel.from_journals(committed_journals(), name)
+                ranking = None if exhaustive else RankingModel.load(name)
                 results[name] = tune(workloads, spaces[name], device, name, budget_s=budget_s, suite=suite,
                                      on_trial=lambda trial: advance(f"{trial.backend} {trial.direction} {trial.status}"),
                                      on_phase=_announce_phase, journal_path=trials_path, resume=resume or index > 0,

@@ -1,7 +1,9 @@
 """Ranking a key's candidates before compiling any (issue 57), and the rule that says how far down
 the ranking a tune times.
 
-The model is nearest neighbours over the committed trial journals. Each timed shape there (a
+The model is nearest neighbours over the committed trial journals, distilled into
+`configs/ranking.json` by `python -m benchmarks learn-ranking` (the code reads no journal under
+`results/`). Each timed shape there (a
 journal's workload in one direction) gives every config it timed a relative time: its median over
 the fastest config's on that shape (1.0: the best). A candidate's predicted relative time for a
 key is the weighted geometric mean of its relative times on the journal shapes of the key's
@@ -32,7 +34,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from dmattn_bench.space import FWD_KNOBS, TableKey
+from dmattn_bench.space import CONFIGS_DIR, FWD_KNOBS, TableKey
 
 # Weight factors of `similarity`: a mismatch multiplies the weight by its factor. Head dim decides
 # the register and shared-memory budget of a tile, so a neighbour of another head-dim class says
@@ -43,11 +45,24 @@ OCTAVE_WEIGHT = 0.6  # per octave between the length buckets (query and key each
 UNSEEN = math.inf  # predicted relative time of a config no neighbour timed
 
 
-def committed_journals() -> list[Path]:
-    """The trial journals the repository commits (`results/`): the tunes of the GPUs it was measured
-    on, which rank a new tune's candidates; none in an installation without them."""
-    results = Path(__file__).resolve().parents[2] / "results"
-    return sorted(results.glob("**/*.trials.jsonl")) if results.is_dir() else []
+RANKING_FILE = CONFIGS_DIR / "ranking.json"  # the shapes a tune ranks with (`write_shapes`, `load`)
+
+
+def write_shapes(shapes_by_backend: dict[str, list["Shape"]], path: Path) -> None:
+    """The journal shapes of each backend as `RankingModel.load` reads them: each config listed
+    once, each shape's relative times by config index (written by `python -m benchmarks
+    learn-ranking` from the committed journals, as the learned defaults are)."""
+    document = {}
+    for backend, shapes in shapes_by_backend.items():
+        configs = sorted({items for shape in shapes for items in shape.relative})
+        index = {items: i for i, items in enumerate(configs)}
+        document[backend] = {
+            "configs": [dict(items) for items in configs],
+            "shapes": [{"journal": shape.journal, "workload": shape.workload, "key": shape.key,
+                        "default": index.get(shape.default),
+                        "relative": [[index[items], round(value, 4)] for items, value in shape.relative.items()]}
+                       for shape in shapes]}
+    path.write_text(json.dumps(document, sort_keys=True, separators=(",", ":")) + "\n")
 
 
 def config_items(config) -> tuple:
@@ -125,6 +140,16 @@ class RankingModel:
     @classmethod
     def from_journals(cls, journals: list[Path], backend: str) -> "RankingModel":
         return cls(read_shapes(journals, backend))
+
+    @classmethod
+    def load(cls, backend: str, path: Path = RANKING_FILE) -> "RankingModel":
+        """The model of `backend`'s shapes in `path` (`write_shapes`); none when it has none."""
+        if not path.exists():
+            return cls([])
+        part = json.loads(path.read_text()).get(backend, {"configs": [], "shapes": []})
+        configs = [tuple(sorted(config.items())) for config in part["configs"]]
+        return cls([Shape(s["journal"], s["workload"], s["key"], {configs[i]: value for i, value in s["relative"]},
+                          None if s["default"] is None else configs[s["default"]]) for s in part["shapes"]])
 
     def without(self, journal: str | None = None, workload: str | None = None) -> "RankingModel":
         """The model with a journal's shapes, or a workload's in every journal, left out (held out)."""
@@ -376,3 +401,48 @@ class RankedRounds:
         if group is None:
             return None
         return next((rank + 1 for rank, item in enumerate(group.ranked) if item[2] == item_config), None)
+
+
+# -- a ranked tune against an exhaustive one -----------------------------------------------------
+
+
+def _ok_times(journal: Path) -> dict[tuple, dict[str, float]]:
+    """{(backend, key as JSON, config as JSON): {workload: median ms}} of a journal's ok trials."""
+    times: dict[tuple, dict[str, float]] = {}
+    for line in journal.read_text().splitlines():
+        trial = json.loads(line)
+        if trial.get("kind") == "trial" and trial.get("status") == "ok" and trial.get("median_ms"):
+            where = (trial["backend"], json.dumps(trial["key"], sort_keys=True),
+                     json.dumps(trial["config"], sort_keys=True))
+            times.setdefault(where, {})[trial["workload"]] = trial["median_ms"]
+    return times
+
+
+def compare_tunes(ranked: dict, exhaustive: dict, journal: Path) -> dict:
+    """A ranked tune against an exhaustive one of the same grid, from their `tune --format json`
+    documents: the wall ratio, and per key the ranked choice's time over the exhaustive choice's
+    by the exhaustive journal's timings (geometric mean over the key's workloads; None where that
+    journal did not time the ranked choice on them all)."""
+    times = _ok_times(journal)
+    chosen = {json.dumps(w["key"], sort_keys=True): w for w in exhaustive["winners"]}
+    rows = []
+    for winner in ranked["winners"]:
+        key = json.dumps(winner["key"], sort_keys=True)
+        best = chosen.get(key)
+        regret = None
+        if best is not None:
+            ours = times.get((winner["backend"], key, json.dumps(winner["config"], sort_keys=True)), {})
+            theirs = times.get((best["backend"], key, json.dumps(best["config"], sort_keys=True)), {})
+            if theirs and set(theirs) <= set(ours):
+                regret = math.exp(sum(math.log(ours[w] / theirs[w]) for w in theirs) / len(theirs))
+        rows.append({"key": winner["key"], "ranked": [winner["backend"], winner["config"]],
+                     "exhaustive": None if best is None else [best["backend"], best["config"]],
+                     "regret": None if regret is None else round(regret, 4)})
+    known = [r["regret"] for r in rows if r["regret"] is not None]
+    return {"wall_ratio": round(ranked["wall_s"] / exhaustive["wall_s"], 4),
+            "ranked_wall_s": ranked["wall_s"], "exhaustive_wall_s": exhaustive["wall_s"],
+            "ranked_phases_s": ranked.get("phases_s"), "exhaustive_phases_s": exhaustive.get("phases_s"),
+            "regret_geomean": round(math.exp(sum(map(math.log, known)) / len(known)), 4) if known else None,
+            "regret_worst": max(known) if known else None,
+            "keys": len(rows), "keys_without_regret": len(rows) - len(known),
+            "search_regret_estimate": ranked.get("search_regret_estimate"), "rows": rows}

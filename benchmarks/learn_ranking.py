@@ -1,0 +1,25 @@
+"""Writes `configs/ranking.json`, the journal shapes `dmattn-bench tune` ranks each key's
+candidates with (`dmattn_bench.tuning.ranking`), from trial journals: by default every journal
+under `results/` (the tunes of the GPUs the repository was measured on). Run it after committing a
+new tune's journal, as `learn-defaults` is.
+
+    python -m benchmarks learn-ranking [--journals J ...] [--out configs/ranking.json]"""
+
+import argparse
+from pathlib import Path
+
+from dmattn_bench.bench.operators import operator
+from dmattn_bench.tuning.ranking import RANKING_FILE, read_shapes, write_shapes
+
+
+@operator("learn-ranking", help="Write configs/ranking.json (the tune's ranking data) from trial journals")
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks learn-ranking", description=__doc__.splitlines()[0])
+    parser.add_argument("--journals", type=Path, nargs="+", default=None, help="default: results/**/*.trials.jsonl")
+    parser.add_argument("--out", type=Path, default=RANKING_FILE)
+    args = parser.parse_args(argv)
+    journals = args.journals or sorted(Path("results").glob("**/*.trials.jsonl"))
+    shapes = {backend: read_shapes(journals, backend) for backend in ("triton", "cuda")}
+    write_shapes(shapes, args.out)
+    print(f"{args.out}: " + ", ".join(f"{backend} {len(found)} shapes" for backend, found in shapes.items())
+          + f" from {len(journals)} journals")
