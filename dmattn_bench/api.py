@@ -99,7 +99,8 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             i + Lk - Lq - left .. i + Lk - Lq + right (inclusive, bottom-right aligned like the
             causal rule, Lk the cache length with cache_seqlens), -1 for an unbounded side;
             combined with the mask, the bias and is_causal by AND. Key tiles outside every row's
-            window are never loaded. The Triton kernels run it (not backend "cuda").
+            window are never loaded. The Triton kernels run it, and the CUDA forward where
+            the table chooses it (not backend "cuda": the CUDA backward has no window).
         table: a dispatch-table path for this call (overrides `use_table` and DMATTN_BENCH_TABLE).
         fwd_config, bwd_config: explicit kernel tiles, overriding the table for that direction.
 

@@ -259,3 +259,21 @@ class TableKey:
     def label(self) -> str:
         """What sets the key apart from a dense call's, for labels: " packed", " window 1024", both, or ""."""
         return (" packed" if self.packed else "") + (f" window {self.window}" if self.window else "")
+
+
+def key_problem(backend: str, key: TableKey, config: FwdConfig | BwdConfig | None = None) -> str | None:
+    """Why `backend` cannot run a call of `key` (None: it can): with no `config`, whatever the
+    config; with one, that config. The backends' `is_supported` judge a config on an
+    `AttentionShape`, which has no packed sequences or window; the key has, so the tuner, the
+    validator, table loading and `tiles.choose` ask here. A window needs the CUDA forward's overlapped kernel of one
+    item per CTA (the GPU's arch is the launcher's check)."""
+    if backend != "cuda" or not (key.packed or key.window):
+        return None
+    if key.packed:
+        return "the CUDA kernels run no packed sequences (the Triton kernels do)"
+    if key.direction != "fwd":
+        return "the CUDA backward runs no sliding window (the Triton kernels do)"
+    if config is not None and not (config.overlap and not config.persistent):
+        return ("a sliding window runs in the CUDA forward's overlapped warp-specialized kernel only "
+                "(overlap=1, persistent=0)")
+    return None

@@ -18,9 +18,9 @@ formula (`dmattn_kernels.cuda.shared_bytes`; `_first_fitting` picks the CUDA def
 by it) and the Triton forward plan's compiled kernel (`ForwardPlan.shared_bytes`).
 
 A forced backend (`backend="cuda"` or `"triton"` without an explicit config) skips the table and
-takes that backend's default. The CUDA kernels run neither packed sequences nor sliding windows:
-a key with either (`TableKey.packed`, `TableKey.window`) never gets them (`key_problem`), and
-forcing them on one is a ValueError.
+takes that backend's default. The CUDA kernels run no packed sequences, and of windows only the
+forward's overlapped warp-specialized kernel: a key they cannot run (`TableKey.packed`,
+`TableKey.window`) never gets them (`key_problem`), and forcing them on one is a ValueError.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dmattn_bench.dispatch import lookup
 from dmattn_bench.dispatch.lookup import Choice
 from dmattn_bench.hardware import ARCH_LIMITS, ArchLimits, local_limits
 from dmattn_bench.space import (CONFIGS_DIR, AttentionShape, BwdConfig, DecodeConfig, FwdConfig, TableKey,
-                                bias_has_rows, load_yaml)
+                                bias_has_rows, key_problem, load_yaml)
 
 DEFAULT_BACKEND = "triton"  # the backend of every default (the CUDA kernels run where a table says so)
 
@@ -237,15 +237,6 @@ def default_choice(key: TableKey, device: torch.device | str | None, backend: st
 
 
 # -- the order ----------------------------------------------------------------------------------------
-
-
-def key_problem(backend: str, key: TableKey) -> str | None:
-    """Why `backend` cannot run any call of `key`, whatever its config (None: it can). The
-    backends' `is_supported` judge a config on an `AttentionShape`, which has no packed sequences
-    or window; the key has, so the tuner, the validator and `choose` ask here."""
-    if backend == "cuda" and (key.packed or key.window):
-        return "the CUDA kernels run neither packed sequences nor sliding windows (the Triton kernels run both)"
-    return None
 
 
 def choose(key: TableKey, device: torch.device | str | None = None, *, backend: str = "auto",

@@ -632,3 +632,33 @@ def test_the_forward_s_knobs_build_for_sm90_and_take_their_parameter_blocks(cubi
         build.build("fwd_ws", "sm90", variants.variant(FwdConfig(192, 64, 16, 2, **knobs), 128, torch.float16,
                                                        torch.float32, arch="sm90", is_causal=False, has_mask=True,
                                                        softcap=30.0))
+
+
+@needs_nvcc
+def test_a_window_builds_into_the_overlapped_forward_and_takes_its_sides_after_the_inputs(cubin_cache):
+    """HAS_WINDOW appends the window's sides to Inputs (WindowedInputs), so the overlapped
+    forward's parameter block grows by nothing a map or FwdParams' later fields would miss."""
+    config = FwdConfig(128, 128, 12, 2, overlap=1)
+    flags = variants.variant(config, 128, torch.bfloat16, torch.bfloat16, arch="sm90", is_causal=True,
+                             has_mask=True, softcap=0.0, window=True)
+    assert flags[-1] == "-DHAS_WINDOW=1" and "-DHAS_WINDOW=1" not in _ws_flags(config)
+    assert _parameter_sizes(build.build("fwd_ws", "sm90", flags)) == [ctypes.sizeof(params.WindowedWsParams)]
+    assert params.WindowedInputs.window_left.offset == ctypes.sizeof(params.Inputs)
+    assert params.WindowedWsParams.forward.offset == params.WsParams.forward.offset
+    assert (params.WindowedFwdParams.out.offset - params.FwdParams.out.offset
+            == ctypes.sizeof(params.WindowedInputs) - ctypes.sizeof(params.Inputs))
+    # three consumers, not causal, an fp32 bias read from global memory, softcap
+    build.build("fwd_ws", "sm90", variants.variant(FwdConfig(192, 64, 16, 2, overlap=1), 64, torch.float16,
+                                                   torch.float32, arch="sm90", is_causal=False, has_mask=True,
+                                                   softcap=30.0, window=True))
+
+
+@pytest.mark.parametrize("config, arch", [(FwdConfig(128, 128, 12, 2), "sm90"),
+                                          (FwdConfig(128, 128, 12, 2, overlap=1, persistent=1), "sm90"),
+                                          (FwdConfig(128, 64, 4, 2), "sm90"),
+                                          (FwdConfig(128, 128, 12, 2, overlap=1), "sm80")],
+                         ids=["one-tile-at-a-time", "persistent", "mma-sync", "sm80"])
+def test_a_window_on_any_other_cuda_forward_is_refused_before_a_build(config, arch):
+    with pytest.raises(ValueError, match="sliding window runs in the CUDA forward's overlapped"):
+        variants.variant(config, 128, torch.bfloat16, None, arch=arch, is_causal=True, has_mask=False, softcap=0.0,
+                         window=True)

@@ -19,7 +19,8 @@ from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
 from dmattn_bench.tiles import default_configs
 from dmattn_bench.tuning.adversarial import Case, adversarial_cases, build_inputs
-from dmattn_bench.tuning.validator import check_case, compare, config_tiles, run_kernel, run_reference, validate
+from dmattn_bench.tuning.validator import (check_case, compare, config_suite, config_tiles, run_kernel, run_reference,
+                                          validate)
 
 pytestmark = pytest.mark.gpu
 
@@ -134,6 +135,37 @@ def test_the_warp_specialized_forward_passes_the_full_suite(dtype, config, recor
               for case in suite if case.head_dim <= 128 and case.seqlen_k % 16]
     _assert_all_ok(cases, [check_case(get_backend("cuda"), case, dtype, "cuda", fwd, None) for case in cases],
                    record_property)
+
+
+# The overlapped forward (FWD_OVERLAP) of one item per CTA is the CUDA kernel that runs a window
+# (HAS_WINDOW): 128- and 64-key tiles, two and three consumers.
+WINDOW_CONFIGS = {"fwd128x128w12s2-overlap": FwdConfig(128, 128, 12, 2, overlap=1),
+                  "fwd128x64w12s3-overlap": FwdConfig(128, 64, 12, 3, overlap=1),
+                  "fwd192x64w16s2-overlap": FwdConfig(192, 64, 16, 2, overlap=1)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", list(WINDOW_CONFIGS), ids=list(WINDOW_CONFIGS))
+def test_the_warp_specialized_forward_runs_the_full_suite_s_windows(dtype, config, record_property):
+    """The forward alone on the window cases of the full suite's packed/window half, on the
+    config's own tiles (edges at tile corners, both sides bounded, Lq != Lk, NaN bias outside the
+    window, the long-sequence window case), at the head dims 64 and 128 besides each case's own."""
+    from dmattn_kernels.cuda import arch_of, warp_specialized
+
+    fwd = WINDOW_CONFIGS[config]
+    if not warp_specialized(fwd, 128, arch_of(torch.device("cuda"))):
+        pytest.skip("the warp-specialized forward runs on SM90 only")
+    suite = config_suite("cuda", "full", fwd, None, varlen=True)
+    assert suite and not any(case.packed for case in suite)  # the CUDA kernels' suites hold no packed case
+    cases = suite + [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
+                     for case in suite for head_dim in (64, 128) if case.head_dim != head_dim]
+    results = [check_case(get_backend("cuda"), case, dtype, "cuda", fwd, None) for case in cases]
+    failures = [f"{case.name}: {result.status} {result.reason}" for case, result in zip(cases, results)
+                if result.status != "ok"]
+    assert not failures, "\n".join(failures)
+    worst = max(check.ratio for result in results for check in result.checks.values())
+    record_property("worst_ratio", round(worst, 4))
+    assert len(results) >= 12 and worst <= 1.0
 
 
 def _assert_all_ok(cases, results, record_property):

@@ -122,16 +122,34 @@ def test_bad_new_key_fields_are_named(change, where, message):
         table_from_dict(document, "t.yaml")
 
 
-@pytest.mark.parametrize("key", [PACKED, WINDOWED])
-def test_a_cuda_entry_of_a_packed_or_windowed_key_is_refused(key):
-    document = {
+OVERLAPPED = FwdConfig(128, 128, 12, 2, overlap=1)  # the CUDA forward that runs a window
+
+
+def _cuda_entry_document(key, config) -> dict:
+    return {
         "schema_version": 3, "created": "2026-01-01T00:00:00+00:00",
         "device": CPU_FINGERPRINT.to_dict(), "software": {}, "interpreter": True,
-        "entries": [{"key": key.to_dict(), "backend": "cuda", "config": TUNED.to_dict(), "validated": None,
+        "entries": [{"key": key.to_dict(), "backend": "cuda", "config": config.to_dict(), "validated": None,
                      "stale": None, "timed": {"kernel_hash": "sha256:0", "date": "2026-01-01"}, "evidence": {}}],
     }
-    with pytest.raises(TableError, match=r"entries\[0\]\.backend.*CUDA kernels run neither"):
-        table_from_dict(document, "t.yaml")
+
+
+@pytest.mark.parametrize("key, config, message", [
+    (PACKED, TUNED, "CUDA kernels run no packed sequences"),
+    (PACKED, OVERLAPPED, "CUDA kernels run no packed sequences"),
+    (WINDOWED, TUNED, "overlapped warp-specialized kernel only"),
+    (WINDOWED, dataclasses.replace(OVERLAPPED, persistent=1), "overlapped warp-specialized kernel only"),
+    (dataclasses.replace(WINDOWED, direction="bwd"), BwdConfig(64, 128, 64, 128, 12, 2),
+     "CUDA backward runs no sliding window"),
+], ids=["packed", "packed-overlapped", "window-mma-sync", "window-persistent", "window-bwd"])
+def test_a_cuda_entry_of_a_key_its_config_cannot_run_is_refused(key, config, message):
+    with pytest.raises(TableError, match=rf"entries\[0\]\.backend.*'cuda'.*{message}"):
+        table_from_dict(_cuda_entry_document(key, config), "t.yaml")
+
+
+def test_a_cuda_forward_entry_of_a_windowed_key_with_the_overlapped_kernel_loads():
+    table = table_from_dict(_cuda_entry_document(WINDOWED, OVERLAPPED), "t.yaml")
+    assert [(entry.backend, entry.config) for entry in table.entries] == [("cuda", OVERLAPPED)]
 
 
 # -- lookup -------------------------------------------------------------------------------------------
@@ -171,15 +189,22 @@ def test_lookup_finds_a_packed_and_a_windowed_entry(tmp_path):
     assert tiles.choose(DENSE, "cpu", table=path).source == "default"
 
 
-@pytest.mark.parametrize("key", [PACKED, WINDOWED])
-def test_cuda_is_never_chosen_for_a_packed_or_windowed_key(key):
-    """The default is Triton's; forcing the CUDA backend (with or without a config) is refused,
-    naming it (the CUDA kernels run neither)."""
-    assert tiles.choose(key, "cpu").backend == "triton"
-    assert tiles.key_problem("cuda", key) and tiles.key_problem("triton", key) is None
-    assert tiles.key_problem("cuda", DENSE) is None
-    for explicit in (None, TUNED):
-        with pytest.raises(ValueError, match="backend: got 'cuda'.*neither packed sequences nor sliding windows"):
+def test_cuda_runs_no_packed_key_and_of_windows_only_the_overlapped_forward():
+    """The default is Triton's; forcing the CUDA backend on a packed key, or on a windowed key's
+    backward, is refused naming why; its forward takes a window with the overlapped kernel of one
+    item per CTA only (the config given)."""
+    backward = dataclasses.replace(WINDOWED, direction="bwd")
+    for key in (PACKED, WINDOWED):
+        assert tiles.choose(key, "cpu").backend == "triton"
+        assert tiles.key_problem("triton", key) is None and tiles.key_problem("triton", key, TUNED) is None
+    assert tiles.key_problem("cuda", DENSE) is None and tiles.key_problem("cuda", DENSE, TUNED) is None
+    assert "no packed sequences" in tiles.key_problem("cuda", PACKED, OVERLAPPED)
+    assert "backward runs no sliding window" in tiles.key_problem("cuda", backward)
+    assert tiles.key_problem("cuda", WINDOWED) is None and tiles.key_problem("cuda", WINDOWED, OVERLAPPED) is None
+    for refused in (TUNED, dataclasses.replace(OVERLAPPED, persistent=1)):
+        assert "overlapped warp-specialized kernel only" in tiles.key_problem("cuda", WINDOWED, refused)
+    for key, explicit in ((PACKED, None), (PACKED, TUNED), (backward, None)):
+        with pytest.raises(ValueError, match="backend: got 'cuda', but the CUDA"):
             tiles.choose(key, "cpu", backend="cuda", explicit=explicit)
 
 

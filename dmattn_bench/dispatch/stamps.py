@@ -154,7 +154,7 @@ def _plan(backend, key: TableKey, config, call: Call, num_sms: int, programs: li
     dtype = DTYPES[key.dtype]
     heads, seqlen_q, dim = HEADS_KV * key.gqa_ratio, key.seqlen_q_bucket, key.head_dim
     options = dict(is_causal=key.causal, softmax_scale=dim ** -0.5, softcap=SOFTCAP if call.softcap else 0.0)
-    if call.window != NO_WINDOW:  # passed only when set, as the runtime does (the CUDA launchers take none)
+    if call.window != NO_WINDOW:  # passed only when set, as the runtime does
         options["window"] = call.window
     runs = {}  # what a packed call's runs take besides the launchers' options
     if call.packed:

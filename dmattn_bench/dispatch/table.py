@@ -59,7 +59,7 @@ from dmattn_bench.hardware import DeviceFingerprint
 from dmattn_bench.registry import BACKEND_NAMES
 from dmattn_bench import space
 from dmattn_bench.space import (CONFIG_CLASSES, OPERAND_KINDS, TUNED_DIRECTIONS, BwdConfig, DecodeConfig, FwdConfig,
-                                InvalidConfig, TableKey)
+                                InvalidConfig, TableKey, key_problem)
 
 SCHEMA_VERSION = 3
 READABLE_SCHEMAS = (1, 2, 3)  # 1 and 2: per-backend validations, converted on load (module docstring)
@@ -344,9 +344,10 @@ def _entry(doc: Any, where: str, version: int, v1_stamp: dict[str, Timing] | Non
     if key.direction == "decode" and backend != "triton":
         raise _Bad(f"{where}.backend", f"got {backend!r} for a decode entry, expected 'triton' (the short-query "
                                        f"forward is a Triton kernel)")
-    if (key.packed or key.window) and backend == "cuda":
-        raise _Bad(f"{where}.backend", f"got 'cuda' for a{key.label()} entry, expected 'triton' (the CUDA kernels "
-                                       f"run neither packed sequences nor sliding windows)")
+    if key.packed or key.window:
+        reason = key_problem(backend, key, None if isinstance(checked, InvalidConfig) else checked)
+        if reason:
+            raise _Bad(f"{where}.backend", f"got {backend!r} for a{key.label()} {key.direction} entry, but {reason}")
     return Entry(
         key=key,
         backend=backend,

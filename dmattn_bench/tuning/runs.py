@@ -21,7 +21,8 @@ from dmattn_bench.tuning.adversarial import NO_WINDOW, Case, Inputs
 class Operands:
     """A case's inputs as the launchers take them: a packed call's as the 4-D views of one batch
     row (`configs.Packing`), with the options (`window`, `packing` only where set: the CUDA
-    launchers take neither) and what each run takes besides (`sequences`)."""
+    launchers take no packing, and only the forward a window) and what each run takes besides
+    (`sequences`)."""
 
     q: torch.Tensor
     k: torch.Tensor

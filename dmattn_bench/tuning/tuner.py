@@ -305,7 +305,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
             finish(workload, direction, config, is_default, fields, replayed=True)
             continue
         # the shape judges the config; the key, whether the backend runs packed sequences and windows
-        reason = (tiles.key_problem(backend_name, workload.key(direction))
+        reason = (tiles.key_problem(backend_name, workload.key(direction), config)
                   or backend.is_supported(config, shape_of_workload(workload)))
         if reason is None and device.type == "cuda":
             pruned = precheck(direction, config, limits, workload.head_dim, workload.dtype, backend_name)

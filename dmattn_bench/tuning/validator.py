@@ -153,14 +153,21 @@ def shape_of_case(case: Case) -> AttentionShape:
     )
 
 
-def feature_problem(backend_name: str, case: Case) -> str | None:
-    """Why `backend_name` runs no call with the case's packed sequences or window, whatever the
-    config (`tiles.key_problem`: the CUDA kernels run neither); any bounded side is a window here."""
+def feature_problem(backend_name: str, case: Case, fwd_config: FwdConfig | None = None,
+                    bwd_config: BwdConfig | None = None) -> str | None:
+    """Why `backend_name` runs no call with the case's packed sequences or window in the
+    directions it runs (those of the configs given; the forward, whatever its config, with none)
+    (`tiles.key_problem`); any bounded side is a window here."""
     if not case.packed and case.window_size == NO_WINDOW:
         return None
-    key = TableKey("fwd", "fp32", case.head_dim, case.causal, "none", "none", 1, 1, 1, packed=case.packed,
-                   window=int(case.window_size != NO_WINDOW))
-    return tiles.key_problem(backend_name, key)
+    runs = [(direction, config) for direction, config in (("fwd", fwd_config), ("bwd", bwd_config)) if config]
+    for direction, config in runs or [("fwd", None)]:
+        key = TableKey(direction, "fp32", case.head_dim, case.causal, "none", "none", 1, 1, 1, packed=case.packed,
+                       window=int(case.window_size != NO_WINDOW))
+        reason = tiles.key_problem(backend_name, key, config)
+        if reason:
+            return reason
+    return None
 
 
 def _worst_element(diff: torch.Tensor) -> str:
@@ -213,7 +220,7 @@ def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.d
     """
     device = torch.device(device)
     shape = shape_of_case(case)
-    reason = feature_problem(backend.name, case)
+    reason = feature_problem(backend.name, case, fwd_config, bwd_config)
     if reason:
         return CaseResult(case.name, "unsupported", reason)
     for config in (fwd_config, bwd_config):
@@ -287,8 +294,11 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
     window half: `varlen_cases`), each case at a head dim they run: a case whose head dim they
     cannot take at all (`is_supported`; the warp-specialized forward needs one that pads to a
     multiple of 64) runs at the next one they take. Dispatch sends a config only the head dims of
-    its own entries, which it takes."""
+    its own entries, which it takes. A backend that runs no packed sequences (`tiles.key_problem`)
+    has no entry that serves a packed call, so its suites hold no packed case."""
     backend = get_backend(backend_name)
+    packed_problem = tiles.key_problem(backend_name, TableKey("fwd", "fp32", 64, False, "none", "none", 1, 1, 1,
+                                                              packed=True))
 
     def takes(case: Case) -> bool:
         shape = shape_of_case(case)
@@ -296,6 +306,8 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
 
     cases = []
     for case in adversarial_cases(suite, config_tiles(fwd_config, bwd_config), varlen):
+        if case.packed and packed_problem:
+            continue
         if not takes(case):
             moved = (replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
                      for head_dim in takewhile(is_valid_head_dim, count(case.head_dim + 8, 8)))
@@ -433,7 +445,8 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
     Each prefill entry's config is paired with the default of the other direction (for its head
     dim); each pair runs the whole adversarial suite on its own tiles (for entries of packed or
     windowed keys, its packed/window half: `varlen_cases`; labelled so) plus one case shaped like
-    each of its entries. A decode config runs the decode cases (`adversarial.decode_cases`) and
+    each of its entries. A forward entry whose backend runs no backward of its key (the CUDA
+    kernels' windows: `tiles.key_problem`) runs its suite alone. A decode config runs the decode cases (`adversarial.decode_cases`) and
     one case shaped like each of its entries.
     """
     grouped: dict[tuple, list] = {}
@@ -446,6 +459,8 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
         default_fwd, default_bwd = default_configs(entry.key.head_dim, device, entry.backend, dtype_name,
                                                    entry.key.bias)
         pair = (entry.config, default_bwd) if entry.key.direction == "fwd" else (default_fwd, entry.config)
+        if entry.key.direction == "fwd" and tiles.key_problem(entry.backend, replace(entry.key, direction="bwd")):
+            pair = (entry.config, None)  # its backend's backward runs no call of the key: the forward alone
         varlen = entry.key.packed or entry.key.window > 0
         grouped.setdefault((entry.backend, *pair, varlen), []).append(entry)
     plan = []
@@ -456,7 +471,8 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
             label = f"{DECODE} {config_label(fwd)} ({len(group)} entries)"
         else:
             suite_cases = config_suite(backend, suite, fwd, bwd, varlen)
-            label = f"{backend} fwd {config_label(fwd)} / bwd {config_label(bwd)} ({len(group)} entries)"
+            bwd_label = "none" if bwd is None else config_label(bwd)
+            label = f"{backend} fwd {config_label(fwd)} / bwd {bwd_label} ({len(group)} entries)"
             if varlen:
                 label = f"{VARLEN_LABEL}: {label}"
         cases = up_to_head_dim(suite_cases, largest) + [entry_case(e.key) for e in group]

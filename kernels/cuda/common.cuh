@@ -3,8 +3,10 @@
 //
 // Compile-time parameters (one -D each; `dmattn_kernels.cuda.build.defines` is the only place
 // that sets them): ELEMENT (0 fp16, 1 bf16), BIAS_FP32, HEAD_DIM, NUM_WARPS, STAGES, IS_CAUSAL,
-// HAS_MASK, HAS_BIAS, HAS_SOFTCAP, each kernel's own tile sizes, and WGMMA (SM90 products
-// through wgmma.mma_async, shared tiles in its swizzled layout: sm90.cuh; default 0).
+// HAS_MASK, HAS_BIAS, HAS_SOFTCAP, each kernel's own tile sizes, WGMMA (SM90 products
+// through wgmma.mma_async, shared tiles in its swizzled layout: sm90.cuh; default 0) and
+// HAS_WINDOW (a sliding window: Inputs' window_left and window_right; undefined is 0, and only
+// the overlapped warp-specialized forward takes it).
 //
 // Fragment coordinates (PTX ISA, mma.m16n8k16): lane = 4 g + t. A (16x16) holds rows g and
 // g + 8, columns 2t, 2t + 1 and 8 + 2t, 9 + 2t; a C/D accumulator c[4] of a 16x8 tile holds
@@ -274,6 +276,11 @@ struct Inputs {
   int bias_head_div;
   float softmax_scale;
   float softcap;           // 1 when HAS_SOFTCAP is off (never divided by then)
+#if HAS_WINDOW
+  // FlashAttention's window, bottom-right aligned: row i sees keys [i + offset - window_left,
+  // i + offset + window_right] (offset = seqlen_k - seqlen_q); an unbounded side is Lq + Lk
+  int window_left, window_right;
+#endif
 };
 
 // The (batch, query head) a CTA works on and the q, k, v slices it reads.
@@ -335,6 +342,9 @@ struct ScoreRule {
   int64_t mask_row, mask_col, bias_row, bias_col;
   int seqlen_q, seqlen_k, offset;
   float scale, softcap;
+#if HAS_WINDOW
+  int window_left, window_right;
+#endif
 
   // DESIGN §1: whether key `col` is visible from query `row`. Excluded positions never read
   // the bias, so NaN or inf stored there cannot reach a result.
@@ -348,7 +358,12 @@ struct ScoreRule {
   // the mask.
   __device__ __forceinline__ bool reached(int row, int col) const {
     const bool inside = row < seqlen_q && col < seqlen_k;
+#if HAS_WINDOW
+    const bool in_window = col >= row + offset - window_left && col <= row + offset + window_right;
+    return IS_CAUSAL ? inside && in_window && col <= row + offset : inside && in_window;
+#else
     return IS_CAUSAL ? inside && col <= row + offset : inside;
+#endif
   }
 
   // scale * dot, soft-capped (HAS_SOFTCAP), before the bias.
@@ -377,6 +392,10 @@ __device__ __forceinline__ ScoreRule score_rule(const Inputs& in, const HeadSlic
   rule.offset = in.seqlen_k - in.seqlen_q;
   rule.scale = in.softmax_scale;
   rule.softcap = in.softcap;
+#if HAS_WINDOW
+  rule.window_left = in.window_left;
+  rule.window_right = in.window_right;
+#endif
   return rule;
 }
 
@@ -410,8 +429,14 @@ struct StagedScores {
 // warp's products sees a key of tiles [reached, block) (causal), so the warp skips them: under
 // wgmma those rows are its warpgroup's 64 (all four warps issue each product; blocks hold whole
 // warpgroups, so the group starts on a multiple of 64), else its own.
+// With a window the tiles start at `first` (the first that any row from warp_row0 on sees), and
+// the warp's rows reach every key of tiles [inside_first, inside) only: the window's leading
+// edge lies before, its trailing edge (with the diagonal) after.
 struct KeyTiles {
   int block, inside, interior, reached;
+#if HAS_WINDOW
+  int first, inside_first;
+#endif
 };
 
 template <int KEYS>
@@ -421,7 +446,15 @@ __device__ __forceinline__ KeyTiles key_tiles(const ScoreRule& rule, int block_r
   if (IS_CAUSAL) block_keys = min(block_keys, max(0, block_row_end + rule.offset));
   int interior_keys = warp_row0 + warp_rows <= rule.seqlen_q ? rule.seqlen_k : 0;
   if (IS_CAUSAL) interior_keys = min(interior_keys, max(0, warp_row0 + rule.offset + 1));
+#if HAS_WINDOW
+  block_keys = min(block_keys, max(0, block_row_end + rule.offset + rule.window_right));
+  interior_keys = min(interior_keys, max(0, warp_row0 + rule.offset + rule.window_right + 1));
+#endif
   KeyTiles tiles;
+#if HAS_WINDOW
+  tiles.first = max(0, warp_row0 + rule.offset - rule.window_left) / KEYS;
+  tiles.inside_first = (max(0, warp_row0 + warp_rows - 1 + rule.offset - rule.window_left) + KEYS - 1) / KEYS;
+#endif
   tiles.block = (block_keys + KEYS - 1) / KEYS;
   tiles.inside = interior_keys / KEYS;
   tiles.interior = HAS_MASK ? 0 : tiles.inside;

@@ -54,6 +54,10 @@
 
 #include "bwd_steps.cuh"
 
+#if HAS_WINDOW
+#error "a sliding window runs in the overlapped warp-specialized forward only (flash_fwd_ws.cu)"
+#endif
+
 #if WGMMA
 static_assert(is_wgmma_width(DKDV_BLOCK_M) && is_wgmma_width(DQ_BLOCK_N), "wgmma: no m64nN product for these tiles");
 #endif

@@ -78,6 +78,10 @@
 
 #include "bwd_steps.cuh"
 
+#if HAS_WINDOW
+#error "a sliding window runs in the overlapped warp-specialized forward only (flash_fwd_ws.cu)"
+#endif
+
 static_assert(WGMMA, "the warp-specialized backward runs its products as wgmma (sm90)");
 constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
 constexpr int CONSUMER_THREADS = CONSUMERS * GROUP_WARPS * 32;

@@ -47,6 +47,10 @@
 
 #include "fwd_steps.cuh"
 
+#if HAS_WINDOW
+#error "a sliding window runs in the overlapped warp-specialized forward only (flash_fwd_ws.cu)"
+#endif
+
 constexpr int WARP_TILES = BLOCK_M / (WARP_ROWS * NUM_WARPS);  // m16 tiles per warp
 constexpr int WARP_M = WARP_ROWS * WARP_TILES;                 // query rows per warp
 static_assert(WARP_TILES * WARP_ROWS * NUM_WARPS == BLOCK_M && (WARP_TILES == 1 || WARP_TILES == 2),

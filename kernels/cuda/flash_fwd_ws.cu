@@ -73,6 +73,10 @@
 // (`dmattn_kernels.cuda.forward`, per call) describe q as (D, Lq, H, B) and k, v as
 // (D, Lk, Hkv, B), fastest dim first, with boxes of 64 columns by BLOCK_M or BLOCK_N rows.
 //
+// Sliding window (HAS_WINDOW, overlapped and not persistent): an item walks the key tiles
+// [first, first + n_tiles) its rows' windows reach, the producer loading them in that order; a
+// consumer counts them from 0 as without a window and tests positions in the window's edge tiles.
+//
 // Compile-time parameters: those of common.cuh (WGMMA = 1), BLOCK_M, BLOCK_N, SCORE_STAGES,
 // MASK_TILES and BIAS_TILES; FWD_OVERLAP and FWD_PERSISTENT where defined (to 1).
 
@@ -81,6 +85,9 @@
 #include "fwd_steps.cuh"
 
 static_assert(WGMMA, "the warp-specialized forward runs its products as wgmma (sm90)");
+#if HAS_WINDOW && (!FWD_OVERLAP || FWD_PERSISTENT)
+#error "a window runs in the overlapped forward of one item per CTA"
+#endif
 constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
 static_assert(CONSUMERS >= 1 && NUM_WARPS % GROUP_WARPS == 0 && BLOCK_M == CONSUMERS * GROUP_ROWS,
               "one producer warpgroup and a consumer warpgroup per 64 query rows");
@@ -140,6 +147,9 @@ struct Item {
   HeadSlices at;
   ScoreRule rule;
   int block_row0, n_tiles;  // its first row; the key tiles its last row reaches
+#if HAS_WINDOW
+  int first;  // its first key tile: the item walks tiles [first, first + n_tiles)
+#endif
 };
 
 // Launch order: sections of head slices whose K and V fit L2 (common.cuh), in a section the
@@ -160,7 +170,13 @@ __device__ __forceinline__ Item item_at(const WsParams& p, int index) {
 #else
   item.block_row0 = (gridDim.y - 1 - order.block) * BLOCK_M;
 #endif
+#if HAS_WINDOW
+  const KeyTiles tiles = key_tiles<BLOCK_N>(item.rule, item.block_row0 + BLOCK_M, item.block_row0, BLOCK_M);
+  item.first = tiles.first;
+  item.n_tiles = max(0, tiles.block - tiles.first);
+#else
   item.n_tiles = key_tiles<BLOCK_N>(item.rule, item.block_row0 + BLOCK_M, item.block_row0, BLOCK_M).block;
+#endif
   return item;
 }
 
@@ -231,7 +247,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
       if (k >= 1) barrier_wait(&q_empty, (k - 1) & 1);  // the item before has taken its last S
       barrier_arrive_expecting(&q_full, Q_BYTES);
       load_tile_tma<BLOCK_M>(q_smem, &p.q_map, item.block_row0, at.head, at.batch, &q_full);
+#if HAS_WINDOW
+      for (int j = item.first; j < item.first + item.n_tiles; ++j, ++ring) {  // j: the key tile
+#else
       for (int j = 0; j < item.n_tiles; ++j, ++ring) {
+#endif
         const int slot = ring % STAGES;
         if (ring >= STAGES) barrier_wait(&k_empty[slot], (ring / STAGES - 1) & 1);  // S of tile ring - STAGES is done
         barrier_arrive_expecting(&k_full[slot], KV_BYTES);
@@ -282,7 +302,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
     const int n_tiles = item.n_tiles, block_row0 = item.block_row0;
     const int warp_row0 = block_row0 + warp * WARP_ROWS;
     const KeyTiles tiles = key_tiles<BLOCK_N>(item.rule, block_row0 + BLOCK_M, warp_row0, WARP_ROWS);
+#if HAS_WINDOW
+    const int reached = max(0, min(tiles.reached - item.first, n_tiles));  // counted from item.first
+#else
     const int reached = min(tiles.reached, n_tiles);
+#endif
 
     float acc[1][BLOCK_D / 8][4] = {};
     float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
@@ -314,10 +338,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
         staged.bias = tile + MASK_SLOT_BYTES;
         barrier_wait(&score_full[score_slot], ((ring + j) / SCORE_SLOTS) & 1);
       }
+#if HAS_WINDOW
+      const int key_tile = item.first + j;
+      if (key_tile >= tiles.inside_first && key_tile < tiles.inside)
+        scores<false, MASK_ROWS, BIAS_ROWS>(s, item.rule, staged, warp_row0, key_tile * BLOCK_N, g, t);
+      else
+        scores<true, MASK_ROWS, BIAS_ROWS>(s, item.rule, staged, warp_row0, key_tile * BLOCK_N, g, t);
+#else
       if (j < tiles.inside)
         scores<false, MASK_ROWS, BIAS_ROWS>(s, item.rule, staged, warp_row0, j * BLOCK_N, g, t);
       else
         scores<true, MASK_ROWS, BIAS_ROWS>(s, item.rule, staged, warp_row0, j * BLOCK_N, g, t);
+#endif
       if (SCORE_TILES) barrier_arrive(&score_empty[score_slot]);  // read: the producer may refill it
       softmax_tile(s, row_max, row_sum, rescale, exp_scale);
     };

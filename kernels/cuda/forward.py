@@ -4,7 +4,8 @@
 
 The warp-specialized forward (flash_fwd_ws.cu) also gets its tensor maps, the head slices it
 runs at once (`section_slices`) and, launched persistent, its work items' schedule
-(`persistent_schedule`).
+(`persistent_schedule`). A sliding window (FlashAttention's `window_size`) runs in its overlapped
+kernel of one item per CTA (`variants.window_reason`), its sides in the call's parameters.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import NamedTuple
 import torch
 import triton
 
-from dmattn_kernels.configs import FwdConfig
+from dmattn_kernels.configs import FwdConfig, window_bounds
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
-from dmattn_kernels.cuda.params import FwdParams, Inputs, PersistentWsParams, TensorMap, WsParams, address, inputs
+from dmattn_kernels.cuda.params import (FwdParams, Inputs, PersistentWsParams, TensorMap, WindowedFwdParams,
+                                        WindowedInputs, WindowedWsParams, WsParams, address, inputs)
 from dmattn_kernels.cuda.rules import check_arch, check_config, check_query, check_rows, forward_kernel, padded_head_dim
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_KEYS, TILES_OF_ROWS, forward_shared_bytes
 from dmattn_kernels.cuda.variants import staged_layout, staging, variant
@@ -48,6 +50,7 @@ class _ForwardLaunch(NamedTuple):
     section_slices: int = 0  # the warp-specialized forward's launch order (`section_slices`; flash_fwd.cu has none)
     items: tuple[int, int] = (0, 0)  # the warp-specialized forward's work items: head slices x query blocks
     tiles: tuple[int, ...] = ()  # its query blocks' key tiles where it launches persistent (FwdConfig.persistent)
+    windowed: bool = False  # built with HAS_WINDOW: its parameters are the Windowed structures
 
     def launch_grid(self, device: torch.device) -> tuple[tuple[int, int], torch.Tensor | None]:
         """The grid on `device`, and a persistent launch's schedule (`persistent_schedule`)."""
@@ -59,7 +62,8 @@ class _ForwardLaunch(NamedTuple):
         """The warp-specialized forward's parameters around a call's FwdParams: a `WsParams`, or
         for a persistent launch a `PersistentWsParams` with its schedule."""
         if not self.tiles:
-            return WsParams(forward=forward, section_slices=self.section_slices, **maps)
+            params_type = WindowedWsParams if self.windowed else WsParams
+            return params_type(forward=forward, section_slices=self.section_slices, **maps)
         return PersistentWsParams(forward=forward, section_slices=self.section_slices, item_columns=self.items[0],
                                   item_rows=self.items[1], schedule=schedule.data_ptr(), **maps)
 
@@ -96,15 +100,18 @@ def _meta_tensors(layouts: tuple) -> list[torch.Tensor | None]:
             for layout in layouts]
 
 
-def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig) -> _ForwardLaunch:
+def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig,
+                    windowed: bool = False) -> _ForwardLaunch:
     """`_signature_launch` for the arch of the layouts' device (or the one planned for)."""
-    return _signature_launch(layouts, is_causal, softcap, config, arch_of(layouts[0][3]))
+    return _signature_launch(layouts, is_causal, softcap, config, arch_of(layouts[0][3]), windowed)
 
 
 @lru_cache(maxsize=256)
-def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig, arch: str) -> _ForwardLaunch:
+def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig, arch: str,
+                      windowed: bool = False) -> _ForwardLaunch:
     """The checks, variant, cubin and launch geometry of a forward signature, done once: a call
-    then only fills its pointers (and its tensor maps) and launches."""
+    then only fills its pointers (and its tensor maps) and launches. `windowed`: the call has a
+    sliding window (`window_bounds`)."""
     (q_shape, _, dtype, device, _), _, _, mask_layout, bias_layout, _ = layouts
     batch, seqlen_q, num_heads, head_dim = q_shape
     q, k, _, mask, bias, _ = _meta_tensors(layouts)
@@ -123,7 +130,7 @@ def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: F
     bias_dtype = None if bias is None else bias.dtype
     mask_tiles, bias_tiles = tiles(mask, mask_layout), tiles(bias, bias_layout)
     flags = variant(config, head_dim, dtype, bias_dtype, arch=arch, is_causal=is_causal, has_mask=mask is not None,
-                    softcap=softcap, mask_tiles=mask_tiles, bias_tiles=bias_tiles)
+                    softcap=softcap, mask_tiles=mask_tiles, bias_tiles=bias_tiles, window=windowed)
     launcher = Launcher(source, device, flags)
     grid = (batch * num_heads, triton.cdiv(seqlen_q, config.block_m))
     if source != "fwd_ws":
@@ -148,7 +155,8 @@ def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: F
     sections = section_slices(batch * num_heads, kv_bytes, num_heads // k.shape[2])
     tiles = (tuple(_key_tiles(block, config, seqlen_q, k.shape[1], is_causal) for block in range(grid[1]))
              if config.persistent else ())
-    return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps), sections, grid, tiles)
+    return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps), sections, grid, tiles,
+                          windowed)
 
 
 def _key_tiles(m_block: int, config: FwdConfig, seqlen_q: int, seqlen_k: int, is_causal: bool) -> int:
@@ -184,12 +192,25 @@ def section_slices(slices: int, reread_bytes: int, sharing: int = 1) -> int:
 
 
 @lru_cache(maxsize=256)
-def _forward_template(layouts: tuple, softmax_scale: float, softcap: float, lse_stride: tuple) -> bytes:
+def _forward_template(layouts: tuple, softmax_scale: float, softcap: float, lse_stride: tuple,
+                      window_sides: tuple[int, int] | None = None) -> bytes:
     """A forward signature's FwdParams with every address 0: a call copies it and fills in its
-    tensors' addresses (`_fill_addresses`) instead of building the structure field by field."""
+    tensors' addresses (`_fill_addresses`) instead of building the structure field by field.
+    With `window_sides` (left, right: `window_bounds`), a `WindowedFwdParams`."""
     q, k, v, mask, bias, out = _meta_tensors(layouts)
     template = inputs(q, k, v, mask, bias, softmax_scale, softcap, address=lambda t: 0)
-    return bytes(FwdParams(template, 0, 0, out.stride()[:3], lse_stride))
+    if window_sides is None:
+        return bytes(FwdParams(template, 0, 0, out.stride()[:3], lse_stride))
+    windowed = WindowedInputs.from_buffer_copy(bytes(template) + bytes(ctypes.sizeof(WindowedInputs)
+                                                                      - ctypes.sizeof(Inputs)))
+    windowed.window_left, windowed.window_right = window_sides
+    return bytes(WindowedFwdParams(windowed, 0, 0, out.stride()[:3], lse_stride))
+
+
+def _window_sides(window: tuple[int, int], is_causal: bool, q_shape: tuple, seqlen_k: int) -> tuple[int, int] | None:
+    """A call's window as the kernel takes it (`window_bounds`), or None where it has none."""
+    has_window, left, right = window_bounds(window, is_causal, q_shape[1], seqlen_k)
+    return (left, right) if has_window else None
 
 
 def _fill_addresses(params: FwdParams, q, k, v, mask, bias, out, lse) -> None:
@@ -200,15 +221,19 @@ def _fill_addresses(params: FwdParams, q, k, v, mask, bias, out, lse) -> None:
 
 
 def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
-                      config: FwdConfig, out: torch.Tensor, lse: torch.Tensor) -> None:
+                      config: FwdConfig, out: torch.Tensor, lse: torch.Tensor,
+                      window: tuple[int, int] = (-1, -1)) -> None:
     """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call; the mask and bias as
-    the caller passed them (up to 4 dims, broadcastable as (B|1, H|Hkv|1, Lq|1, Lk|1))."""
+    the caller passed them (up to 4 dims, broadcastable as (B|1, H|Hkv|1, Lq|1, Lk|1)); `window`:
+    FlashAttention's (left, right) sliding window."""
     check_query(q)
     layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
-    plan = _forward_launch(layouts, is_causal, softcap, config)
+    sides = _window_sides(window, is_causal, q.shape, k.shape[1])
+    plan = _forward_launch(layouts, is_causal, softcap, config, sides is not None)
     if is_compile_only():
         return
-    params = FwdParams.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse.stride()))
+    params_type = FwdParams if sides is None else WindowedFwdParams
+    params = params_type.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse.stride(), sides))
     _fill_addresses(params, q, k, v, mask, bias, out, lse)
     grid, schedule = plan.launch_grid(q.device)
     if plan.maps:
@@ -217,20 +242,22 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
 
 
 def _native_parameters(layouts: tuple, softmax_scale: float, softcap: float, lse_stride: tuple,
-                       plan: _ForwardLaunch, schedule: torch.Tensor | None) -> tuple[bytes, list, list]:
+                       plan: _ForwardLaunch, schedule: torch.Tensor | None,
+                       window_sides: tuple[int, int] | None = None) -> tuple[bytes, list, list]:
     """A forward signature's parameters for a native program (`dmattn_kernels.runtime.native.structure_spec`):
     the template (its FwdParams, inside a WsParams where the kernel reads tensor maps, with a
     persistent launch's schedule), the address slots (q, k, v, the mask and bias where given, then
     the program's out and lse allocations) and the map slots (`_ForwardLaunch.maps`' operands)."""
-    forward = FwdParams.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse_stride))
+    forward_type = FwdParams if window_sides is None else WindowedFwdParams
+    forward = forward_type.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse_stride, window_sides))
     maps = plan.maps
     params = plan.ws_params(forward, schedule) if maps else forward
     base = type(params).forward.offset if maps else 0
-    inputs = base + FwdParams.inputs.offset
+    inputs = base + forward_type.inputs.offset
     pointers = [(inputs + getattr(Inputs, name).offset, native.given(index))
                 for index, name in enumerate(("q", "k", "v", "mask", "bias")) if layouts[index] is not None]
-    pointers += [(base + FwdParams.out.offset, native.allocated(0)),
-                 (base + FwdParams.lse.offset, native.allocated(1))]
+    pointers += [(base + forward_type.out.offset, native.allocated(0)),
+                 (base + forward_type.lse.offset, native.allocated(1))]
     descriptors = [(getattr(type(params), field).offset, operand) for field, operand, *_ in maps]
     return bytes(params), pointers, descriptors
 
@@ -249,9 +276,11 @@ class ForwardPlan:
     leaves_activity = False  # no tile activity for the backward (the Triton forward's schedule)
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
-                 config: FwdConfig, out: torch.Tensor, lse: torch.Tensor):
-        del q, k, v, mask, bias  # a launch's checks and variant are `_forward_launch`'s, per signature
-        self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap)
+                 config: FwdConfig, out: torch.Tensor, lse: torch.Tensor, window: tuple[int, int] = (-1, -1)):
+        # a launch's checks and variant are `_forward_launch`'s, per signature
+        self.window_sides = _window_sides(window, is_causal, q.shape, k.shape[1])
+        del q, k, v, mask, bias
+        self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, window=window)
         self.config = config
         self.out_shape, self.out_dtype, self.lse_shape = tuple(out.shape), out.dtype, tuple(lse.shape)
         self.native: native.Program | None = None  # `allocate_and_run`'s, once a run built it
@@ -285,10 +314,11 @@ class ForwardPlan:
     def _native_program(self, q, k, v, mask, bias, out, lse) -> native.Program | None:
         layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
         options = self.options
-        plan = _forward_launch(layouts, options["is_causal"], options["softcap"], self.config)
+        plan = _forward_launch(layouts, options["is_causal"], options["softcap"], self.config,
+                               self.window_sides is not None)
         grid, schedule = plan.launch_grid(q.device)
         template, pointers, descriptors = _native_parameters(layouts, options["softmax_scale"], options["softcap"],
-                                                             lse.stride(), plan, schedule)
+                                                             lse.stride(), plan, schedule, self.window_sides)
 
         def encode(given: tuple) -> list[bytes]:  # the program's inputs: the mask and bias as passed
             return [bytes(tensor_map) for tensor_map in plan.tensor_maps(given[:5]).values()]

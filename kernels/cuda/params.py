@@ -43,10 +43,22 @@ class Inputs(ctypes.Structure):
                 + [("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float)])
 
 
+class WindowedInputs(Inputs):
+    """common.cuh's Inputs built with HAS_WINDOW: `Inputs`' fields, then the window's sides."""
+
+    _fields_ = [("window_left", ctypes.c_int), ("window_right", ctypes.c_int)]
+
+
 class FwdParams(ctypes.Structure):
     """flash_fwd.cu's FwdParams, field for field."""
 
     _fields_ = [("inputs", Inputs)] + _pointers("out", "lse") + _strides("out_stride", "lse_stride")
+
+
+class WindowedFwdParams(ctypes.Structure):
+    """fwd_steps.cuh's FwdParams built with HAS_WINDOW (its Inputs are `WindowedInputs`)."""
+
+    _fields_ = [("inputs", WindowedInputs)] + FwdParams._fields_[1:]
 
 
 class TensorMap(ctypes.Structure):
@@ -64,6 +76,13 @@ class WsParams(ctypes.Structure):
 
     _fields_ = _padded([(name, TensorMap) for name in _MAPS]
                        + [("forward", FwdParams), ("section_slices", ctypes.c_int)])
+
+
+class WindowedWsParams(ctypes.Structure):
+    """flash_fwd_ws.cu's WsParams built with HAS_WINDOW (its FwdParams are `WindowedFwdParams`)."""
+
+    _fields_ = _padded([(name, TensorMap) for name in _MAPS]
+                       + [("forward", WindowedFwdParams), ("section_slices", ctypes.c_int)])
 
 
 class PersistentWsParams(ctypes.Structure):

@@ -23,22 +23,26 @@ def _features(bias_dtype: torch.dtype | None, is_causal: bool, has_mask: bool, s
 
 def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *, arch: str,
             is_causal: bool, has_mask: bool, softcap: float, mask_tiles: int = TILES_OF_ROWS,
-            bias_tiles: int = TILES_OF_ROWS) -> tuple[str, ...]:
+            bias_tiles: int = TILES_OF_ROWS, window: bool = False) -> tuple[str, ...]:
     """The -D list of the forward variant a call needs on `arch` ("sm90"). The warp-specialized
     forward stages the mask and a 16-bit bias in shared memory where there is room, as the call's
     operands allow (`mask_tiles`, `bias_tiles`: `staged_tiles`). Its knobs, where on, add
-    FWD_OVERLAP and FWD_PERSISTENT; a knob off adds nothing, so its variant is the code the knob
-    was added to.
+    FWD_OVERLAP and FWD_PERSISTENT, and a sliding window (`window`) HAS_WINDOW; a knob or window
+    off adds nothing, so its variant is the code the knob was added to.
 
     Raises:
-        ValueError: a knob on for a config that is not the warp-specialized forward on `arch`.
+        ValueError: a knob on for a config that is not the warp-specialized forward on `arch`, or
+            a window for one that is not its overlapped kernel of one item per CTA (`window_reason`).
     """
+    reason = window_reason(config, head_dim, arch) if window else None
+    if reason:
+        raise ValueError(f"config: {reason}")
     own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n)
     if warp_specialized(config, head_dim, arch):
         stages, mask_tiles, bias_tiles = staging(config, head_dim, has_mask, bias_dtype, mask_tiles, bias_tiles)
         own.update(WGMMA=True, SCORE_STAGES=stages, MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles)
-        own.update({name: True for name, on in (("FWD_OVERLAP", config.overlap), ("FWD_PERSISTENT", config.persistent))
-                    if on})
+        own.update({name: True for name, on in (("FWD_OVERLAP", config.overlap), ("FWD_PERSISTENT", config.persistent),
+                                                ("HAS_WINDOW", window)) if on})
     elif config.overlap or config.persistent:
         reason = knob_reason(config) or "overlap and persistent: knobs of the warp-specialized forward, on sm90 only"
         raise ValueError(f"config: {reason} (here: {arch})")
@@ -46,6 +50,15 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
         own.update(WGMMA=uses_wgmma(config, head_dim, arch))
     return defines(element_name(dtype), head_dim, config.num_warps, config.num_stages,
                    **_features(bias_dtype, is_causal, has_mask, softcap), **own)
+
+
+def window_reason(config: FwdConfig, head_dim: int, arch: str | None) -> str | None:
+    """Why `config`'s CUDA forward runs no sliding window on `arch`, or None: only the overlapped
+    warp-specialized forward of one item per CTA walks a window's key tiles (flash_fwd_ws.cu)."""
+    if warp_specialized(config, head_dim, arch) and config.overlap and not config.persistent:
+        return None
+    return (f"a sliding window runs in the CUDA forward's overlapped warp-specialized kernel only (sm90, "
+            f"block_m / 16 + 4 warps, overlap=1, persistent=0), not {config.to_dict()} on {arch}")
 
 
 def staging(config: FwdConfig, head_dim: int, has_mask: bool, bias_dtype: torch.dtype | None, mask_tiles: int,

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 56 on a lent H200: the CUDA forward's sliding window (HAS_WINDOW). Run from the repository root:
+#   bash benchmarks/ship/h200_window_cuda.sh OUT tune    # the window GPU tests, then tunes
+#       configs/workloads/varlen.yaml with both backends into a copy of the shipped table (OUT/<table>)
+#   bash benchmarks/ship/h200_window_cuda.sh OUT ws IN   # resumes IN/<table>'s tune (its journal beside it)
+#       with the warp-specialized CUDA forward's grid (configs/space/cuda-fwd-ws.yaml: its knobs, the
+#       overlapped kernel that takes a window), then benches the window group on the result
+#   bash benchmarks/ship/h200_window_cuda.sh OUT bench IN  # the packed/window bench on IN/<table>
+#       (BENCH_GROUPS="name:seconds ..." picks groups; the groups' reports render as one)
+set -uo pipefail
+out=$1; step=$2
+name=nvidia-h200-sm90.yaml
+table=$out/$name
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install-$step.txt" 2>&1
+if [ "$step" = tune ]; then
+  start=$SECONDS
+  DMATTN_TEST_GPU=1 timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "window" -n 6 \
+    > "$out/gpu-window.txt" 2>&1
+  echo "gpu window tests rc $? ($(tail -1 "$out/gpu-window.txt")) in $((SECONDS - start)) s"
+  start=$SECONDS
+  timeout 330 dmattn-bench tune --workloads configs/workloads/varlen.yaml --backend all --suite full \
+    --merge results/tables/$name --out "$table" --format json > "$out/tune.json" 2> "$out/tune.txt"
+  echo "tune rc $? in $((SECONDS - start)) s"
+  tail -40 "$out/tune.txt"
+elif [ "$step" = ws ]; then
+  cp "$3/$name" "$3/$name.trials.jsonl" "$out/"
+  start=$SECONDS
+  timeout 300 dmattn-bench tune --workloads configs/workloads/varlen.yaml --backend all --suite full \
+    --space configs/space/cuda-fwd-ws.yaml --resume --merge results/tables/$name --out "$table" --format json \
+    > "$out/tune-ws.json" 2> "$out/tune-ws.txt"
+  echo "ws tune rc $? in $((SECONDS - start)) s"
+  grep -v "^tune \[" "$out/tune-ws.txt" | tail -12
+  cp "$table" results/tables/$name
+  start=$SECONDS
+  timeout 220 dmattn-bench bench --workloads configs/workloads/packed.yaml --only window --format json \
+    > "$out/bench-window.json" 2> "$out/bench-window.txt"
+  echo "bench window rc $? in $((SECONDS - start)) s"
+  dmattn-bench bench --from-json "$out/bench-window.json" --format markdown | grep -E "^\| window" | cut -c1-200
+else
+  cp "$3/$name" results/tables/$name
+  reports=()
+  for group in ${BENCH_GROUPS:-packed-causal:280 packed-bias-mask:280}; do
+    group_name=${group%%:*}; limit=${group##*:}; start=$SECONDS
+    timeout "$limit" dmattn-bench bench --workloads configs/workloads/packed.yaml --only "$group_name" --format json \
+      > "$out/bench-$group_name.json" 2> "$out/bench-$group_name.txt"
+    echo "bench $group_name rc $? in $((SECONDS - start)) s"
+    [ -s "$out/bench-$group_name.json" ] && reports+=(--from-json "$out/bench-$group_name.json")
+  done
+  dmattn-bench bench "${reports[@]}" --format markdown > "$out/bench.md"
+  cat "$out/bench.md" | grep -E "^\| (packed|window)" | cut -c1-220
+fi
