@@ -26,7 +26,8 @@ from dmattn_bench.bench.operators import operator
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.dispatch.lookup import Choice, Dispatcher
 from dmattn_bench.space import TableKey, config_label
-from dmattn_bench.tuning.learn_defaults import config_items, timed_trials
+from dmattn_bench.tuning.journal import timed_trials
+from dmattn_bench.tuning.learn_defaults import config_items
 
 SOURCES = ("exact entry", "entry at other lengths", "similar entry", "default")
 

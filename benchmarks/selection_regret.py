@@ -34,6 +34,7 @@ from dmattn_bench.dispatch.table import Entry
 from dmattn_bench.space import CONFIG_CLASSES, TableKey
 from dmattn_bench.tiles import DEFAULTS_FILE, GPU_DEFAULTS
 from dmattn_bench.tuning import learn_defaults
+from dmattn_bench.tuning.journal import timed_trials
 
 
 def similarity_distance(a: dict, b: dict) -> float | None:
@@ -44,7 +45,7 @@ def similarity_distance(a: dict, b: dict) -> float | None:
 def read_keys(journals: list[Path]) -> dict[tuple, tuple[dict, dict[tuple, float]]]:
     """{(journal, workload, direction): (table key, {config items: median ms})}."""
     keys: dict[tuple, tuple[dict, dict]] = {}
-    for name, trial, config in learn_defaults.timed_trials(journals):
+    for name, trial, config in timed_trials(journals):
         keys.setdefault((name, trial["workload"], trial["key"]["direction"]), (trial["key"], {}))[1][config] = \
             trial["median_ms"]
     return keys

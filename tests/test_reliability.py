@@ -19,7 +19,8 @@ import yaml
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.tiles import default_configs
 from dmattn_bench.tuning.journal import Journal, JournalError, mark_finished, read_state
-from dmattn_bench.tuning.workers import MAX_WORKERS_PER_GPU, PoolStats, Worker, parallel_map, worker_count
+from dmattn_bench.tuning.workers import (MAX_WORKERS_PER_GPU, PoolStats, Worker, parallel_map, phase_bound,
+                                         worker_count)
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
@@ -253,6 +254,8 @@ def test_two_workers_share_the_workloads_and_write_one_table(tmp_path):
     document = json.loads(stdout)
     assert document["counts"] == {"ok": 6}
     assert document["gpus"] == 2 and set(document["phases_s"]) == {"measure", "winners"}  # no compile phase on CPU
+    assert set(document["phase_bounds"]) == set(document["phases_s"])
+    assert document["phase_bounds"]["measure"]["bound"] == "serial"
     assert {e.key.direction for e in load_table(out).entries} == {"fwd", "bwd"}
 
 
@@ -321,3 +324,18 @@ def test_parallel_map_starts_a_job_only_after_the_jobs_it_waits_for(tmp_path):
     assert stats.busy_s >= a[1] - a[0]
     with pytest.raises(ValueError, match="earlier items"):
         parallel_map(_stamp, jobs[:2], on_crash=lambda job, reason: reason, after=[(1,), ()])
+
+
+def test_a_phase_is_bound_by_its_cores_by_its_hand_over_or_by_waiting():
+    """The H200's ranked tune (results/tune/h200-ranked-vs-exhaustive.md): the suites' 8 processes
+    on 16 cores were busy 85% of the phase on their cores, so the cores bounded it and 8 more
+    would run; its compile pool was fed 48% (rounds, start-up); a pool whose jobs sat off their
+    cores waited; the measure phase and an unused pool ran in one process in turn."""
+    suites = phase_bound(75.6, {"processes": 8, "jobs": 255, "busy_s": 517.1, "cpu_s": 516.0}, 16)
+    assert suites == {"processes": 8, "cores": 16, "on_core": 1.0, "fed": 0.85, "bound": "cores", "more_cores": True}
+    compile_pool = phase_bound(53.2, {"processes": 8, "jobs": 99, "busy_s": 202.8, "cpu_s": 198.5}, 16)
+    assert (compile_pool["bound"], compile_pool["fed"]) == ("hand-over", 0.48)
+    assert not phase_bound(10.0, {"processes": 16, "jobs": 64, "busy_s": 155.0, "cpu_s": 150.0}, 16)["more_cores"]
+    assert phase_bound(10.0, {"processes": 4, "jobs": 8, "busy_s": 40.0, "cpu_s": 8.0}, 16)["bound"] == "waiting"
+    for pool in (None, {"processes": 0, "jobs": 0, "busy_s": 0.0, "cpu_s": 0.0}):
+        assert phase_bound(15.2, pool, 16)["bound"] == "serial"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shlex
 from pathlib import Path
@@ -153,6 +154,24 @@ def _counts_table(result: TuneResult) -> Table:
         table.add_row(f"status {status}", str(count))
     for stage, count in result.funnel().items():
         table.add_row(f"reached {stage}", str(count))
+    return table
+
+
+BOUND_NOTES = {"serial": "one process in turn", "waiting": "jobs off their cores", "hand-over": "processes idle between jobs",
+               "cores": "the cores"}
+
+
+def _phases_table(result: TuneResult, cores: int) -> Table:
+    """Each phase's wall and what bounded it (`TuneResult.phase_bounds`)."""
+    table = Table(title=f"phases (host of {cores} cores)")
+    for column in ("phase", "wall s", "processes", "on core", "fed", "bound by"):
+        table.add_column(column, justify="left" if column in ("phase", "bound by") else "right")
+    for phase, bound in result.phase_bounds(cores).items():
+        note = BOUND_NOTES[bound["bound"]] + (f" ({bound['processes']} of {cores}: more would run)"
+                                              if bound["more_cores"] else "")
+        table.add_row(phase, f"{result.phases[phase]:.1f}", str(bound["processes"]),
+                      "-" if bound["on_core"] is None else f"{bound['on_core']:.0%}",
+                      "-" if bound["fed"] is None else f"{bound['fed']:.0%}", note)
     return table
 
 
@@ -411,7 +430,8 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     speedup = geometric_mean_speedup(result) if result.meaningful_timings else None
     regret = current_choice_regret(result)
     document = {"table": str(out), "trials_file": str(trials_path), "wall_s": round(result.wall_s, 1),
-                "phases_s": result.phases, "phase_pools": result.pools, "gpus": gpu_count,
+                "phases_s": result.phases, "phase_pools": result.pools,
+                "phase_bounds": result.phase_bounds(os.cpu_count() or 1), "gpus": gpu_count,
                 "replayed_trials": replayed, "counts": result.counts(), "funnel": result.funnel(),
                 "entries": len(entries), "geomean_speedup_vs_default": speedup,
                 "current_choice_regret": regret,
@@ -421,7 +441,8 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                 "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence,
                                  search=result.search_of(w))
                             for w in result.winners]}
-    output.render(document, [_winners_table(result), _counts_table(result)], fmt)
+    output.render(document, [_winners_table(result), _counts_table(result), _phases_table(result, os.cpu_count() or 1)],
+                  fmt)
     merged_note = f", {len(table.entries)} with those of {merge_path}" if kept is not None else ""
     output.info(f"wrote {out} ({len(entries)} entries{merged_note})" + (
         "" if not result.meaningful_timings else "; geometric-mean speed-up over the defaults: "

@@ -187,6 +187,20 @@ class Journal:
         self._file.close()
 
 
+def timed_trials(journals: list[Path], backend: str | None = "triton"):
+    """(journal name, trial record, config items) of every `ok` trial with a positive median in
+    `journals`, of `backend` (None: of every backend): what the learned defaults, the ranking
+    and the comparison of two tunes read."""
+    for journal in journals:
+        for line in Path(journal).read_text().splitlines():
+            trial = json.loads(line)
+            median = trial.get("median_ms")
+            if (trial.get("kind") == "trial" and trial.get("status") == "ok"
+                    and (backend is None or trial.get("backend") == backend)
+                    and isinstance(median, (int, float)) and median > 0):
+                yield Path(journal).name, trial, tuple(sorted(trial["config"].items()))
+
+
 def mark_finished(path: str | Path, table: str | Path, entries: int, unmeasured: int) -> None:
     """Records that the run journaled at `path` wrote `table` (with `entries` entries), leaving
     `unmeasured` planned trials unmeasured for lack of time (`--budget`; 0: the run completed).

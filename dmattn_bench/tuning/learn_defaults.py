@@ -19,7 +19,6 @@ default there.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import yaml
 
 from dmattn_bench.dispatch.table import load_table
 from dmattn_bench.space import BwdConfig, FwdConfig, bias_has_rows
+from dmattn_bench.tuning.journal import timed_trials
 from dmattn_bench.tiles import GPU_DEFAULTS
 
 POOLED_DTYPES = ("bf16", "fp16")  # the journals' kernel dtypes; each group's default serves both
@@ -78,16 +78,6 @@ def qualified_configs(tables) -> set[tuple]:
 def regrets(times: dict[tuple, dict[tuple, float]], config: tuple) -> list[float]:
     """Per shape of `times` ({shape: {config items: median ms}}), `config`'s time over the best."""
     return [by_config[config] / min(by_config.values()) for by_config in times.values()]
-
-
-def timed_trials(journals: list[Path], backend: str = "triton"):
-    """(journal name, trial record, config items) of every timed `ok` trial of `backend`."""
-    for journal in journals:
-        for line in Path(journal).read_text().splitlines():
-            trial = json.loads(line)
-            if (trial.get("kind") == "trial" and trial.get("status") == "ok" and trial.get("backend") == backend
-                    and isinstance(trial.get("median_ms"), (int, float))):
-                yield Path(journal).name, trial, tuple(sorted(trial["config"].items()))
 
 
 def read_journal_times(journals: list[Path], backend: str = "triton") -> dict[tuple, dict[tuple, dict[tuple, float]]]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dmattn_bench.space import CONFIGS_DIR, FWD_KNOBS, TableKey
+from dmattn_bench.tuning.journal import timed_trials
 
 # Weight factors of `similarity`: a mismatch multiplies the weight by its factor. Head dim decides
 # the register and shared-memory budget of a tile, so a neighbour of another head-dim class says
@@ -84,27 +85,18 @@ class Shape:
 def read_shapes(journals: list[Path], backend: str) -> list[Shape]:
     """The timed shapes of `backend` in `journals` (`ok` trials with a median), one per journal,
     workload and direction."""
-    shapes = []
-    for journal in journals:
-        times: dict[tuple[str, str], dict[tuple, float]] = {}
-        keys: dict[tuple[str, str], dict] = {}
-        defaults: dict[tuple[str, str], tuple] = {}
-        for line in Path(journal).read_text().splitlines():
-            trial = json.loads(line)
-            if (trial.get("kind") != "trial" or trial.get("status") != "ok" or trial.get("backend") != backend
-                    or not isinstance(trial.get("median_ms"), (int, float)) or trial["median_ms"] <= 0):
-                continue
-            where = (trial["workload"], trial["direction"])
-            keys[where] = trial["key"]
-            items = tuple(sorted(trial["config"].items()))
-            times.setdefault(where, {})[items] = trial["median_ms"]
-            if trial.get("is_default"):
-                defaults[where] = items
-        for where, by_config in times.items():
-            best = min(by_config.values())
-            shapes.append(Shape(Path(journal).name, where[0], keys[where],
-                                {config: ms / best for config, ms in by_config.items()}, defaults.get(where)))
-    return shapes
+    times: dict[tuple[str, str, str], dict[tuple, float]] = {}  # (journal, workload, direction)
+    keys: dict[tuple[str, str, str], dict] = {}
+    defaults: dict[tuple[str, str, str], tuple] = {}
+    for name, trial, items in timed_trials(journals, backend):
+        where = (name, trial["workload"], trial["direction"])
+        keys[where] = trial["key"]
+        times.setdefault(where, {})[items] = trial["median_ms"]
+        if trial.get("is_default"):
+            defaults[where] = items
+    return [Shape(where[0], where[1], keys[where], {config: ms / min(by_config.values()) for config, ms in by_config.items()},
+                  defaults.get(where))
+            for where, by_config in times.items()]
 
 
 def _head_dim_class(head_dim: int) -> int:
@@ -409,12 +401,9 @@ class RankedRounds:
 def _ok_times(journal: Path) -> dict[tuple, dict[str, float]]:
     """{(backend, key as JSON, config as JSON): {workload: median ms}} of a journal's ok trials."""
     times: dict[tuple, dict[str, float]] = {}
-    for line in journal.read_text().splitlines():
-        trial = json.loads(line)
-        if trial.get("kind") == "trial" and trial.get("status") == "ok" and trial.get("median_ms"):
-            where = (trial["backend"], json.dumps(trial["key"], sort_keys=True),
-                     json.dumps(trial["config"], sort_keys=True))
-            times.setdefault(where, {})[trial["workload"]] = trial["median_ms"]
+    for _, trial, _ in timed_trials([journal], backend=None):
+        where = (trial["backend"], json.dumps(trial["key"], sort_keys=True), json.dumps(trial["config"], sort_keys=True))
+        times.setdefault(where, {})[trial["workload"]] = trial["median_ms"]
     return times
 
 

@@ -54,7 +54,8 @@ from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, CaseJob, Trial, 
                                         shape_of_workload, suite_case_job, suite_cases, suite_job, suite_verdict,
                                         warm_job)
 from dmattn_bench.tuning.validator import CaseResult, shape_of_case
-from dmattn_bench.tuning.workers import PoolStats, Worker, WorkerCrashed, WorkerTimedOut, parallel_map
+from dmattn_bench.tuning.workers import (PoolStats, Worker, WorkerCrashed, WorkerTimedOut, parallel_map,
+                                         phase_bound)
 from dmattn_bench.tuning.workloads import Workload
 
 DEFAULT_TRIAL_TIMEOUT_S = 300.0  # also the bound on building a workload's inputs and references
@@ -101,6 +102,12 @@ class TuneResult:
         for trial in self.trials:
             counts[trial.status] = counts.get(trial.status, 0) + 1
         return counts
+
+    def phase_bounds(self, cores: int) -> dict[str, dict]:
+        """Per phase, what bounded it on a host of `cores` cores (`workers.phase_bound`): the
+        compile and winners phases run on pools (on a GPU), the measure phase times trials one at
+        a time."""
+        return {phase: phase_bound(seconds, self.pools.get(phase), cores) for phase, seconds in self.phases.items()}
 
     def funnel(self) -> dict[str, int]:
         """How many trials reached each stage (a trial that reached "timed" was also compiled...)."""

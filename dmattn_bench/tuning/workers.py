@@ -95,6 +95,32 @@ class PoolStats:
                 "startup_s_median": round(startup[len(startup) // 2], 2) if startup else None}
 
 
+# A pool whose jobs were on a core at least this share of their time was bound by its cores ...
+ON_CORE_SHARE = 0.8
+# ... unless its processes were busy less than this share of the phase (they waited for jobs).
+FED_SHARE = 0.7
+
+
+def phase_bound(wall_s: float, pool: dict | None, cores: int) -> dict:
+    """What bounded one phase of a tune, `wall_s` long, run on `pool` (`PoolStats.to_dict`; None:
+    the tuning process alone, which times the trials on the GPU one at a time) on a host of
+    `cores` cores: the processes and cores, the share of their jobs' time on a core
+    (`on_core`), how fully the jobs kept the processes busy over the phase (`fed`), and `bound`:
+    "serial" (one process did the work in turn: the timing of trials on the GPU, or in the
+    interpreter everything), "waiting" (jobs off their core: the GPU, the disk or a core another
+    process held), "hand-over" (processes idle between jobs: start-up, rounds that wait on the
+    GPU) or "cores" (every process busy on its core; `more_cores`: the host had cores the pool
+    did not use)."""
+    if pool is None or not pool["jobs"]:
+        return {"processes": 1, "cores": cores, "on_core": None, "fed": None, "bound": "serial", "more_cores": False}
+    processes = max(1, pool["processes"])
+    on_core = pool["cpu_s"] / pool["busy_s"] if pool["busy_s"] > 0 else 0.0
+    fed = pool["busy_s"] / (processes * wall_s) if wall_s > 0 else 0.0
+    bound = "waiting" if on_core < ON_CORE_SHARE else "hand-over" if fed < FED_SHARE else "cores"
+    return {"processes": processes, "cores": cores, "on_core": round(on_core, 2), "fed": round(fed, 2),
+            "bound": bound, "more_cores": bound == "cores" and processes < cores}
+
+
 def _timed(fn: Callable[[T], R], item: T) -> tuple[R, tuple[int, float, float, float]]:
     """Runs in a pool process: `fn(item)` and (pid, start, end, CPU seconds) of the job."""
     before, started = os.times(), time.time()
