@@ -881,3 +881,20 @@ def test_tune_stale_retunes_exactly_the_stale_entries(tmp_path):
     assert again.exit_code == 0 and "no stale or unvalidated entries" in again.output and path.read_text() == before
     usage = CliRunner().invoke(tune_command, ["--stale"])
     assert usage.exit_code == 2 and "--merge TABLE" in usage.output
+
+
+def test_a_case_two_suites_share_is_one_case_job():
+    """A config chosen for keys of head dims 64 and 128 lists the smaller suite's cases in both
+    suites: as case jobs they are one (same code, same inputs), and only its own dtype, config
+    and direction tell two jobs of a case apart."""
+    from dmattn_bench.tuning.trials import CaseJob, suite_cases
+    from dmattn_bench.tuning.tuner import _case_identity
+
+    config = FwdConfig(64, 64, 4, 2)
+    jobs = [CaseJob("triton", "fwd", config, "bf16", "quick", "cpu", head_dim, index)
+            for head_dim in (64, 128) for index in range(len(suite_cases("triton", "fwd", config, "quick", head_dim)))]
+    small = len(suite_cases("triton", "fwd", config, "quick", 64))
+    distinct = {_case_identity(job) for job in jobs}
+    assert 0 < small < len(jobs) - small and len(distinct) == len(jobs) - small
+    other = [job._replace(dtype_name="fp16") for job in jobs] + [job._replace(config=FwdConfig(64, 64, 4, 3)) for job in jobs]
+    assert len(distinct | {_case_identity(job) for job in other}) == 3 * len(distinct)

@@ -500,6 +500,12 @@ def _leaders(kernels_per_job: list[list[tuple]]) -> list[tuple[int, ...]]:
     return after
 
 
+def _case_identity(job: CaseJob) -> tuple:
+    """What decides a case job's outcome: the code (backend, direction, config, dtype) and the
+    case itself, whichever suite lists it."""
+    return job.backend_name, job.direction, job.config, job.dtype_name, _cases_of(job)[job.index]
+
+
 def _cases_of(job: CaseJob) -> tuple:
     """The cases of the suite a case job belongs to (`trials.suite_cases`)."""
     return suite_cases(job.backend_name, job.direction, job.config, job.suite, job.max_head_dim, job.varlen)
@@ -600,13 +606,20 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
                                                            str(device), key.head_dim, 0, _varlen(key)))
         suites = list(unjournaled.values())  # each a suite's first case job
         case_jobs = [one._replace(index=index) for one in suites for index in range(len(_cases_of(one)))]
+        # A case two suites share runs once: a config chosen for keys of several head dims has the
+        # smaller one's cases in both suites, the same code on the same inputs (H200, default
+        # workloads, bf16: 255 case jobs of 11 suites, 169 of them distinct).
+        runs_for: dict[tuple, CaseJob] = {}
+        for job in case_jobs:
+            runs_for.setdefault(_case_identity(job), job)
+        distinct = list(runs_for.values())
 
         def crashed(job, reason) -> CaseResult:
             return CaseResult(_cases_of(job)[job.index].name, "crash", reason)
 
-        done = on_phase(f"adversarial suite of {len(suites)} configs", len(case_jobs)) if on_phase and suites else None
+        done = on_phase(f"adversarial suite of {len(suites)} configs", len(distinct)) if on_phase and suites else None
         outcomes: dict[tuple, CaseResult] = {}
-        pending = case_jobs
+        pending = distinct
         while pending:  # each round reruns, in fresh processes, what a lost context left undone
             results = parallel_map(suite_case_job, pending, on_crash=crashed,
                                    on_done=(lambda job, result: done() if done and result.status != "retry" else None),
@@ -614,7 +627,8 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
             outcomes.update((job, result) for job, result in zip(pending, results) if result.status != "retry")
             pending = [job for job, result in zip(pending, results) if result.status == "retry"]
         for one in suites:
-            status, note = suite_verdict([outcomes[job] for job in case_jobs if job._replace(index=0) == one], suite)
+            status, note = suite_verdict([outcomes[runs_for[_case_identity(job)]] for job in case_jobs
+                                          if job._replace(index=0) == one], suite)
             if status != "crash":
                 # a dead pool process is blamed on the first pending job, not always the culprit: a
                 # config with a crash is left to the isolated serial path below, which times it too
