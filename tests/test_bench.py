@@ -25,6 +25,7 @@ from dmattn_bench.bench.harness import (
     kv_bytes,
     load_peer_workloads,
     run_bench,
+    standing,
 )
 from dmattn_bench.bench.peers import parse_peers, unavailable_reason
 from dmattn_bench.cli.bench import COLUMNS, DEFAULT_WORKLOADS, bench, markdown, row_cells
@@ -579,3 +580,69 @@ def test_sigterm_stops_the_bench_as_ctrl_c_does():
         with _sigterm_as_interrupt():
             os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# -- the shape sweep (issue 58) ----------------------------------------------------------------------
+
+
+def test_a_grid_entry_is_the_product_of_its_lists_named_by_what_sets_each_apart(tmp_path):
+    grid = {"name": "g", "tokens": 8192, "heads": 8, "head_dim": [64, 96], "causal": [True, False], "gqa": [1, 4],
+            "seqlen": [1024, 16384], "dtype": ["bf16"],
+            "variants": [{"mask": "none", "bias": "none"},
+                         {"mask": {"kind": "kv_head", "keep": {"top_k": 512}}, "bias": {"kind": "per_key", "grad": True}}]}
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump({"workloads": [{"grid": grid}]}))
+    workloads = load_peer_workloads(path)
+    assert len(workloads) == 2 * 2 * 2 * 2 * 2 == len({w.name for w in workloads})
+    first = workloads[0].workload
+    assert workloads[0].name == "g D64 causal gqa1 L1024 none/none bf16"
+    assert (first.batch, first.heads, first.heads_kv, first.seqlen_q, first.head_dim) == (8, 8, 8, 1024, 64)
+    last = workloads[-1]
+    assert last.name == "g D96 full gqa4 L16384 kv_head/per_key+grad bf16"
+    assert (last.workload.batch, last.workload.heads_kv, last.workload.causal) == (1, 2, False)  # at least one sequence
+    assert (last.workload.mask, last.workload.bias, last.workload.bias_grad, last.keep) == (
+        "kv_head", "per_key", True, ("top_k", 512))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"gqa": [3]}, r"grid\.gqa: 3 does not divide heads=8"),
+    ({"seqlen": []}, r"grid\.seqlen: expected a non-empty list"),
+    ({"width": 3}, r"grid: expected keys .* got .*width"),
+    ({"variants": [{"mask": "none"}]}, r"grid\.variants: each is \{mask, bias\}"),
+    ({"variants": [{"mask": {"kind": "full", "keep": {"top_k": 4}}, "bias": "none"}]}, r"needs a bias"),
+])
+def test_a_bad_grid_is_a_one_line_error_naming_the_key(tmp_path, change, message):
+    grid = dict({"name": "g", "tokens": 8192, "heads": 8, "head_dim": [64], "causal": [True], "gqa": [1],
+                 "seqlen": [1024], "dtype": ["bf16"], "variants": [{"mask": "none", "bias": "none"}]}, **change)
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump({"workloads": [{"grid": grid}]}))
+    with pytest.raises(ValueError, match=message) as raised:
+        load_peer_workloads(path)
+    assert "\n" not in str(raised.value)
+
+
+def test_the_sweep_covers_the_issue_s_head_dims_causality_kinds_gqa_lengths_and_dtypes():
+    workloads = [w.workload for w in load_peer_workloads("configs/workloads/sweep.yaml")]
+    assert {w.head_dim for w in workloads} == {64, 80, 96, 128, 192, 256}
+    assert {w.causal for w in workloads} == {True, False}
+    assert {w.heads // w.heads_kv for w in workloads} >= {1, 4, 8}
+    assert {w.seqlen_q for w in workloads} >= {1024, 4096, 16384}
+    assert {w.dtype for w in workloads} == {"bf16", "fp16"}
+    assert {(w.mask, w.bias) for w in workloads} >= {("none", "none"), ("full", "full"), ("kv_head", "per_key"),
+                                                      ("kv_head", "kv_head"), ("none", "per_key"), ("none", "full")}
+    assert {w.bias_grad for w in workloads if w.bias != "none"} == {True, False}
+
+
+def test_the_standing_against_each_peer_is_the_geomean_and_the_workloads_ours_loses():
+    rows = [Row(name, peer, "fwd", "ok", median_ms=ms, wall_ms=ms * 2)
+            for name, ours, flex in (("A", 1.0, 2.0), ("B", 1.0, 0.5), ("C", 3.0, 2.0))
+            for peer, ms in (("dmattn", ours), ("flex", flex))]
+    rows.append(Row("D", "flex", "fwd", "error", error="no valid triton configs"))
+    fill_ratios(rows)
+    figures = standing(rows)["flex"]["fwd"]
+    assert figures["workloads"] == 3 and figures["geomean_gpu"] == pytest.approx((0.5 * 2.0 * 1.5) ** (1 / 3), abs=1e-4)
+    assert figures["geomean_wall"] == figures["geomean_gpu"]
+    assert figures["losing"] == [["B", 2.0], ["C", 1.5]]  # worst first
+    assert "dmattn" not in standing(rows)
+    text = markdown(_document(rows))
+    assert "- flex fwd: 1.14x gpu, 1.14x wall over 3 workloads; ours slower on: B (2.00x), C (1.50x)" in text

@@ -28,6 +28,7 @@ error; `failed_rows_of_ours` tells the command whether our own kernel failed.
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -123,9 +124,49 @@ def _dtype_and_heads(entry: dict, where: str, dtype_override: str | None) -> tup
     return dtype, heads, heads_kv
 
 
+# A grid entry's keys (`_expand_grid`): each a list, expanded as their product
+_GRID_LISTS = ("head_dim", "causal", "gqa", "seqlen", "dtype", "variants")
+_GRID_KEYS = {"name", "tokens", "heads", *_GRID_LISTS}
+
+
+def _grid_name(prefix: str, head_dim: int, causal: bool, gqa: int, seqlen: int, dtype: str, variant: dict) -> str:
+    def kind(operand) -> str:
+        return "none" if operand == "none" else operand["kind"] + ("+grad" if operand.get("grad") else "")
+
+    return (f"{prefix} D{head_dim} {'causal' if causal else 'full'} gqa{gqa} L{seqlen} "
+            f"{kind(variant['mask'])}/{kind(variant['bias'])} {dtype}")
+
+
+def _expand_grid(grid, where: str) -> list[dict]:
+    """A grid entry's prefill entries: the product of its lists (`_GRID_LISTS`), each with
+    `tokens // seqlen` sequences (at least one) of `heads` query heads and heads / gqa KV heads,
+    named by what sets it apart (`_grid_name`)."""
+    if not isinstance(grid, dict) or set(grid) != _GRID_KEYS:
+        keys = sorted(grid) if isinstance(grid, dict) else type(grid).__name__
+        raise ValueError(f"{where}.grid: expected keys {sorted(_GRID_KEYS)}, got {keys}")
+    for name in _GRID_LISTS:
+        if not isinstance(grid[name], list) or not grid[name]:
+            raise ValueError(f"{where}.grid.{name}: expected a non-empty list, got {grid[name]!r}")
+    tokens, heads = positive_int(grid["tokens"], f"{where}.grid.tokens"), positive_int(grid["heads"], f"{where}.grid.heads")
+    entries = []
+    for head_dim, causal, gqa, seqlen, dtype, variant in itertools.product(*(grid[name] for name in _GRID_LISTS)):
+        if not isinstance(variant, dict) or set(variant) != {"mask", "bias"}:
+            raise ValueError(f"{where}.grid.variants: each is {{mask, bias}}, got {variant!r}")
+        gqa, seqlen = positive_int(gqa, f"{where}.grid.gqa"), positive_int(seqlen, f"{where}.grid.seqlen")
+        if heads % gqa:
+            raise ValueError(f"{where}.grid.gqa: {gqa} does not divide heads={heads}")
+        entries.append(dict(name=_grid_name(str(grid["name"]), head_dim, bool(causal), gqa, seqlen, dtype, variant),
+                            batch=max(1, tokens // seqlen), heads=heads, heads_kv=heads // gqa, seqlen=seqlen,
+                            head_dim=head_dim, causal=causal, dtype=dtype, **variant))
+    return entries
+
+
 def _parse(entry, where: str, dtype_override: str | None) -> list[PeerWorkload]:
-    """A prefill entry's workload, one decode workload per length variant of a decode entry, or a
-    packed or window workload (`packed.parse_structured`)."""
+    """A prefill entry's workload, those of a grid entry (`_expand_grid`), one decode workload per
+    length variant of a decode entry, or a packed or window workload (`packed.parse_structured`)."""
+    if isinstance(entry, dict) and set(entry) == {"grid"}:
+        return [_parse_prefill(one, f"{where} ({one['name']})", dtype_override)
+                for one in _expand_grid(entry["grid"], where)]
     if isinstance(entry, dict) and packed.STRUCTURE_KEYS & set(entry):
         dtype, heads, heads_kv = _dtype_and_heads(entry, where, dtype_override)
         workload, layout = packed.parse_structured(entry, where, dtype, heads, heads_kv)
@@ -611,6 +652,28 @@ def fill_ratios(rows: list[Row]) -> None:
             row.ours_over_peer_gpu = mine.median_ms / row.median_ms
         if mine.wall_ms is not None and row.wall_ms:
             row.ours_over_peer_wall = mine.wall_ms / row.wall_ms
+
+
+def standing(rows: list[Row]) -> dict[str, dict[str, dict]]:
+    """Per peer and direction, how ours stands against it over the workloads both ran: the
+    geometric means of ours/peer on GPU time and on eager wall time, and the workloads where ours
+    took longer on GPU time (`losing`, worst first)."""
+    ratios: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        if row.peer != OURS and row.status == "ok" and row.ours_over_peer_gpu is not None:
+            ratios.setdefault((row.peer, row.direction), []).append(row)
+
+    def geomean(values: list[float]) -> float | None:
+        return round(math.exp(sum(map(math.log, values)) / len(values)), 4) if values else None
+
+    result: dict[str, dict[str, dict]] = {}
+    for (peer, direction), mine in ratios.items():
+        losing = sorted((r for r in mine if r.ours_over_peer_gpu > 1), key=lambda r: -r.ours_over_peer_gpu)
+        result.setdefault(peer, {})[direction] = {
+            "workloads": len(mine), "geomean_gpu": geomean([r.ours_over_peer_gpu for r in mine]),
+            "geomean_wall": geomean([r.ours_over_peer_wall for r in mine if r.ours_over_peer_wall]),
+            "losing": [[r.workload, round(r.ours_over_peer_gpu, 4)] for r in losing]}
+    return result
 
 
 def failed_rows_of_ours(rows: list[Row]) -> list[Row]:

@@ -17,7 +17,8 @@ from rich.table import Table
 
 from dmattn_bench import output
 from dmattn_bench.bench.harness import (COPY_BYTES, DIRECTIONS, BenchInterrupted, Row, copy_rate, eager_loop,
-                                        failed_rows_of_ours, load_peer_workloads, run_bench, timed_directions)
+                                        failed_rows_of_ours, load_peer_workloads, run_bench, standing,
+                                        timed_directions)
 from dmattn_bench.bench.peers import (DECODE_PEERS, DEFAULT_PEERS, OURS, PACKED_PEERS, PEER_GROUPS, PEERS,
                                       STRUCTURED_ONLY, parse_peers)
 from dmattn_bench.cli.checks import reject_bf16_without_gpu
@@ -74,6 +75,26 @@ def _copy_text(document: dict) -> str:
             f"filled keys; every key with no length given) over its gpu ms, as a fraction of the copy rate ({measured}). ")
 
 
+def _standing_lines(by_peer: dict) -> list[str]:
+    """The report's `standing` as lines: per peer and direction the geometric means and the
+    workloads where ours is slower."""
+    lines = ["", "Against each peer (geometric mean of ours/peer over the workloads both ran; < 1: ours is faster):", ""]
+    for peer, directions in sorted(by_peer.items()):
+        for direction, figures in directions.items():
+            wall = figures["geomean_wall"]
+            slower = ", ".join(f"{name} ({ratio:.2f}x)" for name, ratio in figures["losing"]) or "none"
+            lines.append(f"- {peer} {direction}: {figures['geomean_gpu']:.2f}x gpu"
+                         + (f", {wall:.2f}x wall" if wall is not None else "")
+                         + f" over {figures['workloads']} workloads; ours slower on: {slower}")
+    return lines if len(lines) > 3 else []
+
+
+def with_standing(document: dict) -> dict:
+    """The report with its `standing` (`harness.standing` of its rows), as JSON and YAML give it
+    (the markdown report computes the same lines from the rows)."""
+    return {**document, "standing": standing([Row.from_dict(data) for data in document["rows"]])}
+
+
 def markdown(document: dict) -> str:
     """The report as a markdown document (header, one table, per-peer notes)."""
     lines = [f"# dmattn-bench bench on {document['device']}", "",
@@ -102,6 +123,7 @@ def markdown(document: dict) -> str:
     lines.append("|" + "---|" * len(COLUMNS))
     for data in document["rows"]:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in row_cells(Row.from_dict(data))) + " |")
+    lines += _standing_lines(standing([Row.from_dict(data) for data in document["rows"]]))
     lines += ["", "Workloads:", ""] + [f"- {text}" for text in document["workloads"]]
     notes = {(r["peer"], r["note"]) for r in document["rows"] if r["note"]}
     lines += ["", "Peer notes:", ""] + [f"- {peer}: {note}" for peer, note in sorted(notes)]
@@ -330,6 +352,7 @@ def bench(table_path, workloads_path, only, directions, peer_names, dtype, repea
         }
         if interrupted:
             document["interrupted"] = interrupted
+    document = with_standing(document)
     if fmt == "markdown":
         output.write_text(markdown(document))
     else:
