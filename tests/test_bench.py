@@ -610,6 +610,8 @@ def test_a_grid_entry_is_the_product_of_its_lists_named_by_what_sets_each_apart(
     ({"width": 3}, r"grid: expected keys .* got .*width"),
     ({"variants": [{"mask": "none"}]}, r"grid\.variants: each is \{mask, bias\}"),
     ({"variants": [{"mask": {"kind": "full", "keep": {"top_k": 4}}, "bias": "none"}]}, r"needs a bias"),
+    ({"variants": [{"mask": {"kind": "per_key", "keep": {"top_k": 4}}, "bias": {"kind": "full", "grad": True}}]},
+     r"a per_key mask ranks the keys by a per_key bias, got bias full"),
 ])
 def test_a_bad_grid_is_a_one_line_error_naming_the_key(tmp_path, change, message):
     grid = dict({"name": "g", "tokens": 8192, "heads": 8, "head_dim": [64], "causal": [True], "gqa": [1],
@@ -629,7 +631,8 @@ def test_the_sweep_covers_the_issue_s_head_dims_causality_kinds_gqa_lengths_and_
     assert {w.seqlen_q for w in workloads} >= {1024, 4096, 16384}
     assert {w.dtype for w in workloads} == {"bf16", "fp16"}
     assert {(w.mask, w.bias) for w in workloads} >= {("none", "none"), ("full", "full"), ("kv_head", "per_key"),
-                                                      ("kv_head", "kv_head"), ("none", "per_key"), ("none", "full")}
+                                                      ("kv_head", "kv_head"), ("per_key", "per_key"),
+                                                      ("none", "per_key"), ("none", "full")}
     assert {w.bias_grad for w in workloads if w.bias != "none"} == {True, False}
 
 
@@ -646,3 +649,19 @@ def test_the_standing_against_each_peer_is_the_geomean_and_the_workloads_ours_lo
     assert "dmattn" not in standing(rows)
     text = markdown(_document(rows))
     assert "- flex fwd: 1.14x gpu, 1.14x wall over 3 workloads; ours slower on: B (2.00x), C (1.50x)" in text
+
+
+def test_a_per_key_mask_is_one_row_keeping_the_highest_bias_keys_of_all(tmp_path):
+    """(B, 1, 1, Lk), ranked by the first KV head's per-key bias over every key (no causal
+    prefix: one row serves every query); ours and the reference agree on it."""
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({"workloads": [{
+        "name": "pk", "batch": 2, "heads": 4, "heads_kv": 2, "seqlen": 64, "head_dim": 32, "causal": True,
+        "dtype": "fp32", "bias": {"kind": "per_key", "grad": True}, "mask": {"kind": "per_key", "keep": {"top_k": 24}}}]}))
+    (workload,) = load_peer_workloads(path)
+    inputs = build_bench_inputs(workload, "cpu")
+    assert inputs.mask.shape == (2, 1, 1, 64) and inputs.mask.sum(-1).tolist() == [[[24]], [[24]]]
+    for b in range(2):
+        kept = inputs.bias.detach()[b, 0, 0][inputs.mask[b, 0, 0]]
+        dropped = inputs.bias.detach()[b, 0, 0][~inputs.mask[b, 0, 0]]
+        assert kept.min() > dropped.max()

@@ -48,7 +48,7 @@ from dmattn_bench.tuning.validator import TensorCheck, compare
 from dmattn_bench.tuning.workloads import Workload, positive_int, reject_table
 
 DIRECTIONS = ("fwd", "fwd+bwd")
-_MASK_KINDS = ("full", "kv_head")
+_MASK_KINDS = ("full", "kv_head", "per_key")  # per_key: (B, 1, 1, Lk), one row for every query
 _BIAS_KINDS = ("full", "kv_head", "per_key")
 _SHAPE_KEYS = {"name", "batch", "heads", "heads_kv", "head_dim", "dtype"}
 _PREFILL_KEYS = _SHAPE_KEYS | {"seqlen", "causal", "bias", "mask"}
@@ -196,6 +196,8 @@ def _parse_prefill(entry: dict, where: str, dtype_override: str | None) -> PeerW
             raise ValueError(f"{where}.mask.keep: got {rule!r}, expected {{top_fraction: f}} or {{top_k: n}}")
         if bias_kind == "none":
             raise ValueError(f"{where}.mask: the keep rule ranks keys by bias, so the workload needs a bias")
+        if mask_kind == "per_key" and bias_kind != "per_key":
+            raise ValueError(f"{where}.mask: a per_key mask ranks the keys by a per_key bias, got bias {bias_kind}")
         keep = next(iter(rule.items()))
     dtype, heads, heads_kv = _dtype_and_heads(entry, where, dtype_override)
     workload = Workload(
@@ -318,10 +320,11 @@ def build_bench_inputs(pw: PeerWorkload, device: torch.device | str, seed: int =
         mask = torch.empty(mask_dims, dtype=torch.bool, device=device)
         for b in range(mask_dims[0]):
             for h in range(mask_dims[1]):
-                # the mask of head h ranks the keys by its own bias row (its group's for GQA)
+                # the mask of head h ranks the keys by its own bias row (its group's for GQA; a
+                # per-key mask, one row for every head, by the first KV head's, over all keys)
                 bias_h = h * bias.shape[1] // mask_dims[1]
-                rows = bias.detach()[b, bias_h].expand(w.seqlen_q, w.seqlen_k)
-                mask[b, h] = _keep_top_of_causal_prefix(rows, pw.keep, w.causal)
+                rows = bias.detach()[b, bias_h].expand(mask_dims[2], w.seqlen_k)
+                mask[b, h] = _keep_top_of_causal_prefix(rows, pw.keep, w.causal and mask_dims[2] > 1)
     return BenchInputs(q, k, v, mask, bias, w.causal)
 
 
