@@ -186,13 +186,16 @@ def test_a_backend_that_reads_a_neighbour_fails_the_suite():
     assert SuiteResult("triton", FWD, None, "float32", results).status != "ok"
 
 
-def test_the_cuda_backend_is_unsupported_on_varlen_cases():
-    """Whatever its config, the CUDA backend reports the packed and window cases unsupported (its
-    kernels run neither), without running anything."""
+def test_the_cuda_backend_reports_the_varlen_cases_its_kernels_cannot_run_unsupported():
+    """Without running anything: a packed case whatever the configs; a window case with a forward
+    that is not the overlapped warp-specialized kernel, or with a backward."""
     cuda = Backend("cuda", None, None, lambda config, shape: None)
-    for name in ("packed_zero_one_token", "window_both_sides@16x16"):
-        result = check_case(cuda, CASES[name], torch.float32, "cpu", FWD, BWD)
-        assert result.status == "unsupported" and "CUDA kernels run neither" in result.reason
+    packed = check_case(cuda, CASES["packed_zero_one_token"], torch.float32, "cpu", FWD, BWD)
+    assert packed.status == "unsupported" and "CUDA kernels run no packed sequences" in packed.reason
+    for fwd, bwd, message in ((FWD, None, "overlapped warp-specialized kernel only"),
+                              (None, BWD, "CUDA backward runs no sliding window")):
+        result = check_case(cuda, CASES["window_both_sides@16x16"], torch.float32, "cpu", fwd, bwd)
+        assert result.status == "unsupported" and message in result.reason
 
 
 def test_verify_labels_packed_and_windowed_rows(tmp_path, monkeypatch):
