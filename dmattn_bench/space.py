@@ -265,15 +265,14 @@ def key_problem(backend: str, key: TableKey, config: FwdConfig | BwdConfig | Non
     """Why `backend` cannot run a call of `key` (None: it can): with no `config`, whatever the
     config; with one, that config. The backends' `is_supported` judge a config on an
     `AttentionShape`, which has no packed sequences or window; the key has, so the tuner, the
-    validator, table loading and `tiles.choose` ask here. A window needs the CUDA forward's overlapped kernel of one
-    item per CTA (the GPU's arch is the launcher's check)."""
+    validator, table loading and `tiles.choose` ask here. A window needs the CUDA forward's overlapped
+    kernel (the GPU's arch is the launcher's check)."""
     if backend != "cuda" or not (key.packed or key.window):
         return None
     if key.packed:
         return "the CUDA kernels run no packed sequences (the Triton kernels do)"
     if key.direction != "fwd":
         return "the CUDA backward runs no sliding window (the Triton kernels do)"
-    if config is not None and not (config.overlap and not config.persistent):
-        return ("a sliding window runs in the CUDA forward's overlapped warp-specialized kernel only "
-                "(overlap=1, persistent=0)")
+    if config is not None and not config.overlap:
+        return "a sliding window runs in the CUDA forward's overlapped warp-specialized kernel only (overlap=1)"
     return None

@@ -598,10 +598,16 @@ def test_a_grid_entry_is_the_product_of_its_lists_named_by_what_sets_each_apart(
     assert workloads[0].name == "g D64 causal gqa1 L1024 none/none bf16"
     assert (first.batch, first.heads, first.heads_kv, first.seqlen_q, first.head_dim) == (8, 8, 8, 1024, 64)
     last = workloads[-1]
-    assert last.name == "g D96 full gqa4 L16384 kv_head/per_key+grad bf16"
+    assert last.name == "g D96 full gqa4 L16384 kv_head top_k=512/per_key+grad bf16"
     assert (last.workload.batch, last.workload.heads_kv, last.workload.causal) == (1, 2, False)  # at least one sequence
     assert (last.workload.mask, last.workload.bias, last.workload.bias_grad, last.keep) == (
         "kv_head", "per_key", True, ("top_k", 512))
+    # --dtype runs the grid in another dtype: the names say so
+    assert {w.name.split()[-1] for w in load_peer_workloads(path, dtype="fp16")} == {"fp16"}
+    # two workloads of one name would pair their rows with each other's: refused
+    path.write_text(yaml.safe_dump({"workloads": [{"grid": grid}, {"grid": grid}]}))
+    with pytest.raises(ValueError, match="two workloads are named 'g D64 causal gqa1 L1024 none/none bf16'"):
+        load_peer_workloads(path)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -612,6 +618,7 @@ def test_a_grid_entry_is_the_product_of_its_lists_named_by_what_sets_each_apart(
     ({"variants": [{"mask": {"kind": "full", "keep": {"top_k": 4}}, "bias": "none"}]}, r"needs a bias"),
     ({"variants": [{"mask": {"kind": "per_key", "keep": {"top_k": 4}}, "bias": {"kind": "full", "grad": True}}]},
      r"a per_key mask ranks the keys by a per_key bias, got bias full"),
+    ({"variants": [{"mask": {"keep": {"top_k": 4}}, "bias": {"kind": "full", "grad": True}}]}, r"mask: got"),
 ])
 def test_a_bad_grid_is_a_one_line_error_naming_the_key(tmp_path, change, message):
     grid = dict({"name": "g", "tokens": 8192, "heads": 8, "head_dim": [64], "causal": [True], "gqa": [1],
@@ -653,15 +660,14 @@ def test_the_standing_against_each_peer_is_the_geomean_and_the_workloads_ours_lo
 
 def test_a_per_key_mask_is_one_row_keeping_the_highest_bias_keys_of_all(tmp_path):
     """(B, 1, 1, Lk), ranked by the first KV head's per-key bias over every key (no causal
-    prefix: one row serves every query); ours and the reference agree on it."""
+    prefix: one row serves every query), and under causal the first key kept (no row is dead)."""
     path = tmp_path / "w.yaml"
     path.write_text(yaml.safe_dump({"workloads": [{
         "name": "pk", "batch": 2, "heads": 4, "heads_kv": 2, "seqlen": 64, "head_dim": 32, "causal": True,
         "dtype": "fp32", "bias": {"kind": "per_key", "grad": True}, "mask": {"kind": "per_key", "keep": {"top_k": 24}}}]}))
     (workload,) = load_peer_workloads(path)
     inputs = build_bench_inputs(workload, "cpu")
-    assert inputs.mask.shape == (2, 1, 1, 64) and inputs.mask.sum(-1).tolist() == [[[24]], [[24]]]
+    assert inputs.mask.shape == (2, 1, 1, 64) and inputs.mask[..., 0].all()  # causal: row 0's one key stays
     for b in range(2):
-        kept = inputs.bias.detach()[b, 0, 0][inputs.mask[b, 0, 0]]
-        dropped = inputs.bias.detach()[b, 0, 0][~inputs.mask[b, 0, 0]]
-        assert kept.min() > dropped.max()
+        row, bias = inputs.mask[b, 0, 0, 1:], inputs.bias.detach()[b, 0, 0, 1:]
+        assert 23 <= int(row.sum()) <= 24 and bias[row].min() > bias[~row].max()

@@ -651,14 +651,41 @@ def test_a_window_builds_into_the_overlapped_forward_and_takes_its_sides_after_t
     build.build("fwd_ws", "sm90", variants.variant(FwdConfig(192, 64, 16, 2, overlap=1), 64, torch.float16,
                                                    torch.float32, arch="sm90", is_causal=False, has_mask=True,
                                                    softcap=30.0, window=True))
+    # persistent: the work items and the schedule after the windowed forward's fields
+    persistent = variants.variant(replace(config, persistent=1), 128, torch.bfloat16, None, arch="sm90",
+                                  is_causal=True, has_mask=False, softcap=0.0, window=True)
+    assert _parameter_sizes(build.build("fwd_ws", "sm90", persistent)) == [
+        ctypes.sizeof(params.WindowedPersistentWsParams)]
+    assert params.WindowedPersistentWsParams.item_columns.offset == params.WindowedWsParams.section_slices.offset + 4
 
 
 @pytest.mark.parametrize("config, arch", [(FwdConfig(128, 128, 12, 2), "sm90"),
-                                          (FwdConfig(128, 128, 12, 2, overlap=1, persistent=1), "sm90"),
                                           (FwdConfig(128, 64, 4, 2), "sm90"),
                                           (FwdConfig(128, 128, 12, 2, overlap=1), "sm80")],
-                         ids=["one-tile-at-a-time", "persistent", "mma-sync", "sm80"])
+                         ids=["one-tile-at-a-time", "mma-sync", "sm80"])
 def test_a_window_on_any_other_cuda_forward_is_refused_before_a_build(config, arch):
     with pytest.raises(ValueError, match="sliding window runs in the CUDA forward's overlapped"):
         variants.variant(config, 128, torch.bfloat16, None, arch=arch, is_causal=True, has_mask=False, softcap=0.0,
                          window=True)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (333, 1000), (1000, 333)])
+def test_a_persistent_window_s_item_costs_are_the_key_tiles_its_rows_see(is_causal, seqlens):
+    """`forward._key_tiles` under a window: from the tile of the block's first visible key to the
+    tile of its last, as common.cuh's key_tiles walks them (checked against every row's keys)."""
+    from dmattn_kernels.configs import window_bounds
+
+    config = FwdConfig(128, 64, 12, 3, overlap=1, persistent=1)
+    seqlen_q, seqlen_k = seqlens
+    for window in ((100, 0), (200, 37), (-1, 50)):
+        _, left, right = window_bounds(window, is_causal, seqlen_q, seqlen_k)
+        offset = seqlen_k - seqlen_q
+        for m_block in range(-(-seqlen_q // config.block_m)):
+            keys = [j for i in range(m_block * 128, min((m_block + 1) * 128, seqlen_q))
+                    for j in range(max(0, i + offset - left), min(seqlen_k, i + offset + right + 1))
+                    if not is_causal or j <= i + offset]
+            expected = (max(keys) // 64 - min(keys) // 64 + 1) if keys else 0
+            assert forward._key_tiles(m_block, config, seqlen_q, seqlen_k, is_causal, (left, right)) >= expected
+            # the kernel's bound counts at most the block's rows past Lq (never read): no fewer tiles
+            assert forward._key_tiles(m_block, config, seqlen_q, seqlen_k, is_causal, (left, right)) <= expected + 1

@@ -137,11 +137,12 @@ def test_the_warp_specialized_forward_passes_the_full_suite(dtype, config, recor
                    record_property)
 
 
-# The overlapped forward (FWD_OVERLAP) of one item per CTA is the CUDA kernel that runs a window
-# (HAS_WINDOW): 128- and 64-key tiles, two and three consumers.
+# The overlapped forward (FWD_OVERLAP) is the CUDA kernel that runs a window (HAS_WINDOW): 128-
+# and 64-key tiles, two and three consumers, one item per CTA and persistent.
 WINDOW_CONFIGS = {"fwd128x128w12s2-overlap": FwdConfig(128, 128, 12, 2, overlap=1),
                   "fwd128x64w12s3-overlap": FwdConfig(128, 64, 12, 3, overlap=1),
-                  "fwd192x64w16s2-overlap": FwdConfig(192, 64, 16, 2, overlap=1)}
+                  "fwd192x64w16s2-overlap": FwdConfig(192, 64, 16, 2, overlap=1),
+                  "fwd128x128w12s2-overlap-persistent": FwdConfig(128, 128, 12, 2, overlap=1, persistent=1)}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -138,18 +138,19 @@ def _cuda_entry_document(key, config) -> dict:
     (PACKED, TUNED, "CUDA kernels run no packed sequences"),
     (PACKED, OVERLAPPED, "CUDA kernels run no packed sequences"),
     (WINDOWED, TUNED, "overlapped warp-specialized kernel only"),
-    (WINDOWED, dataclasses.replace(OVERLAPPED, persistent=1), "overlapped warp-specialized kernel only"),
     (dataclasses.replace(WINDOWED, direction="bwd"), BwdConfig(64, 128, 64, 128, 12, 2),
      "CUDA backward runs no sliding window"),
-], ids=["packed", "packed-overlapped", "window-mma-sync", "window-persistent", "window-bwd"])
+], ids=["packed", "packed-overlapped", "window-mma-sync", "window-bwd"])
 def test_a_cuda_entry_of_a_key_its_config_cannot_run_is_refused(key, config, message):
     with pytest.raises(TableError, match=rf"entries\[0\]\.backend.*'cuda'.*{message}"):
         table_from_dict(_cuda_entry_document(key, config), "t.yaml")
 
 
-def test_a_cuda_forward_entry_of_a_windowed_key_with_the_overlapped_kernel_loads():
-    table = table_from_dict(_cuda_entry_document(WINDOWED, OVERLAPPED), "t.yaml")
-    assert [(entry.backend, entry.config) for entry in table.entries] == [("cuda", OVERLAPPED)]
+@pytest.mark.parametrize("config", [OVERLAPPED, dataclasses.replace(OVERLAPPED, persistent=1)],
+                         ids=["overlapped", "persistent"])
+def test_a_cuda_forward_entry_of_a_windowed_key_with_the_overlapped_kernel_loads(config):
+    table = table_from_dict(_cuda_entry_document(WINDOWED, config), "t.yaml")
+    assert [(entry.backend, entry.config) for entry in table.entries] == [("cuda", config)]
 
 
 # -- lookup -------------------------------------------------------------------------------------------
@@ -191,8 +192,8 @@ def test_lookup_finds_a_packed_and_a_windowed_entry(tmp_path):
 
 def test_cuda_runs_no_packed_key_and_of_windows_only_the_overlapped_forward():
     """The default is Triton's; forcing the CUDA backend on a packed key, or on a windowed key's
-    backward, is refused naming why; its forward takes a window with the overlapped kernel of one
-    item per CTA only (the config given)."""
+    backward, is refused naming why; its forward takes a window with the overlapped kernel only
+    (the config given)."""
     backward = dataclasses.replace(WINDOWED, direction="bwd")
     for key in (PACKED, WINDOWED):
         assert tiles.choose(key, "cpu").backend == "triton"
@@ -201,11 +202,16 @@ def test_cuda_runs_no_packed_key_and_of_windows_only_the_overlapped_forward():
     assert "no packed sequences" in tiles.key_problem("cuda", PACKED, OVERLAPPED)
     assert "backward runs no sliding window" in tiles.key_problem("cuda", backward)
     assert tiles.key_problem("cuda", WINDOWED) is None and tiles.key_problem("cuda", WINDOWED, OVERLAPPED) is None
-    for refused in (TUNED, dataclasses.replace(OVERLAPPED, persistent=1)):
-        assert "overlapped warp-specialized kernel only" in tiles.key_problem("cuda", WINDOWED, refused)
+    assert tiles.key_problem("cuda", WINDOWED, dataclasses.replace(OVERLAPPED, persistent=1)) is None
+    assert "overlapped warp-specialized kernel only" in tiles.key_problem("cuda", WINDOWED, TUNED)
     for key, explicit in ((PACKED, None), (PACKED, TUNED), (backward, None)):
         with pytest.raises(ValueError, match="backend: got 'cuda', but the CUDA"):
             tiles.choose(key, "cpu", backend="cuda", explicit=explicit)
+    # forced on a windowed forward key, the config it would run is judged: the default is not the
+    # overlapped kernel, an explicit overlapped one is taken
+    with pytest.raises(ValueError, match="backend: got 'cuda', but a sliding window runs in the CUDA forward's"):
+        tiles.choose(WINDOWED, "cpu", backend="cuda")
+    assert tiles.choose(WINDOWED, "cpu", backend="cuda", explicit=OVERLAPPED).config == OVERLAPPED
 
 
 # -- stamps -------------------------------------------------------------------------------------------

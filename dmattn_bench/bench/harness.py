@@ -130,17 +130,20 @@ _GRID_KEYS = {"name", "tokens", "heads", *_GRID_LISTS}
 
 
 def _grid_name(prefix: str, head_dim: int, causal: bool, gqa: int, seqlen: int, dtype: str, variant: dict) -> str:
-    def kind(operand) -> str:
-        return "none" if operand == "none" else operand["kind"] + ("+grad" if operand.get("grad") else "")
+    def kind(operand) -> str:  # malformed operands are `_parse_prefill`'s to refuse
+        if not isinstance(operand, dict):
+            return str(operand)
+        keep = "".join(f" {rule}={amount}" for rule, amount in (operand.get("keep") or {}).items())
+        return f"{operand.get('kind')}{keep}" + ("+grad" if operand.get("grad") else "")
 
     return (f"{prefix} D{head_dim} {'causal' if causal else 'full'} gqa{gqa} L{seqlen} "
             f"{kind(variant['mask'])}/{kind(variant['bias'])} {dtype}")
 
 
-def _expand_grid(grid, where: str) -> list[dict]:
-    """A grid entry's prefill entries: the product of its lists (`_GRID_LISTS`), each with
-    `tokens // seqlen` sequences (at least one) of `heads` query heads and heads / gqa KV heads,
-    named by what sets it apart (`_grid_name`)."""
+def _expand_grid(grid, where: str, dtype_override: str | None) -> list[dict]:
+    """A grid entry's prefill entries: the product of its lists (`_GRID_LISTS`; `dtype_override`
+    in place of its dtypes), each with `tokens // seqlen` sequences (at least one) of `heads`
+    query heads and heads / gqa KV heads, named by what sets it apart (`_grid_name`)."""
     if not isinstance(grid, dict) or set(grid) != _GRID_KEYS:
         keys = sorted(grid) if isinstance(grid, dict) else type(grid).__name__
         raise ValueError(f"{where}.grid: expected keys {sorted(_GRID_KEYS)}, got {keys}")
@@ -148,8 +151,9 @@ def _expand_grid(grid, where: str) -> list[dict]:
         if not isinstance(grid[name], list) or not grid[name]:
             raise ValueError(f"{where}.grid.{name}: expected a non-empty list, got {grid[name]!r}")
     tokens, heads = positive_int(grid["tokens"], f"{where}.grid.tokens"), positive_int(grid["heads"], f"{where}.grid.heads")
+    lists = [grid[name] if name != "dtype" or dtype_override is None else [dtype_override] for name in _GRID_LISTS]
     entries = []
-    for head_dim, causal, gqa, seqlen, dtype, variant in itertools.product(*(grid[name] for name in _GRID_LISTS)):
+    for head_dim, causal, gqa, seqlen, dtype, variant in itertools.product(*lists):
         if not isinstance(variant, dict) or set(variant) != {"mask", "bias"}:
             raise ValueError(f"{where}.grid.variants: each is {{mask, bias}}, got {variant!r}")
         gqa, seqlen = positive_int(gqa, f"{where}.grid.gqa"), positive_int(seqlen, f"{where}.grid.seqlen")
@@ -166,7 +170,7 @@ def _parse(entry, where: str, dtype_override: str | None) -> list[PeerWorkload]:
     length variant of a decode entry, or a packed or window workload (`packed.parse_structured`)."""
     if isinstance(entry, dict) and set(entry) == {"grid"}:
         return [_parse_prefill(one, f"{where} ({one['name']})", dtype_override)
-                for one in _expand_grid(entry["grid"], where)]
+                for one in _expand_grid(entry["grid"], where, dtype_override)]
     if isinstance(entry, dict) and packed.STRUCTURE_KEYS & set(entry):
         dtype, heads, heads_kv = _dtype_and_heads(entry, where, dtype_override)
         workload, layout = packed.parse_structured(entry, where, dtype, heads, heads_kv)
@@ -251,7 +255,8 @@ def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[
     """The `workloads:` list of a peers YAML, optionally only those whose name starts with one of `names`.
 
     Raises:
-        ValueError: a malformed entry (naming the file, the entry and the key) or no match.
+        ValueError: a malformed entry (naming the file, the entry and the key), two workloads of
+            one name, or no match.
     """
     path = Path(path)
     document = load_yaml(path)
@@ -261,6 +266,11 @@ def load_peer_workloads(path: str | Path, dtype: str | None = None, names: list[
         raise ValueError(f"{path}: expected a mapping with a `workloads:` list")
     workloads = [workload for i, entry in enumerate(document["workloads"])
                  for workload in _parse(entry, f"{path}:workloads[{i}]", dtype)]
+    seen = set()
+    for workload in workloads:  # rows pair with ours by workload name (`fill_ratios`)
+        if workload.name in seen:
+            raise ValueError(f"{path}: two workloads are named {workload.name!r}")
+        seen.add(workload.name)
     if names:
         workloads = [w for w in workloads if any(w.name.startswith(n) for n in names)]
         if not workloads:
@@ -325,6 +335,8 @@ def build_bench_inputs(pw: PeerWorkload, device: torch.device | str, seed: int =
                 bias_h = h * bias.shape[1] // mask_dims[1]
                 rows = bias.detach()[b, bias_h].expand(mask_dims[2], w.seqlen_k)
                 mask[b, h] = _keep_top_of_causal_prefix(rows, pw.keep, w.causal and mask_dims[2] > 1)
+                if w.causal and mask_dims[2] == 1:  # the keys every causal row sees stay: no row is dead
+                    mask[b, h, :, :max(1, w.seqlen_k - w.seqlen_q + 1)] = True
     return BenchInputs(q, k, v, mask, bias, w.causal)
 
 

@@ -85,16 +85,17 @@ class Shape:
 def read_shapes(journals: list[Path], backend: str) -> list[Shape]:
     """The timed shapes of `backend` in `journals` (`ok` trials with a median), one per journal,
     workload and direction."""
-    times: dict[tuple[str, str, str], dict[tuple, float]] = {}  # (journal, workload, direction)
-    keys: dict[tuple[str, str, str], dict] = {}
-    defaults: dict[tuple[str, str, str], tuple] = {}
-    for name, trial, items in timed_trials(journals, backend):
-        where = (name, trial["workload"], trial["direction"])
-        keys[where] = trial["key"]
-        times.setdefault(where, {})[items] = trial["median_ms"]
-        if trial.get("is_default"):
-            defaults[where] = items
-    return [Shape(where[0], where[1], keys[where], {config: ms / min(by_config.values()) for config, ms in by_config.items()},
+    times: dict[tuple[int, str, str, str], dict[tuple, float]] = {}  # (journal, its name, workload, direction)
+    keys: dict[tuple[int, str, str, str], dict] = {}
+    defaults: dict[tuple[int, str, str, str], tuple] = {}
+    for index, journal in enumerate(journals):  # two journals of one file name stay apart
+        for name, trial, items in timed_trials([journal], backend):
+            where = (index, name, trial["workload"], trial["direction"])
+            keys[where] = trial["key"]
+            times.setdefault(where, {})[items] = trial["median_ms"]
+            if trial.get("is_default"):
+                defaults[where] = items
+    return [Shape(where[1], where[2], keys[where], {config: ms / min(by_config.values()) for config, ms in by_config.items()},
                   defaults.get(where))
             for where, by_config in times.items()]
 

@@ -110,7 +110,8 @@ def phase_bound(wall_s: float, pool: dict | None, cores: int) -> dict:
     interpreter everything), "waiting" (jobs off their core: the GPU, the disk or a core another
     process held), "hand-over" (processes idle between jobs: start-up, rounds that wait on the
     GPU) or "cores" (every process busy on its core; `more_cores`: the host had cores the pool
-    did not use)."""
+    did not use). A phase that also ran work outside its pool (the winners phase's suites of a
+    failed winner's runners-up, one at a time) reads that time as hand-over."""
     if pool is None or not pool["jobs"]:
         return {"processes": 1, "cores": cores, "on_core": None, "fed": None, "bound": "serial", "more_cores": False}
     processes = max(1, pool["processes"])

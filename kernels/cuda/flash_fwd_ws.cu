@@ -73,7 +73,7 @@
 // (`dmattn_kernels.cuda.forward`, per call) describe q as (D, Lq, H, B) and k, v as
 // (D, Lk, Hkv, B), fastest dim first, with boxes of 64 columns by BLOCK_M or BLOCK_N rows.
 //
-// Sliding window (HAS_WINDOW, overlapped and not persistent): an item walks the key tiles
+// Sliding window (HAS_WINDOW, overlapped): an item walks the key tiles
 // [first, first + n_tiles) its rows' windows reach, the producer loading them in that order; a
 // consumer counts them from 0 as without a window and tests positions in the window's edge tiles.
 //
@@ -85,8 +85,8 @@
 #include "fwd_steps.cuh"
 
 static_assert(WGMMA, "the warp-specialized forward runs its products as wgmma (sm90)");
-#if HAS_WINDOW && (!FWD_OVERLAP || FWD_PERSISTENT)
-#error "a window runs in the overlapped forward of one item per CTA"
+#if HAS_WINDOW && !FWD_OVERLAP
+#error "a window runs in the overlapped forward, whose consumers walk work items"
 #endif
 constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
 static_assert(CONSUMERS >= 1 && NUM_WARPS % GROUP_WARPS == 0 && BLOCK_M == CONSUMERS * GROUP_ROWS,
@@ -146,7 +146,7 @@ struct WsParams {  // `dmattn_kernels.cuda.params.WsParams` mirrors it (`Persist
 struct Item {
   HeadSlices at;
   ScoreRule rule;
-  int block_row0, n_tiles;  // its first row; the key tiles its last row reaches
+  int block_row0, n_tiles;  // its first row; the key tiles its rows reach (under a window, from `first`)
 #if HAS_WINDOW
   int first;  // its first key tile: the item walks tiles [first, first + n_tiles)
 #endif

@@ -5,7 +5,8 @@
 The warp-specialized forward (flash_fwd_ws.cu) also gets its tensor maps, the head slices it
 runs at once (`section_slices`) and, launched persistent, its work items' schedule
 (`persistent_schedule`). A sliding window (FlashAttention's `window_size`) runs in its overlapped
-kernel of one item per CTA (`variants.window_reason`), its sides in the call's parameters.
+kernel (`variants.window_reason`), its sides in the call's parameters (and, launched persistent, in
+the schedule's item costs).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import triton
 from dmattn_kernels.configs import FwdConfig, window_bounds
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
 from dmattn_kernels.cuda.params import (FwdParams, Inputs, PersistentWsParams, TensorMap, WindowedFwdParams,
-                                        WindowedInputs, WindowedWsParams, WsParams, address, inputs)
+                                        WindowedInputs, WindowedPersistentWsParams, WindowedWsParams, WsParams,
+                                        address, inputs)
 from dmattn_kernels.cuda.rules import check_arch, check_config, check_query, check_rows, forward_kernel, padded_head_dim
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_KEYS, TILES_OF_ROWS, forward_shared_bytes
 from dmattn_kernels.cuda.variants import staged_layout, staging, variant
@@ -64,8 +66,9 @@ class _ForwardLaunch(NamedTuple):
         if not self.tiles:
             params_type = WindowedWsParams if self.windowed else WsParams
             return params_type(forward=forward, section_slices=self.section_slices, **maps)
-        return PersistentWsParams(forward=forward, section_slices=self.section_slices, item_columns=self.items[0],
-                                  item_rows=self.items[1], schedule=schedule.data_ptr(), **maps)
+        params_type = WindowedPersistentWsParams if self.windowed else PersistentWsParams
+        return params_type(forward=forward, section_slices=self.section_slices, item_columns=self.items[0],
+                           item_rows=self.items[1], schedule=schedule.data_ptr(), **maps)
 
     def tensor_maps(self, operands: tuple) -> dict[str, TensorMap]:
         """A call's tensor maps by `WsParams` field, of its operands (q, k, v, mask, bias)."""
@@ -101,17 +104,18 @@ def _meta_tensors(layouts: tuple) -> list[torch.Tensor | None]:
 
 
 def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig,
-                    windowed: bool = False) -> _ForwardLaunch:
+                    window_sides: tuple[int, int] | None = None) -> _ForwardLaunch:
     """`_signature_launch` for the arch of the layouts' device (or the one planned for)."""
-    return _signature_launch(layouts, is_causal, softcap, config, arch_of(layouts[0][3]), windowed)
+    return _signature_launch(layouts, is_causal, softcap, config, arch_of(layouts[0][3]), window_sides)
 
 
 @lru_cache(maxsize=256)
 def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig, arch: str,
-                      windowed: bool = False) -> _ForwardLaunch:
+                      window_sides: tuple[int, int] | None = None) -> _ForwardLaunch:
     """The checks, variant, cubin and launch geometry of a forward signature, done once: a call
-    then only fills its pointers (and its tensor maps) and launches. `windowed`: the call has a
-    sliding window (`window_bounds`)."""
+    then only fills its pointers (and its tensor maps) and launches. `window_sides`: a sliding
+    window's (left, right) as the kernel takes them (`_window_sides`), None without one."""
+    windowed = window_sides is not None
     (q_shape, _, dtype, device, _), _, _, mask_layout, bias_layout, _ = layouts
     batch, seqlen_q, num_heads, head_dim = q_shape
     q, k, _, mask, bias, _ = _meta_tensors(layouts)
@@ -153,16 +157,24 @@ def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: F
     shared = forward_shared_bytes(config, head_dim, arch, mask_tiles, bias_tiles)
     kv_bytes = 2 * k.shape[1] * padded_head_dim(head_dim) * dtype.itemsize  # K and V, shared by a group's heads
     sections = section_slices(batch * num_heads, kv_bytes, num_heads // k.shape[2])
-    tiles = (tuple(_key_tiles(block, config, seqlen_q, k.shape[1], is_causal) for block in range(grid[1]))
+    tiles = (tuple(_key_tiles(block, config, seqlen_q, k.shape[1], is_causal, window_sides) for block in range(grid[1]))
              if config.persistent else ())
     return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps), sections, grid, tiles,
                           windowed)
 
 
-def _key_tiles(m_block: int, config: FwdConfig, seqlen_q: int, seqlen_k: int, is_causal: bool) -> int:
-    """The key tiles query block `m_block` walks (common.cuh's KeyTiles::block)."""
-    keys = min(seqlen_k, max(0, (m_block + 1) * config.block_m + seqlen_k - seqlen_q)) if is_causal else seqlen_k
-    return triton.cdiv(keys, config.block_n)
+def _key_tiles(m_block: int, config: FwdConfig, seqlen_q: int, seqlen_k: int, is_causal: bool,
+               window_sides: tuple[int, int] | None = None) -> int:
+    """The key tiles query block `m_block` walks (common.cuh's KeyTiles: block, less first under a
+    window of (left, right) sides)."""
+    offset, row_end = seqlen_k - seqlen_q, (m_block + 1) * config.block_m
+    keys = min(seqlen_k, max(0, row_end + offset)) if is_causal else seqlen_k
+    if window_sides is None:
+        return triton.cdiv(keys, config.block_n)
+    left, right = window_sides
+    keys = min(keys, max(0, row_end + offset + right))
+    first = max(0, m_block * config.block_m + offset - left) // config.block_n
+    return max(0, triton.cdiv(keys, config.block_n) - first)
 
 
 def persistent_schedule(items: tuple[int, int], section_slices: int, tiles: list[int], ctas: int) -> list[int]:
@@ -229,7 +241,7 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
     check_query(q)
     layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
     sides = _window_sides(window, is_causal, q.shape, k.shape[1])
-    plan = _forward_launch(layouts, is_causal, softcap, config, sides is not None)
+    plan = _forward_launch(layouts, is_causal, softcap, config, sides)
     if is_compile_only():
         return
     params_type = FwdParams if sides is None else WindowedFwdParams
@@ -314,8 +326,7 @@ class ForwardPlan:
     def _native_program(self, q, k, v, mask, bias, out, lse) -> native.Program | None:
         layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
         options = self.options
-        plan = _forward_launch(layouts, options["is_causal"], options["softcap"], self.config,
-                               self.window_sides is not None)
+        plan = _forward_launch(layouts, options["is_causal"], options["softcap"], self.config, self.window_sides)
         grid, schedule = plan.launch_grid(q.device)
         template, pointers, descriptors = _native_parameters(layouts, options["softmax_scale"], options["softcap"],
                                                              lse.stride(), plan, schedule, self.window_sides)

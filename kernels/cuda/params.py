@@ -85,12 +85,21 @@ class WindowedWsParams(ctypes.Structure):
                        + [("forward", WindowedFwdParams), ("section_slices", ctypes.c_int)])
 
 
+_PERSISTENT_FIELDS = [(name, ctypes.c_int) for name in ("item_columns", "item_rows")] + [("schedule", ctypes.c_void_p)]
+
+
 class PersistentWsParams(ctypes.Structure):
     """flash_fwd_ws.cu's WsParams built with FWD_PERSISTENT (FwdConfig.persistent): `WsParams`'
     fields, then the work items and the schedule, padded to its 128-byte multiple."""
 
-    _fields_ = _padded(WsParams._fields_[:-1] + [(name, ctypes.c_int) for name in ("item_columns", "item_rows")]
-                       + [("schedule", ctypes.c_void_p)])
+    _fields_ = _padded(WsParams._fields_[:-1] + _PERSISTENT_FIELDS)
+
+
+class WindowedPersistentWsParams(ctypes.Structure):
+    """flash_fwd_ws.cu's WsParams built with FWD_PERSISTENT and HAS_WINDOW: `WindowedWsParams`'
+    fields, then the work items and the schedule."""
+
+    _fields_ = _padded(WindowedWsParams._fields_[:-1] + _PERSISTENT_FIELDS)
 
 
 class BwdParams(ctypes.Structure):

@@ -32,7 +32,7 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
 
     Raises:
         ValueError: a knob on for a config that is not the warp-specialized forward on `arch`, or
-            a window for one that is not its overlapped kernel of one item per CTA (`window_reason`).
+            a window for one that is not its overlapped kernel (`window_reason`).
     """
     reason = window_reason(config, head_dim, arch) if window else None
     if reason:
@@ -54,11 +54,12 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
 
 def window_reason(config: FwdConfig, head_dim: int, arch: str | None) -> str | None:
     """Why `config`'s CUDA forward runs no sliding window on `arch`, or None: only the overlapped
-    warp-specialized forward of one item per CTA walks a window's key tiles (flash_fwd_ws.cu)."""
-    if warp_specialized(config, head_dim, arch) and config.overlap and not config.persistent:
+    warp-specialized forward (one item per CTA or persistent) walks a window's key tiles
+    (flash_fwd_ws.cu)."""
+    if warp_specialized(config, head_dim, arch) and config.overlap:
         return None
     return (f"a sliding window runs in the CUDA forward's overlapped warp-specialized kernel only (sm90, "
-            f"block_m / 16 + 4 warps, overlap=1, persistent=0), not {config.to_dict()} on {arch}")
+            f"block_m / 16 + 4 warps, overlap=1), not {config.to_dict()} on {arch}")
 
 
 def staging(config: FwdConfig, head_dim: int, has_mask: bool, bias_dtype: torch.dtype | None, mask_tiles: int,
