@@ -12,13 +12,18 @@ from dmattn_bench.bench.operators import operator
 from dmattn_bench.tuning.ranking import RANKING_FILE, read_shapes, write_shapes
 
 
+def committed_journals() -> list[Path]:
+    """The trial journals under `results/`: the tunes of the GPUs the repository was measured on."""
+    return sorted(Path("results").glob("**/*.trials.jsonl"))
+
+
 @operator("learn-ranking", help="Write configs/ranking.json (the tune's ranking data) from trial journals")
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks learn-ranking", description=__doc__.splitlines()[0])
     parser.add_argument("--journals", type=Path, nargs="+", default=None, help="default: results/**/*.trials.jsonl")
     parser.add_argument("--out", type=Path, default=RANKING_FILE)
     args = parser.parse_args(argv)
-    journals = args.journals or sorted(Path("results").glob("**/*.trials.jsonl"))
+    journals = args.journals or committed_journals()
     shapes = {backend: read_shapes(journals, backend) for backend in ("triton", "cuda")}
     write_shapes(shapes, args.out)
     print(f"{args.out}: " + ", ".join(f"{backend} {len(found)} shapes" for backend, found in shapes.items())

@@ -14,13 +14,9 @@ import argparse
 import math
 from pathlib import Path
 
+from benchmarks.learn_ranking import committed_journals
 from dmattn_bench.bench.operators import operator
 from dmattn_bench.tuning.ranking import RankingModel, Widening, replay
-
-
-def committed_journals() -> list[Path]:
-    """The trial journals under `results/`: the tunes of the GPUs the repository was measured on."""
-    return sorted(Path("results").glob("**/*.trials.jsonl"))
 
 
 def _geomean(values: list[float]) -> float:

@@ -251,18 +251,16 @@ def choose(key: TableKey, device: torch.device | str | None = None, *, backend: 
         ValueError: a head_dim no default covers, or a forced backend that cannot run the key with
             the config it would run (`key_problem`); never because of a table.
     """
-    if backend == "auto":
-        if explicit is not None:
-            return Choice(DEFAULT_BACKEND, explicit, "explicit")
-    else:
+    if backend != "auto":
         reason = key_problem(backend, key)
-        choice = None
         if reason is None:
             choice = Choice(backend, explicit, "explicit") if explicit is not None else default_choice(key, device, backend)
             reason = key_problem(backend, key, choice.config)
         if reason:
             raise ValueError(f"backend: got {backend!r}, but {reason}; use backend='auto' or 'triton'")
         return choice
+    if explicit is not None:
+        return Choice(DEFAULT_BACKEND, explicit, "explicit")
     entry = lookup.table_choice(key, device, table=table, env=env)
     return entry if entry is not None else default_choice(key, device)
 

@@ -6,7 +6,7 @@
 #       with the warp-specialized CUDA forward's grid (configs/space/cuda-fwd-ws.yaml: its knobs, the
 #       overlapped kernel that takes a window), then benches the window group on the result
 #   bash benchmarks/ship/h200_window_cuda.sh OUT bench IN  # the packed/window bench on IN/<table>
-#       (BENCH_GROUPS="name:seconds ..." picks groups; the groups' reports render as one)
+#       (h200_varlen_probe.sh's bench step: BENCH_GROUPS="name:seconds ..." picks groups)
 set -uo pipefail
 out=$1; step=$2
 name=nvidia-h200-sm90.yaml
@@ -38,16 +38,7 @@ elif [ "$step" = ws ]; then
     > "$out/bench-window.json" 2> "$out/bench-window.txt"
   echo "bench window rc $? in $((SECONDS - start)) s"
   dmattn-bench bench --from-json "$out/bench-window.json" --format markdown | grep -E "^\| window" | cut -c1-200
-else
+else  # the packed/window bench, a group a run (h200_varlen_probe.sh's bench step)
   cp "$3/$name" results/tables/$name
-  reports=()
-  for group in ${BENCH_GROUPS:-packed-causal:280 packed-bias-mask:280}; do
-    group_name=${group%%:*}; limit=${group##*:}; start=$SECONDS
-    timeout "$limit" dmattn-bench bench --workloads configs/workloads/packed.yaml --only "$group_name" --format json \
-      > "$out/bench-$group_name.json" 2> "$out/bench-$group_name.txt"
-    echo "bench $group_name rc $? in $((SECONDS - start)) s"
-    [ -s "$out/bench-$group_name.json" ] && reports+=(--from-json "$out/bench-$group_name.json")
-  done
-  dmattn-bench bench "${reports[@]}" --format markdown > "$out/bench.md"
-  cat "$out/bench.md" | grep -E "^\| (packed|window)" | cut -c1-220
+  exec bash benchmarks/ship/h200_varlen_probe.sh "$out" bench
 fi

@@ -429,9 +429,10 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     # interpreter timings rank candidates for the pipeline's sake only: no speed figure is drawn from them
     speedup = geometric_mean_speedup(result) if result.meaningful_timings else None
     regret = current_choice_regret(result)
+    cores = os.cpu_count() or 1
     document = {"table": str(out), "trials_file": str(trials_path), "wall_s": round(result.wall_s, 1),
                 "phases_s": result.phases, "phase_pools": result.pools,
-                "phase_bounds": result.phase_bounds(os.cpu_count() or 1), "gpus": gpu_count,
+                "phase_bounds": result.phase_bounds(cores), "gpus": gpu_count,
                 "replayed_trials": replayed, "counts": result.counts(), "funnel": result.funnel(),
                 "entries": len(entries), "geomean_speedup_vs_default": speedup,
                 "current_choice_regret": regret,
@@ -441,8 +442,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                 "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence,
                                  search=result.search_of(w))
                             for w in result.winners]}
-    output.render(document, [_winners_table(result), _counts_table(result), _phases_table(result, os.cpu_count() or 1)],
-                  fmt)
+    output.render(document, [_winners_table(result), _counts_table(result), _phases_table(result, cores)], fmt)
     merged_note = f", {len(table.entries)} with those of {merge_path}" if kept is not None else ""
     output.info(f"wrote {out} ({len(entries)} entries{merged_note})" + (
         "" if not result.meaningful_timings else "; geometric-mean speed-up over the defaults: "

@@ -153,6 +153,11 @@ def shape_of_case(case: Case) -> AttentionShape:
     )
 
 
+# A packed, windowed key: `tiles.key_problem` of it says whether a backend runs packed sequences
+# and windows in any config
+PACKED_PROBE = TableKey("fwd", "fp32", 64, False, "none", "none", 1, 1, 1, packed=True, window=1)
+
+
 def feature_problem(backend_name: str, case: Case, fwd_config: FwdConfig | None = None,
                     bwd_config: BwdConfig | None = None) -> str | None:
     """Why `backend_name` runs no call with the case's packed sequences or window in the
@@ -297,8 +302,7 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
     its own entries, which it takes. A backend that runs no packed sequences (`tiles.key_problem`)
     has no entry that serves a packed call, so its suites hold no packed case."""
     backend = get_backend(backend_name)
-    packed_problem = tiles.key_problem(backend_name, TableKey("fwd", "fp32", 64, False, "none", "none", 1, 1, 1,
-                                                              packed=True))
+    packed_problem = tiles.key_problem(backend_name, PACKED_PROBE)
 
     def takes(case: Case) -> bool:
         shape = shape_of_case(case)
@@ -392,8 +396,7 @@ def plan_default_configs(device: torch.device | str, suite: str, backend: str = 
     and bias kind (with rows or not: `tiles.default_entries`): the dense cases, and, for a
     backend that runs packed sequences and windows (`tiles.key_problem`), the packed/window ones
     (the defaults serve those calls where a table has no entry)."""
-    runs_varlen = tiles.key_problem(backend, TableKey("fwd", "fp32", 64, False, "none", "none", 1, 1, 1,
-                                                      packed=True, window=1)) is None
+    runs_varlen = tiles.key_problem(backend, PACKED_PROBE) is None
     plan = []
     for varlen in (False, True) if runs_varlen else (False,):
         for bias_rows in (False, True):
