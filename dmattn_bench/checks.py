@@ -101,9 +101,7 @@ def check_call(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale
     check_flag("is_causal", is_causal)
     check_inputs(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table)
     check_no_gradient_with_cache(cache_seqlens, block_table, needs_grad)
-    if check_window(window_size) != (-1, -1) and backend == "cuda":
-        raise ValueError(f"window_size: got {tuple(window_size)} with backend 'cuda', whose backward has no sliding "
-                         f"window; expected backend 'auto' or 'triton'")
+    check_window(window_size)
     softmax_scale = _check_scalars_and_configs(softcap, softmax_scale, query.shape[-1], backend, fwd_config,
                                                bwd_config)
     if backend != "reference":

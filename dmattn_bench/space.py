@@ -266,13 +266,18 @@ def key_problem(backend: str, key: TableKey, config: FwdConfig | BwdConfig | Non
     config; with one, that config. The backends' `is_supported` judge a config on an
     `AttentionShape`, which has no packed sequences or window; the key has, so the tuner, the
     validator, table loading and `tiles.choose` ask here. A window needs the CUDA forward's overlapped
-    kernel (the GPU's arch is the launcher's check)."""
+    kernel or the warp-specialized backward (judged as on sm90: the GPU's arch is the launcher's check)."""
     if backend != "cuda" or not (key.packed or key.window):
         return None
     if key.packed:
         return "the CUDA kernels run no packed sequences (the Triton kernels do)"
+    if config is None:
+        return None
     if key.direction != "fwd":
-        return "the CUDA backward runs no sliding window (the Triton kernels do)"
-    if config is not None and not config.overlap:
+        # imported on first use: the CUDA launchers' rules, which only a CUDA window key needs
+        from dmattn_kernels.cuda.variants import backward_window_reason
+
+        return backward_window_reason(config, key.head_dim, "sm90")
+    if not config.overlap:
         return "a sliding window runs in the CUDA forward's overlapped warp-specialized kernel only (overlap=1)"
     return None

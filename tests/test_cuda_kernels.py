@@ -689,3 +689,71 @@ def test_a_persistent_window_s_item_costs_are_the_key_tiles_its_rows_see(is_caus
             assert forward._key_tiles(m_block, config, seqlen_q, seqlen_k, is_causal, (left, right)) >= expected
             # the kernel's bound counts at most the block's rows past Lq (never read): no fewer tiles
             assert forward._key_tiles(m_block, config, seqlen_q, seqlen_k, is_causal, (left, right)) <= expected + 1
+
+
+@needs_nvcc
+def test_a_window_builds_into_the_warp_specialized_backward_and_takes_its_sides_after_the_inputs(cubin_cache):
+    """HAS_WINDOW appends the window's sides to the backward's Inputs too: its three kernels take
+    `WindowedBwdWsParams`, whose later fields move by the sides' bytes."""
+    config = BwdConfig(64, 128, 64, 128, 12, 2)
+    common = dict(arch="sm90", group=2, dbias=(True, torch.bfloat16))
+    flags = variants.backward_variant(config, 128, torch.bfloat16, torch.bfloat16, is_causal=True, has_mask=True,
+                                      softcap=0.0, window=True, **common)
+    assert "-DHAS_WINDOW=1" in flags and "-DDBIAS_TMA=1" in flags
+    assert "-DHAS_WINDOW=1" not in variants.backward_variant(config, 128, torch.bfloat16, torch.bfloat16,
+                                                             is_causal=True, has_mask=True, softcap=0.0, **common)
+    assert _parameter_sizes(build.build("bwd_ws", "sm90", flags)) == [ctypes.sizeof(params.WindowedBwdWsParams)] * 3
+    assert params.WindowedBwdWsParams.backward.offset == params.BwdWsParams.backward.offset
+    assert (params.WindowedBwdParams.out.offset - params.BwdParams.out.offset
+            == ctypes.sizeof(params.WindowedInputs) - ctypes.sizeof(params.Inputs))
+    # one consumer, not causal, a per-key bias in registers, softcap, fp16
+    build.build("bwd_ws", "sm90", variants.backward_variant(
+        BwdConfig(64, 64, 64, 64, 8, 2), 64, torch.float16, torch.float16, is_causal=False, has_mask=False,
+        softcap=30.0, window=True, bias_tiles=shared_memory.TILES_OF_KEYS, arch="sm90", group=1,
+        dbias=(False, torch.float32)))
+
+
+@pytest.mark.parametrize("config, arch", [(BwdConfig(64, 64, 64, 64, 4, 2), "sm90"),
+                                          (BwdConfig(64, 128, 64, 128, 12, 2), "sm80")], ids=["mma-sync", "sm80"])
+def test_a_window_on_any_other_cuda_backward_is_refused_before_a_build(config, arch):
+    with pytest.raises(ValueError, match="sliding window runs in the CUDA backward's warp-specialized kernel only"):
+        variants.backward_variant(config, 128, torch.bfloat16, None, arch=arch, is_causal=True, has_mask=False,
+                                  softcap=0.0, group=1, dbias=None, window=True)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(300, 300), (203, 113), (113, 203), (64, 640)])
+@pytest.mark.parametrize("is_causal, left, right", [(True, 100, 0), (True, 64, 0), (False, 70, 30),
+                                                    (False, 0, 0), (False, 500, 129)])
+def test_the_windowed_backward_s_blocks_visit_exactly_the_query_tiles_that_see_them(seqlen_q, seqlen_k, is_causal,
+                                                                                      left, right):
+    """flash_bwd_ws.cu under HAS_WINDOW, its arithmetic written out: block n walks query tiles
+    [m_begin, m_end), and tile m's shares are summed from first_block(m) on. Checked against the
+    rule itself (which rows see which keys): a block visits every tile one of whose rows sees one
+    of its keys; the blocks visiting a tile are consecutive from first_block(m); the tiles no block
+    visits are `unvisited_query_tiles`, all of whose rows see no key."""
+    block_m, block_n = 64, 128
+    offset = seqlen_k - seqlen_q
+    right_reach = 0 if is_causal else right
+
+    def sees(row, key):
+        return (key >= row + offset - left and key <= row + offset + right_reach and key < seqlen_k)
+
+    m_tiles, n_blocks = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    visitors = {m: [] for m in range(m_tiles)}
+    for n in range(n_blocks):
+        m_begin = max(0, n * block_n - offset - right_reach) // block_m
+        m_end = (min(seqlen_q, max(0, (n + 1) * block_n - offset + left)) + block_m - 1) // block_m
+        for m in range(m_begin, m_end):
+            visitors[m].append(n)
+        needed = {row // block_m for row in range(seqlen_q)
+                  for key in range(n * block_n, min(seqlen_k, (n + 1) * block_n)) if sees(row, key)}
+        assert needed <= set(range(m_begin, m_end)), n
+    for m, blocks in visitors.items():
+        if blocks:
+            first = max(0, m * block_m + offset - left) // block_n
+            assert blocks == list(range(first, first + len(blocks))), m
+    unvisited = [m for m, blocks in visitors.items() if not blocks]
+    sides = (left, seqlen_q + seqlen_k if is_causal else right)
+    assert unvisited == list(range(backward.unvisited_query_tiles(seqlen_q, seqlen_k, block_m, is_causal, sides)))
+    assert not any(sees(row, key) for m in unvisited for row in range(m * block_m, min(seqlen_q, m * block_m + 64))
+                   for key in range(seqlen_k))

@@ -169,6 +169,38 @@ def test_the_warp_specialized_forward_runs_the_full_suite_s_windows(dtype, confi
     assert len(results) >= 12 and worst <= 1.0
 
 
+# The warp-specialized backward (flash_bwd_ws.cu) is the CUDA backward that runs a window: two
+# consumers (128 keys a block) and one (64).
+WINDOW_BACKWARD_CONFIGS = {"bwd64x128w12s2": BwdConfig(64, 128, 64, 128, 12, 2),
+                           "bwd64x64w8s2": BwdConfig(64, 64, 64, 64, 8, 2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", list(WINDOW_BACKWARD_CONFIGS), ids=list(WINDOW_BACKWARD_CONFIGS))
+def test_the_warp_specialized_backward_runs_the_full_suite_s_windows(dtype, config, record_property):
+    """The backward alone (the reference's out and lse) on the window cases of the full suite's
+    packed/window half, on the config's own tiles, at the head dims 64 and 128 besides each case's
+    own where the config takes them: dQ summed over the blocks a window leaves each query tile,
+    dBias zero outside the window (NaN bias there), both sides bounded, Lq != Lk."""
+    from dmattn_kernels.cuda import arch_of, backward_warp_specialized
+
+    bwd = WINDOW_BACKWARD_CONFIGS[config]
+    if not backward_warp_specialized(bwd, 128, arch_of(torch.device("cuda"))):
+        pytest.skip("the warp-specialized backward runs on SM90 only")
+    suite = config_suite("cuda", "full", None, bwd, varlen=True)
+    assert suite and not any(case.packed for case in suite)
+    cases = suite + [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
+                     for case in suite for head_dim in (64, 128)
+                     if case.head_dim != head_dim and backward_warp_specialized(bwd, head_dim, "sm90")]
+    results = [check_case(get_backend("cuda"), case, dtype, "cuda", None, bwd) for case in cases]
+    failures = [f"{case.name}: {result.status} {result.reason}" for case, result in zip(cases, results)
+                if result.status != "ok"]
+    assert not failures, "\n".join(failures)
+    worst = max(check.ratio for result in results for check in result.checks.values())
+    record_property("worst_ratio", round(worst, 4))
+    assert len(results) >= 12 and worst <= 1.0
+
+
 def _assert_all_ok(cases, results, record_property):
     worst = {}
     for result in results:

@@ -123,6 +123,7 @@ def test_bad_new_key_fields_are_named(change, where, message):
 
 
 OVERLAPPED = FwdConfig(128, 128, 12, 2, overlap=1)  # the CUDA forward that runs a window
+WS_BACKWARD = BwdConfig(64, 128, 64, 128, 12, 2)  # the CUDA backward that runs one (warp-specialized)
 
 
 def _cuda_entry_document(key, config) -> dict:
@@ -138,9 +139,9 @@ def _cuda_entry_document(key, config) -> dict:
     (PACKED, TUNED, "CUDA kernels run no packed sequences"),
     (PACKED, OVERLAPPED, "CUDA kernels run no packed sequences"),
     (WINDOWED, TUNED, "overlapped warp-specialized kernel only"),
-    (dataclasses.replace(WINDOWED, direction="bwd"), BwdConfig(64, 128, 64, 128, 12, 2),
-     "CUDA backward runs no sliding window"),
-], ids=["packed", "packed-overlapped", "window-mma-sync", "window-bwd"])
+    (dataclasses.replace(WINDOWED, direction="bwd"), BwdConfig(64, 64, 64, 64, 4, 2),
+     "CUDA backward's warp-specialized kernel only"),
+], ids=["packed", "packed-overlapped", "window-mma-sync", "window-bwd-not-warp-specialized"])
 def test_a_cuda_entry_of_a_key_its_config_cannot_run_is_refused(key, config, message):
     with pytest.raises(TableError, match=rf"entries\[0\]\.backend.*'cuda'.*{message}"):
         table_from_dict(_cuda_entry_document(key, config), "t.yaml")
@@ -150,6 +151,12 @@ def test_a_cuda_entry_of_a_key_its_config_cannot_run_is_refused(key, config, mes
                          ids=["overlapped", "persistent"])
 def test_a_cuda_forward_entry_of_a_windowed_key_with_the_overlapped_kernel_loads(config):
     table = table_from_dict(_cuda_entry_document(WINDOWED, config), "t.yaml")
+    assert [(entry.backend, entry.config) for entry in table.entries] == [("cuda", config)]
+
+
+def test_a_cuda_backward_entry_of_a_windowed_key_with_the_warp_specialized_kernel_loads():
+    key, config = dataclasses.replace(WINDOWED, direction="bwd", head_dim=128), WS_BACKWARD
+    table = table_from_dict(_cuda_entry_document(key, config), "t.yaml")
     assert [(entry.backend, entry.config) for entry in table.entries] == [("cuda", config)]
 
 
@@ -190,28 +197,35 @@ def test_lookup_finds_a_packed_and_a_windowed_entry(tmp_path):
     assert tiles.choose(DENSE, "cpu", table=path).source == "default"
 
 
-def test_cuda_runs_no_packed_key_and_of_windows_only_the_overlapped_forward():
-    """The default is Triton's; forcing the CUDA backend on a packed key, or on a windowed key's
-    backward, is refused naming why; its forward takes a window with the overlapped kernel only
-    (the config given)."""
+def test_cuda_runs_no_packed_key_and_of_windows_only_the_warp_specialized_kernels():
+    """The default is Triton's; forcing the CUDA backend on a packed key is refused naming why; a
+    windowed key's forward takes the overlapped kernel only and its backward the warp-specialized
+    one (the config given)."""
     backward = dataclasses.replace(WINDOWED, direction="bwd")
     for key in (PACKED, WINDOWED):
         assert tiles.choose(key, "cpu").backend == "triton"
         assert tiles.key_problem("triton", key) is None and tiles.key_problem("triton", key, TUNED) is None
     assert tiles.key_problem("cuda", DENSE) is None and tiles.key_problem("cuda", DENSE, TUNED) is None
     assert "no packed sequences" in tiles.key_problem("cuda", PACKED, OVERLAPPED)
-    assert "backward runs no sliding window" in tiles.key_problem("cuda", backward)
+    assert tiles.key_problem("cuda", backward) is None
+    assert "CUDA backward's warp-specialized kernel only" in tiles.key_problem("cuda", backward, BwdConfig(
+        64, 64, 64, 64, 4, 2))
+    assert tiles.key_problem("cuda", dataclasses.replace(backward, head_dim=128), WS_BACKWARD) is None
     assert tiles.key_problem("cuda", WINDOWED) is None and tiles.key_problem("cuda", WINDOWED, OVERLAPPED) is None
     assert tiles.key_problem("cuda", WINDOWED, dataclasses.replace(OVERLAPPED, persistent=1)) is None
     assert "overlapped warp-specialized kernel only" in tiles.key_problem("cuda", WINDOWED, TUNED)
-    for key, explicit in ((PACKED, None), (PACKED, TUNED), (backward, None)):
+    for key, explicit in ((PACKED, None), (PACKED, TUNED)):
         with pytest.raises(ValueError, match="backend: got 'cuda', but the CUDA"):
             tiles.choose(key, "cpu", backend="cuda", explicit=explicit)
-    # forced on a windowed forward key, the config it would run is judged: the default is not the
-    # overlapped kernel, an explicit overlapped one is taken
+    # forced on a windowed key, the config it would run is judged: the defaults are not the
+    # warp-specialized kernels, explicit ones are taken
     with pytest.raises(ValueError, match="backend: got 'cuda', but a sliding window runs in the CUDA forward's"):
         tiles.choose(WINDOWED, "cpu", backend="cuda")
     assert tiles.choose(WINDOWED, "cpu", backend="cuda", explicit=OVERLAPPED).config == OVERLAPPED
+    with pytest.raises(ValueError, match="backend: got 'cuda', but a sliding window runs in the CUDA backward's"):
+        tiles.choose(backward, "cpu", backend="cuda")
+    backward128 = dataclasses.replace(backward, head_dim=128)
+    assert tiles.choose(backward128, "cpu", backend="cuda", explicit=WS_BACKWARD).config == WS_BACKWARD
 
 
 # -- stamps -------------------------------------------------------------------------------------------

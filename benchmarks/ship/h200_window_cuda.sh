@@ -5,6 +5,10 @@
 #   bash benchmarks/ship/h200_window_cuda.sh OUT ws IN   # resumes IN/<table>'s tune (its journal beside it)
 #       with the warp-specialized CUDA forward's grid (configs/space/cuda-fwd-ws.yaml: its knobs, the
 #       overlapped kernel that takes a window), then benches the window group on the result
+#   bash benchmarks/ship/h200_window_cuda.sh OUT bwd     # the warp-specialized backward's window GPU
+#       tests, then resumes the shipped varlen tune's journal (results/tune/h200-varlen.trials.jsonl,
+#       its CUDA trials dropped: they were measured on the sources before the backward's window)
+#       with the backward's spaces (configs/space/cuda-bwd-ws.yaml beside Triton's) into OUT/<table>
 #   bash benchmarks/ship/h200_window_cuda.sh OUT bench IN  # the packed/window bench on IN/<table>
 #       (h200_varlen_probe.sh's bench step: BENCH_GROUPS="name:seconds ..." picks groups)
 set -uo pipefail
@@ -38,6 +42,24 @@ elif [ "$step" = ws ]; then
     > "$out/bench-window.json" 2> "$out/bench-window.txt"
   echo "bench window rc $? in $((SECONDS - start)) s"
   dmattn-bench bench --from-json "$out/bench-window.json" --format markdown | grep -E "^\| window" | cut -c1-200
+elif [ "$step" = bwd ]; then
+  start=$SECONDS
+  DMATTN_TEST_GPU=1 timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py \
+    -k "backward_runs_the_full_suite_s_windows" -n 4 > "$out/gpu-window-bwd.txt" 2>&1
+  echo "gpu window backward tests rc $? ($(tail -1 "$out/gpu-window-bwd.txt")) in $((SECONDS - start)) s"
+  python3 -c "
+import json, sys
+for line in open('results/tune/h200-varlen.trials.jsonl'):
+    record = json.loads(line)
+    if record.get('backend') != 'cuda' and not str(record.get('id', '')).endswith('|cuda'):
+        sys.stdout.write(line)
+" > "$table.trials.jsonl"
+  start=$SECONDS
+  timeout 300 dmattn-bench tune --workloads configs/workloads/varlen.yaml --backend all --suite full \
+    --space configs/space/cuda-bwd-ws.yaml --space configs/space/triton-bwd.yaml --resume \
+    --merge results/tables/$name --out "$table" --format json > "$out/tune-bwd.json" 2> "$out/tune-bwd.txt"
+  echo "bwd tune rc $? in $((SECONDS - start)) s"
+  grep -v "^tune \[" "$out/tune-bwd.txt" | tail -12
 else  # the packed/window bench, a group a run (h200_varlen_probe.sh's bench step)
   cp "$3/$name" results/tables/$name
   exec bash benchmarks/ship/h200_varlen_probe.sh "$out" bench

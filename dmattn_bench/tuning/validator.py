@@ -448,8 +448,8 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
     Each prefill entry's config is paired with the default of the other direction (for its head
     dim); each pair runs the whole adversarial suite on its own tiles (for entries of packed or
     windowed keys, its packed/window half: `varlen_cases`; labelled so) plus one case shaped like
-    each of its entries. A forward entry whose backend runs no backward of its key (the CUDA
-    kernels' windows: `tiles.key_problem`) runs its suite alone. A decode config runs the decode cases (`adversarial.decode_cases`) and
+    each of its entries. An entry whose backend's default of the other direction cannot run its key
+    (the CUDA kernels' windows: `tiles.key_problem`) runs its suite alone. A decode config runs the decode cases (`adversarial.decode_cases`) and
     one case shaped like each of its entries.
     """
     grouped: dict[tuple, list] = {}
@@ -462,8 +462,14 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
         default_fwd, default_bwd = default_configs(entry.key.head_dim, device, entry.backend, dtype_name,
                                                    entry.key.bias)
         pair = (entry.config, default_bwd) if entry.key.direction == "fwd" else (default_fwd, entry.config)
-        if entry.key.direction == "fwd" and tiles.key_problem(entry.backend, replace(entry.key, direction="bwd")):
-            pair = (entry.config, None)  # its backend's backward runs no call of the key: the forward alone
+        # where the other direction's default cannot run the key (the CUDA kernels' windows:
+        # `tiles.key_problem`), the entry's direction alone (a backward reads the reference's forward)
+        if entry.key.direction == "fwd" and tiles.key_problem(entry.backend, replace(entry.key, direction="bwd"),
+                                                              default_bwd):
+            pair = (entry.config, None)
+        if entry.key.direction == "bwd" and tiles.key_problem(entry.backend, replace(entry.key, direction="fwd"),
+                                                              default_fwd):
+            pair = (None, entry.config)
         varlen = entry.key.packed or entry.key.window > 0
         grouped.setdefault((entry.backend, *pair, varlen), []).append(entry)
     plan = []

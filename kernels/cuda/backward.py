@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 import triton
 
-from dmattn_kernels.configs import BwdConfig
+from dmattn_kernels.configs import BwdConfig, window_bounds
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
 from dmattn_kernels.cuda.forward import section_slices
-from dmattn_kernels.cuda.params import BwdParams, BwdWsParams, inputs
+from dmattn_kernels.cuda.params import (BwdParams, BwdWsParams, WindowedBwdParams, WindowedBwdWsParams, inputs,
+                                        with_window)
 from dmattn_kernels.cuda.rules import (backward_kernel, check_aligned, check_arch, check_config, check_query,
                                        padded_head_dim)
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_ROWS, backward_shared_bytes
@@ -76,14 +77,18 @@ def _dbias_layout(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int
 
 def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                        config: BwdConfig, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                       dbias: torch.Tensor | None, dlse: torch.Tensor | None = None) -> None:
+                       dbias: torch.Tensor | None, dlse: torch.Tensor | None = None,
+                       window: tuple[int, int] = (-1, -1)) -> None:
     """Writes dq, dk, dv and, when given, dbias (the bias's 4-D broadcast shape and its dtype);
     `dlse`, a gradient reaching lse, as in the Triton launcher (folded into delta here:
     `delta_with_lse_grad`). The mask and bias as the caller passed them (up to 4 dims, as
-    `attention_forward`'s)."""
+    `attention_forward`'s); `window`: FlashAttention's (left, right) sliding window, which the
+    warp-specialized backward runs (`variants.backward_window_reason`)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
     group = num_heads // num_heads_kv
+    has_window, left, right = window_bounds(window, is_causal, seqlen_q, seqlen_k)
+    window_sides = (left, right) if has_window else None
     check_query(q)
     check_config(config, q, k, mask, bias, is_causal, softcap, dbias is not None)
     arch = arch_of(q.device)
@@ -105,7 +110,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     target_allows = layout is not None and layout[2] and staged_tiles(dbias, seqlen_q) == TILES_OF_ROWS
     flags = backward_variant(config, head_dim, q.dtype, bias_dtype, arch=arch, is_causal=is_causal,
                              has_mask=mask is not None, softcap=softcap, group=group, dbias=target_kind,
-                             mask_tiles=staging[1], bias_tiles=staging[2], dbias_tma=target_allows)
+                             mask_tiles=staging[1], bias_tiles=staging[2], dbias_tma=target_allows,
+                             window=has_window)
     launcher = Launcher(source, q.device, flags)
     if is_compile_only():
         return
@@ -122,9 +128,11 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
         dv_share = torch.empty_like(dk_share)
     else:
         dk_share, dv_share = dk, dv
-    params = BwdParams(
-        inputs(q, k, v, mask, bias, softmax_scale, softcap), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-        delta.data_ptr(), dq.data_ptr(), dk_share.data_ptr(), dv_share.data_ptr(),
+    call_inputs = inputs(q, k, v, mask, bias, softmax_scale, softcap)
+    if has_window:
+        call_inputs = with_window(call_inputs, window_sides)
+    params = (WindowedBwdParams if has_window else BwdParams)(
+        call_inputs, out.data_ptr(), dout.data_ptr(), lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk_share.data_ptr(), dv_share.data_ptr(),
         target.data_ptr() if target is not None else 0, out.stride()[:3], dout.stride()[:3], dq.stride()[:3],
         dk_share.stride()[:3], dv_share.stride()[:3], lse.stride(), delta.stride(),
         NO_OPERAND_STRIDES if target is None else broadcast_strides(target.shape, target.stride()),
@@ -133,7 +141,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     shared = backward_shared_bytes(config, head_dim, arch, staging[1], staging[2])
     if source == "bwd_ws":
         _run_warp_specialized_backward(launcher, config, params, shared["ws"], q, k, v, dout, delta, dlse, lse,
-                                       is_causal, mask if staging[1] == TILES_OF_ROWS else None,
+                                       is_causal, window_sides,
+                                       mask if staging[1] == TILES_OF_ROWS else None,
                                        bias if staging[2] == TILES_OF_ROWS else None,
                                        target if stored_by_tma else None)
     else:
@@ -158,26 +167,34 @@ def delta_rows_per_block(head_dim: int, num_warps: int) -> int:
     return num_warps * 32 // (1 << (chunks - 1).bit_length()) * DELTA_UNROLL
 
 
-def unvisited_query_tiles(seqlen_q: int, seqlen_k: int, block_m: int, is_causal: bool) -> int:
+def unvisited_query_tiles(seqlen_q: int, seqlen_k: int, block_m: int, is_causal: bool,
+                          window_sides: tuple[int, int] | None = None) -> int:
     """The leading query tiles of the warp-specialized backward that no key block visits: under
     the causal rule, tiles whose rows all come before the first row that sees a key (row
-    Lq - Lk), which exist when Lq - Lk >= block_m. Their dQ sums are never stored."""
-    return max(0, seqlen_q - seqlen_k) // block_m if is_causal else 0
+    Lq - Lk), which exist when Lq - Lk >= block_m; under a window's bounded right side (not
+    causal), before row Lq - Lk - right. Their dQ sums are never stored. (A window's left side
+    leaves no row without keys: row i < Lq sees key i + Lk - Lq - left < Lk at the latest.)"""
+    if is_causal:
+        return max(0, seqlen_q - seqlen_k) // block_m
+    if window_sides is None:
+        return 0
+    return max(0, seqlen_q - seqlen_k - window_sides[1]) // block_m
 
 
 def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params: BwdParams, shared: int, q, k, v,
-                                   dout, delta, dlse, lse, is_causal: bool, staged_mask, staged_bias,
+                                   dout, delta, dlse, lse, is_causal: bool, window_sides, staged_mask, staged_bias,
                                    dbias_target) -> None:
     """flash_bwd_ws.cu's three launches: delta (and the dQ counters zeroed), the kernel, dQ from
     its summed shares. The sums are not zeroed: each tile's first share is stored, not added;
     only the tiles no key block visits (`unvisited_query_tiles`: rows that see no key, whose dQ
-    is 0) are zeroed here. `staged_mask` and `staged_bias` are the operands staged as tiles of
+    is 0) are zeroed here. `window_sides`: a window's (left, right) as the kernel takes them, or
+    None (its parameters are then `BwdWsParams`, else `WindowedBwdWsParams`). `staged_mask` and `staged_bias` are the operands staged as tiles of
     rows, `dbias_target` the dBias the kernel stores by TMA (each None where not)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     heads, m_tiles = batch * num_heads, triton.cdiv(seqlen_q, config.block_m)
     padded = padded_head_dim(head_dim)
     dq_sum = torch.empty((heads, m_tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
-    dq_sum[:, :unvisited_query_tiles(seqlen_q, k.shape[1], config.block_m, is_causal)].zero_()
+    dq_sum[:, :unvisited_query_tiles(seqlen_q, k.shape[1], config.block_m, is_causal, window_sides)].zero_()
     dq_counter = torch.empty((heads, m_tiles), dtype=torch.int32, device=q.device)
     driver = the_driver()
     maps = {name: driver.tensor_map(t, ROWS_OF, rows, TMA_LINE, TMA_LINE)
@@ -190,7 +207,8 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
         if t is not None:
             maps[name] = driver.tensor_map(t, KEYS_OF, config.block_m, TMA_LINE, TMA_LINE)
     reread_bytes = seqlen_q * padded * (2 * q.element_size() + 4)  # Q, dO and the fp32 dQ sums of a slice
-    ws_params = BwdWsParams(backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),
+    params_type = BwdWsParams if window_sides is None else WindowedBwdWsParams
+    ws_params = params_type(backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),
                             section_slices=section_slices(heads, reread_bytes), **maps)
     delta_rows = delta_rows_per_block(head_dim, config.num_warps)
     launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), heads), config.num_warps, 0, ws_params)

@@ -6,7 +6,7 @@
 // HAS_MASK, HAS_BIAS, HAS_SOFTCAP, each kernel's own tile sizes, WGMMA (SM90 products
 // through wgmma.mma_async, shared tiles in its swizzled layout: sm90.cuh; default 0) and
 // HAS_WINDOW (a sliding window: Inputs' window_left and window_right; undefined is 0, and only
-// the overlapped warp-specialized forward takes it).
+// the warp-specialized kernels take it: the overlapped forward and the backward).
 //
 // Fragment coordinates (PTX ISA, mma.m16n8k16): lane = 4 g + t. A (16x16) holds rows g and
 // g + 8, columns 2t, 2t + 1 and 8 + 2t, 9 + 2t; a C/D accumulator c[4] of a 16x8 tile holds

@@ -55,7 +55,7 @@
 #include "bwd_steps.cuh"
 
 #if HAS_WINDOW
-#error "a sliding window runs in the overlapped warp-specialized forward only (flash_fwd_ws.cu)"
+#error "a sliding window runs in the warp-specialized kernels only (flash_fwd_ws.cu overlapped, flash_bwd_ws.cu)"
 #endif
 
 #if WGMMA

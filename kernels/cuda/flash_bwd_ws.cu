@@ -35,6 +35,13 @@
 // dmattn_bwd_ws_delta_kernel computes delta and zeroes the counters before, and
 // dmattn_bwd_ws_dq_kernel scales the sums into dQ after.
 //
+// Sliding window (HAS_WINDOW: FlashAttention's window_size, as common.cuh's Inputs hold it): a
+// block walks only the query tiles [m_begin, m_end) whose rows' windows reach its keys, and the
+// query tiles it skips are outside the loop, as in the forward. Tile m is then visited by the
+// blocks from first_block(m), the one holding its first row's first key, on: that block stores
+// its share and block n waits until blocks first_block(m) .. n - 1 have added theirs (the same
+// order, shifted). Positions are tested in the tiles at the window's sides (`boundary`).
+//
 // Mask and bias (MASK_TILES, BIAS_TILES; variants.py picks as the operands' layouts allow):
 //   1, a tile of rows: the producer stages each query tile's BLOCK_M x BLOCK_N tile by TMA
 //     (keys contiguous, a 16-bit bias) in a ring of SCORE_STAGES slots beside the Q and dO ring,
@@ -77,10 +84,6 @@
 #include <cuda.h>  // CUtensorMap
 
 #include "bwd_steps.cuh"
-
-#if HAS_WINDOW
-#error "a sliding window runs in the overlapped warp-specialized forward only (flash_fwd_ws.cu)"
-#endif
 
 static_assert(WGMMA, "the warp-specialized backward runs its products as wgmma (sm90)");
 constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
@@ -147,9 +150,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   const int n_block = order.block;
   const int m_tiles = (in.seqlen_q + BLOCK_M - 1) / BLOCK_M;
   // causal: the query tiles before m_begin see no key of this block
+#if HAS_WINDOW
+  // a window: the block's keys are seen by rows [n_block BLOCK_N - offset - right, its last key
+  // - offset + left] (the right side 0 under the causal rule), its query tiles [m_begin, m_end)
+  const int right_reach = IS_CAUSAL ? 0 : in.window_right;
+  const int m_begin = max(0, n_block * BLOCK_N - rule.offset - right_reach) / BLOCK_M;
+  const int m_end = (min(in.seqlen_q, max(0, (n_block + 1) * BLOCK_N - rule.offset + in.window_left)) + BLOCK_M - 1) /
+                    BLOCK_M;
+  const int steps = max(0, m_end - m_begin);
+  auto tile_at = [&](int step) { return m_end - 1 - step; };
+  // the first key block that visits tile m: the one holding its first row's first key
+  auto first_block = [&](int m) { return max(0, m * BLOCK_M + rule.offset - in.window_left) / BLOCK_N; };
+#else
   const int m_begin = IS_CAUSAL ? max(0, n_block * BLOCK_N - rule.offset) / BLOCK_M : 0;
   const int steps = m_tiles - m_begin;
   auto tile_at = [&](int step) { return m_tiles - 1 - step; };  // the last tile first
+#endif
 
   if (threadIdx.x == 0) {
     barrier_init(&kv_full, 1);
@@ -215,7 +231,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         }
         barrier_arrive(&full[slot]);
       }
+#if HAS_WINDOW
+    } else if (DBIAS_TMA && warp == 3) {
+#else
     } else if (DBIAS_TMA && IS_CAUSAL && warp == 3) {
+#endif
       // the query tiles before m_begin, 16 bytes a lane: each row's BLOCK_N keys in BLOCK_N / 8 lanes
       constexpr int ROW_LANES = BLOCK_N / 8, ROWS_AT_ONCE = 32 / ROW_LANES;
       const int key = n_block * BLOCK_N + lane % ROW_LANES * 8, rows_end = min(m_begin * BLOCK_M, in.seqlen_q);
@@ -223,6 +243,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         dbias_t* column = bwd.dbias + at.batch * bwd.dbias_stride[0] + at.head * bwd.dbias_stride[1] + key;
         for (int row = lane / ROW_LANES; row < rows_end; row += ROWS_AT_ONCE)
           *reinterpret_cast<uint4*>(column + row * bwd.dbias_stride[2]) = make_uint4(0, 0, 0, 0);
+#if HAS_WINDOW
+        // and those from m_end on, past the window's left side
+        for (int row = m_end * BLOCK_M + lane / ROW_LANES; row < in.seqlen_q; row += ROWS_AT_ONCE)
+          *reinterpret_cast<uint4*>(column + row * bwd.dbias_stride[2]) = make_uint4(0, 0, 0, 0);
+#endif
       }
     } else if (warp == 2 && lane == 0) {
       float* sums = p.dq_sum + int64_t(order.slice) * m_tiles * BLOCK_M * BLOCK_D;
@@ -232,11 +257,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         barrier_wait(&dq_full[buffer], (step / DQ_BUFFERS) & 1);
         int added;  // blocks 0 .. n_block - 1 visit tile m too (their m_begin is no later)
         do asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(added) : "l"(counters + m) : "memory");
+#if HAS_WINDOW
+        while (added != n_block - first_block(m));  // a window: blocks first_block(m) .. n_block - 1 do
+#else
         while (added != n_block);
+#endif
         asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
         float* sum = sums + int64_t(m) * BLOCK_M * BLOCK_D;
         const uint32_t share = shared_address(dq_smem + buffer * BLOCK_M * BLOCK_D);
+#if HAS_WINDOW
+        if (n_block == first_block(m))
+#else
         if (n_block == 0)
+#endif
           asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
                        :: "l"(sum), "r"(share), "n"(DQ_SHARE_BYTES) : "memory");
         else
@@ -298,7 +331,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
     // consumer; a mask in global memory at every position.
     const int first_row = m * BLOCK_M;
     const bool boundary = first_row + BLOCK_M > in.seqlen_q || group_first_key + GROUP_ROWS > in.seqlen_k ||
-                          (IS_CAUSAL && group_first_key + GROUP_ROWS - 1 > first_row + rule.offset);
+                          (IS_CAUSAL && group_first_key + GROUP_ROWS - 1 > first_row + rule.offset)
+#if HAS_WINDOW
+                          // the window's sides: the tile's last row misses the consumer's first
+                          // key, or its first row the consumer's last
+                          || group_first_key < first_row + BLOCK_M - 1 + rule.offset - in.window_left ||
+                          group_first_key + GROUP_ROWS - 1 > first_row + rule.offset + right_reach
+#endif
+        ;
     const bool check = (HAS_MASK && MASK_TILES == 0) || boundary;
     // Fragment (n, c) of S^T is key key0 + 8 (c / 2), query row first_row + 8 n + 2 t + c % 2.
     auto row_of = [&](int n, int c) { return first_row + n * 8 + 2 * t + c % 2; };
@@ -346,7 +386,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
     // causal: no query of the tile sees a key of this consumer (the block's first tile, for all
     // but its first consumer): its dS is 0, and of its products only dQ's, which reads every
     // consumer's dS, runs
-    const bool hidden = IS_CAUSAL && group_first_key > first_row + BLOCK_M - 1 + rule.offset;
+    const bool hidden = IS_CAUSAL && group_first_key > first_row + BLOCK_M - 1 + rule.offset
+#if HAS_WINDOW
+                        // or the consumer's keys lie before the tile's first row's window, or
+                        // (not causal) after its last row's
+                        || group_first_key + GROUP_ROWS - 1 < first_row + rule.offset - in.window_left ||
+                        group_first_key > first_row + BLOCK_M - 1 + rule.offset + right_reach
+#endif
+        ;
     float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];  // the first k-step overwrites (scale-d 0)
     uint32_t p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
     if (hidden) {

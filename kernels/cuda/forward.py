@@ -23,8 +23,8 @@ import triton
 from dmattn_kernels.configs import FwdConfig, window_bounds
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
 from dmattn_kernels.cuda.params import (FwdParams, Inputs, PersistentWsParams, TensorMap, WindowedFwdParams,
-                                        WindowedInputs, WindowedPersistentWsParams, WindowedWsParams, WsParams,
-                                        address, inputs)
+                                        WindowedPersistentWsParams, WindowedWsParams, WsParams, address, inputs,
+                                        with_window)
 from dmattn_kernels.cuda.rules import check_arch, check_config, check_query, check_rows, forward_kernel, padded_head_dim
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_KEYS, TILES_OF_ROWS, forward_shared_bytes
 from dmattn_kernels.cuda.variants import staged_layout, staging, variant
@@ -213,10 +213,7 @@ def _forward_template(layouts: tuple, softmax_scale: float, softcap: float, lse_
     template = inputs(q, k, v, mask, bias, softmax_scale, softcap, address=lambda t: 0)
     if window_sides is None:
         return bytes(FwdParams(template, 0, 0, out.stride()[:3], lse_stride))
-    windowed = WindowedInputs.from_buffer_copy(bytes(template) + bytes(ctypes.sizeof(WindowedInputs)
-                                                                      - ctypes.sizeof(Inputs)))
-    windowed.window_left, windowed.window_right = window_sides
-    return bytes(WindowedFwdParams(windowed, 0, 0, out.stride()[:3], lse_stride))
+    return bytes(WindowedFwdParams(with_window(template, window_sides), 0, 0, out.stride()[:3], lse_stride))
 
 
 def _window_sides(window: tuple[int, int], is_causal: bool, q_shape: tuple, seqlen_k: int) -> tuple[int, int] | None:

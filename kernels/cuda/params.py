@@ -111,6 +111,12 @@ class BwdParams(ctypes.Structure):
                 + _strides("dbias_stride", count=4))
 
 
+class WindowedBwdParams(ctypes.Structure):
+    """bwd_steps.cuh's BwdParams built with HAS_WINDOW (its Inputs are `WindowedInputs`)."""
+
+    _fields_ = [("inputs", WindowedInputs)] + BwdParams._fields_[1:]
+
+
 _BWD_MAPS = ("q_map", "k_map", "v_map", "do_map", "mask_map", "bias_map", "dbias_map")
 
 
@@ -119,6 +125,21 @@ class BwdWsParams(ctypes.Structure):
 
     _fields_ = _padded([(name, TensorMap) for name in _BWD_MAPS] + [("backward", BwdParams)]
                        + _pointers("dq_sum", "dq_counter") + [("section_slices", ctypes.c_int)])
+
+
+class WindowedBwdWsParams(ctypes.Structure):
+    """flash_bwd_ws.cu's BwdWsParams built with HAS_WINDOW (its BwdParams are `WindowedBwdParams`)."""
+
+    _fields_ = _padded([(name, TensorMap) for name in _BWD_MAPS] + [("backward", WindowedBwdParams)]
+                       + _pointers("dq_sum", "dq_counter") + [("section_slices", ctypes.c_int)])
+
+
+def with_window(template: Inputs, window_sides: tuple[int, int]) -> WindowedInputs:
+    """`template`'s fields, then a window's (left, right) sides (`configs.window_bounds`)."""
+    extended = WindowedInputs.from_buffer_copy(bytes(template) + bytes(ctypes.sizeof(WindowedInputs)
+                                                                       - ctypes.sizeof(Inputs)))
+    extended.window_left, extended.window_right = window_sides
+    return extended
 
 
 def address(t: torch.Tensor | None) -> int:
