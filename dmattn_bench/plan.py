@@ -97,7 +97,8 @@ class AttentionPlan:
     (`dmattn_bench.varlen`), whose operands are the 4-D views of `configs.Packing` and whose runs
     take their `sequences` (cu_seqlens_q, cu_seqlens_k, seqused_k or None); the Triton kernels
     run both, never the short-query forward; the CUDA kernels run a window in their warp-specialized
-    kernels only, where the table or an explicit config chooses them (`tiles.key_problem`)."""
+    kernels only and packed sequences in their warp-specialized backward only, where the table or
+    an explicit config chooses them (`tiles.key_problem`)."""
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
                  table: str | None, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None,
@@ -108,13 +109,11 @@ class AttentionPlan:
         # a paged cache is (blocks, page, Hkv, D): its logical length is the table's pages x page
         seqlen_k = cache_length(k, block_table)
         self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap)
-        # passed to the launchers only when set: the CUDA launchers take no packing, and a window
-        # only in their warp-specialized kernels (`tiles.key_problem`)
+        # passed to the launchers only when set: the CUDA launchers take packing and a window only
+        # in their warp-specialized kernels (`tiles.key_problem`)
         self.options.update({name: value for name, value, unset in (("window", window, NO_WINDOW),
                                                                    ("packing", packing, None)) if value != unset})
         self.packing = packing
-        if backend == "cuda" and packing is not None:
-            raise ValueError("backend: got 'cuda', whose kernels run no packed sequences; expected 'auto' or 'triton'")
         if packing is not None:  # a packed call's grids cover its longest sequence
             seqlen_k = packing.max_seqlen_k if k.shape[1] else 0
         self.device, self.dtype = q.device, q.dtype

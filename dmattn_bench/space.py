@@ -176,7 +176,7 @@ def operand_kind(dims: tuple[int, int, int, int] | None, num_heads: int, num_hea
 
 
 def bias_has_rows(kind: str) -> bool:
-    """Whether a bias of this kind (`operand_kind`, "+grad" allowed) has a query-row dim: its
+    """Whether a bias (or mask) of this kind (`operand_kind`, "+grad" allowed) has a query-row dim: its
     kernels load (and a backward with dBias stores) a tile per block instead of a row vector, so
     their best tiles differ (the learned defaults are grouped by it)."""
     return kind.removesuffix("+grad") in ("full", "kv_head", "shared")
@@ -266,18 +266,23 @@ def key_problem(backend: str, key: TableKey, config: FwdConfig | BwdConfig | Non
     config; with one, that config. The backends' `is_supported` judge a config on an
     `AttentionShape`, which has no packed sequences or window; the key has, so the tuner, the
     validator, table loading and `tiles.choose` ask here. A window needs the CUDA forward's overlapped
-    kernel or the warp-specialized backward (judged as on sm90: the GPU's arch is the launcher's check)."""
+    kernel or the warp-specialized backward; packed sequences the warp-specialized backward, with a
+    per-key mask and bias or none (judged as on sm90: the GPU's arch is the launcher's check)."""
     if backend != "cuda" or not (key.packed or key.window):
         return None
+    if key.packed and key.direction == "fwd":
+        return "the CUDA forward runs no packed sequences (the Triton kernels do)"
+    # imported on first use: the CUDA launchers' rules, which only a CUDA packed or window key needs
+    from dmattn_kernels.cuda.variants import backward_packed_reason, backward_window_reason
+
     if key.packed:
-        return "the CUDA kernels run no packed sequences (the Triton kernels do)"
+        reason = backward_packed_reason(bias_has_rows(key.mask), bias_has_rows(key.bias))
+        if reason:
+            return reason
     if config is None:
         return None
     if key.direction != "fwd":
-        # imported on first use: the CUDA launchers' rules, which only a CUDA window key needs
-        from dmattn_kernels.cuda.variants import backward_window_reason
-
-        return backward_window_reason(config, key.head_dim, "sm90")
+        return backward_window_reason(config, key.head_dim, "sm90", "a packed call" if key.packed else "a sliding window")
     if not config.overlap:
         return "a sliding window runs in the CUDA forward's overlapped warp-specialized kernel only (overlap=1)"
     return None

@@ -757,3 +757,29 @@ def test_the_windowed_backward_s_blocks_visit_exactly_the_query_tiles_that_see_t
     assert unvisited == list(range(backward.unvisited_query_tiles(seqlen_q, seqlen_k, block_m, is_causal, sides)))
     assert not any(sees(row, key) for m in unvisited for row in range(m * block_m, min(seqlen_q, m * block_m + 64))
                    for key in range(seqlen_k))
+
+
+@needs_nvcc
+def test_packed_sequences_build_into_the_warp_specialized_backward_with_their_fields_last(cubin_cache):
+    """PACKED appends the sequences' offsets and lengths to BwdWsParams (a per-key mask and bias
+    read at the sequence's keys; with a window too), and refuses a config that is not the
+    warp-specialized backward."""
+    config = BwdConfig(64, 128, 64, 128, 12, 2)
+    common = dict(arch="sm90", group=4, dbias=(False, torch.float32))
+    flags = variants.backward_variant(config, 128, torch.bfloat16, torch.bfloat16, is_causal=True, has_mask=True,
+                                      softcap=0.0, mask_tiles=shared_memory.TILES_OF_KEYS,
+                                      bias_tiles=shared_memory.TILES_OF_KEYS, packed=True, **common)
+    assert "-DPACKED=1" in flags
+    assert _parameter_sizes(build.build("bwd_ws", "sm90", flags)) == [ctypes.sizeof(params.PackedBwdWsParams)] * 3
+    assert params.PackedBwdWsParams.cu_seqlens_q.offset > params.PackedBwdWsParams.section_slices.offset
+    assert params.bwd_ws_params_type(True, True) is params.WindowedPackedBwdWsParams
+    windowed = variants.backward_variant(BwdConfig(64, 64, 64, 64, 8, 2), 64, torch.float16, None, is_causal=False,
+                                         has_mask=False, softcap=0.0, packed=True, window=True, arch="sm90", group=1,
+                                         dbias=None)
+    assert _parameter_sizes(build.build("bwd_ws", "sm90", windowed)) == [
+        ctypes.sizeof(params.WindowedPackedBwdWsParams)] * 3
+    with pytest.raises(ValueError, match="a packed call runs in the CUDA backward's warp-specialized kernel only"):
+        variants.backward_variant(BwdConfig(64, 64, 64, 64, 4, 2), 128, torch.bfloat16, None, is_causal=True,
+                                  has_mask=False, softcap=0.0, packed=True, **common)
+    assert variants.backward_packed_reason(True, False) and variants.backward_packed_reason(False, True)
+    assert variants.backward_packed_reason(False, False) is None

@@ -187,8 +187,7 @@ def test_the_warp_specialized_backward_runs_the_full_suite_s_windows(dtype, conf
     bwd = WINDOW_BACKWARD_CONFIGS[config]
     if not backward_warp_specialized(bwd, 128, arch_of(torch.device("cuda"))):
         pytest.skip("the warp-specialized backward runs on SM90 only")
-    suite = config_suite("cuda", "full", None, bwd, varlen=True)
-    assert suite and not any(case.packed for case in suite)
+    suite = [case for case in config_suite("cuda", "full", None, bwd, varlen=True) if not case.packed]
     cases = suite + [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
                      for case in suite for head_dim in (64, 128)
                      if case.head_dim != head_dim and backward_warp_specialized(bwd, head_dim, "sm90")]
@@ -199,6 +198,34 @@ def test_the_warp_specialized_backward_runs_the_full_suite_s_windows(dtype, conf
     worst = max(check.ratio for result in results for check in result.checks.values())
     record_property("worst_ratio", round(worst, 4))
     assert len(results) >= 12 and worst <= 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", list(WINDOW_BACKWARD_CONFIGS), ids=list(WINDOW_BACKWARD_CONFIGS))
+def test_the_warp_specialized_backward_runs_the_full_suite_s_packed_sequences(dtype, config, record_property):
+    """The backward alone on the packed cases of the full suite's packed/window half that it runs
+    (a per-key mask and bias or none), and on every packed case with its mask and bias left out:
+    NaN in the K, V and rows no sequence owns, zero- and one-token sequences, seqused_k, Lq != Lk
+    per sequence, windows over packed sequences, long documents."""
+    from dmattn_kernels.cuda import arch_of, backward_warp_specialized
+
+    from dmattn_bench.tuning.varlen_cases import VARLEN_SUITES
+
+    bwd = WINDOW_BACKWARD_CONFIGS[config]
+    if not backward_warp_specialized(bwd, 128, arch_of(torch.device("cuda"))):
+        pytest.skip("the warp-specialized backward runs on SM90 only")
+    suite = [case for case in config_suite("cuda", "full", None, bwd, varlen=True) if case.packed]
+    bare = [replace(case, name=f"{case.name}-no-operands", mask="none", bias="none", bias_poison=None,
+                    dead_documents=()) for case in VARLEN_SUITES["full"]() if case.packed]
+    cases = [case if backward_warp_specialized(bwd, case.head_dim, "sm90") else replace(case, head_dim=128)
+             for case in suite + bare]
+    results = [check_case(get_backend("cuda"), case, dtype, "cuda", None, bwd) for case in cases]
+    failures = [f"{case.name}: {result.status} {result.reason}" for case, result in zip(cases, results)
+                if result.status != "ok"]
+    assert not failures, "\n".join(failures)
+    worst = max(check.ratio for result in results for check in result.checks.values())
+    record_property("worst_ratio", round(worst, 4))
+    assert len(suite) >= 3 and len(results) >= 15 and worst <= 1.0
 
 
 def _assert_all_ok(cases, results, record_property):

@@ -187,12 +187,16 @@ def test_a_backend_that_reads_a_neighbour_fails_the_suite():
 
 
 def test_the_cuda_backend_reports_the_varlen_cases_its_kernels_cannot_run_unsupported():
-    """Without running anything: a packed case whatever the configs; a window case with a forward
-    that is not the overlapped warp-specialized kernel, or a backward that is not the
-    warp-specialized one."""
+    """Without running anything: a packed case with a forward, or with a backward that is not the
+    warp-specialized one or a mask or bias of query rows; a window case with a forward that is not
+    the overlapped warp-specialized kernel, or a backward that is not the warp-specialized one."""
     cuda = Backend("cuda", None, None, lambda config, shape: None)
-    packed = check_case(cuda, CASES["packed_zero_one_token"], torch.float32, "cpu", FWD, BWD)
-    assert packed.status == "unsupported" and "CUDA kernels run no packed sequences" in packed.reason
+    packed = CASES["packed_zero_one_token"]  # a per-key bias
+    for fwd, bwd, case, message in ((FWD, BWD, packed, "CUDA forward runs no packed sequences"),
+                                    (None, BWD, packed, "a packed call runs in the CUDA backward's warp-specialized"),
+                                    (None, BWD, CASES["packed_nan_neighbours_per_row"], "per-key mask and bias only")):
+        result = check_case(cuda, case, torch.float32, "cpu", fwd, bwd)
+        assert result.status == "unsupported" and message in result.reason
     for fwd, bwd, message in ((FWD, None, "overlapped warp-specialized kernel only"),
                               (None, BWD, "CUDA backward's warp-specialized kernel only")):
         result = check_case(cuda, CASES["window_both_sides@16x16"], torch.float32, "cpu", fwd, bwd)

@@ -135,13 +135,20 @@ def _cuda_entry_document(key, config) -> dict:
     }
 
 
+PACKED_BACKWARD = dataclasses.replace(PACKED, direction="bwd", head_dim=128)
+
+
 @pytest.mark.parametrize("key, config, message", [
-    (PACKED, TUNED, "CUDA kernels run no packed sequences"),
-    (PACKED, OVERLAPPED, "CUDA kernels run no packed sequences"),
+    (PACKED, TUNED, "CUDA forward runs no packed sequences"),
+    (PACKED, OVERLAPPED, "CUDA forward runs no packed sequences"),
     (WINDOWED, TUNED, "overlapped warp-specialized kernel only"),
     (dataclasses.replace(WINDOWED, direction="bwd"), BwdConfig(64, 64, 64, 64, 4, 2),
      "CUDA backward's warp-specialized kernel only"),
-], ids=["packed", "packed-overlapped", "window-mma-sync", "window-bwd-not-warp-specialized"])
+    (PACKED_BACKWARD, BwdConfig(64, 64, 64, 64, 4, 2), "a packed call runs in the CUDA backward's warp-specialized"),
+    (dataclasses.replace(PACKED_BACKWARD, mask="kv_head"), WS_BACKWARD, "per-key mask and bias only"),
+    (dataclasses.replace(PACKED_BACKWARD, bias="full+grad"), WS_BACKWARD, "per-key mask and bias only"),
+], ids=["packed", "packed-overlapped", "window-mma-sync", "window-bwd-not-warp-specialized",
+        "packed-bwd-not-warp-specialized", "packed-bwd-row-mask", "packed-bwd-row-bias"])
 def test_a_cuda_entry_of_a_key_its_config_cannot_run_is_refused(key, config, message):
     with pytest.raises(TableError, match=rf"entries\[0\]\.backend.*'cuda'.*{message}"):
         table_from_dict(_cuda_entry_document(key, config), "t.yaml")
@@ -154,10 +161,12 @@ def test_a_cuda_forward_entry_of_a_windowed_key_with_the_overlapped_kernel_loads
     assert [(entry.backend, entry.config) for entry in table.entries] == [("cuda", config)]
 
 
-def test_a_cuda_backward_entry_of_a_windowed_key_with_the_warp_specialized_kernel_loads():
-    key, config = dataclasses.replace(WINDOWED, direction="bwd", head_dim=128), WS_BACKWARD
-    table = table_from_dict(_cuda_entry_document(key, config), "t.yaml")
-    assert [(entry.backend, entry.config) for entry in table.entries] == [("cuda", config)]
+@pytest.mark.parametrize("key", [dataclasses.replace(WINDOWED, direction="bwd", head_dim=128), PACKED_BACKWARD,
+                                 dataclasses.replace(PACKED_BACKWARD, mask="per_key", bias="per_key+grad", window=16)],
+                         ids=["window", "packed", "packed-window-per-key"])
+def test_a_cuda_backward_entry_of_a_packed_or_windowed_key_with_the_warp_specialized_kernel_loads(key):
+    table = table_from_dict(_cuda_entry_document(key, WS_BACKWARD), "t.yaml")
+    assert [(entry.backend, entry.config) for entry in table.entries] == [("cuda", WS_BACKWARD)]
 
 
 # -- lookup -------------------------------------------------------------------------------------------

@@ -158,18 +158,27 @@ def shape_of_case(case: Case) -> AttentionShape:
 PACKED_PROBE = TableKey("fwd", "fp32", 64, False, "none", "none", 1, 1, 1, packed=True, window=1)
 
 
+_MASK_KIND_OF_SHAPE = {shape: kind for kind, shape in MASK_SHAPE_OF_KIND.items()}
+
+
+def _feature_key(case: Case, direction: str) -> TableKey:
+    """A key with the case's packed sequences, window and mask and bias kinds, for
+    `tiles.key_problem`: any bounded side is a window here."""
+    mask = "none" if case.mask == "none" else _MASK_KIND_OF_SHAPE.get(case.mask_shape, "shared")
+    return TableKey(direction, "fp32", case.head_dim, case.causal, mask, case.bias, 1, 1, 1, packed=case.packed,
+                    window=int(case.window_size != NO_WINDOW))
+
+
 def feature_problem(backend_name: str, case: Case, fwd_config: FwdConfig | None = None,
                     bwd_config: BwdConfig | None = None) -> str | None:
     """Why `backend_name` runs no call with the case's packed sequences or window in the
     directions it runs (those of the configs given; the forward, whatever its config, with none)
-    (`tiles.key_problem`); any bounded side is a window here."""
+    (`tiles.key_problem`)."""
     if not case.packed and case.window_size == NO_WINDOW:
         return None
     runs = [(direction, config) for direction, config in (("fwd", fwd_config), ("bwd", bwd_config)) if config]
     for direction, config in runs or [("fwd", None)]:
-        key = TableKey(direction, "fp32", case.head_dim, case.causal, "none", "none", 1, 1, 1, packed=case.packed,
-                       window=int(case.window_size != NO_WINDOW))
-        reason = tiles.key_problem(backend_name, key, config)
+        reason = tiles.key_problem(backend_name, _feature_key(case, direction), config)
         if reason:
             return reason
     return None
@@ -299,10 +308,10 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
     window half: `varlen_cases`), each case at a head dim they run: a case whose head dim they
     cannot take at all (`is_supported`; the warp-specialized forward needs one that pads to a
     multiple of 64) runs at the next one they take. Dispatch sends a config only the head dims of
-    its own entries, which it takes. A backend that runs no packed sequences (`tiles.key_problem`)
-    has no entry that serves a packed call, so its suites hold no packed case."""
+    its own entries, which it takes. A packed case the configs cannot run (`feature_problem`: the
+    CUDA forward, the CUDA backward with a mask or bias of query rows or at a head dim where it is
+    not warp-specialized) is served by no entry of theirs, so the suite leaves it out."""
     backend = get_backend(backend_name)
-    packed_problem = tiles.key_problem(backend_name, PACKED_PROBE)
 
     def takes(case: Case) -> bool:
         shape = shape_of_case(case)
@@ -310,12 +319,12 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
 
     cases = []
     for case in adversarial_cases(suite, config_tiles(fwd_config, bwd_config), varlen):
-        if case.packed and packed_problem:
-            continue
         if not takes(case):
             moved = (replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
                      for head_dim in takewhile(is_valid_head_dim, count(case.head_dim + 8, 8)))
             case = next((other for other in moved if takes(other)), case)  # none: it reports why
+        if case.packed and feature_problem(backend_name, case, fwd_config, bwd_config):
+            continue
         cases.append(case)
     return cases
 

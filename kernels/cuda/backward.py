@@ -13,15 +13,15 @@ from __future__ import annotations
 import torch
 import triton
 
-from dmattn_kernels.configs import BwdConfig, window_bounds
+from dmattn_kernels.configs import BwdConfig, Packing, window_bounds
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
 from dmattn_kernels.cuda.forward import section_slices
-from dmattn_kernels.cuda.params import (BwdParams, BwdWsParams, WindowedBwdParams, WindowedBwdWsParams, inputs,
-                                        with_window)
+from dmattn_kernels.cuda.params import BwdParams, WindowedBwdParams, bwd_ws_params_type, inputs, with_window
 from dmattn_kernels.cuda.rules import (backward_kernel, check_aligned, check_arch, check_config, check_query,
                                        padded_head_dim)
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_ROWS, backward_shared_bytes
-from dmattn_kernels.cuda.variants import backward_staging, backward_variant, staged_tiles, stores_dbias_by_tma
+from dmattn_kernels.cuda.variants import (backward_packed_reason, backward_staging, backward_variant, staged_tiles,
+                                          stores_dbias_by_tma)
 from dmattn_kernels.runtime.launch_context import is_compile_only
 from dmattn_kernels.runtime.operands import NO_OPERAND_STRIDES, broadcast_strides
 
@@ -78,12 +78,16 @@ def _dbias_layout(dbias: torch.Tensor, batch: int, num_heads: int, seqlen_q: int
 def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                        config: BwdConfig, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                        dbias: torch.Tensor | None, dlse: torch.Tensor | None = None,
-                       window: tuple[int, int] = (-1, -1)) -> None:
+                       window: tuple[int, int] = (-1, -1), packing: Packing | None = None,
+                       sequences: tuple = (None, None, None)) -> None:
     """Writes dq, dk, dv and, when given, dbias (the bias's 4-D broadcast shape and its dtype);
     `dlse`, a gradient reaching lse, as in the Triton launcher (folded into delta here:
     `delta_with_lse_grad`). The mask and bias as the caller passed them (up to 4 dims, as
     `attention_forward`'s); `window`: FlashAttention's (left, right) sliding window, which the
-    warp-specialized backward runs (`variants.backward_window_reason`)."""
+    warp-specialized backward runs (`variants.backward_window_reason`), as it runs packed
+    sequences (`packing`, `configs.Packing`: the tensors are one batch row; `sequences`:
+    cu_seqlens_q, cu_seqlens_k and seqused_k or None) with a per-key mask and bias or none
+    (`variants.backward_packed_reason`). Rows and keys no sequence owns get zero gradients."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
     group = num_heads // num_heads_kv
@@ -91,6 +95,11 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     window_sides = (left, right) if has_window else None
     check_query(q)
     check_config(config, q, k, mask, bias, is_causal, softcap, dbias is not None)
+    if packing is not None:
+        reason = backward_packed_reason(mask is not None and not packing.mask_per_key,
+                                        bias is not None and not packing.bias_per_key)
+        if reason:
+            raise ValueError(f"config: {reason}")
     arch = arch_of(q.device)
     check_arch(config, head_dim, arch)
     source = backward_kernel(config, head_dim, arch)
@@ -111,7 +120,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     flags = backward_variant(config, head_dim, q.dtype, bias_dtype, arch=arch, is_causal=is_causal,
                              has_mask=mask is not None, softcap=softcap, group=group, dbias=target_kind,
                              mask_tiles=staging[1], bias_tiles=staging[2], dbias_tma=target_allows,
-                             window=has_window)
+                             window=has_window, packed=packing is not None)
     launcher = Launcher(source, q.device, flags)
     if is_compile_only():
         return
@@ -123,17 +132,21 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
         shape, _, in_place = layout
         target = dbias.zero_() if in_place else torch.zeros(shape, dtype=torch.float32, device=dbias.device)
     delta = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    # packed: the rows and keys no sequence owns (or past seqused_k) are written by no block
+    allocate = torch.empty if packing is None else torch.zeros
     if group > 1:  # each query head's share, summed per group below (fixed order: deterministic)
-        dk_share = torch.empty((batch, seqlen_k, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        dv_share = torch.empty_like(dk_share)
+        dk_share = allocate((batch, seqlen_k, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        dv_share = allocate(dk_share.shape, dtype=torch.float32, device=q.device)
     else:
-        dk_share, dv_share = dk, dv
+        dk_share, dv_share = (dk, dv) if packing is None else (dk.zero_(), dv.zero_())
+    if packing is not None:
+        dq.zero_()
     call_inputs = inputs(q, k, v, mask, bias, softmax_scale, softcap)
     if has_window:
         call_inputs = with_window(call_inputs, window_sides)
     params = (WindowedBwdParams if has_window else BwdParams)(
-        call_inputs, out.data_ptr(), dout.data_ptr(), lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk_share.data_ptr(), dv_share.data_ptr(),
-        target.data_ptr() if target is not None else 0, out.stride()[:3], dout.stride()[:3], dq.stride()[:3],
+        call_inputs, out.data_ptr(), dout.data_ptr(), lse.data_ptr(), delta.data_ptr(), dq.data_ptr(),
+        dk_share.data_ptr(), dv_share.data_ptr(), target.data_ptr() if target is not None else 0, out.stride()[:3], dout.stride()[:3], dq.stride()[:3],
         dk_share.stride()[:3], dv_share.stride()[:3], lse.stride(), delta.stride(),
         NO_OPERAND_STRIDES if target is None else broadcast_strides(target.shape, target.stride()),
     )
@@ -144,7 +157,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
                                        is_causal, window_sides,
                                        mask if staging[1] == TILES_OF_ROWS else None,
                                        bias if staging[2] == TILES_OF_ROWS else None,
-                                       target if stored_by_tma else None)
+                                       target if stored_by_tma else None, packing, sequences)
     else:
         launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, delta_rows_per_block(head_dim, config.num_warps)),
                                               heads), config.num_warps, 0, params)
@@ -183,19 +196,25 @@ def unvisited_query_tiles(seqlen_q: int, seqlen_k: int, block_m: int, is_causal:
 
 def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params: BwdParams, shared: int, q, k, v,
                                    dout, delta, dlse, lse, is_causal: bool, window_sides, staged_mask, staged_bias,
-                                   dbias_target) -> None:
+                                   dbias_target, packing: Packing | None = None, sequences=(None, None, None)) -> None:
     """flash_bwd_ws.cu's three launches: delta (and the dQ counters zeroed), the kernel, dQ from
     its summed shares. The sums are not zeroed: each tile's first share is stored, not added;
     only the tiles no key block visits (`unvisited_query_tiles`: rows that see no key, whose dQ
     is 0) are zeroed here. `window_sides`: a window's (left, right) as the kernel takes them, or
-    None (its parameters are then `BwdWsParams`, else `WindowedBwdWsParams`). `staged_mask` and `staged_bias` are the operands staged as tiles of
-    rows, `dbias_target` the dBias the kernel stores by TMA (each None where not)."""
+    None. `staged_mask` and `staged_bias` are the operands staged as tiles of rows, `dbias_target`
+    the dBias the kernel stores by TMA (each None where not). Packed (`packing`, `sequences`):
+    the head slices are sequences x heads, each walking the longest sequence's tiles, their
+    counters zeroed here and their unvisited tiles' dQ written as zeros by the dQ kernel."""
     batch, seqlen_q, num_heads, head_dim = q.shape
-    heads, m_tiles = batch * num_heads, triton.cdiv(seqlen_q, config.block_m)
+    slices = batch * num_heads if packing is None else packing.num_sequences * num_heads
+    rows, keys = (seqlen_q, k.shape[1]) if packing is None else (packing.max_seqlen_q, packing.max_seqlen_k)
+    m_tiles = triton.cdiv(rows, config.block_m)
     padded = padded_head_dim(head_dim)
-    dq_sum = torch.empty((heads, m_tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
-    dq_sum[:, :unvisited_query_tiles(seqlen_q, k.shape[1], config.block_m, is_causal, window_sides)].zero_()
-    dq_counter = torch.empty((heads, m_tiles), dtype=torch.int32, device=q.device)
+    dq_sum = torch.empty((slices, m_tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
+    if packing is None:
+        dq_sum[:, :unvisited_query_tiles(seqlen_q, k.shape[1], config.block_m, is_causal, window_sides)].zero_()
+    counters = torch.empty if packing is None else torch.zeros  # the delta kernel zeroes a dense call's
+    dq_counter = counters((slices, m_tiles), dtype=torch.int32, device=q.device)
     driver = the_driver()
     maps = {name: driver.tensor_map(t, ROWS_OF, rows, TMA_LINE, TMA_LINE)
             for name, t, rows in (("q_map", q, config.block_m), ("k_map", k, config.block_n),
@@ -206,15 +225,21 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     for name, t in (("bias_map", staged_bias), ("dbias_map", dbias_target)):  # boxes of 128-byte lines
         if t is not None:
             maps[name] = driver.tensor_map(t, KEYS_OF, config.block_m, TMA_LINE, TMA_LINE)
-    reread_bytes = seqlen_q * padded * (2 * q.element_size() + 4)  # Q, dO and the fp32 dQ sums of a slice
-    params_type = BwdWsParams if window_sides is None else WindowedBwdWsParams
-    ws_params = params_type(backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),
-                            section_slices=section_slices(heads, reread_bytes), **maps)
+    reread_bytes = rows * padded * (2 * q.element_size() + 4)  # Q, dO and the fp32 dQ sums of a slice
+    sequence_fields = {}
+    if packing is not None:
+        cu_seqlens_q, cu_seqlens_k, seqused_k = sequences
+        sequence_fields = dict(cu_seqlens_q=cu_seqlens_q.data_ptr(), cu_seqlens_k=cu_seqlens_k.data_ptr(),
+                               seqused_k=0 if seqused_k is None else seqused_k.data_ptr(), max_m_tiles=m_tiles)
+    ws_params = bwd_ws_params_type(window_sides is not None, packing is not None)(
+        backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),
+        section_slices=section_slices(slices, reread_bytes), **maps, **sequence_fields)
     delta_rows = delta_rows_per_block(head_dim, config.num_warps)
-    launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), heads), config.num_warps, 0, ws_params)
+    launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), batch * num_heads), config.num_warps,
+             0, ws_params)
     delta_with_lse_grad(delta, dlse, lse)
-    launcher(b"dmattn_bwd_ws_kernel", (heads, triton.cdiv(k.shape[1], config.block_n)), config.num_warps,
-             shared, ws_params)
-    pairs = triton.cdiv(seqlen_q, DQ_CAST_ROWS) * padded // 2  # a thread per two columns of DQ_CAST_ROWS rows
-    launcher(b"dmattn_bwd_ws_dq_kernel", (triton.cdiv(pairs, 32 * config.num_warps), heads), config.num_warps, 0,
-             ws_params)
+    launcher(b"dmattn_bwd_ws_kernel", (slices, triton.cdiv(keys, config.block_n)), config.num_warps, shared, ws_params)
+    pairs = triton.cdiv(rows, DQ_CAST_ROWS) * padded // 2  # a thread per two columns of DQ_CAST_ROWS rows
+    if pairs:  # packed sequences may all be empty (their rows' dQ is zeroed)
+        launcher(b"dmattn_bwd_ws_dq_kernel", (triton.cdiv(pairs, 32 * config.num_warps), slices), config.num_warps,
+                 0, ws_params)

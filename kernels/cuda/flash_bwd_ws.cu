@@ -121,7 +121,41 @@ struct BwdWsParams {  // `dmattn_kernels.cuda.params.BwdWsParams` mirrors it
   float* dq_sum;    // (B x H, query tiles, BLOCK_M x BLOCK_D): each tile's summed shares, fragment order
   int* dq_counter;  // (B x H, query tiles): the key blocks whose share is in the sum
   int section_slices;  // the launch order's sections (common.cuh: section_order)
+#if PACKED
+  // packed sequences in the one batch row: sequence s owns query rows [cu_seqlens_q[s],
+  // cu_seqlens_q[s + 1]) and keys from cu_seqlens_k[s], the first seqused_k[s] of its span
+  // (all of it where seqused_k is null); dq_sum and dq_counter hold max_m_tiles tiles a slice
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  const int* seqused_k;
+  int max_m_tiles;
+#endif
 };
+
+#if PACKED
+static_assert((!HAS_MASK || MASK_TILES != 1) && (!HAS_BIAS || BIAS_TILES != 1),
+              "packed sequences: a mask and bias of one row of keys (per key) only");
+
+// The lengths of sequence `sequence`: (query rows, keys).
+__device__ __forceinline__ int2 sequence_lengths(const BwdWsParams& p, int sequence) {
+  const int keys = p.seqused_k ? p.seqused_k[sequence] : p.cu_seqlens_k[sequence + 1] - p.cu_seqlens_k[sequence];
+  return make_int2(p.cu_seqlens_q[sequence + 1] - p.cu_seqlens_q[sequence], keys);
+}
+
+// Rows [first, ROWS) of a tile as TMA stages it (a box of ROWS 128-byte lines per 64 columns,
+// swizzled within each line) set to zero, 16 bytes a thread at a time: rows of the next sequence
+// that a box read, whose K, V, Q or dO would reach a product as 0 x NaN.
+template <int ROWS>
+__device__ __forceinline__ void clear_rows(elem_t* tile, int first, int thread, int threads) {
+  constexpr int LINE_CHUNKS = SWIZZLE_COLS * int(sizeof(elem_t)) / 16;
+  first = max(first, 0);
+  const int block_chunks = (ROWS - first) * LINE_CHUNKS;
+  for (int i = thread; i < block_chunks * (BLOCK_D / SWIZZLE_COLS); i += threads) {
+    const int block = i / block_chunks, row = first + i % block_chunks / LINE_CHUNKS, chunk = i % LINE_CHUNKS;
+    *reinterpret_cast<uint4*>(tile + (block * ROWS + row) * SWIZZLE_COLS + chunk * 8) = make_uint4(0, 0, 0, 0);
+  }
+}
+#endif
 
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;\n" :: "n"(CONSUMER_THREADS) : "memory");
@@ -142,10 +176,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   float* lse_smem = reinterpret_cast<float*>(score_smem + SCORE_SLOTS * SCORE_SLOT_BYTES);  // STAGES x BLOCK_M
   float* delta_smem = lse_smem + STAGES * BLOCK_M;
 
+#if PACKED
+  // slice = sequence x H + head; `bwd` is the sequence's view of the batch row: its lengths, and
+  // its rows' lse, delta, dK, dV, per-key mask, bias and dBias from its first row and key
+  const SectionOrder order = section_order(p.section_slices);
+  const int sequence = order.slice / p.bwd.in.num_heads;
+  const int q0 = p.cu_seqlens_q[sequence], k0 = p.cu_seqlens_k[sequence];
+  const int2 lengths = sequence_lengths(p, sequence);
+  if (order.block * BLOCK_N >= lengths.y) return;  // no key of the sequence in the block
+  BwdParams bwd = p.bwd;
+  bwd.in.seqlen_q = lengths.x;
+  bwd.in.seqlen_k = lengths.y;
+  if (HAS_MASK) bwd.in.mask += k0 * bwd.in.mask_stride[3];
+  if (HAS_BIAS) bwd.in.bias += k0 * bwd.in.bias_stride[3];
+  if (HAS_DBIAS) bwd.dbias += k0 * bwd.dbias_stride[3];
+  bwd.lse += q0 * bwd.lse_stride[2];
+  bwd.delta += q0 * bwd.delta_stride[2];
+  bwd.dk += k0 * bwd.dk_stride[1];
+  bwd.dv += k0 * bwd.dv_stride[1];
+  const Inputs& in = bwd.in;
+  const HeadSlices at = head_slices(in, order.slice % in.num_heads);  // batch 0
+#else
   const BwdParams& bwd = p.bwd;
   const Inputs& in = bwd.in;
   const SectionOrder order = section_order(p.section_slices);  // key blocks in order within a section
   const HeadSlices at = head_slices(in, order.slice);
+#endif
   const ScoreRule rule = score_rule(in, at);
   const int n_block = order.block;
   const int m_tiles = (in.seqlen_q + BLOCK_M - 1) / BLOCK_M;
@@ -191,15 +247,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == 0 && lane == 0) {
       barrier_arrive_expecting(&kv_full, 2 * KV_BYTES);
+#if PACKED
+      load_tile_tma<BLOCK_N>(k_smem, &p.k_map, k0 + n_block * BLOCK_N, at.kv_head, 0, &kv_full);
+      load_tile_tma<BLOCK_N>(v_smem, &p.v_map, k0 + n_block * BLOCK_N, at.kv_head, 0, &kv_full);
+#else
       load_tile_tma<BLOCK_N>(k_smem, &p.k_map, n_block * BLOCK_N, at.kv_head, at.batch, &kv_full);
       load_tile_tma<BLOCK_N>(v_smem, &p.v_map, n_block * BLOCK_N, at.kv_head, at.batch, &kv_full);
+#endif
       for (int step = 0; step < steps; ++step) {
         const int m = tile_at(step), slot = step % STAGES;
         if (step >= STAGES) barrier_wait(&empty[slot], (step / STAGES - 1) & 1);
         barrier_arrive_expecting(&full[slot], 2 * Q_BYTES);
+#if PACKED
+        load_tile_tma<BLOCK_M>(q_smem + slot * BLOCK_M * BLOCK_D, &p.q_map, q0 + m * BLOCK_M, at.head, 0, &full[slot]);
+        load_tile_tma<BLOCK_M>(do_smem + slot * BLOCK_M * BLOCK_D, &p.do_map, q0 + m * BLOCK_M, at.head, 0,
+                               &full[slot]);
+#else
         load_tile_tma<BLOCK_M>(q_smem + slot * BLOCK_M * BLOCK_D, &p.q_map, m * BLOCK_M, at.head, at.batch, &full[slot]);
         load_tile_tma<BLOCK_M>(do_smem + slot * BLOCK_M * BLOCK_D, &p.do_map, m * BLOCK_M, at.head, at.batch,
                                &full[slot]);
+#endif
         if (SCORE_TILES) {
           const int score_slot = step % SCORE_SLOTS;
           if (step >= SCORE_SLOTS) barrier_wait(&score_empty[score_slot], (step / SCORE_SLOTS - 1) & 1);
@@ -250,8 +317,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
 #endif
       }
     } else if (warp == 2 && lane == 0) {
+#if PACKED
+      float* sums = p.dq_sum + int64_t(order.slice) * p.max_m_tiles * BLOCK_M * BLOCK_D;
+      int* counters = p.dq_counter + order.slice * p.max_m_tiles;
+#else
       float* sums = p.dq_sum + int64_t(order.slice) * m_tiles * BLOCK_M * BLOCK_D;
       int* counters = p.dq_counter + order.slice * m_tiles;
+#endif
       for (int step = 0; step < steps; ++step) {
         const int m = tile_at(step), buffer = step % DQ_BUFFERS;
         barrier_wait(&dq_full[buffer], (step / DQ_BUFFERS) & 1);
@@ -309,10 +381,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   }
   const bool stores_dbias = DBIAS_TMA && warp == 0 && lane == 0;  // the thread that stores dS tiles as dBias
   barrier_wait(&kv_full, 0);
+#if PACKED
+  if (n_block * BLOCK_N + BLOCK_N > in.seqlen_k) {  // the sequence's last block: the rows past its keys
+    const int key_rows = in.seqlen_k - n_block * BLOCK_N, thread = threadIdx.x - GROUP_WARPS * 32;
+    clear_rows<BLOCK_N>(k_smem, key_rows, thread, CONSUMER_THREADS);
+    clear_rows<BLOCK_N>(v_smem, key_rows, thread, CONSUMER_THREADS);
+    fence_async_shared();
+    consumers_sync();
+  }
+#endif
 
   for (int step = 0; step < steps; ++step) {
     const int m = tile_at(step), slot = step % STAGES;
     barrier_wait(&full[slot], (step / STAGES) & 1);
+#if PACKED
+    if ((m + 1) * BLOCK_M > in.seqlen_q) {  // the sequence's last query tile: the rows past its end
+      const int rows = in.seqlen_q - m * BLOCK_M, thread = threadIdx.x - GROUP_WARPS * 32;
+      clear_rows<BLOCK_M>(q_smem + slot * BLOCK_M * BLOCK_D, rows, thread, CONSUMER_THREADS);
+      clear_rows<BLOCK_M>(do_smem + slot * BLOCK_M * BLOCK_D, rows, thread, CONSUMER_THREADS);
+      fence_async_shared();
+      consumers_sync();
+    }
+#endif
     const elem_t* q_tile = q_smem + slot * BLOCK_M * BLOCK_D;
     const elem_t* do_tile = do_smem + slot * BLOCK_M * BLOCK_D;
     const float* lse_tile = lse_smem + slot * BLOCK_M;
@@ -569,10 +659,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
 // for the kernel above.
 extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_ws_delta_kernel(const __grid_constant__ BwdWsParams p) {
   store_deltas(p.bwd);
+#if !PACKED  // a packed call's counters are per sequence's tile: the launcher zeroes them
   const int seqlen_q = p.bwd.in.seqlen_q, m_tiles = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
   const int first = blockIdx.x * DELTA_ROWS_PER_BLOCK, end = min(first + DELTA_ROWS_PER_BLOCK, seqlen_q);
   const int m = (first + BLOCK_M - 1) / BLOCK_M + threadIdx.x;
   if (m * BLOCK_M < end) p.dq_counter[blockIdx.y * m_tiles + m] = 0;
+#endif
 }
 
 // dQ = softmax_scale x the summed shares, in the input dtype: a thread per two columns of
@@ -585,9 +677,30 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_ws_dq_kernel(co
   const BwdParams& bwd = p.bwd;
   const int pair = blockIdx.x * THREADS + threadIdx.x, row0 = pair / (BLOCK_D / 2) * DQ_ROWS;
   const int col = pair % (BLOCK_D / 2) * 2;
+#if PACKED
+  // slice = sequence x H + head: the sequence's rows from its first, in the one batch row
+  const int slice = blockIdx.y, sequence = slice / bwd.in.num_heads, head = slice % bwd.in.num_heads;
+  const int2 lengths = sequence_lengths(p, sequence);
+  const int seqlen_q = lengths.x, m_tiles = p.max_m_tiles;
+  if (row0 >= seqlen_q || col >= HEAD_DIM) return;
+  elem_t* dq = bwd.dq + (p.cu_seqlens_q[sequence] + row0) * bwd.dq_stride[1] + head * bwd.dq_stride[2] + col;
+  // the tiles no key block visits (the sequence has no key, or causal rows before its first
+  // key's row: `backward.unvisited_query_tiles`) hold no sum: their rows' dQ is 0
+  int unvisited = lengths.y == 0 ? m_tiles : IS_CAUSAL ? max(0, seqlen_q - lengths.y) / BLOCK_M : 0;
+#if HAS_WINDOW
+  if (!IS_CAUSAL && lengths.y > 0) unvisited = max(0, seqlen_q - lengths.y - bwd.in.window_right) / BLOCK_M;
+#endif
+  if (row0 / BLOCK_M < unvisited) {
+#pragma unroll
+    for (int r = 0; r < DQ_ROWS; ++r)
+      if (row0 + r < seqlen_q) store_pair(dq + r * bwd.dq_stride[1], 0.f, 0.f);
+    return;
+  }
+#else
   if (row0 >= bwd.in.seqlen_q || col >= HEAD_DIM) return;
   const int slice = blockIdx.y, batch = slice / bwd.in.num_heads, head = slice % bwd.in.num_heads;
   const int m_tiles = (bwd.in.seqlen_q + BLOCK_M - 1) / BLOCK_M;
+#endif
   const float2* tile = reinterpret_cast<const float2*>(p.dq_sum + (int64_t(slice) * m_tiles + row0 / BLOCK_M) *
                                                                      BLOCK_M * BLOCK_D);
   // the share's fragment order (the kernel above): warp w4 of consumer `group` holds rows
@@ -598,9 +711,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_ws_dq_kernel(co
   float2 sum[DQ_ROWS];
 #pragma unroll
   for (int r = 0; r < DQ_ROWS; ++r) sum[r] = sums[4 * r];  // rows g, g + 1, ...: lanes 4 apart
+#if PACKED
+#pragma unroll
+  for (int r = 0; r < DQ_ROWS; ++r)
+    if (row0 + r < seqlen_q)
+      store_pair(dq + r * bwd.dq_stride[1], sum[r].x * bwd.in.softmax_scale, sum[r].y * bwd.in.softmax_scale);
+#else
   elem_t* dq = bwd.dq + batch * bwd.dq_stride[0] + row0 * bwd.dq_stride[1] + head * bwd.dq_stride[2] + col;
 #pragma unroll
   for (int r = 0; r < DQ_ROWS; ++r)
     if (row0 + r < bwd.in.seqlen_q)
       store_pair(dq + r * bwd.dq_stride[1], sum[r].x * bwd.in.softmax_scale, sum[r].y * bwd.in.softmax_scale);
+#endif
 }

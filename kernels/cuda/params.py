@@ -120,18 +120,44 @@ class WindowedBwdParams(ctypes.Structure):
 _BWD_MAPS = ("q_map", "k_map", "v_map", "do_map", "mask_map", "bias_map", "dbias_map")
 
 
+def _bwd_ws_fields(backward: type, packed: bool) -> list[tuple[str, type]]:
+    """flash_bwd_ws.cu's BwdWsParams with `backward` as its BwdParams and, built with PACKED, the
+    sequences' fields after the rest, padded to its 128-byte multiple."""
+    sequences = _pointers("cu_seqlens_q", "cu_seqlens_k", "seqused_k") + [("max_m_tiles", ctypes.c_int)]
+    return _padded([(name, TensorMap) for name in _BWD_MAPS] + [("backward", backward)]
+                   + _pointers("dq_sum", "dq_counter") + [("section_slices", ctypes.c_int)]
+                   + (sequences if packed else []))
+
+
 class BwdWsParams(ctypes.Structure):
     """flash_bwd_ws.cu's BwdWsParams, field for field, padded to its 128-byte multiple."""
 
-    _fields_ = _padded([(name, TensorMap) for name in _BWD_MAPS] + [("backward", BwdParams)]
-                       + _pointers("dq_sum", "dq_counter") + [("section_slices", ctypes.c_int)])
+    _fields_ = _bwd_ws_fields(BwdParams, packed=False)
 
 
 class WindowedBwdWsParams(ctypes.Structure):
     """flash_bwd_ws.cu's BwdWsParams built with HAS_WINDOW (its BwdParams are `WindowedBwdParams`)."""
 
-    _fields_ = _padded([(name, TensorMap) for name in _BWD_MAPS] + [("backward", WindowedBwdParams)]
-                       + _pointers("dq_sum", "dq_counter") + [("section_slices", ctypes.c_int)])
+    _fields_ = _bwd_ws_fields(WindowedBwdParams, packed=False)
+
+
+class PackedBwdWsParams(ctypes.Structure):
+    """flash_bwd_ws.cu's BwdWsParams built with PACKED: the sequences' offsets and lengths after
+    `BwdWsParams`' fields."""
+
+    _fields_ = _bwd_ws_fields(BwdParams, packed=True)
+
+
+class WindowedPackedBwdWsParams(ctypes.Structure):
+    """flash_bwd_ws.cu's BwdWsParams built with HAS_WINDOW and PACKED."""
+
+    _fields_ = _bwd_ws_fields(WindowedBwdParams, packed=True)
+
+
+def bwd_ws_params_type(windowed: bool, packed: bool) -> type:
+    """The BwdWsParams structure of a warp-specialized backward variant."""
+    return {(False, False): BwdWsParams, (True, False): WindowedBwdWsParams, (False, True): PackedBwdWsParams,
+            (True, True): WindowedPackedBwdWsParams}[windowed, packed]
 
 
 def with_window(template: Inputs, window_sides: tuple[int, int]) -> WindowedInputs:

@@ -62,13 +62,25 @@ def window_reason(config: FwdConfig, head_dim: int, arch: str | None) -> str | N
             f"block_m / 16 + 4 warps, overlap=1), not {config.to_dict()} on {arch}")
 
 
-def backward_window_reason(config: BwdConfig, head_dim: int, arch: str | None) -> str | None:
-    """Why `config`'s CUDA backward runs no sliding window on `arch`, or None: only the
-    warp-specialized backward walks a window's query tiles (flash_bwd_ws.cu)."""
+def backward_window_reason(config: BwdConfig, head_dim: int, arch: str | None,
+                           feature: str = "a sliding window") -> str | None:
+    """Why `config`'s CUDA backward runs no sliding window (or other `feature`: packed
+    sequences) on `arch`, or None: only the warp-specialized backward walks a window's query
+    tiles and a sequence's keys (flash_bwd_ws.cu)."""
     if backward_warp_specialized(config, head_dim, arch):
         return None
-    return (f"a sliding window runs in the CUDA backward's warp-specialized kernel only (sm90, "
+    return (f"{feature} runs in the CUDA backward's warp-specialized kernel only (sm90, "
             f"block_n / 16 + 4 warps), not {config.to_dict()} on {arch}")
+
+
+def backward_packed_reason(mask_has_rows: bool, bias_has_rows: bool) -> str | None:
+    """Why the warp-specialized backward runs no call of packed sequences whose mask or bias has
+    query rows (`mask_has_rows`, `bias_has_rows`), or None: it reads a mask and bias of one row
+    of keys (per key, or none) at the sequence's keys, and no operand of a sequence's rows."""
+    if mask_has_rows or bias_has_rows:
+        return ("the CUDA backward runs packed sequences with a per-key mask and bias only (or none; the Triton "
+                "kernels run every layout)")
+    return None
 
 
 def staging(config: FwdConfig, head_dim: int, has_mask: bool, bias_dtype: torch.dtype | None, mask_tiles: int,
@@ -127,18 +139,23 @@ def stores_dbias_by_tma(dbias: tuple[bool, torch.dtype] | None, dtype: torch.dty
 def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
                      arch: str, is_causal: bool, has_mask: bool, softcap: float, group: int,
                      dbias: tuple[bool, torch.dtype] | None, mask_tiles: int = TILES_OF_ROWS,
-                     bias_tiles: int = TILES_OF_ROWS, dbias_tma: bool = True, window: bool = False) -> tuple[str, ...]:
+                     bias_tiles: int = TILES_OF_ROWS, dbias_tma: bool = True, window: bool = False,
+                     packed: bool = False) -> tuple[str, ...]:
     """The -D list of the backward variant a call needs on `arch`; `dbias` is (rows, target
     dtype) of the dBias target (`backward._dbias_layout`) or None without dBias. The warp-specialized
     backward stages the mask and bias as the call's operands allow (`mask_tiles`, `bias_tiles`:
     `staged_tiles`; by default tiles of rows), and stores dBias rows of the input dtype by TMA
     where the target's layout allows (`dbias_tma`) and dS is dBias (no softcap); a sliding window
-    (`window`) adds HAS_WINDOW.
+    (`window`) adds HAS_WINDOW, packed sequences (`packed`: no mask or bias of query rows, the
+    caller's check, `backward_packed_reason`) PACKED.
 
     Raises:
-        ValueError: a window for a config that is not the warp-specialized backward on `arch`.
+        ValueError: a window or packed sequences for a config that is not the warp-specialized
+            backward on `arch`.
     """
-    reason = backward_window_reason(config, head_dim, arch) if window else None
+    reason = None
+    for feature, on in (("a sliding window", window), ("a packed call", packed)):
+        reason = reason or (backward_window_reason(config, head_dim, arch, feature) if on else None)
     if reason:
         raise ValueError(f"config: {reason}")
     rows, target_dtype = dbias if dbias is not None else (False, torch.float32)
@@ -148,8 +165,7 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
         own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, WGMMA=True, SCORE_STAGES=stages,
                    MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles,
                    DBIAS_TMA=stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma))
-        if window:
-            own.update(HAS_WINDOW=True)
+        own.update({name: True for name, on in (("HAS_WINDOW", window), ("PACKED", packed)) if on})
     else:
         own = dict(DKDV_BLOCK_M=config.block_m, DQ_BLOCK_N=config.block_n_dq, WGMMA=uses_wgmma(config, head_dim, arch))
     return defines(element_name(dtype), head_dim, config.num_warps, config.num_stages,

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 56 on a lent H200: packed sequences in the CUDA warp-specialized backward (PACKED), and
+# the Triton packed path filling only the rows no sequence owns. Run from the repository root:
+#   bash benchmarks/ship/h200_packed_cuda.sh OUT tune    # the packed GPU tests of both backends,
+#       then the packed grid of configs/workloads/varlen.yaml tuned again into a copy of the shipped
+#       table (OUT/<table>): Triton's forward and both backends' backward (the CUDA forward runs no
+#       packed call), each winner on the full suite's packed/window half
+#   bash benchmarks/ship/h200_packed_cuda.sh OUT bench IN  # the packed bench groups on IN/<table>
+#       (h200_varlen_probe.sh's bench step; BENCH_GROUPS="name:seconds ..." picks groups)
+set -uo pipefail
+out=$1; step=$2
+name=nvidia-h200-sm90.yaml
+table=$out/$name
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install-$step.txt" 2>&1
+if [ "$step" = tune ]; then
+  start=$SECONDS
+  DMATTN_TEST_GPU=1 timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_varlen.py \
+    -k "backward_runs_the_full_suite_s_packed or test_packed_documents_within_bound" -n 4 \
+    > "$out/gpu-packed.txt" 2>&1
+  echo "gpu packed tests rc $? ($(tail -1 "$out/gpu-packed.txt")) in $((SECONDS - start)) s"
+  grep -E "^FAILED" "$out/gpu-packed.txt" | head -20
+  start=$SECONDS
+  timeout 330 dmattn-bench tune --workloads configs/workloads/varlen.yaml --grid packed --backend all --suite full \
+    --space configs/space/cuda-bwd-ws.yaml --space configs/space/triton-fwd.yaml \
+    --space configs/space/triton-bwd.yaml --merge results/tables/$name --out "$table" --format json \
+    > "$out/tune-packed.json" 2> "$out/tune-packed.txt"
+  echo "packed tune rc $? in $((SECONDS - start)) s"
+  grep -v "^tune \[" "$out/tune-packed.txt" | tail -12
+else
+  cp "$3/$name" results/tables/$name
+  exec bash benchmarks/ship/h200_varlen_probe.sh "$out" bench
+fi
