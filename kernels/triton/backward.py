@@ -1,8 +1,9 @@
 """The backward's launch plan (`BackwardPlan`).
 
-A plan's launches: the preprocess (delta with dlse folded in, and with a mask the block lists of
-both kernels' tiles), dK/dV (and dBias partials), dQ, then, where there is anything to sum, one
-reduction (`grad_reduce_kernel`).
+A plan's launches: with packed sequences first the fill of the rows no sequence owns
+(`clear.UnownedRows`), then the preprocess (delta with dlse folded in, and with a mask the block
+lists of both kernels' tiles), dK/dV (and dBias partials), dQ, then, where there is anything to
+sum, one reduction (`grad_reduce_kernel`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dmattn_kernels.configs import BwdConfig, Packing, window_bounds
 from dmattn_kernels.runtime import launch_context, native
 from dmattn_kernels.runtime.launch_context import launch_stream
 from dmattn_kernels.runtime.operands import contiguous_strides
+from dmattn_kernels.triton.clear import UnownedRows, token_part
 from dmattn_kernels.triton.flash_bwd import (
     flash_bwd_dkdv_kernel,
     flash_bwd_dq_from_ds_kernel,
@@ -116,9 +118,8 @@ class BackwardPlan:
 
     The mask and bias come as the caller passed them (up to 4 dims, as `forward.ForwardPlan`'s);
     dbias is the bias's 4-D broadcast shape. `window` and `packing` as `forward.ForwardPlan`'s
-    (each run then given `sequences`); a packed call's gradients and scratch are zero-filled
-    first: rows no sequence owns (and a per-row bias's columns past its sequence's keys) are
-    written by no program.
+    (each run then given `sequences`); a packed run first zeroes what no program writes
+    (`_clear_unwritten`).
     """
 
     def __init__(self, dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
@@ -136,7 +137,10 @@ class BackwardPlan:
         self.dq = self._dq_launch(call, config, dbias_target, q, k, v, dout, lse, dq, dbias)
         self.reduce = self._reduce_launch(call, dbias_target, dk, dv, dbias)
         self.workspace = self._scratch()
+        self.unowned = self._unowned_rows(call, dq, dk, dv)
         self.launches = [launch for launch in (self.preprocess, self.dkdv, self.dq, self.reduce) if launch is not None]
+        if self.unowned is not None:
+            self.launches.insert(0, self.unowned.launch)
         self.compiled = False  # every launch has its compiled launcher (after the first run)
         self.native = None  # `allocate_and_run`'s `native.Program`, once the kernels are compiled
         self.native_tried = False
@@ -286,6 +290,45 @@ class BackwardPlan:
             parts.update(dk_share=(self.share_shape, torch.float32), dv_share=(self.share_shape, torch.float32))
         return Workspace(parts)
 
+    def _unowned_rows(self, call: _Call, dq, dk, dv) -> UnownedRows | None:
+        """A packed run's fill of the rows no sequence owns (`clear.UnownedRows`): dQ's, and the
+        key rows of what the dK/dV kernel writes, dK and dV or, in split mode under GQA, their
+        shares (`grad_reduce_kernel` sums every key row of those, writing dK and dV whole). With
+        seqused_k the keys a sequence does not use are unwritten inside it too: those buffers
+        are zero-filled whole instead (`_clear_unwritten`)."""
+        if call.packing is None:
+            return None
+        key_parts = []
+        if not call.packing.seqused_k:
+            if self.share_shape is not None:
+                key_parts = [token_part(self.share_shape, contiguous_strides(self.share_shape))] * 2
+            else:
+                key_parts = [token_part(dk.shape, dk.stride()), token_part(dv.shape, dv.stride())]
+        return UnownedRows([token_part(dq.shape, dq.stride())], key_parts, call.packing.num_sequences)
+
+    def _clear_unwritten(self, stream, buffer, scratch, dq, dk, dv, dbias, cu_seqlens_q, cu_seqlens_k) -> None:
+        """Before a packed run's kernels, zeros where none of them writes: the rows no sequence
+        owns (`_unowned_rows`), and whole buffers where unwritten elements lie inside the
+        sequences too: dK and dV (or their shares) with seqused_k, and always the dBias target
+        (dbias, or its fp32 partial when `grad_reduce_kernel` sums it into dbias): no program
+        writes a per-row bias's columns past its sequence's keys, nor a per-key bias's partial
+        rows past its sequence's query blocks or the keys of a sequence without query rows."""
+        if self.packing.seqused_k:
+            if self.share_shape is not None:
+                self.workspace.tensor(buffer, "dk_share").zero_()
+                self.workspace.tensor(buffer, "dv_share").zero_()
+            else:
+                dk.zero_()
+                dv.zero_()
+            key_rows = ()
+        elif self.share_shape is not None:
+            key_rows = (scratch["dk_share"], scratch["dv_share"])
+        else:
+            key_rows = (dk, dv)
+        if dbias is not None:
+            (dbias if self.partial_shape is None else self.workspace.tensor(buffer, "partial")).zero_()
+        self.unowned.run(stream, (dq, *key_rows), cu_seqlens_q, cu_seqlens_k)
+
     def allocate_and_run(self, dout, q, k, v, out, lse, mask, bias, activity, dlse) -> tuple | None:
         """(dq, dk, dv, dbias or None) in new tensors (dbias 4-D) as one native call, once a run
         from Python compiled the kernels; None before that (the caller allocates and calls the
@@ -345,14 +388,12 @@ class BackwardPlan:
                  sequences=(None, None, None)) -> None:
         stream = launch_stream()
         buffer = self.workspace.allocate(self.device)
-        if self.packing is not None:
-            for written_in_part in (buffer, dq, dk, dv, dbias):
-                if written_in_part is not None:
-                    written_in_part.zero_()
         sequences = tuple(q if t is None else t for t in (tuple(sequences) + (None,) * 3)[:3])
         # addresses once every kernel is compiled; tensors for the JIT (the first run, a profiler)
         by_address = stream is not None and self.compiled
         scratch = self.workspace.pointers(buffer) if by_address else self.workspace.tensors(buffer)
+        if self.packing is not None:
+            self._clear_unwritten(stream, buffer, scratch, dq, dk, dv, dbias, *sequences[:2])
         delta = scratch["delta"]
         active = kv_active = kv_blocks = q_blocks = q  # unused pointers without a mask
         if self.activity is not None:
