@@ -783,3 +783,21 @@ def test_packed_sequences_build_into_the_warp_specialized_backward_with_their_fi
                                   has_mask=False, softcap=0.0, packed=True, **common)
     assert variants.backward_packed_reason(True, False) and variants.backward_packed_reason(False, True)
     assert variants.backward_packed_reason(False, False) is None
+
+
+@pytest.mark.parametrize("lengths", [(0, 1, 63, 64, 65, 200, 0), (1000,), (7,) * 20, (64, 64, 64), (0, 0)])
+def test_the_packed_backward_s_dq_tiles_of_two_sequences_never_overlap_and_fit_a_head(lengths):
+    """flash_bwd_ws.cu under PACKED, its arithmetic written out: sequence s's dQ sums start at
+    tile cu_seqlens_q[s] // 64 + s (sequence_tile) and take cdiv(L_s, 64) tiles; no two
+    sequences share one, and all lie below `packed_head_tiles` (O(total), not sequences x the
+    longest)."""
+    block_m, starts = 64, [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    taken = set()
+    for s, length in enumerate(lengths):
+        first = starts[s] // block_m + s
+        tiles = set(range(first, first + -(-length // block_m)))
+        assert not tiles & taken, s
+        taken |= tiles
+    assert all(tile < backward.packed_head_tiles(starts[-1], block_m, len(lengths)) for tile in taken)

@@ -194,6 +194,13 @@ def unvisited_query_tiles(seqlen_q: int, seqlen_k: int, block_m: int, is_causal:
     return max(0, seqlen_q - seqlen_k - window_sides[1]) // block_m
 
 
+def packed_head_tiles(total_q: int, block_m: int, sequences: int) -> int:
+    """The dQ sums' tiles of one query head in a packed call of the warp-specialized backward:
+    sequence s's start at cu_seqlens_q[s] // block_m + s (flash_bwd_ws.cu: sequence_tile), so
+    they never overlap, and the last ends below cdiv(total_q, block_m) + sequences."""
+    return triton.cdiv(total_q, block_m) + sequences
+
+
 def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params: BwdParams, shared: int, q, k, v,
                                    dout, delta, dlse, lse, is_causal: bool, window_sides, staged_mask, staged_bias,
                                    dbias_target, packing: Packing | None = None, sequences=(None, None, None)) -> None:
@@ -203,22 +210,26 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     is 0) are zeroed here. `window_sides`: a window's (left, right) as the kernel takes them, or
     None. `staged_mask` and `staged_bias` are the operands staged as tiles of rows, `dbias_target`
     the dBias the kernel stores by TMA (each None where not). Packed (`packing`, `sequences`):
-    the head slices are sequences x heads, each walking the longest sequence's tiles, their
-    counters zeroed here and their unvisited tiles' dQ written as zeros by the dQ kernel."""
+    the head slices are sequences x heads, each walking the longest sequence's blocks; the dQ sums
+    and counters are a query head's `packed_head_tiles`, the counters zeroed here, and the dQ
+    kernel writes zeros for the tiles no block visits."""
     batch, seqlen_q, num_heads, head_dim = q.shape
-    slices = batch * num_heads if packing is None else packing.num_sequences * num_heads
-    rows, keys = (seqlen_q, k.shape[1]) if packing is None else (packing.max_seqlen_q, packing.max_seqlen_k)
-    m_tiles = triton.cdiv(rows, config.block_m)
     padded = padded_head_dim(head_dim)
-    dq_sum = torch.empty((slices, m_tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
     if packing is None:
+        slices, rows, keys = batch * num_heads, seqlen_q, k.shape[1]
+        tiles = (slices, triton.cdiv(seqlen_q, config.block_m))
+        dq_sum = torch.empty((*tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
         dq_sum[:, :unvisited_query_tiles(seqlen_q, k.shape[1], config.block_m, is_causal, window_sides)].zero_()
-    counters = torch.empty if packing is None else torch.zeros  # the delta kernel zeroes a dense call's
-    dq_counter = counters((slices, m_tiles), dtype=torch.int32, device=q.device)
+        dq_counter = torch.empty(tiles, dtype=torch.int32, device=q.device)  # the delta kernel zeroes them
+    else:
+        slices, rows, keys = packing.num_sequences * num_heads, packing.max_seqlen_q, packing.max_seqlen_k
+        tiles = (num_heads, packed_head_tiles(seqlen_q, config.block_m, packing.num_sequences))
+        dq_sum = torch.empty((*tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
+        dq_counter = torch.zeros(tiles, dtype=torch.int32, device=q.device)
     driver = the_driver()
-    maps = {name: driver.tensor_map(t, ROWS_OF, rows, TMA_LINE, TMA_LINE)
-            for name, t, rows in (("q_map", q, config.block_m), ("k_map", k, config.block_n),
-                                  ("v_map", v, config.block_n), ("do_map", dout, config.block_m))}
+    maps = {name: driver.tensor_map(t, ROWS_OF, box_rows, TMA_LINE, TMA_LINE)
+            for name, t, box_rows in (("q_map", q, config.block_m), ("k_map", k, config.block_n),
+                                      ("v_map", v, config.block_n), ("do_map", dout, config.block_m))}
     mask_line = min(config.block_n, TMA_LINE)
     if staged_mask is not None:  # a box of block_n bytes a row
         maps["mask_map"] = driver.tensor_map(staged_mask, KEYS_OF, config.block_m, mask_line, mask_line)
@@ -230,7 +241,8 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     if packing is not None:
         cu_seqlens_q, cu_seqlens_k, seqused_k = sequences
         sequence_fields = dict(cu_seqlens_q=cu_seqlens_q.data_ptr(), cu_seqlens_k=cu_seqlens_k.data_ptr(),
-                               seqused_k=0 if seqused_k is None else seqused_k.data_ptr(), max_m_tiles=m_tiles)
+                               seqused_k=0 if seqused_k is None else seqused_k.data_ptr(), max_seqlen_q=rows,
+                               max_seqlen_k=keys, head_tiles=tiles[1])
     ws_params = bwd_ws_params_type(window_sides is not None, packing is not None)(
         backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),
         section_slices=section_slices(slices, reread_bytes), **maps, **sequence_fields)
@@ -238,8 +250,9 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), batch * num_heads), config.num_warps,
              0, ws_params)
     delta_with_lse_grad(delta, dlse, lse)
+    if slices == 0 or rows == 0 or keys == 0:  # packed: no sequence, or every one empty (dQ, dK, dV zeroed)
+        return
     launcher(b"dmattn_bwd_ws_kernel", (slices, triton.cdiv(keys, config.block_n)), config.num_warps, shared, ws_params)
     pairs = triton.cdiv(rows, DQ_CAST_ROWS) * padded // 2  # a thread per two columns of DQ_CAST_ROWS rows
-    if pairs:  # packed sequences may all be empty (their rows' dQ is zeroed)
-        launcher(b"dmattn_bwd_ws_dq_kernel", (triton.cdiv(pairs, 32 * config.num_warps), slices), config.num_warps,
-                 0, ws_params)
+    launcher(b"dmattn_bwd_ws_dq_kernel", (triton.cdiv(pairs, 32 * config.num_warps), slices), config.num_warps, 0,
+             ws_params)

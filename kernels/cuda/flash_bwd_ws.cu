@@ -124,11 +124,13 @@ struct BwdWsParams {  // `dmattn_kernels.cuda.params.BwdWsParams` mirrors it
 #if PACKED
   // packed sequences in the one batch row: sequence s owns query rows [cu_seqlens_q[s],
   // cu_seqlens_q[s + 1]) and keys from cu_seqlens_k[s], the first seqused_k[s] of its span
-  // (all of it where seqused_k is null); dq_sum and dq_counter hold max_m_tiles tiles a slice
+  // (all of it where seqused_k is null), each length cut to [0, max_seqlen] as the Triton
+  // kernels cut it; dq_sum and dq_counter hold head_tiles tiles a query head (`sequence_tile`)
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
   const int* seqused_k;
-  int max_m_tiles;
+  int max_seqlen_q, max_seqlen_k;
+  int head_tiles;
 #endif
 };
 
@@ -136,10 +138,21 @@ struct BwdWsParams {  // `dmattn_kernels.cuda.params.BwdWsParams` mirrors it
 static_assert((!HAS_MASK || MASK_TILES != 1) && (!HAS_BIAS || BIAS_TILES != 1),
               "packed sequences: a mask and bias of one row of keys (per key) only");
 
-// The lengths of sequence `sequence`: (query rows, keys).
+// The lengths of sequence `sequence`: (query rows, keys), cut to [0, max_seqlen] (so its tiles
+// stay below `sequence_tile`'s next sequence's and its blocks inside the grid).
 __device__ __forceinline__ int2 sequence_lengths(const BwdWsParams& p, int sequence) {
   const int keys = p.seqused_k ? p.seqused_k[sequence] : p.cu_seqlens_k[sequence + 1] - p.cu_seqlens_k[sequence];
-  return make_int2(p.cu_seqlens_q[sequence + 1] - p.cu_seqlens_q[sequence], keys);
+  const int rows = p.cu_seqlens_q[sequence + 1] - p.cu_seqlens_q[sequence];
+  return make_int2(min(max(rows, 0), p.max_seqlen_q), min(max(keys, 0), p.max_seqlen_k));
+}
+
+// Sequence `sequence`'s first tile among a query head's dq_sum tiles and counters: its first
+// row's tile plus one per earlier sequence, so the sequences' tiles never overlap (rows q0 ..
+// q0 + L - 1 span at most q0 / BLOCK_M .. (q0 + L - 1) / BLOCK_M) and a head holds
+// cdiv(total_q, BLOCK_M) + sequences of them (`backward.packed_head_tiles`): O(total), not
+// sequences x the longest.
+__device__ __forceinline__ int sequence_tile(const BwdWsParams& p, int sequence) {
+  return p.cu_seqlens_q[sequence] / BLOCK_M + sequence;
 }
 
 // Rows [first, ROWS) of a tile as TMA stages it (a box of ROWS 128-byte lines per 64 columns,
@@ -318,8 +331,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
       }
     } else if (warp == 2 && lane == 0) {
 #if PACKED
-      float* sums = p.dq_sum + int64_t(order.slice) * p.max_m_tiles * BLOCK_M * BLOCK_D;
-      int* counters = p.dq_counter + order.slice * p.max_m_tiles;
+      const int64_t first_tile = int64_t(at.head) * p.head_tiles + sequence_tile(p, sequence);
+      float* sums = p.dq_sum + first_tile * BLOCK_M * BLOCK_D;
+      int* counters = p.dq_counter + first_tile;
 #else
       float* sums = p.dq_sum + int64_t(order.slice) * m_tiles * BLOCK_M * BLOCK_D;
       int* counters = p.dq_counter + order.slice * m_tiles;
@@ -681,11 +695,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_ws_dq_kernel(co
   // slice = sequence x H + head: the sequence's rows from its first, in the one batch row
   const int slice = blockIdx.y, sequence = slice / bwd.in.num_heads, head = slice % bwd.in.num_heads;
   const int2 lengths = sequence_lengths(p, sequence);
-  const int seqlen_q = lengths.x, m_tiles = p.max_m_tiles;
+  const int seqlen_q = lengths.x;
   if (row0 >= seqlen_q || col >= HEAD_DIM) return;
   elem_t* dq = bwd.dq + (p.cu_seqlens_q[sequence] + row0) * bwd.dq_stride[1] + head * bwd.dq_stride[2] + col;
   // the tiles no key block visits (the sequence has no key, or causal rows before its first
   // key's row: `backward.unvisited_query_tiles`) hold no sum: their rows' dQ is 0
+  const int m_tiles = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
   int unvisited = lengths.y == 0 ? m_tiles : IS_CAUSAL ? max(0, seqlen_q - lengths.y) / BLOCK_M : 0;
 #if HAS_WINDOW
   if (!IS_CAUSAL && lengths.y > 0) unvisited = max(0, seqlen_q - lengths.y - bwd.in.window_right) / BLOCK_M;
@@ -696,13 +711,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_ws_dq_kernel(co
       if (row0 + r < seqlen_q) store_pair(dq + r * bwd.dq_stride[1], 0.f, 0.f);
     return;
   }
+  const float2* tile = reinterpret_cast<const float2*>(
+      p.dq_sum + (int64_t(head) * p.head_tiles + sequence_tile(p, sequence) + row0 / BLOCK_M) * BLOCK_M * BLOCK_D);
 #else
   if (row0 >= bwd.in.seqlen_q || col >= HEAD_DIM) return;
   const int slice = blockIdx.y, batch = slice / bwd.in.num_heads, head = slice % bwd.in.num_heads;
   const int m_tiles = (bwd.in.seqlen_q + BLOCK_M - 1) / BLOCK_M;
-#endif
   const float2* tile = reinterpret_cast<const float2*>(p.dq_sum + (int64_t(slice) * m_tiles + row0 / BLOCK_M) *
                                                                      BLOCK_M * BLOCK_D);
+#endif
   // the share's fragment order (the kernel above): warp w4 of consumer `group` holds rows
   // 16 w4 + g + 8 r, columns group x DQ_COLS + 8 d + 2 t (DQ_ROWS divides 8: one tile, one r)
   const int group = col / DQ_COLS, d = col % DQ_COLS / 8, t = col % 8 / 2, tile_row0 = row0 % BLOCK_M;

@@ -123,7 +123,8 @@ _BWD_MAPS = ("q_map", "k_map", "v_map", "do_map", "mask_map", "bias_map", "dbias
 def _bwd_ws_fields(backward: type, packed: bool) -> list[tuple[str, type]]:
     """flash_bwd_ws.cu's BwdWsParams with `backward` as its BwdParams and, built with PACKED, the
     sequences' fields after the rest, padded to its 128-byte multiple."""
-    sequences = _pointers("cu_seqlens_q", "cu_seqlens_k", "seqused_k") + [("max_m_tiles", ctypes.c_int)]
+    sequences = (_pointers("cu_seqlens_q", "cu_seqlens_k", "seqused_k")
+                 + [(name, ctypes.c_int) for name in ("max_seqlen_q", "max_seqlen_k", "head_tiles")])
     return _padded([(name, TensorMap) for name in _BWD_MAPS] + [("backward", backward)]
                    + _pointers("dq_sum", "dq_counter") + [("section_slices", ctypes.c_int)]
                    + (sequences if packed else []))
