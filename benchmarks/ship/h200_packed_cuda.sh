@@ -5,6 +5,8 @@
 #       then the packed grid of configs/workloads/varlen.yaml tuned again into a copy of the shipped
 #       table (OUT/<table>): Triton's forward and both backends' backward (the CUDA forward runs no
 #       packed call), each winner on the full suite's packed/window half
+#   bash benchmarks/ship/h200_packed_cuda.sh OUT verify  # the packed GPU tests, then the shipped
+#       table's stale entries re-validated (verify --restamp, bf16) into OUT/<table>
 #   bash benchmarks/ship/h200_packed_cuda.sh OUT bench IN  # the packed bench groups on IN/<table>
 #       (h200_varlen_probe.sh's bench step; BENCH_GROUPS="name:seconds ..." picks groups)
 set -uo pipefail
@@ -14,13 +16,21 @@ table=$out/$name
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install-$step.txt" 2>&1
-if [ "$step" = tune ]; then
+if [ "$step" = tune ] || [ "$step" = verify ]; then
   start=$SECONDS
   DMATTN_TEST_GPU=1 timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_varlen.py \
     -k "backward_runs_the_full_suite_s_packed or test_packed_documents_within_bound" -n 4 \
     > "$out/gpu-packed.txt" 2>&1
   echo "gpu packed tests rc $? ($(tail -1 "$out/gpu-packed.txt")) in $((SECONDS - start)) s"
   grep -E "^FAILED" "$out/gpu-packed.txt" | head -20
+fi
+if [ "$step" = verify ]; then
+  cp results/tables/$name "$table"
+  start=$SECONDS
+  timeout 400 dmattn-bench verify --table "$table" --suite full --dtype bf16 --restamp > "$out/verify-bf16.txt" 2>&1
+  echo "verify --restamp bf16 rc $? in $((SECONDS - start)) s"
+  tail -8 "$out/verify-bf16.txt"
+elif [ "$step" = tune ]; then
   start=$SECONDS
   timeout 330 dmattn-bench tune --workloads configs/workloads/varlen.yaml --grid packed --backend all --suite full \
     --space configs/space/cuda-bwd-ws.yaml --space configs/space/triton-fwd.yaml \
