@@ -44,7 +44,9 @@ def flash_dmattn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q: (total_q, H, D), fp16/bf16 on GPU (fp32/fp16 in the Triton interpreter).
         k, v: (total_k, Hkv, D) with H % Hkv == 0.
         cu_seqlens_q, cu_seqlens_k: (N + 1,) int32 prefix sums of the N sequences' lengths;
-            zero-length sequences are allowed.
+            zero-length sequences are allowed. As in FlashAttention they must not decrease and
+            must lie in [0, total]: their values are on the device and are not checked (that
+            would need a sync), and others are undefined (the CUDA backward may not return).
         max_seqlen_q, max_seqlen_k: ints, the longest sequence's lengths (the grids cover them; a
             longer sequence is cut to them, so no program reads past its own sequence or the
             packed tensors).

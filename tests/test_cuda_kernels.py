@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dmattn_bench.registry import get_backend
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, Packing
 from dmattn_bench.tiles import default_entries
 from dmattn_kernels.cuda import backward, build, driver, forward, params, rules, shared_memory, variants
 
@@ -801,3 +801,32 @@ def test_the_packed_backward_s_dq_tiles_of_two_sequences_never_overlap_and_fit_a
         assert not tiles & taken, s
         taken |= tiles
     assert all(tile < backward.packed_head_tiles(starts[-1], block_m, len(lengths)) for tile in taken)
+
+
+def test_a_packed_backward_of_empty_sequences_launches_nothing_and_leaves_zero_gradients(monkeypatch):
+    """No sequence, or none with a query row or a key: the warp-specialized backward has no block
+    to run (a grid or tensor map of size 0 would fail), and the gradients of the rows no sequence
+    owns are zero."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, source, device, flags):
+            assert "-DPACKED=1" in flags
+
+        def __call__(self, name, *args):
+            launches.append(name)
+
+    monkeypatch.setattr(backward, "check_query", lambda q: None)
+    monkeypatch.setattr(backward, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(backward, "Launcher", Recorder)
+    q = torch.randn(1, 64, 4, 128).to(torch.bfloat16)
+    k = torch.randn(1, 48, 2, 128).to(torch.bfloat16)
+    lse = torch.zeros(1, 4, 64)
+    for sequences, max_q, max_k in ((0, 16, 16), (2, 0, 16), (2, 16, 0)):
+        cu_q, cu_k = torch.zeros(sequences + 1, dtype=torch.int32), torch.zeros(sequences + 1, dtype=torch.int32)
+        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, k))
+        backward.attention_backward(q, q, k, k, q, lse, None, None, is_causal=True, softmax_scale=0.1, softcap=0.0,
+                                    config=WS_BWD, dq=dq, dk=dk, dv=dv, dbias=None,
+                                    packing=Packing(sequences, max_q, max_k, False, False, False),
+                                    sequences=(cu_q, cu_k, None))
+        assert launches == [] and all(bool((t == 0).all()) for t in (dq, dk, dv)), (sequences, max_q, max_k)

@@ -223,6 +223,8 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
         dq_counter = torch.empty(tiles, dtype=torch.int32, device=q.device)  # the delta kernel zeroes them
     else:
         slices, rows, keys = packing.num_sequences * num_heads, packing.max_seqlen_q, packing.max_seqlen_k
+        if slices == 0 or rows == 0 or keys == 0:  # no sequence, or every one empty: dQ, dK, dV stay zero
+            return
         tiles = (num_heads, packed_head_tiles(seqlen_q, config.block_m, packing.num_sequences))
         dq_sum = torch.empty((*tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
         dq_counter = torch.zeros(tiles, dtype=torch.int32, device=q.device)
@@ -250,8 +252,6 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), batch * num_heads), config.num_warps,
              0, ws_params)
     delta_with_lse_grad(delta, dlse, lse)
-    if slices == 0 or rows == 0 or keys == 0:  # packed: no sequence, or every one empty (dQ, dK, dV zeroed)
-        return
     launcher(b"dmattn_bwd_ws_kernel", (slices, triton.cdiv(keys, config.block_n)), config.num_warps, shared, ws_params)
     pairs = triton.cdiv(rows, DQ_CAST_ROWS) * padded // 2  # a thread per two columns of DQ_CAST_ROWS rows
     launcher(b"dmattn_bwd_ws_dq_kernel", (triton.cdiv(pairs, 32 * config.num_warps), slices), config.num_warps, 0,
