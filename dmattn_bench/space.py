@@ -282,7 +282,8 @@ def key_problem(backend: str, key: TableKey, config: FwdConfig | BwdConfig | Non
     if config is None:
         return None
     if key.direction != "fwd":
-        return backward_window_reason(config, key.head_dim, "sm90", "a packed call" if key.packed else "a sliding window")
+        feature = "a packed call" if key.packed else "a sliding window"
+        return backward_window_reason(config, key.head_dim, "sm90", feature)
     if not config.overlap:
         return "a sliding window runs in the CUDA forward's overlapped warp-specialized kernel only (overlap=1)"
     return None

@@ -458,8 +458,9 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
     dim); each pair runs the whole adversarial suite on its own tiles (for entries of packed or
     windowed keys, its packed/window half: `varlen_cases`; labelled so) plus one case shaped like
     each of its entries. An entry whose backend's default of the other direction cannot run its key
-    (the CUDA kernels' windows: `tiles.key_problem`) runs its suite alone. A decode config runs the decode cases (`adversarial.decode_cases`) and
-    one case shaped like each of its entries.
+    (the CUDA kernels' windows and packed sequences: `tiles.key_problem`) runs its suite alone. A
+    decode config runs the decode cases (`adversarial.decode_cases`) and one case shaped like each
+    of its entries.
     """
     grouped: dict[tuple, list] = {}
     for entry in entries:

@@ -146,8 +146,9 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
         call_inputs = with_window(call_inputs, window_sides)
     params = (WindowedBwdParams if has_window else BwdParams)(
         call_inputs, out.data_ptr(), dout.data_ptr(), lse.data_ptr(), delta.data_ptr(), dq.data_ptr(),
-        dk_share.data_ptr(), dv_share.data_ptr(), target.data_ptr() if target is not None else 0, out.stride()[:3], dout.stride()[:3], dq.stride()[:3],
-        dk_share.stride()[:3], dv_share.stride()[:3], lse.stride(), delta.stride(),
+        dk_share.data_ptr(), dv_share.data_ptr(), target.data_ptr() if target is not None else 0,
+        out.stride()[:3], dout.stride()[:3], dq.stride()[:3], dk_share.stride()[:3], dv_share.stride()[:3],
+        lse.stride(), delta.stride(),
         NO_OPERAND_STRIDES if target is None else broadcast_strides(target.shape, target.stride()),
     )
     heads = batch * num_heads
