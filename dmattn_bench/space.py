@@ -273,7 +273,7 @@ def key_problem(backend: str, key: TableKey, config: FwdConfig | BwdConfig | Non
     if key.packed and key.direction == "fwd":
         return "the CUDA forward runs no packed sequences (the Triton kernels do)"
     # imported on first use: the CUDA launchers' rules, which only a CUDA packed or window key needs
-    from dmattn_kernels.cuda.variants import backward_packed_reason, backward_window_reason
+    from dmattn_kernels.cuda.variants import backward_feature_reason, backward_packed_reason
 
     if key.packed:
         reason = backward_packed_reason(bias_has_rows(key.mask), bias_has_rows(key.bias))
@@ -283,7 +283,7 @@ def key_problem(backend: str, key: TableKey, config: FwdConfig | BwdConfig | Non
         return None
     if key.direction != "fwd":
         feature = "a packed call" if key.packed else "a sliding window"
-        return backward_window_reason(config, key.head_dim, "sm90", feature)
+        return backward_feature_reason(config, key.head_dim, "sm90", feature)
     if not config.overlap:
         return "a sliding window runs in the CUDA forward's overlapped warp-specialized kernel only (overlap=1)"
     return None

@@ -23,6 +23,20 @@ def prefix_sums(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
 
 
+def packed_operands(mask, bias, total_q: int, total_k: int, max_k: int, dtype) -> dict:
+    """A random mask and bias of packed sequences by layout (each None, or ("key" | "row", head
+    count)): (heads, total_k) per key, (heads, total_q, max_k) per query row."""
+    operands = {}
+    for name, layout in (("mask", mask), ("bias", bias)):
+        if layout is None:
+            operands[name] = None
+            continue
+        kind, count = layout
+        shape = (count, total_k) if kind == "key" else (count, total_q, max_k)
+        operands[name] = torch.rand(shape) > 0.25 if name == "mask" else torch.randn(shape, dtype=dtype)
+    return operands
+
+
 def packed_case(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype, mask=None, bias=None, seqused=None):
     """q, k, v (and a mask and bias in `mask` / `bias` layout: "key" or "row" with a head count)
     of packed sequences, as views of buffers whose rows past `total` hold NaN; with `seqused`,
@@ -42,14 +56,7 @@ def packed_case(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype, mask=Non
         for s, n in enumerate(seqused):  # keys a sequence does not use: never read
             k.data[int(cu_k[s]) + n:int(cu_k[s + 1])] = float("nan")
             v.data[int(cu_k[s]) + n:int(cu_k[s + 1])] = float("nan")
-    operands = {}
-    for name, layout in (("mask", mask), ("bias", bias)):
-        if layout is None:
-            operands[name] = None
-            continue
-        kind, count = layout
-        shape = (count, total_k) if kind == "key" else (count, total_q, max_k)
-        operands[name] = torch.rand(shape) > 0.25 if name == "mask" else torch.randn(shape, dtype=dtype)
+    operands = packed_operands(mask, bias, total_q, total_k, max_k, dtype)
     return q, k, v, cu_q, cu_k, max(lengths_q), max_k, operands["mask"], operands["bias"], used
 
 

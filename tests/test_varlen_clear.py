@@ -13,7 +13,7 @@ from dmattn_bench.reference import varlen_attention
 from dmattn_kernels.triton.clear import ROWS_PER_PROGRAM, UnownedRows, lse_part, token_part
 from tests.test_api import F16, F32, F64, assert_close
 from tests.test_plan import counted  # noqa: F401  (a fixture)
-from tests.test_varlen import SMALL
+from tests.test_varlen import SMALL, packed_operands
 
 NAN = float("nan")
 SENTINEL = 7.0  # what a row the kernel must leave holds before and after
@@ -94,14 +94,7 @@ def _packed(lengths_q, lengths_k, unowned_q, unowned_k, heads, heads_kv, dtype, 
     for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)):
         t[:int(cu[0])] = NAN
         t[int(cu[-1]):] = NAN
-    operands = {}
-    for name, layout in (("mask", mask), ("bias", bias)):
-        if layout is None:
-            operands[name] = None
-            continue
-        kind, count = layout
-        shape = (count, total_k) if kind == "key" else (count, total_q, max_k)
-        operands[name] = torch.rand(shape) > 0.25 if name == "mask" else torch.randn(shape, dtype=dtype)
+    operands = packed_operands(mask, bias, total_q, total_k, max_k, dtype)
     used = None if seqused is None else torch.tensor(seqused, dtype=torch.int32)
     return q, k, v, cu_q, cu_k, max(lengths_q), max_k, operands["mask"], operands["bias"], used
 

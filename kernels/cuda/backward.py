@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from dmattn_kernels.configs import BwdConfig, Packing, window_bounds
+from dmattn_kernels.configs import BwdConfig, Packing
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
-from dmattn_kernels.cuda.forward import section_slices
+from dmattn_kernels.cuda.forward import kernel_window_sides, section_slices
 from dmattn_kernels.cuda.params import BwdParams, WindowedBwdParams, bwd_ws_params_type, inputs, with_window
 from dmattn_kernels.cuda.rules import (backward_kernel, check_aligned, check_arch, check_config, check_query,
                                        padded_head_dim)
@@ -84,15 +84,15 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     `dlse`, a gradient reaching lse, as in the Triton launcher (folded into delta here:
     `delta_with_lse_grad`). The mask and bias as the caller passed them (up to 4 dims, as
     `attention_forward`'s); `window`: FlashAttention's (left, right) sliding window, which the
-    warp-specialized backward runs (`variants.backward_window_reason`), as it runs packed
+    warp-specialized backward runs (`variants.backward_feature_reason`), as it runs packed
     sequences (`packing`, `configs.Packing`: the tensors are one batch row; `sequences`:
     cu_seqlens_q, cu_seqlens_k and seqused_k or None) with a per-key mask and bias or none
     (`variants.backward_packed_reason`). Rows and keys no sequence owns get zero gradients."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_kv = k.shape[1], k.shape[2]
     group = num_heads // num_heads_kv
-    has_window, left, right = window_bounds(window, is_causal, seqlen_q, seqlen_k)
-    window_sides = (left, right) if has_window else None
+    window_sides = kernel_window_sides(window, is_causal, q.shape, seqlen_k)
+    has_window = window_sides is not None
     check_query(q)
     check_config(config, q, k, mask, bias, is_causal, softcap, dbias is not None)
     if packing is not None:

@@ -114,7 +114,7 @@ def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: F
                       window_sides: tuple[int, int] | None = None) -> _ForwardLaunch:
     """The checks, variant, cubin and launch geometry of a forward signature, done once: a call
     then only fills its pointers (and its tensor maps) and launches. `window_sides`: a sliding
-    window's (left, right) as the kernel takes them (`_window_sides`), None without one."""
+    window's (left, right) as the kernel takes them (`kernel_window_sides`), None without one."""
     windowed = window_sides is not None
     (q_shape, _, dtype, device, _), _, _, mask_layout, bias_layout, _ = layouts
     batch, seqlen_q, num_heads, head_dim = q_shape
@@ -216,8 +216,10 @@ def _forward_template(layouts: tuple, softmax_scale: float, softcap: float, lse_
     return bytes(WindowedFwdParams(with_window(template, window_sides), 0, 0, out.stride()[:3], lse_stride))
 
 
-def _window_sides(window: tuple[int, int], is_causal: bool, q_shape: tuple, seqlen_k: int) -> tuple[int, int] | None:
-    """A call's window as the kernel takes it (`window_bounds`), or None where it has none."""
+def kernel_window_sides(window: tuple[int, int], is_causal: bool, q_shape: tuple,
+                        seqlen_k: int) -> tuple[int, int] | None:
+    """A call's window as the CUDA kernels take it (`window_bounds`: (left, right)), or None where
+    it has none; both directions' launchers build their parameters from it."""
     has_window, left, right = window_bounds(window, is_causal, q_shape[1], seqlen_k)
     return (left, right) if has_window else None
 
@@ -237,7 +239,7 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
     FlashAttention's (left, right) sliding window."""
     check_query(q)
     layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
-    sides = _window_sides(window, is_causal, q.shape, k.shape[1])
+    sides = kernel_window_sides(window, is_causal, q.shape, k.shape[1])
     plan = _forward_launch(layouts, is_causal, softcap, config, sides)
     if is_compile_only():
         return
@@ -287,7 +289,7 @@ class ForwardPlan:
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                  config: FwdConfig, out: torch.Tensor, lse: torch.Tensor, window: tuple[int, int] = (-1, -1)):
         # a launch's checks and variant are `_forward_launch`'s, per signature
-        self.window_sides = _window_sides(window, is_causal, q.shape, k.shape[1])
+        self.window_sides = kernel_window_sides(window, is_causal, q.shape, k.shape[1])
         del q, k, v, mask, bias
         self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, window=window)
         self.config = config

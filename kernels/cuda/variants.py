@@ -62,11 +62,10 @@ def window_reason(config: FwdConfig, head_dim: int, arch: str | None) -> str | N
             f"block_m / 16 + 4 warps, overlap=1), not {config.to_dict()} on {arch}")
 
 
-def backward_window_reason(config: BwdConfig, head_dim: int, arch: str | None,
-                           feature: str = "a sliding window") -> str | None:
-    """Why `config`'s CUDA backward runs no sliding window (or other `feature`: packed
-    sequences) on `arch`, or None: only the warp-specialized backward walks a window's query
-    tiles and a sequence's keys (flash_bwd_ws.cu)."""
+def backward_feature_reason(config: BwdConfig, head_dim: int, arch: str | None, feature: str) -> str | None:
+    """Why `config`'s CUDA backward runs no call with `feature` ("a sliding window", "a packed
+    call") on `arch`, or None: only the warp-specialized backward walks a window's query tiles
+    and a sequence's keys (flash_bwd_ws.cu)."""
     if backward_warp_specialized(config, head_dim, arch):
         return None
     return (f"{feature} runs in the CUDA backward's warp-specialized kernel only (sm90, "
@@ -155,7 +154,7 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
     """
     reason = None
     for feature, on in (("a sliding window", window), ("a packed call", packed)):
-        reason = reason or (backward_window_reason(config, head_dim, arch, feature) if on else None)
+        reason = reason or (backward_feature_reason(config, head_dim, arch, feature) if on else None)
     if reason:
         raise ValueError(f"config: {reason}")
     rows, target_dtype = dbias if dbias is not None else (False, torch.float32)
