@@ -266,14 +266,12 @@ def key_problem(backend: str, key: TableKey, config: FwdConfig | BwdConfig | Non
     config; with one, that config. The backends' `is_supported` judge a config on an
     `AttentionShape`, which has no packed sequences or window; the key has, so the tuner, the
     validator, table loading and `tiles.choose` ask here. A window needs the CUDA forward's overlapped
-    kernel or the warp-specialized backward; packed sequences the warp-specialized backward, with a
-    per-key mask and bias or none (judged as on sm90: the GPU's arch is the launcher's check)."""
+    kernel or the warp-specialized backward, and so do packed sequences, with a per-key mask and
+    bias or none (judged as on sm90: the GPU's arch is the launcher's check)."""
     if backend != "cuda" or not (key.packed or key.window):
         return None
-    if key.packed and key.direction == "fwd":
-        return "the CUDA forward runs no packed sequences (the Triton kernels do)"
     # imported on first use: the CUDA launchers' rules, which only a CUDA packed or window key needs
-    from dmattn_kernels.cuda.variants import backward_feature_reason, backward_packed_reason
+    from dmattn_kernels.cuda.variants import backward_feature_reason, backward_packed_reason, forward_packed_reason
 
     if key.packed:
         reason = backward_packed_reason(bias_has_rows(key.mask), bias_has_rows(key.bias))
@@ -284,6 +282,8 @@ def key_problem(backend: str, key: TableKey, config: FwdConfig | BwdConfig | Non
     if key.direction != "fwd":
         feature = "a packed call" if key.packed else "a sliding window"
         return backward_feature_reason(config, key.head_dim, "sm90", feature)
+    if key.packed:
+        return forward_packed_reason(config, key.head_dim, "sm90")
     if not config.overlap:
         return "a sliding window runs in the CUDA forward's overlapped warp-specialized kernel only (overlap=1)"
     return None

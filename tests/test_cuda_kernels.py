@@ -830,3 +830,65 @@ def test_a_packed_backward_of_empty_sequences_launches_nothing_and_leaves_zero_g
                                     packing=Packing(sequences, max_q, max_k, False, False, False),
                                     sequences=(cu_q, cu_k, None))
         assert launches == [] and all(bool((t == 0).all()) for t in (dq, dk, dv)), (sequences, max_q, max_k)
+
+
+@needs_nvcc
+def test_packed_sequences_build_into_the_overlapped_forward_with_their_fields_last(cubin_cache):
+    """PACKED appends the sequences' offsets and lengths to WsParams (no mask or bias, a staged
+    per-key mask and bias, a window, persistent), and refuses a config other than the overlapped
+    forward."""
+    config = FwdConfig(128, 128, 12, 2, overlap=1)
+    common = dict(arch="sm90", is_causal=True, softcap=0.0, packed=True)
+    plain = variants.variant(config, 128, torch.bfloat16, None, has_mask=False, **common)
+    staged = variants.variant(config, 128, torch.bfloat16, torch.bfloat16, has_mask=True,
+                              mask_tiles=shared_memory.TILES_OF_KEYS, bias_tiles=shared_memory.TILES_OF_KEYS, **common)
+    assert "-DPACKED=1" in plain and "-DMASK_TILES=2" in staged and "-DBIAS_TILES=2" in staged
+    for flags in (plain, staged):
+        assert _parameter_sizes(build.build("fwd_ws", "sm90", flags)) == [ctypes.sizeof(params.PackedWsParams)]
+    assert params.PackedWsParams.cu_seqlens_q.offset > params.PackedWsParams.section_slices.offset
+    windowed = variants.variant(FwdConfig(64, 64, 8, 2, overlap=1), 64, torch.float16, None, has_mask=False,
+                                window=True, **common)
+    assert _parameter_sizes(build.build("fwd_ws", "sm90", windowed)) == [ctypes.sizeof(params.WindowedPackedWsParams)]
+    assert params.ws_params_type(True, False, True) is params.WindowedPackedWsParams
+    persistent = variants.variant(FwdConfig(128, 128, 12, 2, overlap=1, persistent=1), 128, torch.bfloat16, None,
+                                  has_mask=False, **common)
+    persistent_params = params.ws_params_type(False, True, True)
+    assert _parameter_sizes(build.build("fwd_ws", "sm90", persistent)) == [ctypes.sizeof(persistent_params)]
+    assert persistent_params.item_counter.offset > persistent_params.schedule.offset
+    for refused in (FwdConfig(128, 128, 12, 2), FwdConfig(128, 64, 8, 2)):
+        with pytest.raises(ValueError, match="a packed call runs in the CUDA forward's overlapped"):
+            variants.variant(refused, 128, torch.bfloat16, None, has_mask=False, **common)
+
+
+def test_a_packed_forward_passes_its_sequences_and_a_persistent_one_a_zeroed_item_counter(monkeypatch):
+    """The packed forward's parameters hold the sequences' prefix sums and longest lengths, its
+    grid the sequences x heads by the longest sequence's blocks; persistent, a CTA per SM (at most
+    one per item) and a counter at 0 that its CTAs take items from (the host cannot order items it
+    has no lengths for). With no sequence, or none with a query row, nothing launches."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, source, device, flags):
+            assert "-DPACKED=1" in flags
+
+        def __call__(self, name, grid, num_warps, shared, parameters):
+            counter = parameters.item_counter and ctypes.c_int.from_address(parameters.item_counter).value
+            launches.append((grid, parameters.cu_seqlens_q, parameters.max_seqlen_q, parameters.max_seqlen_k,
+                             parameters.schedule if hasattr(parameters, "schedule") else None, counter))
+
+    monkeypatch.setattr(forward, "check_query", lambda q: None)
+    monkeypatch.setattr(forward, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(forward, "Launcher", Recorder)
+    monkeypatch.setattr(forward, "_sm_count", lambda device: 6)
+    monkeypatch.setattr(forward._ForwardLaunch, "tensor_maps", lambda self, operands: {})
+    q, k = torch.randn(1, 300, 4, 128).to(torch.bfloat16), torch.randn(1, 90, 2, 128).to(torch.bfloat16)
+    cu_q, cu_k = torch.tensor([0, 260, 300], dtype=torch.int32), torch.tensor([0, 50, 90], dtype=torch.int32)
+    overlapped = FwdConfig(128, 128, 12, 2, overlap=1)
+    for config, packing in ((overlapped, Packing(2, 260, 50)), (replace(overlapped, persistent=1), Packing(2, 260, 50)),
+                            (overlapped, Packing(0, 260, 50)), (overlapped, Packing(2, 0, 50))):
+        forward.attention_forward(q, k, k, None, None, is_causal=True, softmax_scale=0.1, softcap=0.0, config=config,
+                                  out=torch.empty_like(q), lse=torch.empty(1, 4, 300), packing=packing,
+                                  sequences=(cu_q, cu_k, None))
+    # a CTA per item: 2 sequences x 4 heads by cdiv(260, 128) blocks; persistent: 6 CTAs
+    assert launches == [((8, 3), cu_q.data_ptr(), 260, 50, None, None),
+                        ((6, 1), cu_q.data_ptr(), 260, 50, None, 0)]

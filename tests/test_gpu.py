@@ -156,12 +156,39 @@ def test_the_warp_specialized_forward_runs_the_full_suite_s_windows(dtype, confi
     fwd = WINDOW_CONFIGS[config]
     if not warp_specialized(fwd, 128, arch_of(torch.device("cuda"))):
         pytest.skip("the warp-specialized forward runs on SM90 only")
-    suite = config_suite("cuda", "full", fwd, None, varlen=True)
-    assert suite and not any(case.packed for case in suite)  # the CUDA kernels' suites hold no packed case
+    suite = [case for case in config_suite("cuda", "full", fwd, None, varlen=True) if not case.packed]
     cases = suite + [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
                      for case in suite for head_dim in (64, 128) if case.head_dim != head_dim]
     results = [check_case(get_backend("cuda"), case, dtype, "cuda", fwd, None) for case in cases]
     _assert_all_ok(cases, results, record_property, minimum=12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", list(WINDOW_CONFIGS), ids=list(WINDOW_CONFIGS))
+def test_the_overlapped_forward_runs_the_full_suite_s_packed_sequences(dtype, config, record_property):
+    """The forward alone (PACKED) on the packed cases of the full suite's packed/window half that
+    it runs (a per-key mask and bias or none), and on every packed case with its mask and bias left
+    out: NaN in the K, V and rows no sequence owns, zero- and one-token sequences, seqused_k, Lq !=
+    Lk per sequence, windows over packed sequences, long documents; at head dim 128 where the
+    config's tiles of the case's own do not fit shared memory."""
+    from dmattn_kernels.cuda import arch_of, warp_specialized
+    from dmattn_kernels.cuda.shared_memory import forward_shared_bytes
+
+    from dmattn_bench.tuning.varlen_cases import VARLEN_SUITES
+
+    fwd = WINDOW_CONFIGS[config]
+    if not warp_specialized(fwd, 128, arch_of(torch.device("cuda"))):
+        pytest.skip("the warp-specialized forward runs on SM90 only")
+    suite = [case for case in config_suite("cuda", "full", fwd, None, varlen=True) if case.packed]
+    bare = [replace(case, name=f"{case.name}-no-operands", mask="none", bias="none", bias_poison=None,
+                    dead_documents=()) for case in VARLEN_SUITES["full"]() if case.packed]
+    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    cases = [case if warp_specialized(fwd, case.head_dim, "sm90")
+             and forward_shared_bytes(fwd, case.head_dim, "sm90") <= limit else replace(case, head_dim=128)
+             for case in suite + bare]
+    results = [check_case(get_backend("cuda"), case, dtype, "cuda", fwd, None) for case in cases]
+    assert len(suite) >= 3
+    _assert_all_ok(cases, results, record_property, minimum=15)
 
 
 # The warp-specialized backward (flash_bwd_ws.cu) is the CUDA backward that runs a window: two

@@ -118,7 +118,8 @@ def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(modul
     layouts = tuple(forward._layout(t) for t in (q, k, v, mask, bias, torch.empty_like(q)))
     persistent = operands.endswith("persistent")
     schedule = torch.zeros(3, dtype=torch.int32) if persistent else None  # the template holds its address
-    plan = forward._ForwardLaunch(None, b"", (8, 2), 4096, maps, 6, (8, 2), (1, 1) if persistent else ())
+    plan = forward._ForwardLaunch(None, b"", (8, 2), 4096, maps, 6, (8, 2), (1, 1) if persistent else (),
+                                  persistent=persistent)
     template, pointers, descriptors = forward._native_parameters(layouts, 0.125, 0.0, (160, 40, 1), plan, schedule)
 
     def encode(inputs):  # a map per slot, told apart by its operand

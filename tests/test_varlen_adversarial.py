@@ -187,12 +187,13 @@ def test_a_backend_that_reads_a_neighbour_fails_the_suite():
 
 
 def test_the_cuda_backend_reports_the_varlen_cases_its_kernels_cannot_run_unsupported():
-    """Without running anything: a packed case with a forward, or with a backward that is not the
-    warp-specialized one or a mask or bias of query rows; a window case with a forward that is not
-    the overlapped warp-specialized kernel, or a backward that is not the warp-specialized one."""
+    """Without running anything: a packed case with a forward that is not the overlapped
+    warp-specialized kernel, or with a backward that is not the warp-specialized one, or a mask or
+    bias of query rows; a window case with a forward that is not the overlapped
+    warp-specialized kernel, or a backward that is not the warp-specialized one."""
     cuda = Backend("cuda", None, None, lambda config, shape: None)
     packed = CASES["packed_zero_one_token"]  # a per-key bias
-    for fwd, bwd, case, message in ((FWD, BWD, packed, "CUDA forward runs no packed sequences"),
+    for fwd, bwd, case, message in ((FWD, BWD, packed, "a packed call runs in the CUDA forward's overlapped"),
                                     (None, BWD, packed, "a packed call runs in the CUDA backward's warp-specialized"),
                                     (None, BWD, CASES["packed_nan_neighbours_per_row"], "per-key mask and bias only")):
         result = check_case(cuda, case, torch.float32, "cpu", fwd, bwd)

@@ -136,18 +136,19 @@ def _cuda_entry_document(key, config) -> dict:
 
 
 PACKED_BACKWARD = dataclasses.replace(PACKED, direction="bwd", head_dim=128)
+PACKED_FORWARD = dataclasses.replace(PACKED, head_dim=128)  # a head dim the warp-specialized kernels take
 
 
 @pytest.mark.parametrize("key, config, message", [
-    (PACKED, TUNED, "CUDA forward runs no packed sequences"),
-    (PACKED, OVERLAPPED, "CUDA forward runs no packed sequences"),
+    (PACKED_FORWARD, TUNED, "a packed call runs in the CUDA forward's overlapped"),
+    (dataclasses.replace(PACKED_FORWARD, mask="kv_head"), OVERLAPPED, "per-key mask and bias only"),
     (WINDOWED, TUNED, "overlapped warp-specialized kernel only"),
     (dataclasses.replace(WINDOWED, direction="bwd"), BwdConfig(64, 64, 64, 64, 4, 2),
      "CUDA backward's warp-specialized kernel only"),
     (PACKED_BACKWARD, BwdConfig(64, 64, 64, 64, 4, 2), "a packed call runs in the CUDA backward's warp-specialized"),
     (dataclasses.replace(PACKED_BACKWARD, mask="kv_head"), WS_BACKWARD, "per-key mask and bias only"),
     (dataclasses.replace(PACKED_BACKWARD, bias="full+grad"), WS_BACKWARD, "per-key mask and bias only"),
-], ids=["packed", "packed-overlapped", "window-mma-sync", "window-bwd-not-warp-specialized",
+], ids=["packed-mma-sync", "packed-row-mask", "window-mma-sync", "window-bwd-not-warp-specialized",
         "packed-bwd-not-warp-specialized", "packed-bwd-row-mask", "packed-bwd-row-bias"])
 def test_a_cuda_entry_of_a_key_its_config_cannot_run_is_refused(key, config, message):
     with pytest.raises(TableError, match=rf"entries\[0\]\.backend.*'cuda'.*{message}"):
@@ -158,6 +159,15 @@ def test_a_cuda_entry_of_a_key_its_config_cannot_run_is_refused(key, config, mes
                          ids=["overlapped", "persistent"])
 def test_a_cuda_forward_entry_of_a_windowed_key_with_the_overlapped_kernel_loads(config):
     table = table_from_dict(_cuda_entry_document(WINDOWED, config), "t.yaml")
+    assert [(entry.backend, entry.config) for entry in table.entries] == [("cuda", config)]
+
+
+@pytest.mark.parametrize("config", [OVERLAPPED, dataclasses.replace(OVERLAPPED, persistent=1)],
+                         ids=["overlapped", "persistent"])
+@pytest.mark.parametrize("key", [PACKED_FORWARD, dataclasses.replace(PACKED_FORWARD, mask="per_key", bias="per_key",
+                                                                     window=16)], ids=["packed", "packed-window-per-key"])
+def test_a_cuda_forward_entry_of_a_packed_key_with_the_overlapped_kernel_loads(key, config):
+    table = table_from_dict(_cuda_entry_document(key, config), "t.yaml")
     assert [(entry.backend, entry.config) for entry in table.entries] == [("cuda", config)]
 
 
@@ -206,16 +216,18 @@ def test_lookup_finds_a_packed_and_a_windowed_entry(tmp_path):
     assert tiles.choose(DENSE, "cpu", table=path).source == "default"
 
 
-def test_cuda_runs_no_packed_key_and_of_windows_only_the_warp_specialized_kernels():
-    """The default is Triton's; forcing the CUDA backend on a packed key is refused naming why; a
-    windowed key's forward takes the overlapped kernel only and its backward the warp-specialized
-    one (the config given)."""
+def test_cuda_runs_packed_and_windowed_keys_in_the_warp_specialized_kernels_only():
+    """The default is Triton's; forcing the CUDA backend on a packed or windowed key judges the
+    config it would run: the forward of either takes the overlapped kernel (one item per CTA or
+    persistent), the backward the warp-specialized one."""
     backward = dataclasses.replace(WINDOWED, direction="bwd")
     for key in (PACKED, WINDOWED):
         assert tiles.choose(key, "cpu").backend == "triton"
         assert tiles.key_problem("triton", key) is None and tiles.key_problem("triton", key, TUNED) is None
     assert tiles.key_problem("cuda", DENSE) is None and tiles.key_problem("cuda", DENSE, TUNED) is None
-    assert "no packed sequences" in tiles.key_problem("cuda", PACKED, OVERLAPPED)
+    assert "a packed call runs in the CUDA forward's overlapped" in tiles.key_problem("cuda", PACKED, OVERLAPPED)
+    assert tiles.key_problem("cuda", PACKED_FORWARD, OVERLAPPED) is None
+    assert tiles.key_problem("cuda", PACKED_FORWARD, dataclasses.replace(OVERLAPPED, persistent=1)) is None
     assert tiles.key_problem("cuda", backward) is None
     assert "CUDA backward's warp-specialized kernel only" in tiles.key_problem("cuda", backward, BwdConfig(
         64, 64, 64, 64, 4, 2))
@@ -224,8 +236,9 @@ def test_cuda_runs_no_packed_key_and_of_windows_only_the_warp_specialized_kernel
     assert tiles.key_problem("cuda", WINDOWED, dataclasses.replace(OVERLAPPED, persistent=1)) is None
     assert "overlapped warp-specialized kernel only" in tiles.key_problem("cuda", WINDOWED, TUNED)
     for key, explicit in ((PACKED, None), (PACKED, TUNED)):
-        with pytest.raises(ValueError, match="backend: got 'cuda', but the CUDA"):
+        with pytest.raises(ValueError, match="backend: got 'cuda', but a packed call runs in the CUDA forward's"):
             tiles.choose(key, "cpu", backend="cuda", explicit=explicit)
+    assert tiles.choose(PACKED_FORWARD, "cpu", backend="cuda", explicit=OVERLAPPED).config == OVERLAPPED
     # forced on a windowed key, the config it would run is judged: the defaults are not the
     # warp-specialized kernels, explicit ones are taken
     with pytest.raises(ValueError, match="backend: got 'cuda', but a sliding window runs in the CUDA forward's"):

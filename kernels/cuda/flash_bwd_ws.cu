@@ -138,14 +138,6 @@ struct BwdWsParams {  // `dmattn_kernels.cuda.params.BwdWsParams` mirrors it
 static_assert((!HAS_MASK || MASK_TILES != 1) && (!HAS_BIAS || BIAS_TILES != 1),
               "packed sequences: a mask and bias of one row of keys (per key) only");
 
-// The lengths of sequence `sequence`: (query rows, keys), cut to [0, max_seqlen] (so its tiles
-// stay below `sequence_tile`'s next sequence's and its blocks inside the grid).
-__device__ __forceinline__ int2 sequence_lengths(const BwdWsParams& p, int sequence) {
-  const int keys = p.seqused_k ? p.seqused_k[sequence] : p.cu_seqlens_k[sequence + 1] - p.cu_seqlens_k[sequence];
-  const int rows = p.cu_seqlens_q[sequence + 1] - p.cu_seqlens_q[sequence];
-  return make_int2(min(max(rows, 0), p.max_seqlen_q), min(max(keys, 0), p.max_seqlen_k));
-}
-
 // Sequence `sequence`'s first tile among a query head's dq_sum tiles and counters: its first
 // row's tile plus one per earlier sequence, so the sequences' tiles never overlap (rows q0 ..
 // q0 + L - 1 span at most q0 / BLOCK_M .. (q0 + L - 1) / BLOCK_M) and a head holds
@@ -153,20 +145,6 @@ __device__ __forceinline__ int2 sequence_lengths(const BwdWsParams& p, int seque
 // sequences x the longest.
 __device__ __forceinline__ int sequence_tile(const BwdWsParams& p, int sequence) {
   return p.cu_seqlens_q[sequence] / BLOCK_M + sequence;
-}
-
-// Rows [first, ROWS) of a tile as TMA stages it (a box of ROWS 128-byte lines per 64 columns,
-// swizzled within each line) set to zero, 16 bytes a thread at a time: rows of the next sequence
-// that a box read, whose K, V, Q or dO would reach a product as 0 x NaN.
-template <int ROWS>
-__device__ __forceinline__ void clear_rows(elem_t* tile, int first, int thread, int threads) {
-  constexpr int LINE_CHUNKS = SWIZZLE_COLS * int(sizeof(elem_t)) / 16;
-  first = max(first, 0);
-  const int block_chunks = (ROWS - first) * LINE_CHUNKS;
-  for (int i = thread; i < block_chunks * (BLOCK_D / SWIZZLE_COLS); i += threads) {
-    const int block = i / block_chunks, row = first + i % block_chunks / LINE_CHUNKS, chunk = i % LINE_CHUNKS;
-    *reinterpret_cast<uint4*>(tile + (block * ROWS + row) * SWIZZLE_COLS + chunk * 8) = make_uint4(0, 0, 0, 0);
-  }
 }
 #endif
 

@@ -77,8 +77,20 @@
 // [first, first + n_tiles) its rows' windows reach, the producer loading them in that order; a
 // consumer counts them from 0 as without a window and tests positions in the window's edge tiles.
 //
+// Packed sequences (PACKED, overlapped): the items' head slices are sequences x heads over the
+// longest sequence's query blocks, in one batch row. An item takes its sequence's lengths (cut to
+// max_seqlen) and causal offset, loads Q, K, V and a per-key mask and bias by TMA from the
+// sequence's first row and key, and stores the sequence's rows. The host cannot know which blocks
+// lie past their sequence's rows (the lengths are on the device): with a CTA per item such a CTA
+// returns at once; persistent, the producers take items in launch order from a counter the host
+// zeroes (`item_counter`, so the CTA free first takes the next, as the block scheduler would) and
+// skip those items while the consumers still work. A box may read rows past the sequence's last key (the
+// next sequence's): the score rule excludes those keys (a select, so NaN there never reaches P),
+// and each consumer warpgroup zeroes those rows of the V tile in shared memory before its P V,
+// where 0 x NaN would reach acc.
+//
 // Compile-time parameters: those of common.cuh (WGMMA = 1), BLOCK_M, BLOCK_N, SCORE_STAGES,
-// MASK_TILES and BIAS_TILES; FWD_OVERLAP and FWD_PERSISTENT where defined (to 1).
+// MASK_TILES and BIAS_TILES; FWD_OVERLAP, FWD_PERSISTENT and PACKED where defined (to 1).
 
 #include <cuda.h>  // CUtensorMap
 
@@ -87,6 +99,9 @@
 static_assert(WGMMA, "the warp-specialized forward runs its products as wgmma (sm90)");
 #if HAS_WINDOW && !FWD_OVERLAP
 #error "a window runs in the overlapped forward, whose consumers walk work items"
+#endif
+#if PACKED && !FWD_OVERLAP
+#error "packed sequences run in the overlapped forward, whose consumers walk work items"
 #endif
 constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
 static_assert(CONSUMERS >= 1 && NUM_WARPS % GROUP_WARPS == 0 && BLOCK_M == CONSUMERS * GROUP_ROWS,
@@ -139,7 +154,22 @@ struct WsParams {  // `dmattn_kernels.cuda.params.WsParams` mirrors it (`Persist
   // item per CTA, the CTA's own.
   const int* schedule;
 #endif
+#if PACKED
+  // packed sequences in the one batch row: sequence s owns query rows [cu_seqlens_q[s],
+  // cu_seqlens_q[s + 1]) and keys from cu_seqlens_k[s], the first seqused_k[s] of its span
+  // (all of it where seqused_k is null), each length cut to [0, max_seqlen]
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  const int* seqused_k;
+  int max_seqlen_q, max_seqlen_k;
+  int* item_counter;  // persistent: the items taken so far (0 at launch)
+#endif
 };
+
+#if PACKED
+static_assert((!HAS_MASK || MASK_TILES != 1) && (!HAS_BIAS || BIAS_TILES != 1),
+              "packed sequences: a mask and bias of one row of keys (per key) only");
+#endif
 
 #if FWD_OVERLAP  // the overlapped consumers over work items; below #else, one tile at a time
 // One work item: a block of BLOCK_M query rows of one head slice.
@@ -149,6 +179,9 @@ struct Item {
   int block_row0, n_tiles;  // its first row; the key tiles its rows reach (under a window, from `first`)
 #if HAS_WINDOW
   int first;  // its first key tile: the item walks tiles [first, first + n_tiles)
+#endif
+#if PACKED
+  int q0, k0;  // its sequence's first row and key in the batch row
 #endif
 };
 
@@ -163,8 +196,24 @@ __device__ __forceinline__ Item item_at(const WsParams& p, int index) {
   const SectionOrder order = section_order(index, gridDim.x, gridDim.y, p.section_slices);  // the grid is the items
 #endif
   Item item;
+#if PACKED
+  // slice = sequence x H + head; the rule is the sequence's: its lengths and causal offset, its
+  // per-key mask and bias from its first key
+  const int sequence = order.slice / p.fwd.in.num_heads;
+  item.at = head_slices(p.fwd.in, order.slice % p.fwd.in.num_heads);  // batch 0
+  item.rule = score_rule(p.fwd.in, item.at);
+  item.q0 = p.cu_seqlens_q[sequence];
+  item.k0 = p.cu_seqlens_k[sequence];
+  const int2 lengths = sequence_lengths(p, sequence);
+  item.rule.seqlen_q = lengths.x;
+  item.rule.seqlen_k = lengths.y;
+  item.rule.offset = lengths.y - lengths.x;
+  if (HAS_MASK) item.rule.mask += item.k0 * item.rule.mask_col;
+  if (HAS_BIAS) item.rule.bias += item.k0 * item.rule.bias_col;
+#else
   item.at = head_slices(p.fwd.in, order.slice);
   item.rule = score_rule(p.fwd.in, item.at);
+#endif
 #if FWD_PERSISTENT
   item.block_row0 = (p.item_rows - 1 - order.block) * BLOCK_M;
 #else
@@ -176,6 +225,9 @@ __device__ __forceinline__ Item item_at(const WsParams& p, int index) {
   item.n_tiles = max(0, tiles.block - tiles.first);
 #else
   item.n_tiles = key_tiles<BLOCK_N>(item.rule, item.block_row0 + BLOCK_M, item.block_row0, BLOCK_M).block;
+#endif
+#if PACKED
+  if (item.block_row0 >= item.rule.seqlen_q) item.n_tiles = 0;  // past the sequence's rows: nothing to do
 #endif
   return item;
 }
@@ -193,6 +245,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
   unsigned char* score_smem = reinterpret_cast<unsigned char*>(v_smem + STAGES * BLOCK_N * BLOCK_D);
 
   const Inputs& in = p.fwd.in;
+#if PACKED && !FWD_PERSISTENT
+  // a block past its sequence's rows (the longest sequence's blocks, a shorter one's slice): no
+  // row to compute or store
+  {
+    const Item own = item_at(p, blockIdx.y * gridDim.x + blockIdx.x);
+    if (own.block_row0 >= own.rule.seqlen_q) return;
+  }
+#endif
 #if FWD_PERSISTENT
   const int items = p.item_columns * p.item_rows;
 #else
@@ -228,7 +288,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
     // Items: the CTA's list in a persistent launch, else its own; `items` ends them. Key tiles
     // are counted across items (`ring`), so the rings' slots and phases run on from one item to
     // the next, and the next item's Q and first tiles load while the consumers finish the last.
-#if FWD_PERSISTENT
+#if FWD_PERSISTENT && PACKED
+    for (int k = 0, ring = 0;; ++k) {
+      int index;
+      for (;;) {  // the next item in launch order with rows of its sequence (past the last: the end)
+        index = atomicAdd(p.item_counter, 1);
+        if (index >= items) break;
+        const Item next = item_at(p, index);
+        if (next.block_row0 < next.rule.seqlen_q) break;
+      }
+#elif FWD_PERSISTENT
     const int cta = blockIdx.y * gridDim.x + blockIdx.x, ctas = gridDim.x * gridDim.y;
     const int first = p.schedule ? p.schedule[cta] : 0, count = p.schedule ? p.schedule[cta + 1] - first : 1;
     for (int k = 0, ring = 0;; ++k) {
@@ -246,7 +315,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
       const HeadSlices& at = item.at;
       if (k >= 1) barrier_wait(&q_empty, (k - 1) & 1);  // the item before has taken its last S
       barrier_arrive_expecting(&q_full, Q_BYTES);
+#if PACKED
+      load_tile_tma<BLOCK_M>(q_smem, &p.q_map, item.q0 + item.block_row0, at.head, 0, &q_full);
+#else
       load_tile_tma<BLOCK_M>(q_smem, &p.q_map, item.block_row0, at.head, at.batch, &q_full);
+#endif
 #if HAS_WINDOW
       for (int j = item.first; j < item.first + item.n_tiles; ++j, ++ring) {  // j: the key tile
 #else
@@ -255,14 +328,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
         const int slot = ring % STAGES;
         if (ring >= STAGES) barrier_wait(&k_empty[slot], (ring / STAGES - 1) & 1);  // S of tile ring - STAGES is done
         barrier_arrive_expecting(&k_full[slot], KV_BYTES);
+#if PACKED
+        load_tile_tma<BLOCK_N>(k_smem + slot * BLOCK_N * BLOCK_D, &p.k_map, item.k0 + j * BLOCK_N, at.kv_head, 0,
+                               &k_full[slot]);
+#else
         load_tile_tma<BLOCK_N>(k_smem + slot * BLOCK_N * BLOCK_D, &p.k_map, j * BLOCK_N, at.kv_head, at.batch,
                                &k_full[slot]);
+#endif
         if (SCORE_TILES) {
           const int score_slot = ring % SCORE_SLOTS;
           if (ring >= SCORE_SLOTS) barrier_wait(&score_empty[score_slot], (ring / SCORE_SLOTS - 1) & 1);
           unsigned char* tile = score_smem + score_slot * SCORE_SLOT_BYTES;
           barrier_arrive_expecting(&score_full[score_slot], SCORE_BYTES);
           // a broadcast dim (stride 0) is a size-1 dim of the map: coordinate 0
+#if PACKED
+          // a row of keys (per key: the static_assert above), from the sequence's first key
+          if (MASK_TILES)
+            tma_load(tile, &p.mask_map, item.k0 + j * BLOCK_N, 0, in.mask_stride[1] ? at.head / in.mask_head_div : 0,
+                     0, &score_full[score_slot]);
+          if (BIAS_TILES)
+            tma_load(tile + MASK_SLOT_BYTES, &p.bias_map, item.k0 + j * BLOCK_N, 0,
+                     in.bias_stride[1] ? at.head / in.bias_head_div : 0, 0, &score_full[score_slot]);
+#else
           if (MASK_TILES)
             tma_load(tile, &p.mask_map, j * BLOCK_N, MASK_ROWS == 1 ? 0 : item.block_row0,
                      in.mask_stride[1] ? at.head / in.mask_head_div : 0, in.mask_stride[0] ? at.batch : 0,
@@ -275,11 +362,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
                        in.bias_stride[1] ? at.head / in.bias_head_div : 0, in.bias_stride[0] ? at.batch : 0,
                        &score_full[score_slot]);
           }
+#endif
         }
         if (ring >= STAGES) barrier_wait(&v_empty[slot], (ring / STAGES - 1) & 1);  // P V of tile ring - STAGES is done
         barrier_arrive_expecting(&v_full[slot], KV_BYTES);
+#if PACKED
+        load_tile_tma<BLOCK_N>(v_smem + slot * BLOCK_N * BLOCK_D, &p.v_map, item.k0 + j * BLOCK_N, at.kv_head, 0,
+                               &v_full[slot]);
+#else
         load_tile_tma<BLOCK_N>(v_smem + slot * BLOCK_N * BLOCK_D, &p.v_map, j * BLOCK_N, at.kv_head, at.batch,
                                &v_full[slot]);
+#endif
       }
     }
     return;
@@ -373,6 +466,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
     auto take_turn = [&]() {
       if (PINGPONG) named_barrier_sync(1 + group, TURN_THREADS);
     };
+#if PACKED
+    // Tile j's V holds rows past the sequence's last key (its last tile, partly the next
+    // sequence's): this warpgroup zeroes them before its P V_j (P is 0 there; 0 x NaN is not) and
+    // syncs on its own named barrier (3 + group; the turns take 1 and 2). Both warpgroups may
+    // write the same zeros; each reads the tile only after its own writes.
+    constexpr int GROUP_THREADS = GROUP_WARPS * 32;
+    const int tail_tile = item.rule.seqlen_k / BLOCK_N, tail_keys = item.rule.seqlen_k - tail_tile * BLOCK_N;
+    auto clear_tail = [&](int j) {
+#if HAS_WINDOW
+      const int key_tile = item.first + j;
+#else
+      const int key_tile = j;
+#endif
+      if (key_tile != tail_tile) return;
+      clear_rows<BLOCK_N>(v_smem + (ring + j) % STAGES * BLOCK_N * BLOCK_D, tail_keys, threadIdx.x % GROUP_THREADS,
+                          GROUP_THREADS);
+      fence_async_shared();
+      named_barrier_sync(3 + group, GROUP_THREADS);
+    };
+#endif
     auto pass_turn = [&](int point) {
       if (PINGPONG && !(group == 1 && point == n_tiles)) named_barrier_arrive(1 + (group ^ 1), TURN_THREADS);
     };
@@ -391,6 +504,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
     for (int j = 1; j < reached; ++j) {
       wait_k(j);
       wait_v(j - 1);
+#if PACKED
+      clear_tail(j - 1);
+#endif
       take_turn();
       wgmma_fence();
       issue_s(j);
@@ -412,6 +528,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
     barrier_arrive(&q_empty);  // every S of the item has landed: the producer may load the next Q
     if (reached > 0) {
       wait_v(reached - 1);
+#if PACKED
+      clear_tail(reached - 1);
+#endif
       take_turn();
       wgmma_fence();
       issue_pv(reached - 1);
@@ -439,7 +558,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
       barrier_arrive(&v_empty[slot]);
     }
 
+#if PACKED
+    FwdParams sequence_rows = p.fwd;  // the sequence's rows of out and lse
+    sequence_rows.in.seqlen_q = item.rule.seqlen_q;
+    sequence_rows.out += item.q0 * p.fwd.out_stride[1];
+    sequence_rows.lse += item.q0 * p.fwd.lse_stride[2];
+    store_rows(sequence_rows, item.at, acc, row_max, row_sum, warp_row0, g, t);
+#else
     store_rows(p.fwd, item.at, acc, row_max, row_sum, warp_row0, g, t);
+#endif
     ring += n_tiles;
   }
 }

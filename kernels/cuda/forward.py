@@ -6,7 +6,9 @@ The warp-specialized forward (flash_fwd_ws.cu) also gets its tensor maps, the he
 runs at once (`section_slices`) and, launched persistent, its work items' schedule
 (`persistent_schedule`). A sliding window (FlashAttention's `window_size`) runs in its overlapped
 kernel (`variants.window_reason`), its sides in the call's parameters (and, launched persistent, in
-the schedule's item costs).
+the schedule's item costs). So do packed sequences (`configs.Packing`): their items are sequences x
+heads by the longest sequence's query blocks, each call passes the sequences' prefix sums and,
+launched persistent, a zeroed item counter in place of a schedule (the lengths are on the device).
 """
 
 from __future__ import annotations
@@ -20,14 +22,13 @@ from typing import NamedTuple
 import torch
 import triton
 
-from dmattn_kernels.configs import FwdConfig, window_bounds
+from dmattn_kernels.configs import FwdConfig, Packing, window_bounds
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
-from dmattn_kernels.cuda.params import (FwdParams, Inputs, PersistentWsParams, TensorMap, WindowedFwdParams,
-                                        WindowedPersistentWsParams, WindowedWsParams, WsParams, address, inputs,
-                                        with_window)
+from dmattn_kernels.cuda.params import (FwdParams, Inputs, TensorMap, WindowedFwdParams, address, inputs,
+                                        with_window, ws_params_type)
 from dmattn_kernels.cuda.rules import check_arch, check_config, check_query, check_rows, forward_kernel, padded_head_dim
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_KEYS, TILES_OF_ROWS, forward_shared_bytes
-from dmattn_kernels.cuda.variants import staged_layout, staging, variant
+from dmattn_kernels.cuda.variants import backward_packed_reason, staged_layout, staging, variant
 from dmattn_kernels.runtime import launch_context, native
 from dmattn_kernels.runtime.launch_context import is_compile_only, launch_stream
 from dmattn_kernels.runtime.operands import padded
@@ -53,22 +54,28 @@ class _ForwardLaunch(NamedTuple):
     items: tuple[int, int] = (0, 0)  # the warp-specialized forward's work items: head slices x query blocks
     tiles: tuple[int, ...] = ()  # its query blocks' key tiles where it launches persistent (FwdConfig.persistent)
     windowed: bool = False  # built with HAS_WINDOW: its parameters are the Windowed structures
+    packed: bool = False  # built with PACKED: its parameters take the sequences' (`ws_params`)
+    persistent: bool = False  # built with FWD_PERSISTENT: a CTA per SM walks items
 
     def launch_grid(self, device: torch.device) -> tuple[tuple[int, int], torch.Tensor | None]:
-        """The grid on `device`, and a persistent launch's schedule (`persistent_schedule`)."""
-        if not self.tiles:
+        """The grid on `device`, and a persistent launch's schedule (`persistent_schedule`; a packed
+        launch's CTAs take items from a counter instead)."""
+        if not self.persistent:
             return self.grid, None
+        if self.packed:
+            return (min(_sm_count(device), self.items[0] * self.items[1]), 1), None
         return _persistent_launch(device, self.items, self.section_slices, self.tiles)
 
-    def ws_params(self, forward: FwdParams, schedule: torch.Tensor | None, **maps) -> ctypes.Structure:
-        """The warp-specialized forward's parameters around a call's FwdParams: a `WsParams`, or
-        for a persistent launch a `PersistentWsParams` with its schedule."""
-        if not self.tiles:
-            params_type = WindowedWsParams if self.windowed else WsParams
-            return params_type(forward=forward, section_slices=self.section_slices, **maps)
-        params_type = WindowedPersistentWsParams if self.windowed else PersistentWsParams
-        return params_type(forward=forward, section_slices=self.section_slices, item_columns=self.items[0],
-                           item_rows=self.items[1], schedule=schedule.data_ptr(), **maps)
+    def ws_params(self, forward: FwdParams, schedule: torch.Tensor | None, sequences: dict | None = None,
+                  **maps) -> ctypes.Structure:
+        """The warp-specialized forward's parameters around a call's FwdParams (`params.ws_params_type`):
+        with a persistent launch's schedule, or a packed call's `sequences` (`sequence_fields`)."""
+        fields = dict(forward=forward, section_slices=self.section_slices, **maps)
+        if self.persistent:
+            fields.update(item_columns=self.items[0], item_rows=self.items[1], schedule=address(schedule))
+        if self.packed:
+            fields.update(sequences)
+        return ws_params_type(self.windowed, self.persistent, self.packed)(**fields)
 
     def tensor_maps(self, operands: tuple) -> dict[str, TensorMap]:
         """A call's tensor maps by `WsParams` field, of its operands (q, k, v, mask, bias)."""
@@ -77,12 +84,17 @@ class _ForwardLaunch(NamedTuple):
                 for field, index, order, rows, line, swizzle in self.maps}
 
 
+@lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @lru_cache(maxsize=256)
 def _persistent_launch(device: torch.device, items: tuple[int, int], sections: int,
                        tiles: tuple[int, ...]) -> tuple[tuple[int, int], torch.Tensor]:
     """A persistent forward's grid (a CTA per SM, at most one per item) and schedule on `device`,
     made on the signature's first launch (a plan may be built for a GPU that is not here)."""
-    ctas = min(torch.cuda.get_device_properties(device).multi_processor_count, items[0] * items[1])
+    ctas = min(_sm_count(device), items[0] * items[1])
     schedule = persistent_schedule(items, sections, list(tiles), ctas)
     return (ctas, 1), torch.tensor(schedule, dtype=torch.int32, device=device)
 
@@ -104,18 +116,19 @@ def _meta_tensors(layouts: tuple) -> list[torch.Tensor | None]:
 
 
 def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig,
-                    window_sides: tuple[int, int] | None = None) -> _ForwardLaunch:
+                    window_sides: tuple[int, int] | None = None, packing: Packing | None = None) -> _ForwardLaunch:
     """`_signature_launch` for the arch of the layouts' device (or the one planned for)."""
-    return _signature_launch(layouts, is_causal, softcap, config, arch_of(layouts[0][3]), window_sides)
+    return _signature_launch(layouts, is_causal, softcap, config, arch_of(layouts[0][3]), window_sides, packing)
 
 
 @lru_cache(maxsize=256)
 def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig, arch: str,
-                      window_sides: tuple[int, int] | None = None) -> _ForwardLaunch:
+                      window_sides: tuple[int, int] | None = None, packing: Packing | None = None) -> _ForwardLaunch:
     """The checks, variant, cubin and launch geometry of a forward signature, done once: a call
     then only fills its pointers (and its tensor maps) and launches. `window_sides`: a sliding
-    window's (left, right) as the kernel takes them (`kernel_window_sides`), None without one."""
-    windowed = window_sides is not None
+    window's (left, right) as the kernel takes them (`kernel_window_sides`), None without one.
+    `packing`: packed sequences (`configs.Packing`: the layouts are one batch row's)."""
+    windowed, packed = window_sides is not None, packing is not None
     (q_shape, _, dtype, device, _), _, _, mask_layout, bias_layout, _ = layouts
     batch, seqlen_q, num_heads, head_dim = q_shape
     q, k, _, mask, bias, _ = _meta_tensors(layouts)
@@ -124,6 +137,11 @@ def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: F
         if name is not None:
             check_rows(name, layout[1], layout[4])
     check_arch(config, head_dim, arch)
+    if packed:
+        reason = backward_packed_reason(mask is not None and not packing.mask_per_key,
+                                        bias is not None and not packing.bias_per_key)
+        if reason:
+            raise ValueError(reason)
     source = forward_kernel(config, head_dim, arch)
 
     def tiles(t, layout):  # `staged_tiles`, with the data's address from the signature
@@ -134,9 +152,13 @@ def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: F
     bias_dtype = None if bias is None else bias.dtype
     mask_tiles, bias_tiles = tiles(mask, mask_layout), tiles(bias, bias_layout)
     flags = variant(config, head_dim, dtype, bias_dtype, arch=arch, is_causal=is_causal, has_mask=mask is not None,
-                    softcap=softcap, mask_tiles=mask_tiles, bias_tiles=bias_tiles, window=windowed)
+                    softcap=softcap, mask_tiles=mask_tiles, bias_tiles=bias_tiles, window=windowed, packed=packed)
     launcher = Launcher(source, device, flags)
     grid = (batch * num_heads, triton.cdiv(seqlen_q, config.block_m))
+    seqlen_k = k.shape[1]
+    if packed:  # head slices: sequences x heads, each over the longest sequence's query blocks
+        grid = (packing.num_sequences * num_heads, triton.cdiv(packing.max_seqlen_q, config.block_m))
+        seqlen_k = packing.max_seqlen_k
     if source != "fwd_ws":
         return _ForwardLaunch(launcher, b"dmattn_fwd_kernel", grid, forward_shared_bytes(config, head_dim, arch), ())
     _, mask_tiles, bias_tiles = staging(config, head_dim, mask is not None, bias_dtype, mask_tiles, bias_tiles)
@@ -155,12 +177,12 @@ def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: F
     elif bias_tiles == TILES_OF_KEYS:
         maps.append(("bias_map", 4, KEYS_OF, 1, config.block_n * bias.element_size(), 0))
     shared = forward_shared_bytes(config, head_dim, arch, mask_tiles, bias_tiles)
-    kv_bytes = 2 * k.shape[1] * padded_head_dim(head_dim) * dtype.itemsize  # K and V, shared by a group's heads
-    sections = section_slices(batch * num_heads, kv_bytes, num_heads // k.shape[2])
+    kv_bytes = 2 * seqlen_k * padded_head_dim(head_dim) * dtype.itemsize  # K and V, shared by a group's heads
+    sections = section_slices(grid[0], kv_bytes, num_heads // k.shape[2])
     tiles = (tuple(_key_tiles(block, config, seqlen_q, k.shape[1], is_causal, window_sides) for block in range(grid[1]))
-             if config.persistent else ())
+             if config.persistent and not packed else ())
     return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps), sections, grid, tiles,
-                          windowed)
+                          windowed, packed, bool(config.persistent))
 
 
 def _key_tiles(m_block: int, config: FwdConfig, seqlen_q: int, seqlen_k: int, is_causal: bool,
@@ -224,6 +246,16 @@ def kernel_window_sides(window: tuple[int, int], is_causal: bool, q_shape: tuple
     return (left, right) if has_window else None
 
 
+def sequence_fields(packing: Packing, sequences: tuple, item_counter: torch.Tensor | None) -> dict:
+    """A packed call's fields of the warp-specialized forward's parameters: the sequences'
+    (cu_seqlens_q, cu_seqlens_k, seqused_k or None) addresses, the longest lengths and, launched
+    persistent, its zeroed item counter."""
+    cu_seqlens_q, cu_seqlens_k, seqused_k = sequences
+    return dict(cu_seqlens_q=cu_seqlens_q.data_ptr(), cu_seqlens_k=cu_seqlens_k.data_ptr(),
+                seqused_k=address(seqused_k), max_seqlen_q=packing.max_seqlen_q, max_seqlen_k=packing.max_seqlen_k,
+                item_counter=address(item_counter))
+
+
 def _fill_addresses(params: FwdParams, q, k, v, mask, bias, out, lse) -> None:
     inputs = params.inputs
     inputs.q, inputs.k, inputs.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -233,22 +265,29 @@ def _fill_addresses(params: FwdParams, q, k, v, mask, bias, out, lse) -> None:
 
 def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                       config: FwdConfig, out: torch.Tensor, lse: torch.Tensor,
-                      window: tuple[int, int] = (-1, -1)) -> None:
+                      window: tuple[int, int] = (-1, -1), packing: Packing | None = None,
+                      sequences: tuple = (None, None, None)) -> None:
     """Writes out (B, Lq, H, D) and lse (B, H, Lq) fp32 for one forward call; the mask and bias as
     the caller passed them (up to 4 dims, broadcastable as (B|1, H|Hkv|1, Lq|1, Lk|1)); `window`:
-    FlashAttention's (left, right) sliding window."""
+    FlashAttention's (left, right) sliding window. Packed sequences (`packing`, `configs.Packing`:
+    the tensors are one batch row; `sequences`: (cu_seqlens_q, cu_seqlens_k, seqused_k or None))
+    write only their sequences' rows, with a per-key mask and bias or none."""
     check_query(q)
     layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
     sides = kernel_window_sides(window, is_causal, q.shape, k.shape[1])
-    plan = _forward_launch(layouts, is_causal, softcap, config, sides)
-    if is_compile_only():
+    plan = _forward_launch(layouts, is_causal, softcap, config, sides, packing)
+    if is_compile_only() or 0 in plan.grid:  # packed: no sequence, or every one empty
         return
     params_type = FwdParams if sides is None else WindowedFwdParams
     params = params_type.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse.stride(), sides))
     _fill_addresses(params, q, k, v, mask, bias, out, lse)
     grid, schedule = plan.launch_grid(q.device)
     if plan.maps:
-        params = plan.ws_params(params, schedule, **plan.tensor_maps((q, k, v, mask, bias)))
+        packed = None
+        if packing is not None:
+            counter = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent else None
+            packed = sequence_fields(packing, sequences, counter)
+        params = plan.ws_params(params, schedule, packed, **plan.tensor_maps((q, k, v, mask, bias)))
     plan.launcher(plan.name, grid, config.num_warps, plan.shared, params)
 
 
@@ -282,34 +321,54 @@ class ForwardPlan:
     (`dmattn_kernels.runtime.native`): the same two allocations and one launch in one C++ call, the
     parameters copied from the signature's template with the call's addresses and, for the
     warp-specialized forward, its tensor maps filled in (encoded again only for new addresses).
+    A packed call (`packing`, `configs.Packing`) runs from Python, given its sequences on each run
+    (`sequences`: cu_seqlens_q, cu_seqlens_k, seqused_k or None), the rows no sequence owns filled
+    on the device first (`clear.UnownedRows`, as the Triton forward fills them).
     """
 
     leaves_activity = False  # no tile activity for the backward (the Triton forward's schedule)
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
-                 config: FwdConfig, out: torch.Tensor, lse: torch.Tensor, window: tuple[int, int] = (-1, -1)):
+                 config: FwdConfig, out: torch.Tensor, lse: torch.Tensor, window: tuple[int, int] = (-1, -1),
+                 packing: Packing | None = None):
         # a launch's checks and variant are `_forward_launch`'s, per signature
         self.window_sides = kernel_window_sides(window, is_causal, q.shape, k.shape[1])
         del q, k, v, mask, bias
-        self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, window=window)
+        self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, window=window,
+                            packing=packing)
+        self.unowned = None
+        if packing is not None:
+            # imported on first use: importing the Triton kernels fixes whether the interpreter runs them
+            from dmattn_kernels.triton.clear import UnownedRows, lse_part, token_part
+
+            self.unowned = UnownedRows([token_part(out.shape, out.stride()), lse_part(lse.shape, lse.stride())], [],
+                                       packing.num_sequences)
         self.config = config
         self.out_shape, self.out_dtype, self.lse_shape = tuple(out.shape), out.dtype, tuple(lse.shape)
         self.native: native.Program | None = None  # `allocate_and_run`'s, once a run built it
         self.native_tried = False
 
-    def __call__(self, q, k, v, mask, bias, out, lse, activity=None) -> None:
+    def __call__(self, q, k, v, mask, bias, out, lse, activity=None, sequences=(None, None, None)) -> None:
         del activity
-        attention_forward(q, k, v, mask, bias, config=self.config, out=out, lse=lse, **self.options)
+        attention_forward(q, k, v, mask, bias, config=self.config, out=out, lse=lse, sequences=sequences,
+                          **self.options)
 
     def native_program(self, keep_lse: bool) -> native.Program | None:
         """The program a call without gradient runs (lse is its own tensor either way)."""
         del keep_lse
         return self.native
 
-    def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool, keep_lse: bool = True) -> tuple:
+    def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool, keep_lse: bool = True,
+                         sequences=(None, None, None)) -> tuple:
         """(out, lse, None) in new tensors (`keep_activity` and `keep_lse` change nothing here)."""
         del keep_activity, keep_lse
         stream = launch_stream()
+        if self.unowned is not None:  # packed: from Python, no native program
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=q.device)
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+            self.unowned.run(stream, (out, lse), *sequences[:2])
+            self(q, k, v, mask, bias, out, lse, sequences=sequences)
+            return out, lse, None
         # the program launches on the current device's stream; on another, `Launcher` switches
         if (self.native is not None and stream is not None and not launch_context.LAUNCH_OBSERVERS
                 and q.get_device() == torch.cuda.current_device()):

@@ -102,6 +102,34 @@ class WindowedPersistentWsParams(ctypes.Structure):
     _fields_ = _padded(WindowedWsParams._fields_[:-1] + _PERSISTENT_FIELDS)
 
 
+_SEQUENCE_POINTERS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k")
+# flash_fwd_ws.cu's WsParams built with PACKED: after the rest, the sequences' offsets and lengths
+# and the persistent launch's item counter
+_PACKED_FIELDS = (_pointers(*_SEQUENCE_POINTERS) + [(name, ctypes.c_int) for name in ("max_seqlen_q", "max_seqlen_k")]
+                  + _pointers("item_counter"))
+
+
+def _packed_ws_params(base: type) -> type:
+    """`base`'s WsParams fields, then `_PACKED_FIELDS`, padded to its 128-byte multiple."""
+    return type(f"Packed{base.__name__}", (ctypes.Structure,), {
+        "_fields_": _padded(base._fields_[:-1] + _PACKED_FIELDS),
+        "__doc__": f"flash_fwd_ws.cu's WsParams built as `{base.__name__}` and with PACKED."})
+
+
+_WS_PARAMS = {(windowed, persistent, False): base for (windowed, persistent), base in (
+    ((False, False), WsParams), ((True, False), WindowedWsParams), ((False, True), PersistentWsParams),
+    ((True, True), WindowedPersistentWsParams))}
+_WS_PARAMS.update({(windowed, persistent, True): _packed_ws_params(base)
+                   for (windowed, persistent, _), base in list(_WS_PARAMS.items())})
+PackedWsParams = _WS_PARAMS[False, False, True]
+WindowedPackedWsParams = _WS_PARAMS[True, False, True]
+
+
+def ws_params_type(windowed: bool, persistent: bool, packed: bool) -> type:
+    """The WsParams structure of a warp-specialized forward variant."""
+    return _WS_PARAMS[windowed, persistent, packed]
+
+
 class BwdParams(ctypes.Structure):
     """bwd_steps.cuh's BwdParams (both backwards'), field for field."""
 
@@ -123,7 +151,7 @@ _BWD_MAPS = ("q_map", "k_map", "v_map", "do_map", "mask_map", "bias_map", "dbias
 def _bwd_ws_fields(backward: type, packed: bool) -> list[tuple[str, type]]:
     """flash_bwd_ws.cu's BwdWsParams with `backward` as its BwdParams and, built with PACKED, the
     sequences' fields after the rest, padded to its 128-byte multiple."""
-    sequences = (_pointers("cu_seqlens_q", "cu_seqlens_k", "seqused_k")
+    sequences = (_pointers(*_SEQUENCE_POINTERS)
                  + [(name, ctypes.c_int) for name in ("max_seqlen_q", "max_seqlen_k", "head_tiles")])
     return _padded([(name, TensorMap) for name in _BWD_MAPS] + [("backward", backward)]
                    + _pointers("dq_sum", "dq_counter") + [("section_slices", ctypes.c_int)]

@@ -182,6 +182,31 @@ __device__ __forceinline__ void load_tile_tma(elem_t* tile, const void* map, int
     tma_load(tile + block * ROWS * SWIZZLE_COLS, map, block * SWIZZLE_COLS, row, head, batch, full);
 }
 
+#if PACKED  // packed sequences (flash_fwd_ws.cu, flash_bwd_ws.cu): their parameters' cu_seqlens_q/k, seqused_k, max_seqlen_q/k
+// The lengths of sequence `sequence`: (query rows, keys), cut to [0, max_seqlen] as the Triton
+// kernels cut them (so its tiles stay inside the grid, and below the next sequence's dQ tiles).
+template <typename Params>
+__device__ __forceinline__ int2 sequence_lengths(const Params& p, int sequence) {
+  const int keys = p.seqused_k ? p.seqused_k[sequence] : p.cu_seqlens_k[sequence + 1] - p.cu_seqlens_k[sequence];
+  const int rows = p.cu_seqlens_q[sequence + 1] - p.cu_seqlens_q[sequence];
+  return make_int2(min(max(rows, 0), p.max_seqlen_q), min(max(keys, 0), p.max_seqlen_k));
+}
+
+// Rows [first, ROWS) of a tile as TMA stages it (a box of ROWS 128-byte lines per 64 columns,
+// swizzled within each line) set to zero, 16 bytes a thread at a time: rows of the next sequence
+// that a box read, whose K, V, Q or dO would reach a product as 0 x NaN.
+template <int ROWS>
+__device__ __forceinline__ void clear_rows(elem_t* tile, int first, int thread, int threads) {
+  constexpr int LINE_CHUNKS = SWIZZLE_COLS * int(sizeof(elem_t)) / 16;
+  first = max(first, 0);
+  const int block_chunks = (ROWS - first) * LINE_CHUNKS;
+  for (int i = thread; i < block_chunks * (BLOCK_D / SWIZZLE_COLS); i += threads) {
+    const int block = i / block_chunks, row = first + i % block_chunks / LINE_CHUNKS, chunk = i % LINE_CHUNKS;
+    *reinterpret_cast<uint4*>(tile + (block * ROWS + row) * SWIZZLE_COLS + chunk * 8) = make_uint4(0, 0, 0, 0);
+  }
+}
+#endif
+
 // A warpgroup gives back or takes registers (per thread; a multiple of 8 in [24, 256]).
 template <int N>
 __device__ __forceinline__ void registers_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N)); }

@@ -23,18 +23,21 @@ def _features(bias_dtype: torch.dtype | None, is_causal: bool, has_mask: bool, s
 
 def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *, arch: str,
             is_causal: bool, has_mask: bool, softcap: float, mask_tiles: int = TILES_OF_ROWS,
-            bias_tiles: int = TILES_OF_ROWS, window: bool = False) -> tuple[str, ...]:
+            bias_tiles: int = TILES_OF_ROWS, window: bool = False, packed: bool = False) -> tuple[str, ...]:
     """The -D list of the forward variant a call needs on `arch` ("sm90"). The warp-specialized
     forward stages the mask and a 16-bit bias in shared memory where there is room, as the call's
     operands allow (`mask_tiles`, `bias_tiles`: `staged_tiles`). Its knobs, where on, add
-    FWD_OVERLAP and FWD_PERSISTENT, and a sliding window (`window`) HAS_WINDOW; a knob or window
-    off adds nothing, so its variant is the code the knob was added to.
+    FWD_OVERLAP and FWD_PERSISTENT, a sliding window (`window`) HAS_WINDOW and packed sequences
+    (`packed`: no mask or bias of query rows, the caller's check, `backward_packed_reason`)
+    PACKED; a knob or feature off adds nothing, so its variant is the code it was added to.
 
     Raises:
-        ValueError: a knob on for a config that is not the warp-specialized forward on `arch`, or
-            a window for one that is not its overlapped kernel (`window_reason`).
+        ValueError: a knob on for a config that is not the warp-specialized forward on `arch`, a
+            window or packed sequences for one that is not its overlapped kernel (`window_reason`,
+            `forward_packed_reason`).
     """
     reason = window_reason(config, head_dim, arch) if window else None
+    reason = reason or (forward_packed_reason(config, head_dim, arch) if packed else None)
     if reason:
         raise ValueError(f"config: {reason}")
     own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n)
@@ -42,7 +45,7 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
         stages, mask_tiles, bias_tiles = staging(config, head_dim, has_mask, bias_dtype, mask_tiles, bias_tiles)
         own.update(WGMMA=True, SCORE_STAGES=stages, MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles)
         own.update({name: True for name, on in (("FWD_OVERLAP", config.overlap), ("FWD_PERSISTENT", config.persistent),
-                                                ("HAS_WINDOW", window)) if on})
+                                                ("HAS_WINDOW", window), ("PACKED", packed)) if on})
     elif config.overlap or config.persistent:
         reason = knob_reason(config) or "overlap and persistent: knobs of the warp-specialized forward, on sm90 only"
         raise ValueError(f"config: {reason} (here: {arch})")
@@ -62,6 +65,16 @@ def window_reason(config: FwdConfig, head_dim: int, arch: str | None) -> str | N
             f"block_m / 16 + 4 warps, overlap=1), not {config.to_dict()} on {arch}")
 
 
+def forward_packed_reason(config: FwdConfig, head_dim: int, arch: str | None) -> str | None:
+    """Why `config`'s CUDA forward runs no packed call on `arch`, or None: only the overlapped
+    warp-specialized forward (one item per CTA or persistent) walks a sequence's rows
+    (flash_fwd_ws.cu)."""
+    if warp_specialized(config, head_dim, arch) and config.overlap:
+        return None
+    return (f"a packed call runs in the CUDA forward's overlapped warp-specialized kernel only (sm90, "
+            f"block_m / 16 + 4 warps, overlap=1), not {config.to_dict()} on {arch}")
+
+
 def backward_feature_reason(config: BwdConfig, head_dim: int, arch: str | None, feature: str) -> str | None:
     """Why `config`'s CUDA backward runs no call with `feature` ("a sliding window", "a packed
     call") on `arch`, or None: only the warp-specialized backward walks a window's query tiles
@@ -73,11 +86,11 @@ def backward_feature_reason(config: BwdConfig, head_dim: int, arch: str | None, 
 
 
 def backward_packed_reason(mask_has_rows: bool, bias_has_rows: bool) -> str | None:
-    """Why the warp-specialized backward runs no call of packed sequences whose mask or bias has
-    query rows (`mask_has_rows`, `bias_has_rows`), or None: it reads a mask and bias of one row
+    """Why the warp-specialized kernels run no call of packed sequences whose mask or bias has
+    query rows (`mask_has_rows`, `bias_has_rows`), or None: they read a mask and bias of one row
     of keys (per key, or none) at the sequence's keys, and no operand of a sequence's rows."""
     if mask_has_rows or bias_has_rows:
-        return ("the CUDA backward runs packed sequences with a per-key mask and bias only (or none; the Triton "
+        return ("the CUDA kernels run packed sequences with a per-key mask and bias only (or none; the Triton "
                 "kernels run every layout)")
     return None
 
