@@ -29,6 +29,7 @@ from dmattn_bench.space import (DTYPE_NAMES, MAX_DECODE_QUERIES, AttentionShape,
                                 operand_kind, seqlen_bucket, window_bucket)
 from dmattn_kernels.configs import Packing
 from dmattn_kernels.runtime import native
+from dmattn_kernels.runtime.launch_context import launch_stream
 from dmattn_kernels.runtime.operands import padded_shape
 from dmattn_kernels.runtime.plan_cache import PlanCache, python_tensor_layouts
 
@@ -169,6 +170,7 @@ class AttentionPlan:
                     + (", a fwd_config" if fwd_config is not None else ""))
         self._decode_launch = None
         self._fwd_launch = None
+        self._unowned = None  # a packed call's fill of the rows no sequence owns (`_packed_outputs`)
         self._bwd_choice = None
         self._bwd_launches: dict[tuple, object] = {}
 
@@ -195,17 +197,20 @@ class AttentionPlan:
         launch = self._fwd_launch
         if launch is not None:  # every call after the first of a forward with a plan (Triton's, CUDA's)
             if self.packing is not None:
-                return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse, sequences)
+                out, lse = self._packed_outputs(sequences)
+                launch(q, k, v, mask, bias, out, lse, None, sequences=sequences)
+                return out, lse, None
             return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse)
         device = self.device
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-        if self.no_rows or self.no_keys or self.packing is not None:
-            # no keys: every row is dead (out 0, lse -inf); packed: rows no sequence owns are
+        if self.packing is not None and not (self.no_rows or self.no_keys):
+            out, lse = self._packed_outputs(sequences)
+        else:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        if self.no_rows or self.no_keys:  # every row is dead: out 0, lse -inf
             out.zero_()
             lse.fill_(float("-inf"))
-            if self.no_rows or self.no_keys:
-                return out, lse, None
+            return out, lse, None
         backend = self.fwd_backend
         packed = {} if self.packing is None else {"sequences": sequences}
         if backend.forward_plan is None:
@@ -223,6 +228,21 @@ class AttentionPlan:
         self._fwd_launch = launch
         launch(q, k, v, mask, bias, out, lse, activity, **packed)
         return out, lse, activity
+
+    def _packed_outputs(self, sequences: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed call's out and lse, the rows no sequence owns filled on the device (out 0,
+        lse -inf: no program of either backend's forward writes them), the rest left to the
+        forward (`clear.UnownedRows`, built on the first call)."""
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        if self._unowned is None:
+            # imported on first use: importing the Triton kernels fixes whether the interpreter runs them
+            from dmattn_kernels.triton.clear import UnownedRows, lse_part, token_part
+
+            self._unowned = UnownedRows([token_part(out.shape, out.stride()), lse_part(lse.shape, lse.stride())], [],
+                                        self.packing.num_sequences)
+        self._unowned.run(launch_stream(), (out, lse), *sequences[:2])
+        return out, lse
 
     def infer(self, q, k, v, mask, bias, cache_seqlens=None, block_table=None,
               keep_lse: bool = True, sequences: tuple = NO_SEQUENCES) -> tuple[torch.Tensor, torch.Tensor]:

@@ -321,9 +321,9 @@ class ForwardPlan:
     (`dmattn_kernels.runtime.native`): the same two allocations and one launch in one C++ call, the
     parameters copied from the signature's template with the call's addresses and, for the
     warp-specialized forward, its tensor maps filled in (encoded again only for new addresses).
-    A packed call (`packing`, `configs.Packing`) runs from Python, given its sequences on each run
-    (`sequences`: cu_seqlens_q, cu_seqlens_k, seqused_k or None), the rows no sequence owns filled
-    on the device first (`clear.UnownedRows`, as the Triton forward fills them).
+    A packed call (`packing`, `configs.Packing`) runs into given outputs, given its sequences on
+    each run (`sequences`: cu_seqlens_q, cu_seqlens_k, seqused_k or None); it writes only its
+    sequences' rows (the caller fills the rest: `dmattn_bench.plan`).
     """
 
     leaves_activity = False  # no tile activity for the backward (the Triton forward's schedule)
@@ -336,13 +336,6 @@ class ForwardPlan:
         del q, k, v, mask, bias
         self.options = dict(is_causal=is_causal, softmax_scale=softmax_scale, softcap=softcap, window=window,
                             packing=packing)
-        self.unowned = None
-        if packing is not None:
-            # imported on first use: importing the Triton kernels fixes whether the interpreter runs them
-            from dmattn_kernels.triton.clear import UnownedRows, lse_part, token_part
-
-            self.unowned = UnownedRows([token_part(out.shape, out.stride()), lse_part(lse.shape, lse.stride())], [],
-                                       packing.num_sequences)
         self.config = config
         self.out_shape, self.out_dtype, self.lse_shape = tuple(out.shape), out.dtype, tuple(lse.shape)
         self.native: native.Program | None = None  # `allocate_and_run`'s, once a run built it
@@ -358,17 +351,11 @@ class ForwardPlan:
         del keep_lse
         return self.native
 
-    def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool, keep_lse: bool = True,
-                         sequences=(None, None, None)) -> tuple:
-        """(out, lse, None) in new tensors (`keep_activity` and `keep_lse` change nothing here)."""
+    def allocate_and_run(self, q, k, v, mask, bias, keep_activity: bool, keep_lse: bool = True) -> tuple:
+        """(out, lse, None) in new tensors (`keep_activity` and `keep_lse` change nothing here); a
+        dense call's (a packed one runs into given outputs)."""
         del keep_activity, keep_lse
         stream = launch_stream()
-        if self.unowned is not None:  # packed: from Python, no native program
-            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=q.device)
-            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-            self.unowned.run(stream, (out, lse), *sequences[:2])
-            self(q, k, v, mask, bias, out, lse, sequences=sequences)
-            return out, lse, None
         # the program launches on the current device's stream; on another, `Launcher` switches
         if (self.native is not None and stream is not None and not launch_context.LAUNCH_OBSERVERS
                 and q.get_device() == torch.cuda.current_device()):
