@@ -192,6 +192,22 @@ def cuda_package_hash(directory: Path) -> str:
     return _digest(parts)
 
 
+def host_code_hash(packages: dict[str, Path]) -> str:
+    """The hash of the host code of `packages` (name -> directory; the adversarial-case ledger's):
+    every `.py` file but its jit functions (a kernel's code is digested per program), docstrings
+    removed, and every `.cpp` file normalised, each under its package name and path."""
+    parts = []
+    for name, directory in sorted(packages.items()):
+        directory = Path(directory)
+        for path in sorted(directory.rglob("*.py")):
+            tree = _strip_docstrings(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+            tree.body = [s for s in tree.body if not (isinstance(s, ast.FunctionDef) and _is_jit(s))]
+            parts.append((f"{name}/{path.relative_to(directory).as_posix()}", canonical(tree)))
+        parts += [(f"{name}/{path.relative_to(directory).as_posix()}", normalise_c(path.read_text(encoding="utf-8")))
+                  for path in sorted(directory.rglob("*.cpp"))]
+    return _digest(parts)
+
+
 def python_module_hash(path: Path) -> str:
     """The hash of a single-module backend: the whole module, docstrings removed."""
     path = Path(path)

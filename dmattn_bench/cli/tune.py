@@ -20,6 +20,7 @@ from dmattn_bench.dispatch.stamps import entry_status
 from dmattn_bench.errors import DmattnError, NoGpuError
 from dmattn_bench.hardware import device_fingerprint, local_limits, search_section
 from dmattn_bench.space import CONFIGS_DIR, TUNED_DIRECTIONS, config_label
+from dmattn_bench.tuning import ledger
 from dmattn_bench.tuning.journal import JournalError, JournalState, mark_finished, read_state
 from dmattn_bench.tuning.ranking import RankingModel
 from dmattn_bench.tuning.prune import load_ci_space, load_space, read_yaml_mapping
@@ -318,10 +319,12 @@ def _stale_workloads(table_path: str, dtypes, on_gpu: bool) -> tuple[list, set]:
               help="Time every candidate of every key. Default: rank each key's candidates by the committed "
                    "trial journals' times on similar keys and time them in batches down the ranking until a "
                    "batch brings no gain (the rest are journaled ranked_out; --exhaustive --resume times them).")
+@click.option("--no-ledger", is_flag=True, default=False,
+              help="Run every adversarial case. Default: a case that passed before on this GPU on the same code (its programs' sources, the host code, the software) answers from the case ledger in the cache directory (dmattn_bench.tuning.ledger).")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
 def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, merge_path, stale_only, resume, budget,
-                 trial_timeout, suite_timeout, gpus, ray_address, suite, exhaustive, fmt) -> None:
+                 trial_timeout, suite_timeout, gpus, ray_address, suite, exhaustive, no_ledger, fmt) -> None:
     """Tune the kernels on this machine's GPU and write a dispatch table.
 
     Every trial is journaled in <out>.trials.jsonl. Running the same command again after a run
@@ -402,7 +405,8 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     replayed = _announce_journal(journal, resume, trials_path, out, planned)
     results = {}
     try:
-        with output.progress("tune", total=len(planned) - replayed) as advance:
+        with (ledger.ledger_for_workers(None if no_ledger else ledger.default_path()),
+              output.progress("tune", total=len(planned) - replayed) as advance):
             for index, name in enumerate(backends):
                 # one journal: trial ids name their backend, so a later backend continues it
                 ranking = None if exhaustive else RankingModel.load(name)

@@ -15,6 +15,7 @@ from dmattn_bench.errors import NoGpuError, ValidationFailed
 from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint
 from dmattn_bench.space import DTYPES, InvalidConfig, config_label
+from dmattn_bench.tuning import ledger
 from dmattn_bench.tuning.table_writer import declare_stale
 from dmattn_bench.tuning.table_writer import restamp as restamp_table
 from dmattn_bench.tuning.validator import (CHECKED, CaseResult, SuiteResult, plan_decode, plan_default_configs,
@@ -167,10 +168,12 @@ def _declare_stale(table_path: str, reason: str, fmt: str) -> None:
 @click.option("--declare-stale", "stale_reason", default=None, metavar="REASON",
               help="Run nothing: declare stale, with REASON, the --table file's entries whose code changed since "
                    "their validation (for a change that lands while their GPU is not at hand). No GPU needed.")
+@click.option("--no-ledger", is_flag=True, default=False,
+              help="Run every adversarial case. Default: a case that passed before on this GPU on the same code (its programs' sources, the host code, the software) answers from the case ledger in the cache directory (dmattn_bench.tuning.ledger).")
 @click.option("--format", "fmt", type=click.Choice(output.FORMATS), default="human", show_default=True,
               help="Result format on stdout.")
 def verify(table_path: str | None, dtype: str | None, backend: str | None, suite: str | None, restamp: bool,
-           stale_reason: str | None, fmt: str) -> None:
+           stale_reason: str | None, no_ledger: bool, fmt: str) -> None:
     """Validate every entry of a table (or the default configs) with the adversarial suite.
 
     With --restamp, only the entries that are stale or unvalidated run, and when they all pass
@@ -211,14 +214,19 @@ def verify(table_path: str | None, dtype: str | None, backend: str | None, suite
                 param_hint="--restamp")
     # taken before the kernels run: the code that was verified, even if a file changes meanwhile
     stamped = {entry: stamp_of(entry, table.device) for entry in verified} if restamp else {}
-    with output.progress(f"verify {dtype}", total=sum(len(item.cases) for item in plan)) as advance:
+    with (ledger.ledger_for_workers(None if no_ledger else ledger.default_path()),
+          output.progress(f"verify {dtype}", total=sum(len(item.cases) for item in plan)) as advance):
         results = rejected + run_plan(DTYPES[dtype], device, plan, on_case=lambda r: advance(f"{r.case}: {r.status}"))
+    answered = sum(case.replayed for _, result in results for case in result.cases)
+    if answered:
+        output.info(f"{answered} of {sum(len(result.cases) for _, result in results)} cases answered from the case "
+                    "ledger: passed before on this GPU on the same code (--no-ledger runs them)")
     device_name = torch.cuda.get_device_name() if has_gpu else "cpu (interpreter)"
     tables = [_summary_table(results, dtype, device_name)]
     failures = _failure_table(results)
     if failures is not None:
         tables.append(failures)
-    document = {"dtype": dtype, "device": device_name, "suite": suite, "source": source,
+    document = {"dtype": dtype, "device": device_name, "suite": suite, "source": source, "ledger_answered": answered,
                 "entries": [dict(configs=label, **r.to_dict()) for label, r in results]}
     # strict: a default config that cannot run a case would fail that shape at run time
     failed = [label for label, r in results if r.status != "ok"]

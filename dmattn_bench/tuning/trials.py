@@ -196,7 +196,9 @@ def suite_verdict(results: list[CaseResult], suite: str) -> tuple[str, str]:
     """A config's suite verdict from its case results, in case order: the first failure."""
     bad = next((c for c in results if c.status != "ok"), None)
     if bad is None:
-        return "ok", f"{suite} suite, {len(results)} cases"
+        answered = sum(c.replayed for c in results)
+        from_ledger = f" ({answered} answered from the case ledger)" if answered else ""
+        return "ok", f"{suite} suite, {len(results)} cases{from_ledger}"
     return bad.status, f"adversarial {bad.case}: {bad.reason}"
 
 
@@ -266,7 +268,7 @@ def suite_case_job(job: tuple) -> CaseResult:
     except Exception as exc:  # noqa: BLE001 - inputs or references failed: data, not a crash
         result = CaseResult(case.name, *classify_failure(exc))
     _context_lost = result.status == "launch_error"
-    return CaseResult(result.case, result.status, result.reason)  # the checks stay in the worker
+    return CaseResult(result.case, result.status, result.reason, replayed=result.replayed)  # the checks stay here
 
 
 def shape_of_workload(workload: Workload):

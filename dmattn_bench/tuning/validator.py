@@ -29,6 +29,7 @@ from dmattn_bench.registry import Backend, get_backend
 from dmattn_bench.space import (AttentionShape, BwdConfig, DecodeConfig, FwdConfig, TableKey, bias_has_rows,
                                 config_label, is_valid_head_dim)
 from dmattn_bench.tiles import DECODE_DEFAULTS, decode_config, default_configs, default_entries
+from dmattn_bench.tuning import ledger
 from dmattn_bench.tuning.adversarial import (MASK_SHAPE_OF_KIND, NO_WINDOW, Case, adversarial_cases, bias_kind,
                                              build_inputs, decode_cases)
 # how a case runs through a kernel and the reference (tests and the tuner's trials import them here too)
@@ -76,6 +77,7 @@ class CaseResult:
     status: str
     reason: str = ""
     checks: dict[str, TensorCheck] = field(default_factory=dict)
+    replayed: bool = False  # passed before on the same code (`ledger`), not run again
 
     @property
     def worst_ratio(self) -> float:
@@ -230,7 +232,9 @@ def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.d
     """Runs one case twice through the kernel and once through each reference; never raises.
 
     A direction whose config is None is not run: a backward checked alone reads the reference's
-    out and lse.
+    out and lse. Where this process validates with a ledger (`ledger.active`: `tune`, `verify`),
+    a case that passed before on the same code answers with that verdict, and one that passes
+    now is kept.
     """
     device = torch.device(device)
     shape = shape_of_case(case)
@@ -241,12 +245,25 @@ def check_case(backend: Backend, case: Case, dtype: torch.dtype, device: torch.d
         reason = backend.is_supported(config, shape) if config is not None else None
         if reason:
             return CaseResult(case.name, "unsupported", reason)
+    kept = ledger.active()
+    call = (backend.name, case, dtype, seed, fwd_config, bwd_config, str(device))
+    if kept is not None:
+        checks = kept.replay(*call)
+        if checks is not None:
+            return CaseResult(case.name, "ok", "", {name: TensorCheck(**fields) for name, fields in checks.items()},
+                              replayed=True)
 
     def launcher(inputs, high):
         forward = None if fwd_config is not None else reference_forward(high, dtype)
         return lambda: run_kernel(backend, inputs, case, fwd_config, bwd_config, forward)
 
-    return _run_case(case, dtype, device, seed, launcher)
+    if kept is None:
+        return _run_case(case, dtype, device, seed, launcher)
+    with ledger.observing() as programs:
+        result = _run_case(case, dtype, device, seed, launcher)
+    if result.status == "ok":
+        kept.keep(*call, programs, {name: asdict(check) for name, check in result.checks.items()})
+    return result
 
 
 def _run_case(case: Case, dtype: torch.dtype, device: torch.device, seed: int, launcher) -> CaseResult:

@@ -1,5 +1,6 @@
 """What every launch of either launcher consults: the compile-only switch (`compile_only`), the
-launch observers (`LAUNCH_OBSERVERS`) and the stream a run's launches take (`launch_stream`).
+launch observers (`LAUNCH_OBSERVERS`, `PROGRAM_OBSERVERS`) and the stream a run's launches take
+(`launch_stream`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ _MODE = threading.local()  # compile-only switch of the current thread (see `com
 # Read as `launch_context.LAUNCH_OBSERVERS` by the launchers and the native entry, so that a test
 # may replace the list.
 LAUNCH_OBSERVERS: list[Callable[[str], None]] = []
+# Called, while LAUNCH_OBSERVERS holds an observer, with each launch's `dmattn_kernels.target.Program`
+# (the kernel and the compile-time parameters its launcher passed): what a run ran, for the
+# adversarial-case ledger (`dmattn_bench.tuning.ledger`). Empty in normal use.
+PROGRAM_OBSERVERS: list[Callable[[object], None]] = []
 
 
 @contextmanager

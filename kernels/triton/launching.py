@@ -70,6 +70,11 @@ class Launch:
         if observers:
             for observer in observers:
                 observer(self.name)
+            if launch_context.PROGRAM_OBSERVERS:
+                program = target.Program("triton", self.name, self.kernel,
+                                         tuple(sorted({**self.constexprs, **self.options}.items())))
+                for observer in launch_context.PROGRAM_OBSERVERS:
+                    observer(program)
         if stream is not None and self.launcher is not None:
             self.launcher(stream, args)
             return
