@@ -97,9 +97,9 @@ class AttentionPlan:
     `window`: FlashAttention's (left, right) sliding window. `packing`: a packed call
     (`dmattn_bench.varlen`), whose operands are the 4-D views of `configs.Packing` and whose runs
     take their `sequences` (cu_seqlens_q, cu_seqlens_k, seqused_k or None); the Triton kernels
-    run both, never the short-query forward; the CUDA kernels run a window in their warp-specialized
-    kernels only and packed sequences in their warp-specialized backward only, where the table or
-    an explicit config chooses them (`tiles.key_problem`)."""
+    run both, never the short-query forward; the CUDA kernels run both in their warp-specialized
+    kernels only (the forward's overlapped one), where the table or an explicit config chooses
+    them (`tiles.key_problem`)."""
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
                  table: str | None, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None,
@@ -196,11 +196,13 @@ class AttentionPlan:
         `sequences`: a packed call's (class docstring)."""
         launch = self._fwd_launch
         if launch is not None:  # every call after the first of a forward with a plan (Triton's, CUDA's)
-            if self.packing is not None:
-                out, lse = self._packed_outputs(sequences)
-                launch(q, k, v, mask, bias, out, lse, None, sequences=sequences)
-                return out, lse, None
-            return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse)
+            if self.packing is None:
+                return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse)
+            if getattr(launch, "fills_unowned", False):  # Triton's: its plan (and stamp) hold the fill kernel
+                return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse, sequences)
+            out, lse = self._packed_outputs(sequences)
+            launch(q, k, v, mask, bias, out, lse, None, sequences=sequences)
+            return out, lse, None
         device = self.device
         if self.packing is not None and not (self.no_rows or self.no_keys):
             out, lse = self._packed_outputs(sequences)
@@ -232,7 +234,9 @@ class AttentionPlan:
     def _packed_outputs(self, sequences: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """A packed call's out and lse, the rows no sequence owns filled on the device (out 0,
         lse -inf: no program of either backend's forward writes them), the rest left to the
-        forward (`clear.UnownedRows`, built on the first call)."""
+        forward (`clear.UnownedRows`, built on the first call): the first call's, and every call's
+        of a plan that does not fill them itself (CUDA's, whose launchers import nothing of the
+        Triton ones)."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         if self._unowned is None:

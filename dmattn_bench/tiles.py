@@ -18,11 +18,10 @@ formula (`dmattn_kernels.cuda.shared_bytes`; `_first_fitting` picks the CUDA def
 by it) and the Triton forward plan's compiled kernel (`ForwardPlan.shared_bytes`).
 
 A forced backend (`backend="cuda"` or `"triton"` without an explicit config) skips the table and
-takes that backend's default. The CUDA kernels run windows only in the forward's overlapped
-warp-specialized kernel and the warp-specialized backward, and packed sequences only in that
-backward (with a per-key mask and bias or none): a key they cannot run (`TableKey.packed`,
-`TableKey.window`) never gets them (`key_problem`), and forcing them on one (or a config that
-cannot) is a ValueError.
+takes that backend's default. The CUDA kernels run windows and packed sequences (with a per-key
+mask and bias or none) only in the forward's overlapped warp-specialized kernel and the
+warp-specialized backward: a key they cannot run (`TableKey.packed`, `TableKey.window`) never gets
+them (`key_problem`), and forcing them on one (or a config that cannot) is a ValueError.
 """
 
 from __future__ import annotations

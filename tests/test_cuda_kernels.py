@@ -864,7 +864,8 @@ def test_a_packed_forward_passes_its_sequences_and_a_persistent_one_a_zeroed_ite
     """The packed forward's parameters hold the sequences' prefix sums and longest lengths, its
     grid the sequences x heads by the longest sequence's blocks; persistent, a CTA per SM (at most
     one per item) and a counter at 0 that its CTAs take items from (the host cannot order items it
-    has no lengths for). With no sequence, or none with a query row, nothing launches."""
+    has no lengths for). Without keys it launches (its rows are dead: out 0, lse -inf); with no
+    sequence, or none with a query row, nothing launches."""
     launches = []
 
     class Recorder:
@@ -885,10 +886,28 @@ def test_a_packed_forward_passes_its_sequences_and_a_persistent_one_a_zeroed_ite
     cu_q, cu_k = torch.tensor([0, 260, 300], dtype=torch.int32), torch.tensor([0, 50, 90], dtype=torch.int32)
     overlapped = FwdConfig(128, 128, 12, 2, overlap=1)
     for config, packing in ((overlapped, Packing(2, 260, 50)), (replace(overlapped, persistent=1), Packing(2, 260, 50)),
+                            (overlapped, Packing(2, 260, 0)),  # no keys: every row dead, stored by the kernel
                             (overlapped, Packing(0, 260, 50)), (overlapped, Packing(2, 0, 50))):
         forward.attention_forward(q, k, k, None, None, is_causal=True, softmax_scale=0.1, softcap=0.0, config=config,
                                   out=torch.empty_like(q), lse=torch.empty(1, 4, 300), packing=packing,
                                   sequences=(cu_q, cu_k, None))
     # a CTA per item: 2 sequences x 4 heads by cdiv(260, 128) blocks; persistent: 6 CTAs
     assert launches == [((8, 3), cu_q.data_ptr(), 260, 50, None, None),
-                        ((6, 1), cu_q.data_ptr(), 260, 50, None, 0)]
+                        ((6, 1), cu_q.data_ptr(), 260, 50, None, 0),
+                        ((8, 3), cu_q.data_ptr(), 260, 0, None, None)]
+
+
+def test_a_packed_cuda_forward_entry_s_stamp_holds_its_kernel_however_often_it_is_taken():
+    """The stamp of a CUDA packed forward entry digests the warp-specialized forward (PACKED) it
+    runs, and the same on every computation in a process: its launch plans are cached per call
+    signature, so a plan for a stamp is built anew each time (the Launcher records the program),
+    and a helper kernel of the other backend never stands in for the CUDA ones."""
+    from dmattn_bench.dispatch import stamps
+    from dmattn_bench.space import TableKey
+
+    key = TableKey("fwd", "bf16", 128, True, "none", "none", 4, 4096, 4096, packed=True)
+    config = FwdConfig(128, 128, 12, 2, overlap=1, persistent=1)
+    for _ in range(2):
+        calls = list(stamps.entry_programs("cuda", key, config, "sm90", 132))
+        assert calls and all(programs and {(p.backend, p.name) for p in programs} == {("cuda", "fwd_ws")}
+                             and ("-D", "-DPACKED=1") in programs[0].parameters for _, programs in calls)

@@ -181,7 +181,10 @@ def _plan(backend, key: TableKey, config, call: Call, num_sms: int, programs: li
         elif key.direction == "fwd":
             if backend.forward_plan is not None:
                 backend.forward_plan(q, k, v, mask, bias, config=config, out=out, lse=lse, **options)
-            if not programs:  # a backend that plans each call (CUDA's): planned, not launched, in compile-only mode
+            # a backend whose plan builds none of its kernels (CUDA's plans each call): the call
+            # planned, not launched, in compile-only mode. Asked of its own kernels, not of any:
+            # a helper kernel of the other backend that a plan builds must not stand in for them
+            if not any(program.backend == backend.name for program in programs):
                 backend.forward(q, k, v, mask, bias, config=config, out=out, lse=lse, **options, **runs)
         else:
             dbias = _meta(bias.shape, bias.dtype) if key.bias.endswith("+grad") else None

@@ -20,9 +20,8 @@ from dmattn_bench.tuning.adversarial import NO_WINDOW, Case, Inputs
 @dataclass
 class Operands:
     """A case's inputs as the launchers take them: a packed call's as the 4-D views of one batch
-    row (`configs.Packing`), with the options (`window`, `packing` only where set: the CUDA
-    launchers take no packing, and only the forward a window) and what each run takes besides
-    (`sequences`)."""
+    row (`configs.Packing`), with the options (`window`, `packing` only where set, as the runtime
+    passes them) and what each run takes besides (`sequences`)."""
 
     q: torch.Tensor
     k: torch.Tensor

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from dmattn_kernels import target
 from dmattn_kernels.configs import FwdConfig, Packing, window_bounds
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
 from dmattn_kernels.cuda.params import (FwdParams, Inputs, TensorMap, WindowedFwdParams, address, inputs,
@@ -117,8 +118,12 @@ def _meta_tensors(layouts: tuple) -> list[torch.Tensor | None]:
 
 def _forward_launch(layouts: tuple, is_causal: bool, softcap: float, config: FwdConfig,
                     window_sides: tuple[int, int] | None = None, packing: Packing | None = None) -> _ForwardLaunch:
-    """`_signature_launch` for the arch of the layouts' device (or the one planned for)."""
-    return _signature_launch(layouts, is_causal, softcap, config, arch_of(layouts[0][3]), window_sides, packing)
+    """`_signature_launch` for the arch of the layouts' device (or the one planned for: then built
+    anew, so that its launcher records its program for every plan, not for the first only)."""
+    signature = (layouts, is_causal, softcap, config, arch_of(layouts[0][3]), window_sides, packing)
+    if target.planned_arch() is not None:
+        return _signature_launch.__wrapped__(*signature)
+    return _signature_launch(*signature)
 
 
 @lru_cache(maxsize=256)
@@ -222,7 +227,7 @@ def section_slices(slices: int, reread_bytes: int, sharing: int = 1) -> int:
     section_order): as many as fit L2_SECTION_BYTES with the operand bytes each group of `sharing`
     slices re-reads from L2 (the forward's K and V, the backward's Q, dO and dQ sums), at least one
     group, at most every slice."""
-    return min(slices, max(1, L2_SECTION_BYTES // reread_bytes) * sharing)
+    return min(slices, max(1, L2_SECTION_BYTES // max(1, reread_bytes)) * sharing)  # no keys: nothing re-read
 
 
 @lru_cache(maxsize=256)

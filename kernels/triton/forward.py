@@ -14,6 +14,7 @@ from dmattn_kernels import target
 from dmattn_kernels.configs import FwdConfig, Packing, window_bounds
 from dmattn_kernels.runtime import launch_context, native
 from dmattn_kernels.runtime.launch_context import launch_stream
+from dmattn_kernels.triton.clear import UnownedRows, lse_part, token_part
 from dmattn_kernels.triton.flash_fwd import flash_fwd_kernel
 from dmattn_kernels.triton.handles import descriptor_template
 from dmattn_kernels.triton.launching import Launch, Workspace
@@ -69,11 +70,13 @@ class ForwardPlan:
     (left, right) sliding window. `packing`: packed sequences (`configs.Packing`, whose layouts
     the operands then have), each run given the sequences' (cu_seqlens_q, cu_seqlens_k,
     seqused_k or None) as `sequences`; their mask is read tile by tile without an activity pass
-    (its summary is laid out by batch row, not by sequence); a packed run writes only its
-    sequences' rows of out and lse (the caller fills the rest: `dmattn_bench.plan`).
+    (its summary is laid out by batch row, not by sequence). `allocate_and_run` fills the rows of
+    out and lse that no sequence owns, which no program of the forward writes
+    (`clear.UnownedRows`); a run into given outputs leaves them as given.
     """
 
     leaves_activity = True  # with a mask, its tile activity for the backward (`allocate_and_run`)
+    fills_unowned = True  # a packed `allocate_and_run` fills the rows no sequence owns (`clear.UnownedRows`)
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                  config: FwdConfig, out: torch.Tensor, lse: torch.Tensor, window: tuple[int, int] = (-1, -1),
@@ -134,6 +137,8 @@ class ForwardPlan:
         self.compiled_on = self._forward_tensors(*kinds, (torch.int32, 0) if self.activity is not None else kinds[0],
                                                  sequences)
         self.has_mask, self.has_bias = mask is not None, bias is not None
+        self.unowned = None if packing is None else UnownedRows(
+            [token_part(out.shape, out.stride()), lse_part(lse.shape, lse.stride())], [], packing.num_sequences)
         # (keep_activity, lse in the scratch buffer) -> that run's `native.Program` (None: not native)
         self.native: dict[tuple[bool, bool], object] = {}
 
@@ -185,6 +190,8 @@ class ForwardPlan:
                                                                        device=q.device)
         if not lse_in_scratch:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.unowned is not None:
+            self.unowned.run(stream, (out, lse), *sequences[:2])
         if self.activity is None:
             self.forward.run(stream, *self._forward_tensors(q, k, v, mask, bias, out, lse, q, sequences))
             self._go_native(stream, q.device, keep_activity, lse_in_scratch)
