@@ -172,3 +172,14 @@ def test_a_second_tune_answers_its_winners_suites_from_the_ledger(tmp_path, monk
         notes.append(sorted(entry.evidence["adversarial"] for entry in load_table(out).entries))
     assert notes[0] and not any("ledger" in note for note in notes[0])
     assert all("answered from the case ledger" in note for note in notes[1]), notes[1]
+
+
+def test_a_suite_case_job_of_the_gpu_phase_reports_what_the_ledger_answered(runs):
+    """The tuner's parallel suite phase (one case per job, `trials.suite_case_job`) keeps and
+    replays through the same ledger, and its result says which answered (its note counts them)."""
+    from dmattn_bench.tuning.trials import CaseJob, suite_case_job, suite_verdict
+
+    job = CaseJob("triton", "fwd", FWD, "fp32", "quick", "cpu", None, 0)
+    first, second = suite_case_job(job), suite_case_job(job)
+    assert first.status == second.status == "ok" and not first.replayed and second.replayed
+    assert suite_verdict([first, second], "quick") == ("ok", "quick suite, 2 cases (1 answered from the case ledger)")
