@@ -198,7 +198,7 @@ class AttentionPlan:
         if launch is not None:  # every call after the first of a forward with a plan (Triton's, CUDA's)
             if self.packing is None:
                 return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse)
-            if getattr(launch, "fills_unowned", False):  # Triton's: its plan (and stamp) hold the fill kernel
+            if launch.fills_unowned:  # Triton's: its plan (and stamp) hold the fill kernel
                 return launch.allocate_and_run(q, k, v, mask, bias, keep_activity, keep_lse, sequences)
             out, lse = self._packed_outputs(sequences)
             launch(q, k, v, mask, bias, out, lse, None, sequences=sequences)

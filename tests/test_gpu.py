@@ -174,18 +174,12 @@ def test_the_overlapped_forward_runs_the_full_suite_s_packed_sequences(dtype, co
     from dmattn_kernels.cuda import arch_of, warp_specialized
     from dmattn_kernels.cuda.shared_memory import forward_shared_bytes
 
-    from dmattn_bench.tuning.varlen_cases import VARLEN_SUITES
-
     fwd = WINDOW_CONFIGS[config]
     if not warp_specialized(fwd, 128, arch_of(torch.device("cuda"))):
         pytest.skip("the warp-specialized forward runs on SM90 only")
-    suite = [case for case in config_suite("cuda", "full", fwd, None, varlen=True) if case.packed]
-    bare = [replace(case, name=f"{case.name}-no-operands", mask="none", bias="none", bias_poison=None,
-                    dead_documents=()) for case in VARLEN_SUITES["full"]() if case.packed]
     limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-    cases = [case if warp_specialized(fwd, case.head_dim, "sm90")
-             and forward_shared_bytes(fwd, case.head_dim, "sm90") <= limit else replace(case, head_dim=128)
-             for case in suite + bare]
+    suite, cases = _packed_cases(fwd, None, lambda head_dim: warp_specialized(fwd, head_dim, "sm90")
+                                 and forward_shared_bytes(fwd, head_dim, "sm90") <= limit)
     results = [check_case(get_backend("cuda"), case, dtype, "cuda", fwd, None) for case in cases]
     assert len(suite) >= 3
     _assert_all_ok(cases, results, record_property, minimum=15)
@@ -226,19 +220,24 @@ def test_the_warp_specialized_backward_runs_the_full_suite_s_packed_sequences(dt
     per sequence, windows over packed sequences, long documents."""
     from dmattn_kernels.cuda import arch_of, backward_warp_specialized
 
-    from dmattn_bench.tuning.varlen_cases import VARLEN_SUITES
-
     bwd = WINDOW_BACKWARD_CONFIGS[config]
     if not backward_warp_specialized(bwd, 128, arch_of(torch.device("cuda"))):
         pytest.skip("the warp-specialized backward runs on SM90 only")
-    suite = [case for case in config_suite("cuda", "full", None, bwd, varlen=True) if case.packed]
-    bare = [replace(case, name=f"{case.name}-no-operands", mask="none", bias="none", bias_poison=None,
-                    dead_documents=()) for case in VARLEN_SUITES["full"]() if case.packed]
-    cases = [case if backward_warp_specialized(bwd, case.head_dim, "sm90") else replace(case, head_dim=128)
-             for case in suite + bare]
+    suite, cases = _packed_cases(None, bwd, lambda head_dim: backward_warp_specialized(bwd, head_dim, "sm90"))
     results = [check_case(get_backend("cuda"), case, dtype, "cuda", None, bwd) for case in cases]
     assert len(suite) >= 3
     _assert_all_ok(cases, results, record_property, minimum=15)
+
+
+def _packed_cases(fwd, bwd, takes) -> tuple[list, list]:
+    """(the full suite's packed cases a CUDA config runs, those plus every packed case with its mask
+    and bias left out), each case whose head dim the config does not take (`takes`) at 128."""
+    from dmattn_bench.tuning.varlen_cases import VARLEN_SUITES
+
+    suite = [case for case in config_suite("cuda", "full", fwd, bwd, varlen=True) if case.packed]
+    bare = [replace(case, name=f"{case.name}-no-operands", mask="none", bias="none", bias_poison=None,
+                    dead_documents=()) for case in VARLEN_SUITES["full"]() if case.packed]
+    return suite, [case if takes(case.head_dim) else replace(case, head_dim=128) for case in suite + bare]
 
 
 def _assert_all_ok(cases, results, record_property, minimum: int = 51):

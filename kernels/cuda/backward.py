@@ -15,7 +15,7 @@ import triton
 
 from dmattn_kernels.configs import BwdConfig, Packing
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
-from dmattn_kernels.cuda.forward import kernel_window_sides, section_slices
+from dmattn_kernels.cuda.forward import kernel_window_sides, section_slices, sequence_fields
 from dmattn_kernels.cuda.params import BwdParams, WindowedBwdParams, bwd_ws_params_type, inputs, with_window
 from dmattn_kernels.cuda.rules import (backward_kernel, check_aligned, check_arch, check_config, check_query,
                                        padded_head_dim)
@@ -240,15 +240,10 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
         if t is not None:
             maps[name] = driver.tensor_map(t, KEYS_OF, config.block_m, TMA_LINE, TMA_LINE)
     reread_bytes = rows * padded * (2 * q.element_size() + 4)  # Q, dO and the fp32 dQ sums of a slice
-    sequence_fields = {}
-    if packing is not None:
-        cu_seqlens_q, cu_seqlens_k, seqused_k = sequences
-        sequence_fields = dict(cu_seqlens_q=cu_seqlens_q.data_ptr(), cu_seqlens_k=cu_seqlens_k.data_ptr(),
-                               seqused_k=0 if seqused_k is None else seqused_k.data_ptr(), max_seqlen_q=rows,
-                               max_seqlen_k=keys, head_tiles=tiles[1])
+    packed = {} if packing is None else dict(sequence_fields(packing, sequences), head_tiles=tiles[1])
     ws_params = bwd_ws_params_type(window_sides is not None, packing is not None)(
         backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),
-        section_slices=section_slices(slices, reread_bytes), **maps, **sequence_fields)
+        section_slices=section_slices(slices, reread_bytes), **maps, **packed)
     delta_rows = delta_rows_per_block(head_dim, config.num_warps)
     launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), batch * num_heads), config.num_warps,
              0, ws_params)

@@ -174,17 +174,22 @@ class Launcher:
     compile-only mode, only makes sure the cubin is built)."""
 
     def __init__(self, direction: str, device: torch.device, flags: tuple[str, ...]):
-        # what the cubin is built from, for a table entry's stamp and the adversarial-case ledger
-        self.program = target.Program("cuda", direction, None, tuple(sorted(("-D", flag) for flag in flags)))
+        self.direction, self.flags = direction, flags
         if target.planned_arch() is not None:  # planning a table entry's stamp: nothing is built
-            target.record(self.program)
+            target.record(self.program())
             return
         self.cubin = str(_built(direction, arch_of(device), flags))
         self.device = device.index if device.index is not None else torch.cuda.current_device()
 
+    def program(self) -> target.Program:
+        """What the cubin is built from (a table entry's stamp, the adversarial-case ledger)."""
+        return target.Program("cuda", self.direction, None, tuple(sorted(("-D", flag) for flag in self.flags)))
+
     def __call__(self, name: bytes, grid: tuple[int, int], num_warps: int, shared_bytes: int, params) -> None:
-        for observer in launch_context.PROGRAM_OBSERVERS:
-            observer(self.program)
+        if launch_context.PROGRAM_OBSERVERS:
+            program = self.program()
+            for observer in launch_context.PROGRAM_OBSERVERS:
+                observer(program)
         if grid[1] > MAX_GRID_Y:
             raise ValueError(f"{name.decode()}: needs {grid[1]} CTAs on grid y, over CUDA's limit of {MAX_GRID_Y} "
                              "(fewer heads x batch in the backward, or a shorter query in the forward)")

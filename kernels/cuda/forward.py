@@ -251,14 +251,12 @@ def kernel_window_sides(window: tuple[int, int], is_causal: bool, q_shape: tuple
     return (left, right) if has_window else None
 
 
-def sequence_fields(packing: Packing, sequences: tuple, item_counter: torch.Tensor | None) -> dict:
-    """A packed call's fields of the warp-specialized forward's parameters: the sequences'
-    (cu_seqlens_q, cu_seqlens_k, seqused_k or None) addresses, the longest lengths and, launched
-    persistent, its zeroed item counter."""
+def sequence_fields(packing: Packing, sequences: tuple) -> dict:
+    """A packed call's fields of either warp-specialized kernel's parameters: the sequences'
+    (cu_seqlens_q, cu_seqlens_k, seqused_k or None) addresses and the longest lengths."""
     cu_seqlens_q, cu_seqlens_k, seqused_k = sequences
     return dict(cu_seqlens_q=cu_seqlens_q.data_ptr(), cu_seqlens_k=cu_seqlens_k.data_ptr(),
-                seqused_k=address(seqused_k), max_seqlen_q=packing.max_seqlen_q, max_seqlen_k=packing.max_seqlen_k,
-                item_counter=address(item_counter))
+                seqused_k=address(seqused_k), max_seqlen_q=packing.max_seqlen_q, max_seqlen_k=packing.max_seqlen_k)
 
 
 def _fill_addresses(params: FwdParams, q, k, v, mask, bias, out, lse) -> None:
@@ -290,8 +288,9 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
     if plan.maps:
         packed = None
         if packing is not None:
+            # persistent: the counter its CTAs take items from, zeroed
             counter = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent else None
-            packed = sequence_fields(packing, sequences, counter)
+            packed = dict(sequence_fields(packing, sequences), item_counter=address(counter))
         params = plan.ws_params(params, schedule, packed, **plan.tensor_maps((q, k, v, mask, bias)))
     plan.launcher(plan.name, grid, config.num_warps, plan.shared, params)
 
@@ -332,6 +331,7 @@ class ForwardPlan:
     """
 
     leaves_activity = False  # no tile activity for the backward (the Triton forward's schedule)
+    fills_unowned = False  # a packed run leaves the rows no sequence owns to the caller
 
     def __init__(self, q, k, v, mask, bias, *, is_causal: bool, softmax_scale: float, softcap: float,
                  config: FwdConfig, out: torch.Tensor, lse: torch.Tensor, window: tuple[int, int] = (-1, -1),

@@ -18,9 +18,10 @@ _MODE = threading.local()  # compile-only switch of the current thread (see `com
 # Read as `launch_context.LAUNCH_OBSERVERS` by the launchers and the native entry, so that a test
 # may replace the list.
 LAUNCH_OBSERVERS: list[Callable[[str], None]] = []
-# Called, while LAUNCH_OBSERVERS holds an observer, with each launch's `dmattn_kernels.target.Program`
-# (the kernel and the compile-time parameters its launcher passed): what a run ran, for the
-# adversarial-case ledger (`dmattn_bench.tuning.ledger`). Empty in normal use.
+# Called with each launch's `dmattn_kernels.target.Program` (the kernel and the compile-time
+# parameters its launcher passed; a Triton launch reports it only while LAUNCH_OBSERVERS holds an
+# observer, which also keeps native programs out of the way): what a run ran, for the
+# adversarial-case ledger (`dmattn_bench.tuning.ledger.observing` sets both). Empty in normal use.
 PROGRAM_OBSERVERS: list[Callable[[object], None]] = []
 
 

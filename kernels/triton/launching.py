@@ -57,7 +57,13 @@ class Launch:
         self.options = options
         self.launcher = None  # `launcher(stream, args)`, after the first run compiled the kernel
         if target.planned_arch() is not None:  # planning a table entry's stamp (no cost otherwise)
-            target.record(target.Program("triton", self.name, kernel, tuple(sorted({**constexprs, **options}.items()))))
+            target.record(self.program())
+
+    def program(self) -> target.Program:
+        """The kernel and the compile-time parameters this launch passes (a table entry's stamp,
+        the adversarial-case ledger)."""
+        parameters = tuple(sorted({**self.constexprs, **self.options}.items()))
+        return target.Program("triton", self.name, self.kernel, parameters)
 
     def __call__(self, *tensors) -> None:
         self.run(launch_stream(), *tensors)
@@ -71,8 +77,7 @@ class Launch:
             for observer in observers:
                 observer(self.name)
             if launch_context.PROGRAM_OBSERVERS:
-                program = target.Program("triton", self.name, self.kernel,
-                                         tuple(sorted({**self.constexprs, **self.options}.items())))
+                program = self.program()
                 for observer in launch_context.PROGRAM_OBSERVERS:
                     observer(program)
         if stream is not None and self.launcher is not None:
