@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import yaml
 
-from dmattn_kernels.configs import (FWD_KNOBS, MAX_HEAD_DIM, MAX_SPLITS, AttentionShape, BwdConfig,  # noqa: F401
+from dmattn_kernels.configs import (BWD_KNOBS, FWD_KNOBS, KNOBS, MAX_HEAD_DIM, MAX_SPLITS, AttentionShape, BwdConfig,  # noqa: F401
                                     DecodeConfig, FwdConfig, Packing, as_4d)
 
 
@@ -69,7 +69,7 @@ class InvalidConfig:
 
 def config_label(config: "FwdConfig | BwdConfig | DecodeConfig | InvalidConfig | None") -> str:
     """Compact human label: fwd "128x64 w4 s3" (a knob on appended: "128x128 w12 s2 overlap
-    persistent"), bwd "32x64 dq64x32 w4 s2", decode "n64 w4 s3 splits auto", a table entry's
+    persistent"), bwd "32x64 dq64x32 w4 s2" (or "64x128 dq64x128 w12 s2 kv_group"), decode "n64 w4 s3 splits auto", a table entry's
     invalid config "invalid: block_m=24 ..."; "-" for a direction not run."""
     if config is None:
         return "-"
@@ -82,10 +82,8 @@ def config_label(config: "FwdConfig | BwdConfig | DecodeConfig | InvalidConfig |
     if isinstance(config, BwdConfig):
         label += f" dq{config.block_m_dq}x{config.block_n_dq}"
     label += f" w{config.num_warps} s{config.num_stages}"
-    if isinstance(config, FwdConfig):
-        for name in FWD_KNOBS:
-            value = getattr(config, name)
-            label += f" {name}" if value else ""
+    for name in KNOBS[type(config)]:
+        label += f" {name}" if getattr(config, name) else ""
     return label
 
 
@@ -95,7 +93,7 @@ def config_from_dict(cls: type, data: dict[str, Any]):
 
     Raises:
         ValueError: an unknown key or a value that is not a positive int (or 0, for a field whose
-            metadata allows it: `DecodeConfig.num_splits`, `FwdConfig`'s knobs).
+            metadata allows it: `DecodeConfig.num_splits`, the knobs of `KNOBS`).
     """
     minimum = {f.name: f.metadata.get("minimum", 1) for f in fields(cls)}
     unknown = sorted(set(data) - set(minimum))
@@ -132,7 +130,7 @@ def arch_family(major: int, minor: int) -> str:
 
 def expand_grid(direction: str, axes: dict[str, list[int]], where: str) -> list[FwdConfig | BwdConfig | DecodeConfig]:
     """The Cartesian product of `axes` as configs of `direction` (field order of the dataclass).
-    Every tunable is an axis; a kernel knob (`FWD_KNOBS`) may be left out, and is then off.
+    Every tunable is an axis; a kernel knob (`KNOBS`) may be left out, and is then off.
 
     Raises:
         ValueError: a missing or unknown key, or a value that is not a positive int (names `where`).

@@ -37,7 +37,7 @@ def _field_problem(name: str, value: Any) -> str | None:
         return None if 1 <= value <= MAX_STAGES else f"expected 1 to {MAX_STAGES} stages"
     if name == "num_splits":
         return None if 0 <= value <= MAX_SPLITS else f"expected 0 (auto) to {MAX_SPLITS}"
-    return None if value in (0, 1) else "expected 0 (off) or 1 (on)"  # a kernel knob (`FWD_KNOBS`)
+    return None if value in (0, 1) else "expected 0 (off) or 1 (on)"  # a kernel knob (`KNOBS`)
 
 
 def check_fields(config) -> None:
@@ -97,6 +97,10 @@ class BwdConfig:
         block_n_dq: key columns per inner step of the dQ kernel.
         num_warps: warps per program (both kernels).
         num_stages: software-pipelining depth (both kernels).
+        kv_group: 1 (a kernel knob, as FwdConfig's; GQA calls of the CUDA warp-specialized
+            backward): a CTA walks every query head of its KV group (flash_bwd_ws.cu's
+            BWD_KV_GROUP), dK and dV summed in its registers, instead of a CTA per query head
+            writing an fp32 share that the launcher sums.
     """
 
     block_m: int = 32
@@ -105,13 +109,17 @@ class BwdConfig:
     block_n_dq: int = 32
     num_warps: int = 4
     num_stages: int = 1
+    kv_group: int = field(default=0, metadata={"minimum": 0})
 
     def __post_init__(self) -> None:
         check_fields(self)
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {name: value for name, value in asdict(self).items() if value or name not in BWD_KNOBS}
 
+
+BWD_KNOBS = ("kv_group",)  # BwdConfig's kernel knobs
+KNOBS = {FwdConfig: FWD_KNOBS, BwdConfig: BWD_KNOBS}  # each config class's knobs, in label order
 
 
 

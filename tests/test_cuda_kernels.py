@@ -911,3 +911,90 @@ def test_a_packed_cuda_forward_entry_s_stamp_holds_its_kernel_however_often_it_i
         calls = list(stamps.entry_programs("cuda", key, config, "sm90", 132))
         assert calls and all(programs and {(p.backend, p.name) for p in programs} == {("cuda", "fwd_ws")}
                              and ("-D", "-DPACKED=1") in programs[0].parameters for _, programs in calls)
+
+
+def test_a_kv_group_is_a_knob_of_the_warp_specialized_backward_on_grouped_heads():
+    """BwdConfig.kv_group (flash_bwd_ws.cu's BWD_KV_GROUP): supported on the warp-specialized
+    backward's shape for a GQA call; refused, naming why, with one query head a KV head, on any
+    other CUDA backward, on sm80 and by the Triton backend; the tuner's structural precheck keeps
+    it (its worst shape groups heads), so a GQA workload times it."""
+    from dmattn_bench.tuning.prune import _worst_shape
+
+    grouped = replace(WS_BWD, kv_group=1)
+    shape = AttentionShape(2, 256, 256, 8, 2, 128, is_causal=True)
+    assert rules.is_supported(grouped, shape) is None
+    assert "needs grouped query heads" in rules.is_supported(grouped, replace(shape, num_heads_kv=8))
+    assert "a knob of the warp-specialized backward only" in rules.is_supported(
+        BwdConfig(64, 128, 128, 64, 8, 2, kv_group=1), shape)
+    assert "runs on sm90 only" in rules.arch_reason(grouped, 128, "sm80")
+    assert "the Triton backward has none" in get_backend("triton").is_supported(grouped, shape)
+    assert get_backend("cuda").is_supported(grouped, _worst_shape(128)) is None
+
+
+def test_a_kv_group_variant_sums_dk_and_dv_in_the_kernel_and_stages_no_tiles_of_rows():
+    """The variant's -D list: BWD_KV_GROUP on, no fp32 dK/dV shares (DKV_FP32 0 under GQA), a
+    mask and bias of query rows read from global memory (MASK_TILES, BIAS_TILES 0) and dBias
+    stored by its threads (DBIAS_TMA 0), where the same call without the knob stages and stores
+    them by TMA."""
+    common = dict(arch="sm90", is_causal=True, has_mask=True, softcap=0.0, group=4, dbias=(True, torch.bfloat16))
+    plain = variants.backward_variant(WS_BWD, 128, torch.bfloat16, torch.bfloat16, **common)
+    grouped = variants.backward_variant(replace(WS_BWD, kv_group=1), 128, torch.bfloat16, torch.bfloat16, **common)
+    assert {"-DDKV_FP32=1", "-DMASK_TILES=1", "-DBIAS_TILES=1", "-DDBIAS_TMA=1"} <= set(plain)
+    assert "-DBWD_KV_GROUP=1" not in plain
+    assert {"-DBWD_KV_GROUP=1", "-DDKV_FP32=0", "-DMASK_TILES=0", "-DBIAS_TILES=0", "-DDBIAS_TMA=0"} <= set(grouped)
+    per_key = variants.backward_variant(replace(WS_BWD, kv_group=1), 128, torch.bfloat16, torch.bfloat16,
+                                        mask_tiles=shared_memory.TILES_OF_KEYS, bias_tiles=shared_memory.TILES_OF_KEYS,
+                                        **common)
+    assert {"-DMASK_TILES=2", "-DBIAS_TILES=2"} <= set(per_key)  # a row of keys stays in registers
+
+
+@pytest.mark.parametrize("kv_group", [0, 1])
+def test_a_kv_group_backward_launches_a_cta_per_kv_head_and_writes_dk_and_dv_itself(monkeypatch, kv_group):
+    """With kv_group the main kernel's grid is B x Hkv slices by key blocks (a CTA walks its
+    group's query heads), the dQ kernel's stays B x H, and dK and dV are the kernel's targets
+    (no fp32 share per query head for the launcher to sum); without it, B x H slices writing
+    shares."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, source, device, flags):
+            assert ("-DBWD_KV_GROUP=1" in flags) == bool(kv_group)
+
+        def __call__(self, name, grid, num_warps, shared, parameters):
+            launches.append((name, grid, parameters.backward.dk))
+
+    class Maps:  # no driver on the CPU: the maps' bytes are not looked at here
+        @staticmethod
+        def tensor_map(*args):
+            return params.TensorMap()
+
+    monkeypatch.setattr(backward, "check_query", lambda q: None)
+    monkeypatch.setattr(backward, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(backward, "Launcher", Recorder)
+    monkeypatch.setattr(backward, "the_driver", Maps)
+    batch, seqlen, heads, heads_kv = 2, 256, 8, 2
+    q = torch.randn(batch, seqlen, heads, 128).to(torch.bfloat16)
+    k = torch.randn(batch, seqlen, heads_kv, 128).to(torch.bfloat16)
+    lse = torch.zeros(batch, heads, seqlen)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+    backward.attention_backward(q, q, k, k, q, lse, None, None, is_causal=True, softmax_scale=0.1, softcap=0.0,
+                                config=replace(WS_BWD, kv_group=kv_group), dq=dq, dk=dk, dv=dv, dbias=None)
+    grids = {name: (grid, target) for name, grid, target in launches}
+    kernel_grid, kernel_dk = grids[b"dmattn_bwd_ws_kernel"]
+    assert kernel_grid == ((batch * heads_kv if kv_group else batch * heads), seqlen // WS_BWD.block_n)
+    assert grids[b"dmattn_bwd_ws_dq_kernel"][0][1] == batch * heads
+    assert (kernel_dk == dk.data_ptr()) == bool(kv_group)
+
+
+@needs_nvcc
+def test_a_kv_group_builds_into_the_warp_specialized_backward_with_its_parameter_blocks(cubin_cache):
+    """BWD_KV_GROUP adds no parameter: dense, windowed and packed variants (a per-key mask and a
+    learnable per-key bias, summed per query head) take the blocks they take without it."""
+    grouped = replace(WS_BWD, kv_group=1)
+    common = dict(arch="sm90", group=4, has_mask=True, mask_tiles=shared_memory.TILES_OF_KEYS,
+                  bias_tiles=shared_memory.TILES_OF_KEYS, dbias=(False, torch.float32))
+    for window, packed in ((False, False), (True, False), (False, True)):
+        flags = variants.backward_variant(grouped, 128, torch.bfloat16, torch.bfloat16, is_causal=not window,
+                                          softcap=0.0, window=window, packed=packed, **common)
+        assert _parameter_sizes(build.build("bwd_ws", "sm90", flags)) == [
+            ctypes.sizeof(params.bwd_ws_params_type(window, packed))] * 3

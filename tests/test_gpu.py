@@ -19,8 +19,8 @@ from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
 from dmattn_bench.tiles import default_configs
 from dmattn_bench.tuning.adversarial import Case, adversarial_cases, build_inputs
-from dmattn_bench.tuning.validator import (check_case, compare, config_suite, config_tiles, run_kernel, run_reference,
-                                          validate)
+from dmattn_bench.tuning.validator import (check_case, compare, config_suite, config_tiles, grouped_for, run_kernel,
+                                          run_reference, validate)
 
 pytestmark = pytest.mark.gpu
 
@@ -186,9 +186,32 @@ def test_the_overlapped_forward_runs_the_full_suite_s_packed_sequences(dtype, co
 
 
 # The warp-specialized backward (flash_bwd_ws.cu) is the CUDA backward that runs a window: two
-# consumers (128 keys a block) and one (64).
+# consumers (128 keys a block) and one (64), each also with a KV group a CTA (kv_group: the suite's
+# cases with one query head a KV head run with two, `validator.grouped_for`).
 WINDOW_BACKWARD_CONFIGS = {"bwd64x128w12s2": BwdConfig(64, 128, 64, 128, 12, 2),
-                           "bwd64x64w8s2": BwdConfig(64, 64, 64, 64, 8, 2)}
+                           "bwd64x64w8s2": BwdConfig(64, 64, 64, 64, 8, 2),
+                           "bwd64x128w12s2-kv-group": BwdConfig(64, 128, 64, 128, 12, 2, kv_group=1),
+                           "bwd64x64w8s2-kv-group": BwdConfig(64, 64, 64, 64, 8, 2, kv_group=1)}
+KV_GROUP_CONFIGS = {name: config for name, config in WINDOW_BACKWARD_CONFIGS.items() if config.kv_group}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", list(KV_GROUP_CONFIGS), ids=list(KV_GROUP_CONFIGS))
+def test_the_kv_group_backward_passes_the_full_suite(dtype, config, record_property):
+    """The backward alone with a KV group a CTA (BWD_KV_GROUP) on the dense full suite, every case
+    with grouped query heads: masks and biases of every layout read from global memory, dBias
+    per key summed per query head and of query rows, softcap, dead rows, Lq != Lk."""
+    from dmattn_kernels.cuda import arch_of, backward_warp_specialized
+
+    bwd = KV_GROUP_CONFIGS[config]
+    if not backward_warp_specialized(bwd, 128, arch_of(torch.device("cuda"))):
+        pytest.skip("the warp-specialized backward runs on SM90 only")
+    # a head dim the kernel cannot take (192: not padded to 64 or 128) at 128
+    cases = [case if backward_warp_specialized(bwd, case.head_dim, "sm90") else replace(case, head_dim=128)
+             for case in config_suite("cuda", "full", None, bwd)]
+    assert all(case.heads > case.heads_kv for case in cases)
+    results = [check_case(get_backend("cuda"), case, dtype, "cuda", None, bwd) for case in cases]
+    _assert_all_ok(cases, results, record_property, minimum=30)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -235,8 +258,8 @@ def _packed_cases(fwd, bwd, takes) -> tuple[list, list]:
     from dmattn_bench.tuning.varlen_cases import VARLEN_SUITES
 
     suite = [case for case in config_suite("cuda", "full", fwd, bwd, varlen=True) if case.packed]
-    bare = [replace(case, name=f"{case.name}-no-operands", mask="none", bias="none", bias_poison=None,
-                    dead_documents=()) for case in VARLEN_SUITES["full"]() if case.packed]
+    bare = [grouped_for(replace(case, name=f"{case.name}-no-operands", mask="none", bias="none", bias_poison=None,
+                                dead_documents=()), bwd) for case in VARLEN_SUITES["full"]() if case.packed]
     return suite, [case if takes(case.head_dim) else replace(case, head_dim=128) for case in suite + bare]
 
 

@@ -82,3 +82,20 @@ def test_a_space_may_leave_the_knobs_out_but_not_a_tile():
         expand_grid("fwd", {name: values for name, values in tiles.items() if name != "num_stages"}, "space")
     with pytest.raises(ValueError, match=r"space: FwdConfig.persistent: expected an int >= 0, got -1"):
         expand_grid("fwd", {**tiles, "persistent": [-1]}, "space")
+
+
+def test_the_backward_s_kv_group_knob_is_written_labelled_and_crossed_as_the_forward_s_knobs():
+    """BwdConfig.kv_group: left out of a record while off (tables and journals of before read the
+    same), labelled when on, 0 or 1, and an optional axis of a backward space."""
+    tiles = BwdConfig(64, 128, 64, 128, 12, 2)
+    assert "kv_group" not in tiles.to_dict() and BwdConfig(64, 128, 64, 128, 12, 2, kv_group=0) == tiles
+    grouped = BwdConfig(64, 128, 64, 128, 12, 2, kv_group=1)
+    assert grouped.to_dict() == {**tiles.to_dict(), "kv_group": 1}
+    assert config_from_dict(BwdConfig, grouped.to_dict()) == grouped
+    assert config_label(tiles) == "64x128 dq64x128 w12 s2"
+    assert config_label(grouped) == "64x128 dq64x128 w12 s2 kv_group"
+    with pytest.raises(ValueError, match=r"BwdConfig.kv_group: got 2, expected 0 \(off\) or 1 \(on\)"):
+        BwdConfig(kv_group=2)
+    axes = {name: [value] for name, value in tiles.to_dict().items()}
+    assert expand_grid("bwd", axes, "space") == [tiles]
+    assert expand_grid("bwd", {**axes, "kv_group": [0, 1]}, "space") == [tiles, grouped]

@@ -295,3 +295,22 @@ def test_verify_checks_each_default_on_the_cases_the_runtime_sends_it():
     decode = next(c for c in adversarial_cases("quick", [(16, 16)]) if c.seqlen_q == 1 and c.bias == "per_key")
     assert bias_kind(decode) == "full" and decode.name in with_rows and decode.name not in without
     assert with_rows and without and not with_rows & without
+
+
+def test_a_kv_group_backward_s_suite_runs_every_case_with_grouped_query_heads():
+    """A backward with the knob kv_group runs GQA calls only (the CUDA rules refuse it one query
+    head a KV head, and dispatch sends it only its keys' grouped calls): the suite on its tiles
+    doubles the query heads of each case that has none grouped, and leaves the others as built."""
+    from dmattn_bench.tuning.validator import config_suite, grouped_for
+
+    plain = BwdConfig(64, 128, 64, 128, 12, 2)
+    grouped = BwdConfig(64, 128, 64, 128, 12, 2, kv_group=1)
+    cases = config_suite("cuda", "full", None, plain)
+    regrouped = config_suite("cuda", "full", None, grouped)
+    assert len(regrouped) == len(cases) and any(case.heads == case.heads_kv for case in cases)
+    assert all(case.heads > case.heads_kv for case in regrouped)
+    for case in cases:
+        assert grouped_for(case, plain) is case
+        moved = grouped_for(case, grouped)
+        assert (moved.heads, moved.heads_kv) == ((2 * case.heads, case.heads_kv) if case.heads == case.heads_kv
+                                                 else (case.heads, case.heads_kv))

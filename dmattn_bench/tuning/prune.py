@@ -222,7 +222,9 @@ def _head_block(head_dim: int) -> int:
 
 
 def _worst_shape(head_dim: int) -> AttentionShape:
-    return AttentionShape(1, 128, 128, 1, 1, head_dim, is_causal=True, has_mask=True, has_bias=True,
+    """Every feature on, query heads grouped (a knob of GQA calls, `BwdConfig.kv_group`, is judged
+    too; each workload's own shape rules it out where it has no groups)."""
+    return AttentionShape(1, 128, 128, 2, 1, head_dim, is_causal=True, has_mask=True, has_bias=True,
                           bias_requires_grad=True)
 
 

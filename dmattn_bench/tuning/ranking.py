@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from dmattn_bench.space import CONFIGS_DIR, FWD_KNOBS, TableKey
+from dmattn_bench.space import BWD_KNOBS, CONFIGS_DIR, FWD_KNOBS, TableKey
 from dmattn_bench.tuning.journal import timed_trials
 
 # Weight factors of `similarity`: a mismatch multiplies the weight by its factor. Head dim decides
@@ -159,7 +159,7 @@ class RankingModel:
         knob journal held out: worst regret 1.16x ranked last, 1.006x so)."""
         predicted = self._weighted(key, items)
         if predicted == UNSEEN:
-            plain = tuple((name, value) for name, value in items if name not in FWD_KNOBS)
+            plain = tuple((name, value) for name, value in items if name not in FWD_KNOBS + BWD_KNOBS)
             if plain != items:
                 return self._weighted(key, plain)
         return predicted

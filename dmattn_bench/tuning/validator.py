@@ -336,6 +336,7 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
 
     cases = []
     for case in adversarial_cases(suite, config_tiles(fwd_config, bwd_config), varlen):
+        case = grouped_for(case, bwd_config)
         if not takes(case):
             moved = (replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
                      for head_dim in takewhile(is_valid_head_dim, count(case.head_dim + 8, 8)))
@@ -344,6 +345,14 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
             continue
         cases.append(case)
     return cases
+
+
+def grouped_for(case: Case, bwd_config: BwdConfig | None) -> Case:
+    """`case` as a backward with the knob `kv_group` runs it: with query heads grouped (twice its
+    heads on its KV heads) where each KV head has one; dispatch sends such a config GQA calls only."""
+    if bwd_config is None or not bwd_config.kv_group or case.heads != case.heads_kv:
+        return case
+    return replace(case, name=f"{case.name}@gqa", heads=2 * case.heads)
 
 
 def up_to_head_dim(cases, head_dim: int) -> list[Case]:

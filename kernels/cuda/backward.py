@@ -115,8 +115,9 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
         staging = backward_staging(config, head_dim, mask is not None, bias_dtype, staged_tiles(mask, seqlen_q),
                                    staged_tiles(bias, seqlen_q))
     target_kind = None if layout is None else (layout[1], dbias.dtype if layout[2] else torch.float32)
-    # a TMA store needs the target in place (`_dbias_layout`), on 16-byte boundaries
-    target_allows = layout is not None and layout[2] and staged_tiles(dbias, seqlen_q) == TILES_OF_ROWS
+    # a TMA store needs the target in place (`_dbias_layout`), on 16-byte boundaries, and a CTA per query head
+    target_allows = (layout is not None and layout[2] and staged_tiles(dbias, seqlen_q) == TILES_OF_ROWS
+                     and not config.kv_group)
     flags = backward_variant(config, head_dim, q.dtype, bias_dtype, arch=arch, is_causal=is_causal,
                              has_mask=mask is not None, softcap=softcap, group=group, dbias=target_kind,
                              mask_tiles=staging[1], bias_tiles=staging[2], dbias_tma=target_allows,
@@ -134,7 +135,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     delta = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
     # packed: the rows and keys no sequence owns (or past seqused_k) are written by no block
     allocate = torch.empty if packing is None else torch.zeros
-    if group > 1:  # each query head's share, summed per group below (fixed order: deterministic)
+    shares = group > 1 and not config.kv_group
+    if shares:  # each query head's share, summed per group below (fixed order: deterministic)
         dk_share = allocate((batch, seqlen_k, num_heads, head_dim), dtype=torch.float32, device=q.device)
         dv_share = allocate(dk_share.shape, dtype=torch.float32, device=q.device)
     else:
@@ -167,7 +169,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
                  shared["dkdv"], params)
         launcher(b"dmattn_bwd_dq_kernel", (heads, triton.cdiv(seqlen_q, config.block_m_dq)), config.num_warps,
                  shared["dq"], params)
-    if group > 1:
+    if shares:
         dk.copy_(dk_share.unflatten(2, (num_heads_kv, group)).sum(3))
         dv.copy_(dv_share.unflatten(2, (num_heads_kv, group)).sum(3))
     if target is not None and target is not dbias:
@@ -213,9 +215,12 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     the dBias the kernel stores by TMA (each None where not). Packed (`packing`, `sequences`):
     the head slices are sequences x heads, each walking the longest sequence's blocks; the dQ sums
     and counters are a query head's `packed_head_tiles`, the counters zeroed here, and the dQ
-    kernel writes zeros for the tiles no block visits."""
+    kernel writes zeros for the tiles no block visits. With `config.kv_group` the kernel's slices
+    are KV heads (BWD_KV_GROUP), each walking its group's query heads; the dQ kernel's stay query
+    heads."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     padded = padded_head_dim(head_dim)
+    heads_per_cta = num_heads // k.shape[2] if config.kv_group else 1  # a KV group's query heads, or one
     if packing is None:
         slices, rows, keys = batch * num_heads, seqlen_q, k.shape[1]
         tiles = (slices, triton.cdiv(seqlen_q, config.block_m))
@@ -239,16 +244,18 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     for name, t in (("bias_map", staged_bias), ("dbias_map", dbias_target)):  # boxes of 128-byte lines
         if t is not None:
             maps[name] = driver.tensor_map(t, KEYS_OF, config.block_m, TMA_LINE, TMA_LINE)
-    reread_bytes = rows * padded * (2 * q.element_size() + 4)  # Q, dO and the fp32 dQ sums of a slice
+    # Q, dO and the fp32 dQ sums of a kernel slice: its query heads'
+    reread_bytes = heads_per_cta * rows * padded * (2 * q.element_size() + 4)
     packed = {} if packing is None else dict(sequence_fields(packing, sequences), head_tiles=tiles[1])
     ws_params = bwd_ws_params_type(window_sides is not None, packing is not None)(
         backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),
-        section_slices=section_slices(slices, reread_bytes), **maps, **packed)
+        section_slices=section_slices(slices // heads_per_cta, reread_bytes), **maps, **packed)
     delta_rows = delta_rows_per_block(head_dim, config.num_warps)
     launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), batch * num_heads), config.num_warps,
              0, ws_params)
     delta_with_lse_grad(delta, dlse, lse)
-    launcher(b"dmattn_bwd_ws_kernel", (slices, triton.cdiv(keys, config.block_n)), config.num_warps, shared, ws_params)
+    launcher(b"dmattn_bwd_ws_kernel", (slices // heads_per_cta, triton.cdiv(keys, config.block_n)), config.num_warps,
+             shared, ws_params)
     pairs = triton.cdiv(rows, DQ_CAST_ROWS) * padded // 2  # a thread per two columns of DQ_CAST_ROWS rows
     launcher(b"dmattn_bwd_ws_dq_kernel", (triton.cdiv(pairs, 32 * config.num_warps), slices), config.num_warps, 0,
              ws_params)

@@ -70,6 +70,16 @@
 // spills); the last block casting dQ itself, instead of the dQ kernel, 1.725 against 0.997 ms for
 // the whole backward; summing dQ in the dK/dV kernel of flash_bwd.cu (its header).
 //
+// A KV group in one CTA (BWD_KV_GROUP, GQA; BwdConfig.kv_group): the grid's slices are (batch,
+// KV head), and a CTA walks the query tiles of each query head of its group in turn, head_steps
+// steps a head, one ring of Q and dO across them. dK and dV stay in registers over the group and
+// are stored once in the input dtype: no fp32 share per query head for the launcher to sum
+// (H200, packed causal D128 GQA 4: the shares' fill, sum and cast took 0.19 of 1.8 ms a step).
+// The dQ order is unchanged: each query head's tiles have their own sums and counters, which
+// every block of the slice reaches in the same head order. Each head's per-key dBias sums are
+// stored when its last step ends. Staged score tiles and dBias by TMA are not taken (their
+// rings and stores are per query head): a mask or bias of query rows is read from global memory.
+//
 // Layouts: TMA writes each 64-column block of a tile as 128-byte rows in the 128-byte swizzle
 // (sm90.cuh); rows past Lq or Lk and columns past HEAD_DIM arrive as zeros. The maps
 // (`dmattn_kernels.cuda.backward`, per call) describe q and dO as (D, Lq, H, B), k and v as
@@ -134,6 +144,11 @@ struct BwdWsParams {  // `dmattn_kernels.cuda.params.BwdWsParams` mirrors it
 #endif
 };
 
+#if BWD_KV_GROUP
+static_assert(!SCORE_TILES && !DBIAS_TMA && !DKV_FP32,
+              "a KV group in one CTA: scores from registers or global memory, dBias and dK/dV stored by its threads");
+#endif
+
 #if PACKED
 static_assert((!HAS_MASK || MASK_TILES != 1) && (!HAS_BIAS || BIAS_TILES != 1),
               "packed sequences: a mask and bias of one row of keys (per key) only");
@@ -171,7 +186,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   // slice = sequence x H + head; `bwd` is the sequence's view of the batch row: its lengths, and
   // its rows' lse, delta, dK, dV, per-key mask, bias and dBias from its first row and key
   const SectionOrder order = section_order(p.section_slices);
+#if BWD_KV_GROUP
+  const int sequence = order.slice / (p.bwd.in.num_heads / p.bwd.in.group);  // slice = sequence x Hkv + KV head
+#else
   const int sequence = order.slice / p.bwd.in.num_heads;
+#endif
   const int q0 = p.cu_seqlens_q[sequence], k0 = p.cu_seqlens_k[sequence];
   const int2 lengths = sequence_lengths(p, sequence);
   if (order.block * BLOCK_N >= lengths.y) return;  // no key of the sequence in the block
@@ -186,14 +205,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   bwd.dk += k0 * bwd.dk_stride[1];
   bwd.dv += k0 * bwd.dv_stride[1];
   const Inputs& in = bwd.in;
+#if BWD_KV_GROUP
+  HeadSlices at = head_slices(in, order.slice % (in.num_heads / in.group) * in.group);  // the group's first head
+#else
   const HeadSlices at = head_slices(in, order.slice % in.num_heads);  // batch 0
+#endif
 #else
   const BwdParams& bwd = p.bwd;
   const Inputs& in = bwd.in;
   const SectionOrder order = section_order(p.section_slices);  // key blocks in order within a section
+#if BWD_KV_GROUP
+  const int kv_heads = in.num_heads / in.group;  // slice = batch x Hkv + KV head; at: its group's first head
+  HeadSlices at = head_slices(in, order.slice / kv_heads * in.num_heads + order.slice % kv_heads * in.group);
+#else
   const HeadSlices at = head_slices(in, order.slice);
 #endif
+#endif
+#if BWD_KV_GROUP
+  ScoreRule rule = score_rule(in, at);  // the consumers' follows the head
+#else
   const ScoreRule rule = score_rule(in, at);
+#endif
   const int n_block = order.block;
   const int m_tiles = (in.seqlen_q + BLOCK_M - 1) / BLOCK_M;
   // causal: the query tiles before m_begin see no key of this block
@@ -204,14 +236,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   const int m_begin = max(0, n_block * BLOCK_N - rule.offset - right_reach) / BLOCK_M;
   const int m_end = (min(in.seqlen_q, max(0, (n_block + 1) * BLOCK_N - rule.offset + in.window_left)) + BLOCK_M - 1) /
                     BLOCK_M;
+#if BWD_KV_GROUP
+  const int head_steps = max(0, m_end - m_begin), steps = in.group * head_steps;
+  auto tile_at = [&](int step) { return m_end - 1 - step % head_steps; };
+#else
   const int steps = max(0, m_end - m_begin);
   auto tile_at = [&](int step) { return m_end - 1 - step; };
+#endif
   // the first key block that visits tile m: the one holding its first row's first key
   auto first_block = [&](int m) { return max(0, m * BLOCK_M + rule.offset - in.window_left) / BLOCK_N; };
 #else
   const int m_begin = IS_CAUSAL ? max(0, n_block * BLOCK_N - rule.offset) / BLOCK_M : 0;
+#if BWD_KV_GROUP
+  const int head_steps = m_tiles - m_begin, steps = in.group * head_steps;
+  auto tile_at = [&](int step) { return m_tiles - 1 - step % head_steps; };  // each head's last tile first
+#else
   const int steps = m_tiles - m_begin;
   auto tile_at = [&](int step) { return m_tiles - 1 - step; };  // the last tile first
+#endif
+#endif
+#if BWD_KV_GROUP
+  // step `step` starts the next query head of the group (each role moves its own pointers on)
+  auto next_head = [&](int step) { return step > 0 && step % head_steps == 0; };
 #endif
 
   if (threadIdx.x == 0) {
@@ -247,6 +293,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
 #endif
       for (int step = 0; step < steps; ++step) {
         const int m = tile_at(step), slot = step % STAGES;
+#if BWD_KV_GROUP
+        if (next_head(step)) ++at.head;
+#endif
         if (step >= STAGES) barrier_wait(&empty[slot], (step / STAGES - 1) & 1);
         barrier_arrive_expecting(&full[slot], 2 * Q_BYTES);
 #if PACKED
@@ -278,9 +327,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         }
       }
     } else if (warp == 1) {
+#if BWD_KV_GROUP
+      GradSlices grads = grad_slices(bwd, at);
+#else
       const GradSlices grads = grad_slices(bwd, at);
+#endif
       for (int step = 0; step < steps; ++step) {
         const int m = tile_at(step), slot = step % STAGES;
+#if BWD_KV_GROUP
+        if (next_head(step)) {
+          grads.lse += bwd.lse_stride[1];
+          grads.delta += bwd.delta_stride[1];
+        }
+#endif
         if (step >= STAGES) barrier_wait(&empty[slot], (step / STAGES - 1) & 1);
         for (int r = lane; r < BLOCK_M; r += 32) {
           const int row = m * BLOCK_M + r;
@@ -312,12 +371,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
       const int64_t first_tile = int64_t(at.head) * p.head_tiles + sequence_tile(p, sequence);
       float* sums = p.dq_sum + first_tile * BLOCK_M * BLOCK_D;
       int* counters = p.dq_counter + first_tile;
+#elif BWD_KV_GROUP
+      const int query_slice = at.batch * in.num_heads + at.head;  // the group's first head
+      float* sums = p.dq_sum + int64_t(query_slice) * m_tiles * BLOCK_M * BLOCK_D;
+      int* counters = p.dq_counter + query_slice * m_tiles;
 #else
       float* sums = p.dq_sum + int64_t(order.slice) * m_tiles * BLOCK_M * BLOCK_D;
       int* counters = p.dq_counter + order.slice * m_tiles;
 #endif
+#if BWD_KV_GROUP && PACKED
+      const int64_t head_tiles = p.head_tiles;  // a query head's sums and counters
+#elif BWD_KV_GROUP
+      const int64_t head_tiles = m_tiles;
+#endif
       for (int step = 0; step < steps; ++step) {
         const int m = tile_at(step), buffer = step % DQ_BUFFERS;
+#if BWD_KV_GROUP
+        if (next_head(step)) {
+          sums += head_tiles * BLOCK_M * BLOCK_D;
+          counters += head_tiles;
+        }
+#endif
         barrier_wait(&dq_full[buffer], (step / DQ_BUFFERS) & 1);
         int added;  // blocks 0 .. n_block - 1 visit tile m too (their m_begin is no later)
         do asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(added) : "l"(counters + m) : "memory");
@@ -372,6 +446,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
     }
   }
   const bool stores_dbias = DBIAS_TMA && warp == 0 && lane == 0;  // the thread that stores dS tiles as dBias
+#if BWD_KV_GROUP
+  // the next query head of the group: the finished head's per-key dBias sums stored (the
+  // kernel's end stores the last head's), its rule, key values and dBias row
+  auto start_next_head = [&] {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = key0 + r * 8;
+      if (HAS_DBIAS && !DBIAS_ROWS) {
+        dbias_sum[r] += __shfl_xor_sync(0xffffffff, dbias_sum[r], 1);
+        dbias_sum[r] += __shfl_xor_sync(0xffffffff, dbias_sum[r], 2);
+        if (t == 0 && key < in.seqlen_k) dbias[key * bwd.dbias_stride[3]] = static_cast<dbias_t>(dbias_sum[r]);
+        dbias_sum[r] = 0.f;
+      }
+    }
+    ++at.head;
+    rule = score_rule(in, at);
+    if (HAS_DBIAS) dbias += bwd.dbias_stride[1];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = key0 + 8 * r;
+      if (key < in.seqlen_k) {
+        if (HAS_MASK && MASK_TILES == 2) key_kept[r] = rule.mask[key * rule.mask_col] != 0;
+        if (HAS_BIAS && BIAS_TILES == 2) key_bias[r] = static_cast<float>(rule.bias[key * rule.bias_col]);
+      }
+    }
+  };
+#endif
   barrier_wait(&kv_full, 0);
 #if PACKED
   if (n_block * BLOCK_N + BLOCK_N > in.seqlen_k) {  // the sequence's last block: the rows past its keys
@@ -385,6 +486,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
 
   for (int step = 0; step < steps; ++step) {
     const int m = tile_at(step), slot = step % STAGES;
+#if BWD_KV_GROUP
+    if (next_head(step)) start_next_head();
+#endif
     barrier_wait(&full[slot], (step / STAGES) & 1);
 #if PACKED
     if ((m + 1) * BLOCK_M > in.seqlen_q) {  // the sequence's last query tile: the rows past its end
@@ -623,6 +727,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   }
 
   if (stores_dbias) bulk_wait<0, false>();  // no store reads shared memory past the block's end
+#if BWD_KV_GROUP
+  if (steps == 0)  // no query tile sees the block: every head's dBias sums are 0, the last's stored below
+    for (int head = 1; head < in.group; ++head) start_next_head();
+#endif
   // Every key of the block is written, also one that no query sees (its gradients are 0).
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

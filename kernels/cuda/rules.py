@@ -131,6 +131,10 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
         reason = knob_reason(config)
         if reason:
             return reason
+    if isinstance(config, BwdConfig) and config.kv_group:
+        reason = kv_group_reason(config, shape.num_heads // shape.num_heads_kv)
+        if reason:
+            return reason
     if isinstance(config, BwdConfig) and _is_warp_specialized_shape(config):  # `backward_warp_specialized`
         return _warp_specialized_backward_reason(config, shape.head_dim)
     if _is_warp_specialized_shape(config):  # the SM90 warp-specialized forward (`warp_specialized`)
@@ -185,6 +189,17 @@ def knob_reason(config: FwdConfig) -> str | None:
         knobs = " and ".join(f"{name}=1" for name in ("overlap", "persistent") if getattr(config, name))
         return (f"{knobs}: a knob of the warp-specialized forward only (block_m in {WS_BLOCK_M} on block_m / 16 + "
                 f"{WARPGROUP} warps), not of {config.block_m} rows on {config.num_warps} warps")
+    return None
+
+
+def kv_group_reason(config: BwdConfig, group: int) -> str | None:
+    """`is_supported` for the backward's knob `kv_group` (flash_bwd_ws.cu's BWD_KV_GROUP: a CTA
+    walks its KV group's query heads): the warp-specialized backward's, on a GQA call."""
+    if not _is_warp_specialized_shape(config):
+        return (f"kv_group=1: a knob of the warp-specialized backward only (block_m {WS_BWD_BLOCK_M} on block_n / 16 + "
+                f"{WARPGROUP} warps), not of {config.block_m}x{config.block_n} on {config.num_warps} warps")
+    if group == 1:
+        return "kv_group=1 needs grouped query heads (num_heads > num_heads_kv): each KV head has one query head here"
     return None
 
 

@@ -129,9 +129,12 @@ def backward_staging(config: BwdConfig, head_dim: int, has_mask: bool, bias_dtyp
                      mask_tiles: int, bias_tiles: int) -> tuple[int, int, int]:
     """(score ring slots, MASK_TILES, BIAS_TILES) of a warp-specialized backward call whose
     operands allow `mask_tiles` and `bias_tiles` (`staged_tiles`): tiles of rows staged where
-    the ring fits (a bias only if 16-bit), a row of keys read into registers."""
+    the ring fits (a bias only if 16-bit), a row of keys read into registers; with `kv_group`
+    (whose ring would be per query head) no tiles of rows."""
     mask_tiles = mask_tiles if has_mask else NOT_STAGED
     bias_tiles = bias_tiles if bias_dtype is not None else NOT_STAGED
+    if config.kv_group:
+        mask_tiles, bias_tiles = (NOT_STAGED if tiles == TILES_OF_ROWS else tiles for tiles in (mask_tiles, bias_tiles))
     if bias_tiles == TILES_OF_ROWS and bias_dtype not in (torch.float16, torch.bfloat16):
         bias_tiles = NOT_STAGED
     stages = backward_score_stages(config, head_dim, mask_tiles, bias_tiles)
@@ -159,7 +162,8 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
     `staged_tiles`; by default tiles of rows), and stores dBias rows of the input dtype by TMA
     where the target's layout allows (`dbias_tma`) and dS is dBias (no softcap); a sliding window
     (`window`) adds HAS_WINDOW, packed sequences (`packed`: no mask or bias of query rows, the
-    caller's check, `backward_packed_reason`) PACKED.
+    caller's check, `backward_packed_reason`) PACKED, and the knob `kv_group` BWD_KV_GROUP (dK
+    and dV summed over the group in the kernel: not DKV_FP32; no staged tiles, no dBias by TMA).
 
     Raises:
         ValueError: a window or packed sequences for a config that is not the warp-specialized
@@ -176,10 +180,11 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
                                                           bias_tiles)
         own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, WGMMA=True, SCORE_STAGES=stages,
                    MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles,
-                   DBIAS_TMA=stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma))
-        own.update({name: True for name, on in (("HAS_WINDOW", window), ("PACKED", packed)) if on})
+                   DBIAS_TMA=stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma and not config.kv_group))
+        own.update({name: True for name, on in (("HAS_WINDOW", window), ("PACKED", packed),
+                                                ("BWD_KV_GROUP", config.kv_group)) if on})
     else:
         own = dict(DKDV_BLOCK_M=config.block_m, DQ_BLOCK_N=config.block_n_dq, WGMMA=uses_wgmma(config, head_dim, arch))
     return defines(element_name(dtype), head_dim, config.num_warps, config.num_stages,
                    **_features(bias_dtype, is_causal, has_mask, softcap), HAS_DBIAS=dbias is not None,
-                   DBIAS_ROWS=rows, DBIAS_FP32=target_dtype == torch.float32, DKV_FP32=group > 1, **own)
+                   DBIAS_ROWS=rows, DBIAS_FP32=target_dtype == torch.float32, DKV_FP32=group > 1 and not config.kv_group, **own)
