@@ -17,6 +17,12 @@
 #   bash benchmarks/ship/h200_kv_group.sh OUT final IN   # kv-group A/B (python -m benchmarks kv-group-ab),
 #       the packed grid tuned again from IN/<table> resuming IN/packed.trials.jsonl (its CUDA
 #       backward trials printed), then the packed/window bench on the result (BENCH_GROUPS as below)
+#   bash benchmarks/ship/h200_kv_group.sh OUT heads-inner  # after the group's heads took turns at each
+#       query tile: the kv-group GPU tests, the A/B, the packed grid tuned again (the shipped journal
+#       without its CUDA trials, whose kernel hash changed) into a copy of the shipped table, then
+#       that table's stale entries (the kv_group ones) re-validated (verify --restamp, bf16)
+#   bash benchmarks/ship/h200_kv_group.sh OUT window-order IN  # after windows went back to each head's
+#       tiles in turn: the kv-group window GPU tests, IN/<table>'s stale entries re-validated, the A/B
 #   bash benchmarks/ship/h200_kv_group.sh OUT bench IN   # the packed/window bench on IN/<table>
 #       (h200_varlen_probe.sh's bench step: BENCH_GROUPS="name:seconds ..." picks groups)
 set -uo pipefail
@@ -79,6 +85,50 @@ elif [ "$step" = retune ]; then
   cp "$table" results/tables/$name
   timeout 150 python3 -m benchmarks profile-step results/tables/$name --workloads configs/workloads/packed.yaml \
     --only packed-causal window 2>&1 | grep -v Warning | tail -40
+elif [ "$step" = heads-inner ]; then
+  start=$SECONDS
+  DMATTN_TEST_GPU=1 timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -n 8 -k "kv_group or kv-group" \
+    > "$out/gpu-kv-group.txt" 2>&1
+  status=$?
+  echo "gpu kv-group tests rc $status ($(tail -1 "$out/gpu-kv-group.txt")) in $((SECONDS - start)) s"
+  grep -E "^FAILED|^ERROR|^E  " "$out/gpu-kv-group.txt" | head -10
+  [ $status = 0 ] || exit 1
+  start=$SECONDS
+  timeout 150 python3 -m benchmarks kv-group-ab > "$out/kv-group-ab.md" 2> "$out/kv-group-ab.err"
+  echo "kv-group A/B rc $? in $((SECONDS - start)) s"; cat "$out/kv-group-ab.md"
+  python3 -c "
+import json, sys
+for line in open('results/tune/h200-packed.trials.jsonl'):
+    record = json.loads(line)
+    if record.get('backend') != 'cuda' and 'cuda' not in str(record.get('id', '')).split('|'):
+        sys.stdout.write(line)
+" > "$table.trials.jsonl"
+  start=$SECONDS
+  timeout 150 dmattn-bench tune --workloads configs/workloads/varlen.yaml --grid packed --backend all --suite full \
+    $spaces --resume --merge results/tables/$name --out "$table" --format json > "$out/tune-packed.json" \
+    2> "$out/tune-packed.txt"
+  echo "packed tune rc $? in $((SECONDS - start)) s"
+  grep -v "^tune \[" "$out/tune-packed.txt" | tail -4
+  grep '"backend": "cuda"' "$table.trials.jsonl" | grep '"direction": "bwd"' | grep '"status": "ok"' | \
+    python3 -c "import sys, json; [print(r['id'], r['median_ms']) for r in map(json.loads, sys.stdin)]"
+  start=$SECONDS
+  timeout 150 dmattn-bench verify --table "$table" --suite full --dtype bf16 --restamp > "$out/verify-bf16.txt" 2>&1
+  echo "verify --restamp bf16 rc $? in $((SECONDS - start)) s"
+  tail -6 "$out/verify-bf16.txt"
+elif [ "$step" = window-order ]; then  # IN/<table>'s stale entries (the window kv_group ones) re-validated
+  cp "$3/$name" "$table"
+  start=$SECONDS
+  DMATTN_TEST_GPU=1 timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -n 8 -k "kv-group and windows" \
+    > "$out/gpu-kv-group.txt" 2>&1
+  status=$?
+  echo "gpu kv-group window tests rc $status ($(tail -1 "$out/gpu-kv-group.txt")) in $((SECONDS - start)) s"
+  [ $status = 0 ] || exit 1
+  start=$SECONDS
+  timeout 100 dmattn-bench verify --table "$table" --suite full --dtype bf16 --restamp > "$out/verify-bf16.txt" 2>&1
+  echo "verify --restamp bf16 rc $? in $((SECONDS - start)) s"
+  tail -5 "$out/verify-bf16.txt"
+  timeout 100 python3 -m benchmarks kv-group-ab > "$out/kv-group-ab.md" 2> "$out/kv-group-ab.err"
+  echo "kv-group A/B rc $?"; cat "$out/kv-group-ab.md"
 elif [ "$step" = final ]; then
   start=$SECONDS
   timeout 150 python3 -m benchmarks kv-group-ab > "$out/kv-group-ab.md" 2> "$out/kv-group-ab.err"

@@ -71,14 +71,19 @@
 // the whole backward; summing dQ in the dK/dV kernel of flash_bwd.cu (its header).
 //
 // A KV group in one CTA (BWD_KV_GROUP, GQA; BwdConfig.kv_group): the grid's slices are (batch,
-// KV head), and a CTA walks the query tiles of each query head of its group in turn, head_steps
-// steps a head, one ring of Q and dO across them. dK and dV stay in registers over the group and
-// are stored once in the input dtype: no fp32 share per query head for the launcher to sum
-// (H200, packed causal D128 GQA 4: the shares' fill, sum and cast took 0.19 of 1.8 ms a step).
-// The dQ order is unchanged: each query head's tiles have their own sums and counters, which
-// every block of the slice reaches in the same head order. Each head's per-key dBias sums are
-// stored when its last step ends. Staged score tiles and dBias by TMA are not taken (their
-// rings and stores are per query head): a mask or bias of query rows is read from global memory.
+// KV head), and a CTA walks its query tiles for each query head of its group, one ring of Q and
+// dO across them. dK and dV stay in registers over the group and are stored once in the input
+// dtype: no fp32 share per query head for the launcher to sum (H200, packed causal D128 GQA 4:
+// the shares' fill, sum and cast took 0.19 of 1.8 ms a step). Each query head's tiles keep their
+// own dQ sums and counters. The group's heads take turns at each query tile (HEADS_INNER), so
+// the blocks of a slice reach a (head, tile) at about the same step, as without the knob; a
+// head's tiles one after another made a short block wait at each head for block 0 to finish the
+// head before (H200, dense B2 L4096 causal D128: fwd+bwd 1.42x the time without the knob, 1.28x
+// with the heads taking turns; packed documents 1.24x, 0.96x). Under a window, whose blocks walk
+// tiles as many as each other, and with per-key dBias sums (a pair of registers a key and head),
+// each head's tiles run in turn, a head's sums stored when its last step ends. Staged score tiles and dBias by TMA are not taken
+// (their rings and stores are per query head): a mask or bias of query rows is read from global
+// memory.
 //
 // Layouts: TMA writes each 64-column block of a tile as 128-byte rows in the 128-byte swizzle
 // (sm90.cuh); rows past Lq or Lk and columns past HEAD_DIM arrive as zeros. The maps
@@ -147,6 +152,15 @@ struct BwdWsParams {  // `dmattn_kernels.cuda.params.BwdWsParams` mirrors it
 #if BWD_KV_GROUP
 static_assert(!SCORE_TILES && !DBIAS_TMA && !DKV_FP32,
               "a KV group in one CTA: scores from registers or global memory, dBias and dK/dV stored by its threads");
+#if HAS_WINDOW
+// a window: each head's tiles in turn (H200, B2 L8192 window 1024 D128: fwd+bwd 0.916x the time
+// without the knob, against 1.000x with the heads taking turns)
+constexpr bool HEADS_INNER = false;
+#else
+// the group's heads take turns at each query tile, unless each head's per-key dBias sums need
+// its tiles in a row (header)
+constexpr bool HEADS_INNER = !(HAS_DBIAS && !DBIAS_ROWS);
+#endif
 #endif
 
 #if PACKED
@@ -238,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
                     BLOCK_M;
 #if BWD_KV_GROUP
   const int head_steps = max(0, m_end - m_begin), steps = in.group * head_steps;
-  auto tile_at = [&](int step) { return m_end - 1 - step % head_steps; };
+  auto tile_at = [&](int step) { return m_end - 1 - (HEADS_INNER ? step / in.group : step % head_steps); };
 #else
   const int steps = max(0, m_end - m_begin);
   auto tile_at = [&](int step) { return m_end - 1 - step; };
@@ -249,15 +263,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   const int m_begin = IS_CAUSAL ? max(0, n_block * BLOCK_N - rule.offset) / BLOCK_M : 0;
 #if BWD_KV_GROUP
   const int head_steps = m_tiles - m_begin, steps = in.group * head_steps;
-  auto tile_at = [&](int step) { return m_tiles - 1 - step % head_steps; };  // each head's last tile first
+  auto tile_at = [&](int step) {  // the last tile first
+    return m_tiles - 1 - (HEADS_INNER ? step / in.group : step % head_steps);
+  };
 #else
   const int steps = m_tiles - m_begin;
   auto tile_at = [&](int step) { return m_tiles - 1 - step; };  // the last tile first
 #endif
 #endif
 #if BWD_KV_GROUP
-  // step `step` starts the next query head of the group (each role moves its own pointers on)
-  auto next_head = [&](int step) { return step > 0 && step % head_steps == 0; };
+  // the group's query head of step `step` (0 .. group - 1), and whether it is another than the
+  // step before's (each role then moves its pointers to it)
+  auto head_of = [&](int step) { return HEADS_INNER ? step % in.group : step / head_steps; };
+  auto next_head = [&](int step) { return step > 0 && head_of(step) != head_of(step - 1); };
+  const int first_head = at.head;
 #endif
 
   if (threadIdx.x == 0) {
@@ -294,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
       for (int step = 0; step < steps; ++step) {
         const int m = tile_at(step), slot = step % STAGES;
 #if BWD_KV_GROUP
-        if (next_head(step)) ++at.head;
+        if (next_head(step)) at.head = first_head + head_of(step);
 #endif
         if (step >= STAGES) barrier_wait(&empty[slot], (step / STAGES - 1) & 1);
         barrier_arrive_expecting(&full[slot], 2 * Q_BYTES);
@@ -328,7 +347,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
       }
     } else if (warp == 1) {
 #if BWD_KV_GROUP
-      GradSlices grads = grad_slices(bwd, at);
+      const GradSlices first_grads = grad_slices(bwd, at);
+      GradSlices grads = first_grads;
 #else
       const GradSlices grads = grad_slices(bwd, at);
 #endif
@@ -336,8 +356,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         const int m = tile_at(step), slot = step % STAGES;
 #if BWD_KV_GROUP
         if (next_head(step)) {
-          grads.lse += bwd.lse_stride[1];
-          grads.delta += bwd.delta_stride[1];
+          grads.lse = first_grads.lse + head_of(step) * bwd.lse_stride[1];
+          grads.delta = first_grads.delta + head_of(step) * bwd.delta_stride[1];
         }
 #endif
         if (step >= STAGES) barrier_wait(&empty[slot], (step / STAGES - 1) & 1);
@@ -384,12 +404,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
 #elif BWD_KV_GROUP
       const int64_t head_tiles = m_tiles;
 #endif
+#if BWD_KV_GROUP
+      float* const first_sums = sums;
+      int* const first_counters = counters;
+#endif
       for (int step = 0; step < steps; ++step) {
         const int m = tile_at(step), buffer = step % DQ_BUFFERS;
 #if BWD_KV_GROUP
         if (next_head(step)) {
-          sums += head_tiles * BLOCK_M * BLOCK_D;
-          counters += head_tiles;
+          sums = first_sums + head_of(step) * head_tiles * BLOCK_M * BLOCK_D;
+          counters = first_counters + head_of(step) * head_tiles;
         }
 #endif
         barrier_wait(&dq_full[buffer], (step / DQ_BUFFERS) & 1);
@@ -447,9 +471,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   }
   const bool stores_dbias = DBIAS_TMA && warp == 0 && lane == 0;  // the thread that stores dS tiles as dBias
 #if BWD_KV_GROUP
-  // the next query head of the group: the finished head's per-key dBias sums stored (the
-  // kernel's end stores the last head's), its rule, key values and dBias row
-  auto start_next_head = [&] {
+  // query head `head` of the group next: the finished head's per-key dBias sums stored (heads
+  // in turn: the kernel's end stores the last head's), its rule, key values and dBias row. (The
+  // kernel's end and the reads above, written again here: shared, they would change every other
+  // variant's specialised source, and so every shipped table entry's stamp.)
+  dbias_t* const first_dbias = dbias;
+  auto start_head = [&](int head) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int key = key0 + r * 8;
@@ -460,9 +487,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         dbias_sum[r] = 0.f;
       }
     }
-    ++at.head;
+    at.head = first_head + head;
     rule = score_rule(in, at);
-    if (HAS_DBIAS) dbias += bwd.dbias_stride[1];
+    if (HAS_DBIAS) dbias = first_dbias + head * bwd.dbias_stride[1];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int key = key0 + 8 * r;
@@ -487,7 +514,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   for (int step = 0; step < steps; ++step) {
     const int m = tile_at(step), slot = step % STAGES;
 #if BWD_KV_GROUP
-    if (next_head(step)) start_next_head();
+    if (next_head(step)) start_head(head_of(step));
 #endif
     barrier_wait(&full[slot], (step / STAGES) & 1);
 #if PACKED
@@ -728,8 +755,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
 
   if (stores_dbias) bulk_wait<0, false>();  // no store reads shared memory past the block's end
 #if BWD_KV_GROUP
-  if (steps == 0)  // no query tile sees the block: every head's dBias sums are 0, the last's stored below
-    for (int head = 1; head < in.group; ++head) start_next_head();
+  if (HAS_DBIAS && !DBIAS_ROWS && steps == 0)  // no query tile sees the block: every head's sums are 0
+    for (int head = 1; head < in.group; ++head) start_head(head);  // the last head's are stored below
 #endif
   // Every key of the block is written, also one that no query sees (its gradients are 0).
 #pragma unroll
