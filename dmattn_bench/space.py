@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import yaml
 
-from dmattn_kernels.configs import (BWD_KNOBS, FWD_KNOBS, KNOBS, MAX_HEAD_DIM, MAX_SPLITS, AttentionShape, BwdConfig,  # noqa: F401
-                                    DecodeConfig, FwdConfig, Packing, as_4d)
+from dmattn_kernels.configs import (BWD_KNOBS, FWD_KNOBS, KNOBS, MAX_HEAD_DIM, MAX_SPLITS,  # noqa: F401
+                                    AttentionShape, BwdConfig, DecodeConfig, FwdConfig, Packing, as_4d)
 
 
 def _configs_dir() -> Path:
@@ -69,8 +69,9 @@ class InvalidConfig:
 
 def config_label(config: "FwdConfig | BwdConfig | DecodeConfig | InvalidConfig | None") -> str:
     """Compact human label: fwd "128x64 w4 s3" (a knob on appended: "128x128 w12 s2 overlap
-    persistent"), bwd "32x64 dq64x32 w4 s2" (or "64x128 dq64x128 w12 s2 kv_group"), decode "n64 w4 s3 splits auto", a table entry's
-    invalid config "invalid: block_m=24 ..."; "-" for a direction not run."""
+    persistent"), bwd "32x64 dq64x32 w4 s2" (or "64x128 dq64x128 w12 s2 kv_group"), decode "n64
+    w4 s3 splits auto", a table entry's invalid config "invalid: block_m=24 ..."; "-" for a
+    direction not run."""
     if config is None:
         return "-"
     if isinstance(config, InvalidConfig):

@@ -122,7 +122,6 @@ BWD_KNOBS = ("kv_group",)  # BwdConfig's kernel knobs
 KNOBS = {FwdConfig: FWD_KNOBS, BwdConfig: BWD_KNOBS}  # each config class's knobs, in label order
 
 
-
 @dataclass(frozen=True)
 class DecodeConfig:
     """Short-query forward tiles (`flash_decode.py`): the query heads of a KV group share a tile.

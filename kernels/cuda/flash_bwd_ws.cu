@@ -3,8 +3,9 @@
 // P (dP - delta) = dBias, the softcap factor, dK and dQ scaled by softmax_scale); what changes is
 // who waits for what, and that dQ is summed from shares instead of recomputed by a second kernel.
 //
-// A CTA owns BLOCK_N = 64 x CONSUMERS keys of one (batch, query head) and walks the query tiles
-// of BLOCK_M = 64 rows that see them, dK and dV in registers. It has CONSUMERS + 1 warpgroups:
+// A CTA owns BLOCK_N = 64 x CONSUMERS keys of one (batch, query head) (with BWD_KV_GROUP, of
+// one (batch, KV head): below) and walks the query tiles of BLOCK_M = 64 rows that see them, dK
+// and dV in registers. It has CONSUMERS + 1 warpgroups:
 //   producer (24 registers a thread):
 //     warp 0 issues TMA for K and V once, then each query tile's Q and dO into a ring of
 //       STAGES slots;
@@ -81,9 +82,9 @@
 // head before (H200, dense B2 L4096 causal D128: fwd+bwd 1.42x the time without the knob, 1.28x
 // with the heads taking turns; packed documents 1.24x, 0.96x). Under a window, whose blocks walk
 // tiles as many as each other, and with per-key dBias sums (a pair of registers a key and head),
-// each head's tiles run in turn, a head's sums stored when its last step ends. Staged score tiles and dBias by TMA are not taken
-// (their rings and stores are per query head): a mask or bias of query rows is read from global
-// memory.
+// each head's tiles run in turn, a head's sums stored when its last step ends. Staged score
+// tiles and dBias by TMA are not taken (their rings and stores are per query head): a mask or
+// bias of query rows is read from global memory.
 //
 // Layouts: TMA writes each 64-column block of a tile as 128-byte rows in the 128-byte swizzle
 // (sm90.cuh); rows past Lq or Lk and columns past HEAD_DIM arrive as zeros. The maps
@@ -133,7 +134,9 @@ struct BwdWsParams {  // `dmattn_kernels.cuda.params.BwdWsParams` mirrors it
   CUtensorMap q_map, k_map, v_map, do_map;
   CUtensorMap mask_map, bias_map, dbias_map;  // only where staged (MASK_TILES, BIAS_TILES 1) or DBIAS_TMA
   BwdParams bwd;
-  float* dq_sum;    // (B x H, query tiles, BLOCK_M x BLOCK_D): each tile's summed shares, fragment order
+  // (B x H, query tiles, BLOCK_M x BLOCK_D): each tile's summed shares, fragment order (query
+  // heads' slices also with BWD_KV_GROUP, whose grid slices are KV heads)
+  float* dq_sum;
   int* dq_counter;  // (B x H, query tiles): the key blocks whose share is in the sum
   int section_slices;  // the launch order's sections (common.cuh: section_order)
 #if PACKED

@@ -187,4 +187,5 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
         own = dict(DKDV_BLOCK_M=config.block_m, DQ_BLOCK_N=config.block_n_dq, WGMMA=uses_wgmma(config, head_dim, arch))
     return defines(element_name(dtype), head_dim, config.num_warps, config.num_stages,
                    **_features(bias_dtype, is_causal, has_mask, softcap), HAS_DBIAS=dbias is not None,
-                   DBIAS_ROWS=rows, DBIAS_FP32=target_dtype == torch.float32, DKV_FP32=group > 1 and not config.kv_group, **own)
+                   DBIAS_ROWS=rows, DBIAS_FP32=target_dtype == torch.float32,
+                   DKV_FP32=group > 1 and not config.kv_group, **own)
