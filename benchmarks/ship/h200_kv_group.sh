@@ -32,6 +32,21 @@ table=$out/$name
 spaces="--space configs/space/cuda-fwd-ws.yaml --space configs/space/cuda-bwd-ws.yaml
         --space configs/space/triton-fwd.yaml --space configs/space/triton-bwd.yaml"
 mkdir -p "$out"
+# the shipped packed journal without its CUDA trials (measured on other CUDA sources: resume refuses them)
+shipped_journal_without_cuda() {
+  python3 -c "
+import json, sys
+for line in open('results/tune/h200-packed.trials.jsonl'):
+    record = json.loads(line)
+    if record.get('backend') != 'cuda' and 'cuda' not in str(record.get('id', '')).split('|'):
+        sys.stdout.write(line)
+"
+}
+# a journal's timed CUDA backward trials: id and GPU ms
+cuda_backward_trials() {
+  grep '"backend": "cuda"' "$1" | grep '"direction": "bwd"' | grep '"status": "ok"' | \
+    python3 -c "import sys, json; [print(r['id'], r['median_ms']) for r in map(json.loads, sys.stdin)]"
+}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install-$step.txt" 2>&1
 if [ "$step" = tune ]; then
@@ -42,13 +57,7 @@ if [ "$step" = tune ]; then
     echo "gpu kv-group tests rc $? ($(tail -1 "$out/gpu-kv-group.txt")) in $((SECONDS - start)) s"
     grep -E "^FAILED|^ERROR|Error|assert" "$out/gpu-kv-group.txt" | head -20
   fi
-  python3 -c "
-import json, sys
-for line in open('results/tune/h200-packed.trials.jsonl'):
-    record = json.loads(line)
-    if record.get('backend') != 'cuda' and 'cuda' not in str(record.get('id', '')).split('|'):
-        sys.stdout.write(line)
-" > "$table.trials.jsonl"
+  shipped_journal_without_cuda > "$table.trials.jsonl"
   start=$SECONDS
   timeout 280 dmattn-bench tune --workloads configs/workloads/varlen.yaml --grid packed --backend all --suite full \
     $spaces --resume --merge results/tables/$name --out "$table" --format json > "$out/tune-packed.json" \
@@ -96,21 +105,14 @@ elif [ "$step" = heads-inner ]; then
   start=$SECONDS
   timeout 150 python3 -m benchmarks kv-group-ab > "$out/kv-group-ab.md" 2> "$out/kv-group-ab.err"
   echo "kv-group A/B rc $? in $((SECONDS - start)) s"; cat "$out/kv-group-ab.md"
-  python3 -c "
-import json, sys
-for line in open('results/tune/h200-packed.trials.jsonl'):
-    record = json.loads(line)
-    if record.get('backend') != 'cuda' and 'cuda' not in str(record.get('id', '')).split('|'):
-        sys.stdout.write(line)
-" > "$table.trials.jsonl"
+  shipped_journal_without_cuda > "$table.trials.jsonl"
   start=$SECONDS
   timeout 150 dmattn-bench tune --workloads configs/workloads/varlen.yaml --grid packed --backend all --suite full \
     $spaces --resume --merge results/tables/$name --out "$table" --format json > "$out/tune-packed.json" \
     2> "$out/tune-packed.txt"
   echo "packed tune rc $? in $((SECONDS - start)) s"
   grep -v "^tune \[" "$out/tune-packed.txt" | tail -4
-  grep '"backend": "cuda"' "$table.trials.jsonl" | grep '"direction": "bwd"' | grep '"status": "ok"' | \
-    python3 -c "import sys, json; [print(r['id'], r['median_ms']) for r in map(json.loads, sys.stdin)]"
+  cuda_backward_trials "$table.trials.jsonl"
   start=$SECONDS
   timeout 150 dmattn-bench verify --table "$table" --suite full --dtype bf16 --restamp > "$out/verify-bf16.txt" 2>&1
   echo "verify --restamp bf16 rc $? in $((SECONDS - start)) s"
@@ -139,8 +141,7 @@ elif [ "$step" = final ]; then
     $spaces --resume --merge "$3/$name" --out "$table" --format json > "$out/tune-packed.json" 2> "$out/tune-packed.txt"
   echo "packed tune rc $? in $((SECONDS - start)) s"
   grep -v "^tune \[" "$out/tune-packed.txt" | tail -4
-  grep '"backend": "cuda"' "$table.trials.jsonl" | grep '"direction": "bwd"' | grep '"status": "ok"' | \
-    python3 -c "import sys, json; [print(r['id'], r['median_ms']) for r in map(json.loads, sys.stdin)]"
+  cuda_backward_trials "$table.trials.jsonl"
   cp "$table" results/tables/$name
   BENCH_GROUPS=${BENCH_GROUPS:-"packed-causal:170 window:190"} bash benchmarks/ship/h200_varlen_probe.sh "$out" bench
 else
