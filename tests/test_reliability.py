@@ -18,9 +18,11 @@ import yaml
 
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.tiles import default_configs
+from dmattn_bench.tuning import workers
 from dmattn_bench.tuning.journal import Journal, JournalError, mark_finished, read_state
-from dmattn_bench.tuning.workers import (MAX_WORKERS_PER_GPU, PoolStats, Worker, parallel_map, phase_bound,
-                                         worker_count)
+from dmattn_bench.tuning.workers import (CONTEXT_BYTES, POOL_GPU_MEMORY_SHARE, PoolStats, ProcessPool, Worker,
+                                         parallel_map, phase_bound, worker_count)
+from dmattn_bench.tuning.workloads import Workload
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
@@ -290,9 +292,61 @@ def test_parallel_map_gives_each_process_one_of_the_gpus(monkeypatch, tmp_path, 
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent_visible)
-    seen = parallel_map(_visible_gpu, [str(tmp_path)] * 2, on_crash=lambda item, reason: reason, gpus=2)
+    with ProcessPool(2, gpus=2) as pool:
+        seen = parallel_map(_visible_gpu, [str(tmp_path)] * 2, on_crash=lambda item, reason: reason, gpus=2, pool=pool)
     assert set(seen) == expected
-    assert worker_count(100, gpus=2) == min(2 * MAX_WORKERS_PER_GPU, os.cpu_count())
+
+
+def test_a_pool_takes_a_core_each_less_one_per_gpu_and_what_the_gpu_memory_holds(monkeypatch):
+    """The H200's host (16 cores, one GPU) ran 8 pool processes, bound by their cores
+    (results/tune/h200-ranked-vs-exhaustive.md): the pool now takes every core but the one left
+    to the GPU's timing process, fewer where the jobs are fewer, and no more than half the
+    GPU's memory holds with a CUDA context and a job's tensors each."""
+    monkeypatch.setattr(workers, "usable_cores", lambda: 16)
+    assert worker_count(1000) == 15
+    assert worker_count(1000, gpus=2) == 14
+    assert worker_count(3) == 3
+    h200 = 141 * 2**30
+    assert worker_count(1000, job_bytes=2**30, gpu_bytes=h200) == 15
+    big = 16 * 2**30  # a workload's inputs, outputs and gradients
+    per_gpu = int(h200 * POOL_GPU_MEMORY_SHARE) // (CONTEXT_BYTES + big)
+    assert per_gpu == 4
+    assert worker_count(1000, job_bytes=big, gpu_bytes=h200) == per_gpu
+    assert worker_count(1000, gpus=2, job_bytes=big, gpu_bytes=h200) == 2 * per_gpu
+    assert worker_count(1000, job_bytes=200 * 2**30, gpu_bytes=h200) == 1
+    monkeypatch.setattr(workers, "usable_cores", lambda: 1)
+    assert worker_count(1000) == 1
+
+
+def test_a_compile_job_holds_its_workloads_inputs_outputs_and_gradients():
+    """What the pool's size counts per process: B2 L100 H4 Hkv2 D64 bf16 with a kv-head mask and
+    a learnable per-key bias is Q, dO, O, dQ (4 x 2*100*4*64 x 2 bytes), K, V, dK, dV
+    (4 x 2*100*2*64 x 2), the mask (2*2*100*100 bytes) and the bias with its gradient
+    (2 x 2*2*100 x 2); packed documents count their tokens, not a batch of the longest."""
+    workload = Workload(batch=2, heads=4, heads_kv=2, seqlen_q=100, seqlen_k=100, head_dim=64, causal=True,
+                        mask="kv_head", bias="per_key", bias_grad=True, dtype="bf16")
+    assert workload.tensor_bytes() == 4 * 51200 * 2 + 4 * 25600 * 2 + 40000 + 2 * 400 * 2
+    packed = replace(workload, batch=1, documents=(100, 30), mask="none", bias="none")
+    assert packed.tensor_bytes() == 4 * 130 * 4 * 64 * 2 + 4 * 130 * 2 * 64 * 2
+
+
+def _pid(_item) -> int:
+    return os.getpid()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two pool processes")
+def test_a_kept_pool_runs_later_calls_in_the_processes_it_started():
+    """A ranked tune's widening rounds and its suites run in one set of processes: a second
+    call starts none (its jobs report no start-up), and a pool left is closed."""
+    with ProcessPool(2) as pool:
+        first, second = PoolStats(), PoolStats()
+        pids = parallel_map(_pid, range(6), on_crash=lambda item, reason: reason, pool=pool, stats=first)
+        again = parallel_map(_pid, range(6), on_crash=lambda item, reason: reason, pool=pool, stats=second)
+        assert set(again) <= set(pids) and len(set(pids)) <= 2
+        assert first.startups and not second.startups and second.jobs == 6
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def _stamp(job) -> tuple[float, float, bool]:
@@ -311,16 +365,15 @@ def test_parallel_map_starts_a_job_only_after_the_jobs_it_waits_for(tmp_path):
     """The tuner makes jobs that share a kernel wait for the job compiling it: a waiting job
     starts after that job ends, the others run meanwhile, results come back in item order, and
     the pool statistics count every job."""
-    if worker_count(4) < 2:
-        pytest.skip("needs two processes at once")
     jobs = [(str(tmp_path), "a", "d"), (str(tmp_path), "b", None), (str(tmp_path), "c", None),
             (str(tmp_path), "d", None)]
     stats = PoolStats()
-    a, b, c, d = parallel_map(_stamp, jobs, on_crash=lambda job, reason: reason, after=[(), (), (0,), ()],
-                              stats=stats)
+    with ProcessPool(2) as pool:  # two at once, whatever the cores
+        a, b, c, d = parallel_map(_stamp, jobs, on_crash=lambda job, reason: reason, after=[(), (), (0,), ()],
+                                  stats=stats, pool=pool)
     assert a[2], "job d did not run while job a was running"
     assert c[0] >= a[1] and d[0] < a[1]
-    assert stats.jobs == 4 and stats.processes == worker_count(4) and len(stats.startups) <= stats.processes
+    assert stats.jobs == 4 and stats.processes == 2 and len(stats.startups) <= stats.processes
     assert stats.busy_s >= a[1] - a[0]
     with pytest.raises(ValueError, match="earlier items"):
         parallel_map(_stamp, jobs[:2], on_crash=lambda job, reason: reason, after=[(1,), ()])
@@ -336,6 +389,9 @@ def test_a_phase_is_bound_by_its_cores_by_its_hand_over_or_by_waiting():
     compile_pool = phase_bound(53.2, {"processes": 8, "jobs": 99, "busy_s": 202.8, "cpu_s": 198.5}, 16)
     assert (compile_pool["bound"], compile_pool["fed"]) == ("hand-over", 0.48)
     assert not phase_bound(10.0, {"processes": 16, "jobs": 64, "busy_s": 155.0, "cpu_s": 150.0}, 16)["more_cores"]
+    # a core is left to each GPU's timing process
+    assert not phase_bound(10.0, {"processes": 15, "jobs": 64, "busy_s": 145.0, "cpu_s": 140.0}, 16)["more_cores"]
+    assert phase_bound(10.0, {"processes": 13, "jobs": 64, "busy_s": 125.0, "cpu_s": 120.0}, 16, gpus=2)["more_cores"]
     assert phase_bound(10.0, {"processes": 4, "jobs": 8, "busy_s": 40.0, "cpu_s": 8.0}, 16)["bound"] == "waiting"
     for pool in (None, {"processes": 0, "jobs": 0, "busy_s": 0.0, "cpu_s": 0.0}):
         assert phase_bound(15.2, pool, 16)["bound"] == "serial"

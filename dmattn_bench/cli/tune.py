@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
 import re
 import shlex
 from pathlib import Path
@@ -26,7 +26,8 @@ from dmattn_bench.tuning.ranking import RankingModel
 from dmattn_bench.tuning.prune import load_ci_space, load_space, read_yaml_mapping
 from dmattn_bench.tuning.table_writer import dump_table, merged, new_table
 from dmattn_bench.tuning.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, combine_backends,
-                                       planned_trial_ids, tune)
+                                       planned_trial_ids, process_pool, tune)
+from dmattn_bench.tuning.workers import usable_cores
 from dmattn_bench.tuning.workloads import load_workloads, workload_of_key
 
 CI_FILE = CONFIGS_DIR / "ci.yaml"
@@ -162,12 +163,12 @@ BOUND_NOTES = {"serial": "one process in turn", "waiting": "jobs off their cores
                "cores": "the cores"}
 
 
-def _phases_table(result: TuneResult, cores: int) -> Table:
+def _phases_table(result: TuneResult, cores: int, gpus: int) -> Table:
     """Each phase's wall and what bounded it (`TuneResult.phase_bounds`)."""
     table = Table(title=f"phases (host of {cores} cores)")
     for column in ("phase", "wall s", "processes", "on core", "fed", "bound by"):
         table.add_column(column, justify="left" if column in ("phase", "bound by") else "right")
-    for phase, bound in result.phase_bounds(cores).items():
+    for phase, bound in result.phase_bounds(cores, gpus).items():
         note = BOUND_NOTES[bound["bound"]] + (f" ({bound['processes']} of {cores}: more would run)"
                                               if bound["more_cores"] else "")
         table.add_row(phase, f"{result.phases[phase]:.1f}", str(bound["processes"]),
@@ -404,8 +405,11 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                for identifier in planned_trial_ids(workloads, spaces[name], device, name)]
     replayed = _announce_journal(journal, resume, trials_path, out, planned)
     results = {}
+    # one set of compile and suite processes for every backend (each costs seconds to start)
+    pool = process_pool(workloads, device, gpu_count) if on_gpu and workers is None else None
     try:
         with (ledger.ledger_for_workers(None if no_ledger else ledger.default_path()),
+              pool or contextlib.nullcontext(),
               output.progress("tune", total=len(planned) - replayed) as advance):
             for index, name in enumerate(backends):
                 # one journal: trial ids name their backend, so a later backend continues it
@@ -414,7 +418,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                                      on_trial=lambda trial: advance(f"{trial.backend} {trial.direction} {trial.status}"),
                                      on_phase=_announce_phase, journal_path=trials_path, resume=resume or index > 0,
                                      trial_timeout_s=trial_timeout, suite_timeout_s=suite_timeout, gpus=gpu_count,
-                                     workers=workers, ranking=ranking)
+                                     workers=workers, ranking=ranking, pool=pool)
     except JournalError as exc:
         raise DmattnError(str(exc)) from None
     result = results[backends[0]] if len(backends) == 1 else combine_backends(results)
@@ -433,10 +437,10 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
     # interpreter timings rank candidates for the pipeline's sake only: no speed figure is drawn from them
     speedup = geometric_mean_speedup(result) if result.meaningful_timings else None
     regret = current_choice_regret(result)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     document = {"table": str(out), "trials_file": str(trials_path), "wall_s": round(result.wall_s, 1),
                 "phases_s": result.phases, "phase_pools": result.pools,
-                "phase_bounds": result.phase_bounds(cores), "gpus": gpu_count,
+                "phase_bounds": result.phase_bounds(cores, gpu_count), "gpus": gpu_count,
                 "replayed_trials": replayed, "counts": result.counts(), "funnel": result.funnel(),
                 "entries": len(entries), "geomean_speedup_vs_default": speedup,
                 "current_choice_regret": regret,
@@ -446,7 +450,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                 "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence,
                                  search=result.search_of(w))
                             for w in result.winners]}
-    output.render(document, [_winners_table(result), _counts_table(result), _phases_table(result, cores)], fmt)
+    output.render(document, [_winners_table(result), _counts_table(result), _phases_table(result, cores, gpu_count)], fmt)
     merged_note = f", {len(table.entries)} with those of {merge_path}" if kept is not None else ""
     output.info(f"wrote {out} ({len(entries)} entries{merged_note})" + (
         "" if not result.meaningful_timings else "; geometric-mean speed-up over the defaults: "

@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from queue import Empty, Queue
+from queue import Queue
 from typing import Callable
 
 import torch
@@ -54,8 +54,8 @@ from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, CaseJob, Trial, 
                                         shape_of_workload, suite_case_job, suite_cases, suite_job, suite_verdict,
                                         warm_job)
 from dmattn_bench.tuning.validator import CaseResult, shape_of_case
-from dmattn_bench.tuning.workers import (PoolStats, Worker, WorkerCrashed, WorkerTimedOut, parallel_map,
-                                         phase_bound)
+from dmattn_bench.tuning.workers import (PoolStats, ProcessPool, Worker, WorkerCrashed, WorkerTimedOut,
+                                         parallel_map, phase_bound, worker_count)
 from dmattn_bench.tuning.workloads import Workload
 
 DEFAULT_TRIAL_TIMEOUT_S = 300.0  # also the bound on building a workload's inputs and references
@@ -103,11 +103,12 @@ class TuneResult:
             counts[trial.status] = counts.get(trial.status, 0) + 1
         return counts
 
-    def phase_bounds(self, cores: int) -> dict[str, dict]:
-        """Per phase, what bounded it on a host of `cores` cores (`workers.phase_bound`): the
-        compile and winners phases run on pools (on a GPU), the measure phase times trials one at
-        a time."""
-        return {phase: phase_bound(seconds, self.pools.get(phase), cores) for phase, seconds in self.phases.items()}
+    def phase_bounds(self, cores: int, gpus: int = 1) -> dict[str, dict]:
+        """Per phase, what bounded it on a host of `cores` cores and `gpus` GPUs
+        (`workers.phase_bound`): the compile and winners phases run on pools (on a GPU; the
+        measuring workers time what is compiled meanwhile), the measure phase is the timing
+        left once the compiles are done, one trial at a time per GPU."""
+        return {phase: phase_bound(seconds, self.pools.get(phase), cores, gpus) for phase, seconds in self.phases.items()}
 
     def funnel(self) -> dict[str, int]:
         """How many trials reached each stage (a trial that reached "timed" was also compiled...)."""
@@ -212,6 +213,7 @@ def tune(
     workers: list | None = None,
     ranking: RankingModel | None = None,
     widening: Widening = Widening(),
+    pool: ProcessPool | None = None,
 ) -> TuneResult:
     """Tunes every workload in its directions (`Workload.directions`).
 
@@ -240,6 +242,9 @@ def tune(
         ranking: rank each key's candidates with this model and time them in rounds down the
             ranking as `widening` says (`ranking.RankedRounds`); the rest end "ranked_out", and
             the journal records each key's ranking. None: time every candidate (exhaustive).
+        pool: the processes that compile the candidates and run the winners' suites on a GPU
+            (`process_pool`), kept by the caller for a tune of several backends. None: the tune
+            starts its own.
 
     Returns:
         Winners (one per key), every trial, and the wall time.
@@ -262,11 +267,20 @@ def tune(
     if not remote:
         workers = [Worker(interpret=device.type != "cuda", gpu=gpu if device.type == "cuda" else None)
                    for gpu in range(max(1, gpus))]
+    owned_pool = pool is None and device.type == "cuda" and not remote  # remote slots compile what they measure
+    if owned_pool:
+        pool = process_pool(workloads, device, len(workers))
     try:
         return _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase,
                     journal, workers, trial_timeout_s, suite_timeout_s, start, compile_locally=not remote,
-                    ranking=ranking, widening=widening)
+                    ranking=ranking, widening=widening, pool=pool)
+    except BaseException:
+        if owned_pool:
+            pool.discard(kill=True)
+        raise
     finally:
+        if owned_pool:
+            pool.discard()
         for worker in workers:
             worker.stop()
         journal.close()
@@ -274,9 +288,19 @@ def tune(
             owned_dir.cleanup()
 
 
+def process_pool(workloads: list[Workload], device: torch.device | str, gpus: int = 1) -> ProcessPool:
+    """The compile and suite processes of a tune of `workloads` on `gpus` GPUs like `device`: a
+    core each (`workers.worker_count`), as many as half the GPU's memory holds with the largest
+    workload's tensors in each."""
+    device = torch.device(device)
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    largest = max((workload.tensor_bytes() for workload in workloads), default=0)
+    return ProcessPool(worker_count(10**6, gpus, job_bytes=largest, gpu_bytes=gpu_bytes), gpus)
+
+
 def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase, journal, workers,
          trial_timeout_s, suite_timeout_s, start, compile_locally: bool, ranking: RankingModel | None,
-         widening: Widening) -> TuneResult:
+         widening: Widening, pool: ProcessPool | None) -> TuneResult:
     def out_of_budget() -> bool:
         return budget_s is not None and time.monotonic() - start > budget_s
 
@@ -328,46 +352,26 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
 
     def compile_and_measure(todo: list) -> None:
         """Compiles (on a GPU) and measures `todo`'s trials, recording each (`finish`)."""
-        # -- compile in parallel (GPU): a failure here is the trial's status --
-        # The compile processes spread over the measuring GPUs (each holds a context and a workload's
-        # tensors there), while the measuring workers start up (imports, CUDA context) beside them.
-        phase_start = time.monotonic()
-        if device.type == "cuda" and todo and compile_locally:
-            starting = [threading.Thread(target=_start_quietly, args=(worker, str(device), trial_timeout_s), daemon=True)
-                        for worker in workers]
-            for thread in starting:
-                thread.start()
-            jobs = [(w, d, c, backend_name) for w, d, c, _ in todo]
-            after = _leaders(compile_keys(jobs, backend))
-            done = on_phase("compile", len(jobs)) if on_phase else None
-            try:
-                outcomes = parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason),
-                                        on_done=(lambda job, result: done()) if done else None, gpus=len(workers),
-                                        stats=pools["compile"], after=after)
-            finally:
-                for thread in starting:  # before anyone else touches the workers (stop, measure)
-                    thread.join()
-            remaining = []
-            for (w, d, c, is_default), (status, reason) in zip(todo, outcomes):
-                if status == "ok":
-                    remaining.append((w, d, c, is_default))
-                else:
-                    stage = "pruned" if status in ("compile_error", "unsupported") else "compiled"
-                    finish(w, d, c, is_default, {"status": status, "reason": reason, "stage": stage})
-            todo = remaining
-            phases["compile"] = phases.get("compile", 0.0) + time.monotonic() - phase_start
-            phase_start = time.monotonic()
-
-        # -- validate and time in the measuring workers, one per GPU --
-        # Each worker takes the next whole workload from one queue (its inputs and reference stay
-        # cached in the worker), largest first, so the last workloads to finish are the small ones
-        # and no GPU idles while another works through a long tail.
+        # Each measuring worker takes the next whole workload from one queue (its inputs and
+        # reference stay cached in the worker), largest first, so the last workloads to finish are
+        # the small ones and no GPU idles while another works through a long tail. On a GPU the
+        # pool compiles the workloads in that order, and a workload is queued as soon as its last
+        # compile ends: the measuring workers time one workload while the pool compiles the next.
+        shares: dict[Workload, list] = {}
+        for item in sorted(todo, key=lambda item: _work(item[0]), reverse=True):  # stable: plan order within
+            shares.setdefault(item[0], []).append(item)
+        compiling = device.type == "cuda" and bool(todo) and compile_locally
         queue: Queue = Queue()
-        for workload in sorted(dict.fromkeys(w for w, _, _, _ in todo), key=_work, reverse=True):
-            queue.put([item for item in todo if item[0] == workload])
+        if not compiling:
+            for share in shares.values():
+                queue.put(share)
+            for _ in workers:
+                queue.put(None)
 
         def measure_share(worker) -> None:
             try:
+                if compiling:  # its start-up (imports, CUDA context) beside the first compiles
+                    _start_quietly(worker, str(device), trial_timeout_s)
                 measure_queue(worker)
             except Exception:
                 if not interrupted.is_set():
@@ -392,12 +396,9 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
 
         def measure_queue(worker) -> None:
             while True:
-                try:
-                    share = queue.get_nowait()
-                except Empty:
-                    return
-                if interrupted.is_set():
-                    return  # no fresh worker to race the parent's stop
+                share = queue.get()
+                if share is None or interrupted.is_set():
+                    return  # no more workloads; or no fresh worker to race the parent's stop
                 # the workload's inputs and references first: if building them fails, its trials end
                 # with that one failure instead of each failing alike (and restarting the worker); a
                 # worker lost or hung meanwhile is left to the trials, each in a fresh process
@@ -416,10 +417,15 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                     finish(workload, direction, config, is_default,
                            failure or measured(worker, measure_job, (workload, direction, config, backend_name, str(device))))
 
+        phase_start = time.monotonic()
         threads = [threading.Thread(target=measure_share, args=(worker,), daemon=True) for worker in workers]
         for thread in threads:
             thread.start()
         try:
+            if compiling:
+                compile_streaming(shares, queue, len(workers))
+                phases["compile"] = phases.get("compile", 0.0) + time.monotonic() - phase_start
+                phase_start = time.monotonic()
             for thread in threads:
                 thread.join()
         except BaseException:
@@ -429,6 +435,39 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         if fatal:
             raise fatal[0]
         phases["measure"] = phases.get("measure", 0.0) + time.monotonic() - phase_start
+
+    def compile_streaming(shares: dict, queue: Queue, measurers: int) -> None:
+        """Compiles the shares' candidates in the pool (a failure here is the trial's status) and
+        queues each workload's compiled ones for measuring as its last compile ends; then one
+        stop per measuring worker."""
+        items = [item for share in shares.values() for item in share]
+        jobs = [(w, d, c, backend_name) for w, d, c, _ in items]
+        index_of = {job: index for index, job in enumerate(jobs)}
+        left = {workload: len(share) for workload, share in shares.items()}
+        compiled: dict[Workload, list[int]] = {workload: [] for workload in shares}
+        done = on_phase("compile", len(jobs)) if on_phase else None
+
+        def ended(job: tuple, outcome: tuple[str, str]) -> None:
+            index = index_of[job]
+            workload, direction, config, is_default = items[index]
+            status, reason = outcome
+            if status == "ok":
+                compiled[workload].append(index)
+            else:
+                stage = "pruned" if status in ("compile_error", "unsupported") else "compiled"
+                finish(workload, direction, config, is_default, {"status": status, "reason": reason, "stage": stage})
+            left[workload] -= 1
+            if not left[workload] and compiled[workload]:
+                queue.put([items[i] for i in sorted(compiled[workload])])  # in plan order
+            if done:
+                done()
+
+        try:
+            parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason), on_done=ended, gpus=len(workers),
+                         stats=pools["compile"], after=_leaders(compile_keys(jobs, backend)), pool=pool)
+        finally:
+            for _ in range(measurers):
+                queue.put(None)
 
     # -- the search: every candidate (exhaustive), or rounds down each key's ranking --
     rankings: dict[tuple[str, str, str], list[str]] = {}
@@ -471,7 +510,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     phase_start = time.monotonic()
     winners = _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker,
                               suite_timeout_s, on_phase, gpus=len(workers) if compile_locally else 1,
-                              stats=pools["winners"])
+                              stats=pools["winners"], pool=pool)
     phases["winners"] = time.monotonic() - phase_start
     ordered = [trials[trial_id(w, d, backend_name, c)] for w, d, c, _ in plan]
     return TuneResult(winners, ordered, time.monotonic() - start, device.type == "cuda",
@@ -565,7 +604,8 @@ def _ranked(trials: dict[str, Trial], group: list[Workload], direction: str, spa
 
 
 def _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker, suite_timeout_s,
-                    on_phase, gpus: int = 1, stats: PoolStats | None = None) -> list[Winner]:
+                    on_phase, gpus: int = 1, stats: PoolStats | None = None,
+                    pool: ProcessPool | None = None) -> list[Winner]:
     groups: dict[TableKey, list[Workload]] = {}
     for workload in workloads:
         for direction in tuned_directions(workload, spaces):
@@ -623,7 +663,8 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         while pending:  # each round reruns, in fresh processes, what a lost context left undone
             results = parallel_map(suite_case_job, pending, on_crash=crashed,
                                    on_done=(lambda job, result: done() if done and result.status != "retry" else None),
-                                   gpus=gpus, stats=stats, after=_leaders([_case_kernels(job) for job in pending]))
+                                   gpus=gpus, stats=stats, after=_leaders([_case_kernels(job) for job in pending]),
+                                   pool=pool)
             outcomes.update((job, result) for job, result in zip(pending, results) if result.status != "retry")
             pending = [job for job, result in zip(pending, results) if result.status == "retry"]
         for one in suites:

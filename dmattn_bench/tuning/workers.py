@@ -25,7 +25,10 @@ from typing import Callable, Iterable, TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
-MAX_WORKERS_PER_GPU = 8  # each holds a CUDA context (~500 MB) and a workload's tensors on its GPU
+# A pool process holds a CUDA context on its GPU and one job's tensors (a compile job's workload
+# inputs and outputs, no reference): at most this share of a GPU's memory goes to them all.
+POOL_GPU_MEMORY_SHARE = 0.5
+CONTEXT_BYTES = 600 * 2**20  # a process's CUDA context and Triton's modules (H200: ~500 MB)
 
 
 def _visible_list() -> list[str] | None:
@@ -60,8 +63,25 @@ def _init_worker(slots, gpus: int, visible: list[str] | None) -> None:
         _pin_gpu(slot % gpus, visible)
 
 
-def worker_count(jobs: int, gpus: int = 1) -> int:
-    return max(1, min(MAX_WORKERS_PER_GPU * max(1, gpus), os.cpu_count() or 1, jobs))
+def usable_cores() -> int:
+    """The cores this process may run on (a container's or `taskset`'s share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def worker_count(jobs: int, gpus: int = 1, job_bytes: int = 0, gpu_bytes: int | None = None) -> int:
+    """Pool processes for `jobs` jobs on `gpus` GPUs: a core each, less one per GPU for the
+    process that times trials there (it overlaps the compiles, and a host starved of cores
+    would show as GPU time); and on a GPU of `gpu_bytes` memory, no more than its
+    POOL_GPU_MEMORY_SHARE holds of a CUDA context and `job_bytes` of a job's tensors each."""
+    gpus = max(1, gpus)
+    processes = min(jobs, max(1, usable_cores() - gpus))
+    if gpu_bytes:
+        per_gpu = int(gpu_bytes * POOL_GPU_MEMORY_SHARE) // (CONTEXT_BYTES + max(0, job_bytes))
+        processes = min(processes, max(1, per_gpu) * gpus)
+    return max(1, processes)
 
 
 @dataclass
@@ -101,7 +121,7 @@ ON_CORE_SHARE = 0.8
 FED_SHARE = 0.7
 
 
-def phase_bound(wall_s: float, pool: dict | None, cores: int) -> dict:
+def phase_bound(wall_s: float, pool: dict | None, cores: int, gpus: int = 1) -> dict:
     """What bounded one phase of a tune, `wall_s` long, run on `pool` (`PoolStats.to_dict`; None:
     the tuning process alone, which times the trials on the GPU one at a time) on a host of
     `cores` cores: the processes and cores, the share of their jobs' time on a core
@@ -110,7 +130,8 @@ def phase_bound(wall_s: float, pool: dict | None, cores: int) -> dict:
     interpreter everything), "waiting" (jobs off their core: the GPU, the disk or a core another
     process held), "hand-over" (processes idle between jobs: start-up, rounds that wait on the
     GPU) or "cores" (every process busy on its core; `more_cores`: the host had cores the pool
-    did not use). A phase that also ran work outside its pool (the winners phase's suites of a
+    did not use, beyond the one `worker_count` leaves to each of the `gpus` timing processes).
+    A phase that also ran work outside its pool (the winners phase's suites of a
     failed winner's runners-up, one at a time) reads that time as hand-over."""
     if pool is None or not pool["jobs"]:
         return {"processes": 1, "cores": cores, "on_core": None, "fed": None, "bound": "serial", "more_cores": False}
@@ -119,7 +140,7 @@ def phase_bound(wall_s: float, pool: dict | None, cores: int) -> dict:
     fed = pool["busy_s"] / (processes * wall_s) if wall_s > 0 else 0.0
     bound = "waiting" if on_core < ON_CORE_SHARE else "hand-over" if fed < FED_SHARE else "cores"
     return {"processes": processes, "cores": cores, "on_core": round(on_core, 2), "fed": round(fed, 2),
-            "bound": bound, "more_cores": bound == "cores" and processes < cores}
+            "bound": bound, "more_cores": bound == "cores" and processes < cores - max(1, gpus)}
 
 
 def _timed(fn: Callable[[T], R], item: T) -> tuple[R, tuple[int, float, float, float]]:
@@ -139,9 +160,49 @@ def abandon_pool(pool: ProcessPoolExecutor) -> None:
         process.kill()
 
 
+class ProcessPool:
+    """Spawned processes kept for several `parallel_map` calls: a tune's compile rounds and its
+    winners' suites, of every backend it tunes. A process costs seconds before its first job
+    (imports, a CUDA context: ~5 s on the H200's host), which a pool per call paid again each
+    widening round. The processes start as jobs arrive, `processes` at most (`worker_count`);
+    when one dies, the next call starts a fresh set."""
+
+    def __init__(self, processes: int, gpus: int = 1):
+        self.processes = max(1, processes)
+        self.gpus = gpus
+        self._executor: ProcessPoolExecutor | None = None
+        self.started = 0.0  # when the live set of processes was asked for
+        self.seen: set[int] = set()  # pids that ran a job: their start-up is counted once
+
+    def executor(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            context = multiprocessing.get_context("spawn")
+            self._executor = ProcessPoolExecutor(self.processes, mp_context=context, initializer=_init_worker,
+                                                 initargs=(context.Value("i", 0), self.gpus, _visible_list()))
+            self.started, self.seen = time.time(), set()
+        return self._executor
+
+    def discard(self, kill: bool = False) -> None:
+        """Lets the processes go (`kill`: at once, e.g. after Ctrl-C, where they ignore it and
+        would finish every job already submitted first); the next call starts new ones."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            if kill:
+                abandon_pool(executor)
+            else:
+                executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "ProcessPool":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.discard(kill=kind is not None)
+
+
 def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T, str], R],
                  on_done: Callable[[T, R], None] | None = None, gpus: int = 1,
-                 stats: PoolStats | None = None, after: list[tuple[int, ...]] | None = None) -> list[R]:
+                 stats: PoolStats | None = None, after: list[tuple[int, ...]] | None = None,
+                 pool: ProcessPool | None = None) -> list[R]:
     """`[fn(item) for item in items]` across worker processes, results in item order.
 
     Args:
@@ -150,10 +211,11 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T
         on_crash: builds the result for an item whose worker died (reason given).
         on_done: called in the parent as each result arrives.
         gpus: GPUs to spread the processes over (cuda:0..gpus-1, each process sees one as
-            cuda:0); MAX_WORKERS_PER_GPU processes per GPU, as the cores allow. 1: inherit.
+            cuda:0); as many processes as `worker_count` gives. 1: inherit.
         stats: accumulates where the time went.
         after: per item, the indices of earlier items it must wait for (e.g. the item that
             compiles a kernel it shares); items start in order as soon as they may.
+        pool: the processes to run on, kept after the call (None: a pool for this call alone).
     """
     items = list(items)
     after = after or [()] * len(items)
@@ -162,48 +224,49 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T
     results: list[R | None] = [None] * len(items)
     if not items:
         return []
+    if pool is None:
+        with ProcessPool(worker_count(len(items), gpus), gpus) as own:
+            return parallel_map(fn, items, on_crash, on_done, gpus, stats, after, own)
     dependents: dict[int, list[int]] = {}
     for item, waits in enumerate(after):
         for index in waits:
             dependents.setdefault(index, []).append(item)
-    context = multiprocessing.get_context("spawn")
     pending = list(range(len(items)))  # unfinished, in item order
     finished: set[int] = set()
     stats = stats if stats is not None else PoolStats()
     while pending:
-        processes, pool_start, seen = worker_count(len(pending), gpus), time.time(), set()
-        stats.processes = max(stats.processes, processes)
+        stats.processes = max(stats.processes, min(pool.processes, len(pending)))
         submitted: dict[int, None] = {}  # in submission order
+        executor = pool.executor()
+        running: dict[Future, int] = {}
+
+        def submit_if_ready(index: int) -> None:
+            if index not in submitted and finished.issuperset(after[index]):
+                submitted[index] = None
+                running[executor.submit(_timed, fn, items[index])] = index
+
         try:
-            with ProcessPoolExecutor(processes, mp_context=context, initializer=_init_worker,
-                                     initargs=(context.Value("i", 0), gpus, _visible_list())) as pool:
-                running: dict[Future, int] = {}
-
-                def submit_if_ready(index: int) -> None:
-                    if index not in submitted and finished.issuperset(after[index]):
-                        submitted[index] = None
-                        running[pool.submit(_timed, fn, items[index])] = index
-
-                for index in pending:
-                    submit_if_ready(index)
-                try:
-                    while running:
-                        done, _ = wait(running, return_when=FIRST_COMPLETED)
-                        for future in sorted(done, key=running.__getitem__):
-                            index = running.pop(future)
-                            results[index], timing = future.result()
-                            stats.record(timing, pool_start, seen)
-                            pending.remove(index)
-                            finished.add(index)
-                            if on_done:
-                                on_done(items[index], results[index])
-                            for later in dependents.get(index, ()):
-                                submit_if_ready(later)
-                except KeyboardInterrupt:
-                    abandon_pool(pool)
-                    raise
+            for index in pending:
+                submit_if_ready(index)
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in sorted(done, key=running.__getitem__):
+                    index = running.pop(future)
+                    results[index], timing = future.result()
+                    stats.record(timing, pool.started, pool.seen)
+                    pending.remove(index)
+                    finished.add(index)
+                    if on_done:
+                        on_done(items[index], results[index])
+                    for later in dependents.get(index, ()):
+                        submit_if_ready(later)
+        except KeyboardInterrupt:
+            pool.discard(kill=True)
+            raise
         except BrokenProcessPool as exc:
-            # the earliest submitted unfinished job is the likeliest culprit: record it, retry the rest
+            # the earliest submitted unfinished job is the likeliest culprit: record it, retry the
+            # rest in a fresh set of processes
+            pool.discard()
             culprit = next(index for index in submitted if index in pending)
             pending.remove(culprit)
             finished.add(culprit)

@@ -16,6 +16,7 @@ FlashAttention's sliding windows, [left, right] each ([-1, -1]: none), for dense
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -106,6 +107,21 @@ class Workload:
             keys = rows if self.packed else lk
             return (b, 1, 1, keys) if which == "mask" else (b, hkv, 1, keys)
         return (b, h if kind == "full" else hkv, rows, lk)
+
+    def tensor_bytes(self) -> int:
+        """GPU bytes of the tensors a compile job builds for this workload (`trials._Problem`
+        without its reference): Q, dO, the output and dQ; K, V, dK and dV; the mask; the bias
+        and its gradient. The pool's size on a GPU counts them (`workers.worker_count`)."""
+        item = 4 if self.dtype == "fp32" else 2
+        rows = sum(self.documents) if self.packed else self.batch * self.seqlen_q
+        keys = sum(self.documents) if self.packed else self.batch * self.seqlen_k
+        total = 4 * rows * self.heads * self.head_dim * item + 4 * keys * self.heads_kv * self.head_dim * item
+        mask, bias = self.operand_dims("mask"), self.operand_dims("bias")
+        if mask is not None:
+            total += math.prod(mask)
+        if bias is not None:
+            total += math.prod(bias) * item * (2 if self.bias_grad else 1)
+        return total
 
     def directions(self, with_decode: bool = True) -> tuple[str, ...]:
         """The directions this shape is tuned in: the short-query forward ("decode") where a call
