@@ -6,12 +6,14 @@ real; the tests that tune check what runs and what is journaled, not which confi
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from dmattn_bench.space import FwdConfig, TableKey, config_label
-from dmattn_bench.tuning.ranking import (RANKED_OUT, UNSEEN, RankedRounds, RankingModel, Shape, Widening, compare_tunes,
-                                         config_items, misfit, replay, search, similarity, write_shapes)
+from dmattn_bench.tuning.ranking import (MISFIT_CAP, NEIGHBOUR_SHARE, RANKED_OUT, UNSEEN, RankedRounds,
+                                         RankingModel, Shape, Widening, compare_tunes, config_items, misfit,
+                                         replay, search, similarity, write_shapes)
 from dmattn_bench.tuning.tuner import tune
 from dmattn_bench.tuning.workloads import Workload
 
@@ -44,6 +46,21 @@ def test_the_model_ranks_by_the_nearest_shapes_and_puts_unseen_configs_last_in_s
     assert model.predict(other, B) == UNSEEN  # no backward shape
 
 
+def test_many_far_shapes_do_not_outvote_a_near_one():
+    """A new journal's 32 shapes of another head-dim class made an H100 D256 backward, its own
+    journal held out, miss its best by 1.5x in replay: a prediction now counts only the shapes at
+    least NEIGHBOUR_SHARE as close as the closest that timed the config."""
+    near = _shape(KEY, {A: 1.0, B: 1.3})
+    far_key = TableKey("fwd", "bf16", 64, True, "none", "none", 1, 4096, 4096)  # head dim weight 0.05
+    assert similarity(KEY.to_dict(), far_key.to_dict()) < NEIGHBOUR_SHARE
+    many_far = [_shape(far_key, {A: 2.0, B: 1.0}, name=f"far{i}") for i in range(32)]
+    model = RankingModel([near] + many_far)
+    assert model.predict(KEY, A) == pytest.approx(1.0) and model.predict(KEY, B) == pytest.approx(1.3)
+    assert [config for config, _ in model.rank(KEY, [B, A])] == [A, B]
+    # with no near shape the far ones still speak
+    assert [config for config, _ in RankingModel(many_far).rank(KEY, [A, B])] == [B, A]
+
+
 def test_widening_stops_after_a_batch_without_gain_unless_the_model_misfits():
     widening = Widening(batch=2, tolerance=0.02, model_error=1.15)
     ranked = [A, B, C, D]
@@ -56,6 +73,11 @@ def test_widening_stops_after_a_batch_without_gain_unless_the_model_misfits():
     assert misfit({A: 2.0, B: 1.0}, predicted) > 1.15
     assert widening.next_batch(ranked, {A: 2.0, B: 1.0}, [B], {A: 1.0, B: 1.05, C: 1.1}) == [C, D]
     assert misfit({A: 1.0}, predicted) == 1.0  # one point says nothing
+    # a candidate both call out of the running (past MISFIT_CAP) agrees, however far past: the
+    # H200's CUDA backward, predicted 1.7x behind and measured 10x, no longer widened to the end
+    assert misfit({A: 1.0, B: 10.0}, {A: 1.0, B: 1.7}) == 1.0
+    assert misfit({A: 1.0, B: 10.0}, {A: 1.0, B: 1.2}) == pytest.approx(math.sqrt(MISFIT_CAP / 1.2))
+    assert widening.next_batch(ranked, {A: 1.0, B: 10.0, C: 1.1}, [B, C], {A: 1.0, B: 1.7, C: 1.05}) == []
 
 
 def test_search_times_down_the_ranking_until_a_batch_brings_nothing():
