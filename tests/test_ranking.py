@@ -160,6 +160,26 @@ def test_a_ranked_tune_journals_what_it_left_out_and_exhaustive_resume_times_onl
     assert second.search_regret == {}
 
 
+def test_a_key_another_backends_winner_holds_gets_no_winner_and_no_suite_here(tmp_path):
+    """In a tune of several backends the table keeps each key's fastest validated winner, ties to
+    the backend tuned first: a later backend whose candidates are none faster than that winner
+    (`rivals`) runs no suite for the key and names no winner for it; a rival it beats changes
+    nothing."""
+    workload = Workload(1, 2, 2, 24, 24, 32, True, "none", "none", False, "fp32")
+    space = {"fwd": [FwdConfig(16, 16, 1, 1), FwdConfig(32, 16, 1, 1)]}
+    key = workload.key("fwd")
+
+    def suites(journal):
+        records = [json.loads(line) for line in journal.read_text().splitlines()]
+        return [r for r in records if r["kind"] == "suite"]
+
+    beaten = tune([workload], space, "cpu", journal_path=tmp_path / "a.trials.jsonl", rivals={key: 0.0})
+    assert beaten.winners == [] and not suites(tmp_path / "a.trials.jsonl")
+    assert all(t.status == "ok" and t.stage != "adversarial" for t in beaten.trials)
+    kept = tune([workload], space, "cpu", journal_path=tmp_path / "b.trials.jsonl", rivals={key: float("inf")})
+    assert [w.key for w in kept.winners] == [key] and len(suites(tmp_path / "b.trials.jsonl")) == 1
+
+
 def test_the_search_s_regret_estimate_is_what_the_model_says_the_left_out_candidates_could_gain():
     w = _Workload()
     items = [(w, "fwd", A, True), (w, "fwd", B, False), (w, "fwd", C, False), (w, "fwd", D, False)]

@@ -411,6 +411,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
         with (ledger.ledger_for_workers(None if no_ledger else ledger.default_path()),
               pool or contextlib.nullcontext(),
               output.progress("tune", total=len(planned) - replayed) as advance):
+            rivals = {}  # per key, the fastest winner a backend before validated (its lead median ms)
             for index, name in enumerate(backends):
                 # one journal: trial ids name their backend, so a later backend continues it
                 ranking = None if exhaustive else RankingModel.load(name)
@@ -418,7 +419,9 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                                      on_trial=lambda trial: advance(f"{trial.backend} {trial.direction} {trial.status}"),
                                      on_phase=_announce_phase, journal_path=trials_path, resume=resume or index > 0,
                                      trial_timeout_s=trial_timeout, suite_timeout_s=suite_timeout, gpus=gpu_count,
-                                     workers=workers, ranking=ranking, pool=pool)
+                                     workers=workers, ranking=ranking, pool=pool, rivals=dict(rivals))
+                for winner in results[name].winners:
+                    rivals[winner.key] = min(rivals.get(winner.key, math.inf), winner.evidence["median_ms"])
     except JournalError as exc:
         raise DmattnError(str(exc)) from None
     result = results[backends[0]] if len(backends) == 1 else combine_backends(results)

@@ -127,7 +127,8 @@ def config_label_of(trial: Trial) -> str:
 def combine_backends(results: dict[str, TuneResult]) -> TuneResult:
     """One result from the tunes of several backends over the same workloads: per key the
     winner with the lowest median time on the key's lead workload (ties go to the backend named
-    first), every trial, the summed wall time, and phases prefixed with their backend."""
+    first; a later backend's tune, given the earlier winners as `rivals`, names none where it
+    cannot beat them), every trial, the summed wall time, and phases prefixed with their backend."""
     best: dict[TableKey, Winner] = {}
     for result in results.values():
         for winner in result.winners:
@@ -214,6 +215,7 @@ def tune(
     ranking: RankingModel | None = None,
     widening: Widening = Widening(),
     pool: ProcessPool | None = None,
+    rivals: dict[TableKey, float] | None = None,
 ) -> TuneResult:
     """Tunes every workload in its directions (`Workload.directions`).
 
@@ -245,6 +247,10 @@ def tune(
         pool: the processes that compile the candidates and run the winners' suites on a GPU
             (`process_pool`), kept by the caller for a tune of several backends. None: the tune
             starts its own.
+        rivals: in a tune of several backends, per key the median ms (on the key's last
+            workload) of the winner an earlier backend validated. A key where no candidate here
+            is faster gets no winner here (`combine_backends` would keep the rival's, ties
+            going to the backend tuned first), so its winner's suite is not run here.
 
     Returns:
         Winners (one per key), every trial, and the wall time.
@@ -273,7 +279,7 @@ def tune(
     try:
         return _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase,
                     journal, workers, trial_timeout_s, suite_timeout_s, start, compile_locally=not remote,
-                    ranking=ranking, widening=widening, pool=pool)
+                    ranking=ranking, widening=widening, pool=pool, rivals=rivals or {})
     except BaseException:
         if owned_pool:
             pool.discard(kill=True)
@@ -300,7 +306,7 @@ def process_pool(workloads: list[Workload], device: torch.device | str, gpus: in
 
 def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase, journal, workers,
          trial_timeout_s, suite_timeout_s, start, compile_locally: bool, ranking: RankingModel | None,
-         widening: Widening, pool: ProcessPool | None) -> TuneResult:
+         widening: Widening, pool: ProcessPool | None, rivals: dict[TableKey, float]) -> TuneResult:
     def out_of_budget() -> bool:
         return budget_s is not None and time.monotonic() - start > budget_s
 
@@ -510,7 +516,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     phase_start = time.monotonic()
     winners = _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker,
                               suite_timeout_s, on_phase, gpus=len(workers) if compile_locally else 1,
-                              stats=pools["winners"], pool=pool)
+                              stats=pools["winners"], pool=pool, rivals=rivals)
     phases["winners"] = time.monotonic() - phase_start
     ordered = [trials[trial_id(w, d, backend_name, c)] for w, d, c, _ in plan]
     return TuneResult(winners, ordered, time.monotonic() - start, device.type == "cuda",
@@ -605,7 +611,7 @@ def _ranked(trials: dict[str, Trial], group: list[Workload], direction: str, spa
 
 def _choose_winners(workloads, spaces, device, backend_name, suite, trials, journal, worker, suite_timeout_s,
                     on_phase, gpus: int = 1, stats: PoolStats | None = None,
-                    pool: ProcessPool | None = None) -> list[Winner]:
+                    pool: ProcessPool | None = None, rivals: dict[TableKey, float] | None = None) -> list[Winner]:
     groups: dict[TableKey, list[Workload]] = {}
     for workload in workloads:
         for direction in tuned_directions(workload, spaces):
@@ -633,6 +639,13 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
 
     ranked_by_key = {key: _ranked(trials, group, key.direction, spaces, device, backend_name)
                      for key, group in groups.items()}
+    # A key whose rival (another backend's validated winner) no candidate here beats on the key's
+    # last workload is the rival's: no suite runs for it here. (H200 default grid, both dtypes
+    # and backends: the table kept 24 of the 48 configs whose suites ran, half of the suites'
+    # 106 s.)
+    rivals = rivals or {}
+    ranked_by_key = {key: ranked for key, ranked in ranked_by_key.items()
+                     if key not in rivals or any(runs[-1].median_ms < rivals[key] for _, runs in ranked)}
     # GPU: the suites of every key's best candidate, compiled and run in parallel first
     if device.type == "cuda":
         # one run per suite (keys of head dims above every case's share one)
