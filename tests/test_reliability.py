@@ -20,8 +20,8 @@ from dmattn_bench.dispatch import load_table
 from dmattn_bench.tiles import default_configs
 from dmattn_bench.tuning import workers
 from dmattn_bench.tuning.journal import Journal, JournalError, mark_finished, read_state
-from dmattn_bench.tuning.workers import (CONTEXT_BYTES, POOL_GPU_MEMORY_SHARE, PoolStats, ProcessPool, Worker,
-                                         parallel_map, phase_bound, worker_count)
+from dmattn_bench.tuning.workers import (CONTEXT_BYTES, POOL_GPU_MEMORY_SHARE, PROCESSES_PER_GPU_UNSIZED, PoolStats,
+                                         ProcessPool, Worker, parallel_map, phase_bound, worker_count)
 from dmattn_bench.tuning.workloads import Workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -303,10 +303,11 @@ def test_a_pool_takes_a_core_each_less_one_per_gpu_and_what_the_gpu_memory_holds
     to the GPU's timing process, fewer where the jobs are fewer, and no more than half the
     GPU's memory holds with a CUDA context and a job's tensors each."""
     monkeypatch.setattr(workers, "usable_cores", lambda: 16)
-    assert worker_count(1000) == 15
-    assert worker_count(1000, gpus=2) == 14
-    assert worker_count(3) == 3
     h200 = 141 * 2**30
+    assert worker_count(1000, gpu_bytes=h200) == 15
+    assert worker_count(1000, gpus=2, gpu_bytes=h200) == 14
+    assert worker_count(3, gpu_bytes=h200) == 3
+    assert worker_count(1000) == PROCESSES_PER_GPU_UNSIZED  # no memory given: the old cap
     assert worker_count(1000, job_bytes=2**30, gpu_bytes=h200) == 15
     big = 16 * 2**30  # a workload's inputs, outputs and gradients
     per_gpu = int(h200 * POOL_GPU_MEMORY_SHARE) // (CONTEXT_BYTES + big)
@@ -315,7 +316,7 @@ def test_a_pool_takes_a_core_each_less_one_per_gpu_and_what_the_gpu_memory_holds
     assert worker_count(1000, gpus=2, job_bytes=big, gpu_bytes=h200) == 2 * per_gpu
     assert worker_count(1000, job_bytes=200 * 2**30, gpu_bytes=h200) == 1
     monkeypatch.setattr(workers, "usable_cores", lambda: 1)
-    assert worker_count(1000) == 1
+    assert worker_count(1000, gpu_bytes=h200) == 1
 
 
 def test_a_compile_job_holds_its_workloads_inputs_outputs_and_gradients():
@@ -377,6 +378,19 @@ def test_parallel_map_starts_a_job_only_after_the_jobs_it_waits_for(tmp_path):
     assert stats.busy_s >= a[1] - a[0]
     with pytest.raises(ValueError, match="earlier items"):
         parallel_map(_stamp, jobs[:2], on_crash=lambda job, reason: reason, after=[(1,), ()])
+
+
+def test_a_kept_pool_whose_process_died_while_idle_blames_no_job_of_the_next_call():
+    """A kept pool's process killed between calls (the OOM killer, a driver fault) breaks the
+    executor: the next call starts fresh processes instead of journaling its first job a crash."""
+    with ProcessPool(1) as pool:
+        (pid,) = parallel_map(_pid, [0], on_crash=lambda item, reason: reason, pool=pool)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not getattr(pool._executor, "_broken", False) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the executor notices the death in its own thread
+        again = parallel_map(_pid, [0, 1], on_crash=lambda item, reason: f"crash: {reason}", pool=pool)
+    assert all(isinstance(result, int) and result != pid for result in again)
 
 
 def test_a_phase_is_bound_by_its_cores_by_its_hand_over_or_by_waiting():

@@ -23,16 +23,16 @@ start=$SECONDS
 dmattn-bench verify --table "$out/work/table.yaml" --suite full --dtype "$dtype" > "$out/verify-full.txt" 2>&1
 full_rc=$? full_s=$((SECONDS - start))
 cp "$source_file" "$out/work/source.orig"
+trap 'cp "$out/work/source.orig" "$source_file"' EXIT  # the kernel's own source again, however the run ends
 sed -i '/dmattn_bwd_ws_kernel(const __grid_constant__ BwdWsParams p) {/a\  (void)sizeof(BwdWsParams);  // restamp timing probe: new text, same code' "$source_file"
 stale=$(python3 -c "
 from dmattn_bench.dispatch import load_table
 from dmattn_bench.dispatch.stamps import entry_status
 table = load_table('$out/work/table.yaml')
-print(sum(entry_status(e, table.device) == 'stale' for e in table.entries), len(table.entries))")
+print(sum(entry_status(e, table.device) == 'stale' for e in table.entries), len(table.entries))" || echo "-1 -1")
 start=$SECONDS
 dmattn-bench verify --table "$out/work/table.yaml" --suite full --dtype "$dtype" --restamp > "$out/verify-restamp.txt" 2>&1
 restamp_rc=$? restamp_s=$((SECONDS - start))
-cp "$out/work/source.orig" "$source_file"
 python3 - "$full_s" "$restamp_s" "$full_rc" "$restamp_rc" "$dtype" $stale <<'EOF' | tee "$out/restamp-timing.json"
 import json, sys
 full_s, restamp_s, full_rc, restamp_rc = map(int, sys.argv[1:5])

@@ -255,6 +255,9 @@ def suite_case_job(job: tuple) -> CaseResult:
     blamed for it; the parent reruns those in fresh processes.
     """
     global _context_lost
+    if _problems:  # a kept pool process's last compile workload: its memory is the cases' now
+        _problems.clear()
+        torch.cuda.empty_cache()
     job = CaseJob(*job)
     case = suite_cases(job.backend_name, job.direction, job.config, job.suite, job.max_head_dim, job.varlen)[job.index]
     if _context_lost:

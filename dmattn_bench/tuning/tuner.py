@@ -274,18 +274,18 @@ def tune(
         workers = [Worker(interpret=device.type != "cuda", gpu=gpu if device.type == "cuda" else None)
                    for gpu in range(max(1, gpus))]
     owned_pool = pool is None and device.type == "cuda" and not remote  # remote slots compile what they measure
-    if owned_pool:
-        pool = process_pool(workloads, device, len(workers))
     try:
+        if owned_pool:
+            pool = process_pool(workloads, device, len(workers))
         return _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_trial, on_phase,
                     journal, workers, trial_timeout_s, suite_timeout_s, start, compile_locally=not remote,
                     ranking=ranking, widening=widening, pool=pool, rivals=rivals or {})
     except BaseException:
-        if owned_pool:
+        if owned_pool and pool is not None:
             pool.discard(kill=True)
         raise
     finally:
-        if owned_pool:
+        if owned_pool and pool is not None:
             pool.discard()
         for worker in workers:
             worker.stop()
@@ -425,9 +425,9 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
 
         phase_start = time.monotonic()
         threads = [threading.Thread(target=measure_share, args=(worker,), daemon=True) for worker in workers]
-        for thread in threads:
-            thread.start()
         try:
+            for thread in threads:
+                thread.start()
             if compiling:
                 compile_streaming(shares, queue, len(workers))
                 phases["compile"] = phases.get("compile", 0.0) + time.monotonic() - phase_start
@@ -437,6 +437,8 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         except BaseException:
             with record_lock:  # no trial is being journaled as the flag goes up
                 interrupted.set()
+            for _ in threads:  # none waits on the queue for ever
+                queue.put(None)
             raise
         if fatal:
             raise fatal[0]
@@ -451,7 +453,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         index_of = {job: index for index, job in enumerate(jobs)}
         left = {workload: len(share) for workload, share in shares.items()}
         compiled: dict[Workload, list[int]] = {workload: [] for workload in shares}
-        done = on_phase("compile", len(jobs)) if on_phase else None
+        done = None
 
         def ended(job: tuple, outcome: tuple[str, str]) -> None:
             index = index_of[job]
@@ -469,6 +471,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
                 done()
 
         try:
+            done = on_phase("compile", len(jobs)) if on_phase else None
             parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason), on_done=ended, gpus=len(workers),
                          stats=pools["compile"], after=_leaders(compile_keys(jobs, backend)), pool=pool)
         finally:
@@ -680,6 +683,8 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
                                    pool=pool)
             outcomes.update((job, result) for job, result in zip(pending, results) if result.status != "retry")
             pending = [job for job, result in zip(pending, results) if result.status == "retry"]
+            if pool is not None and any(result.status in ("retry", "launch_error") for result in results):
+                pool.discard()  # a process whose CUDA context died runs nothing more: fresh ones for what follows
         for one in suites:
             status, note = suite_verdict([outcomes[runs_for[_case_identity(job)]] for job in case_jobs
                                           if job._replace(index=0) == one], suite)

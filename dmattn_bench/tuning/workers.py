@@ -29,6 +29,7 @@ R = TypeVar("R")
 # inputs and outputs, no reference): at most this share of a GPU's memory goes to them all.
 POOL_GPU_MEMORY_SHARE = 0.5
 CONTEXT_BYTES = 600 * 2**20  # a process's CUDA context and Triton's modules (H200: ~500 MB)
+PROCESSES_PER_GPU_UNSIZED = 8  # where the caller gives no GPU memory (verify, a cluster tune's suites)
 
 
 def _visible_list() -> list[str] | None:
@@ -75,13 +76,15 @@ def worker_count(jobs: int, gpus: int = 1, job_bytes: int = 0, gpu_bytes: int | 
     """Pool processes for `jobs` jobs on `gpus` GPUs: a core each, less one per GPU for the
     process that times trials there (it overlaps the compiles, and a host starved of cores
     would show as GPU time); and on a GPU of `gpu_bytes` memory, no more than its
-    POOL_GPU_MEMORY_SHARE holds of a CUDA context and `job_bytes` of a job's tensors each."""
+    POOL_GPU_MEMORY_SHARE holds of a CUDA context and `job_bytes` of a job's tensors each
+    (without `gpu_bytes`, PROCESSES_PER_GPU_UNSIZED)."""
     gpus = max(1, gpus)
     processes = min(jobs, max(1, usable_cores() - gpus))
     if gpu_bytes:
         per_gpu = int(gpu_bytes * POOL_GPU_MEMORY_SHARE) // (CONTEXT_BYTES + max(0, job_bytes))
-        processes = min(processes, max(1, per_gpu) * gpus)
-    return max(1, processes)
+    else:
+        per_gpu = PROCESSES_PER_GPU_UNSIZED
+    return max(1, min(processes, max(1, per_gpu) * gpus))
 
 
 @dataclass
@@ -175,6 +178,8 @@ class ProcessPool:
         self.seen: set[int] = set()  # pids that ran a job: their start-up is counted once
 
     def executor(self) -> ProcessPoolExecutor:
+        if self._executor is not None and getattr(self._executor, "_broken", False):
+            self.discard()  # a process died between calls (e.g. killed while idle): no job of the next call is to blame
         if self._executor is None:
             context = multiprocessing.get_context("spawn")
             self._executor = ProcessPoolExecutor(self.processes, mp_context=context, initializer=_init_worker,
