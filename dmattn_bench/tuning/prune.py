@@ -38,7 +38,8 @@ from dmattn_bench.space import (
     load_yaml,
 )
 from dmattn_bench.tiles import MIN_KEY_TILE  # the fit rule stops halving a key tile there
-from dmattn_bench.tuning.workers import abandon_pool, ignore_interrupts
+from dmattn_bench.tuning.workers import abandon_pool
+from dmattn_kernels.compile_process import compile_for_real
 
 Config = FwdConfig | BwdConfig | DecodeConfig
 
@@ -446,15 +447,6 @@ def _compile_here(direction: str, config: Config, arch: str, head_dim: int, dtyp
     return verdict("fits")
 
 
-def _worker_init() -> None:
-    """Runs first in each spawned worker: compile for real, not through the interpreter."""
-    import warnings
-
-    ignore_interrupts()
-    os.environ.pop("TRITON_INTERPRET", None)
-    warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
-
-
 def _worker_compile(direction, config, arch, head_dim, dtype, features) -> Candidate:
     if not _kernels_compilable():
         raise RuntimeError("the kernels were imported under TRITON_INTERPRET=1 in the compile worker")
@@ -462,7 +454,7 @@ def _worker_compile(direction, config, arch, head_dim, dtype, features) -> Candi
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_worker_init)
+    return ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=compile_for_real)
 
 
 def compile_candidate(direction: str, config: Config, arch: str, head_dim: int, dtype: str,
