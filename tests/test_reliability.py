@@ -298,8 +298,8 @@ def test_parallel_map_gives_each_process_one_of_the_gpus(monkeypatch, tmp_path, 
 
 
 def test_a_pool_takes_a_core_each_less_one_per_gpu_and_what_the_gpu_memory_holds(monkeypatch):
-    """The H200's host (16 cores, one GPU) ran 8 pool processes, bound by their cores
-    (results/tune/h200-ranked-vs-exhaustive.md): the pool now takes every core but the one left
+    """The H200's host (16 cores, one GPU) ran 8 pool processes, bound by their cores (the
+    ranked-tune report before 1ab4f16, in git): the pool now takes every core but the one left
     to the GPU's timing process, fewer where the jobs are fewer, and no more than half the
     GPU's memory holds with a CUDA context and a job's tensors each."""
     monkeypatch.setattr(workers, "usable_cores", lambda: 16)
@@ -394,7 +394,7 @@ def test_a_kept_pool_whose_process_died_while_idle_blames_no_job_of_the_next_cal
 
 
 def test_a_phase_is_bound_by_its_cores_by_its_hand_over_or_by_waiting():
-    """The H200's ranked tune (results/tune/h200-ranked-vs-exhaustive.md): the suites' 8 processes
+    """An H200 ranked tune (results/tune's report before 1ab4f16, in git): the suites' 8 processes
     on 16 cores were busy 85% of the phase on their cores, so the cores bounded it and 8 more
     would run; its compile pool was fed 48% (rounds, start-up); a pool whose jobs sat off their
     cores waited; the measure phase and an unused pool ran in one process in turn."""

@@ -481,9 +481,9 @@ def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatc
 def test_jobs_sharing_a_kernel_wait_for_the_first_that_compiles_it():
     """Compile and suite jobs that need a kernel another job compiles wait for that job (and
     load the kernel from Triton's cache) instead of compiling it at the same time."""
-    from dmattn_bench.tuning.tuner import _leaders
+    from dmattn_bench.tuning.workers import leaders
 
-    assert _leaders([["a", "x"], ["b", "x"], ["a", "y"], ["c"], ["b", "y"]]) == [(), (0,), (0,), (), (1, 2)]
+    assert leaders([["a", "x"], ["b", "x"], ["a", "y"], ["c"], ["b", "y"]]) == [(), (0,), (0,), (), (1, 2)]
 
 
 def test_workloads_of_one_specialization_class_share_their_compiles():
@@ -494,7 +494,8 @@ def test_workloads_of_one_specialization_class_share_their_compiles():
 
     from dmattn_bench.registry import get_backend
     from dmattn_bench.space import BwdConfig
-    from dmattn_bench.tuning.tuner import _leaders, compile_keys
+    from dmattn_bench.tuning.tuner import compile_keys
+    from dmattn_bench.tuning.workers import leaders
     from dmattn_bench.tuning.workloads import Workload
 
     base = Workload(batch=8, heads=16, heads_kv=4, seqlen_q=2048, seqlen_k=2048, head_dim=128, causal=True,
@@ -505,7 +506,7 @@ def test_workloads_of_one_specialization_class_share_their_compiles():
     config = BwdConfig(64, 64, 64, 64, 4, 2)
     keys = compile_keys([(w, "bwd", config, "triton") for w in workloads], get_backend("triton"))
     assert keys[0] == keys[1]
-    assert _leaders(keys) == [(), (0,), (), (), ()]
+    assert leaders(keys) == [(), (0,), (), (), ()]
 
 
 def test_a_winner_s_suite_leaves_out_the_head_dims_above_its_key_s_as_verify_does():
@@ -535,12 +536,13 @@ def test_suite_cases_that_differ_only_in_their_values_share_their_compiles():
     kernels; another length class, a fp32 bias or a view into a larger buffer compiles its own."""
     from dmattn_bench.space import FwdConfig
     from dmattn_bench.tuning.trials import suite_cases
-    from dmattn_bench.tuning.tuner import _case_kernels, _leaders
+    from dmattn_bench.tuning.tuner import _case_kernels
+    from dmattn_bench.tuning.workers import leaders
 
     config = FwdConfig(64, 64, 4, 2)
     names = [case.name for case in suite_cases("triton", "fwd", config, "quick")]
     jobs = [("triton", "fwd", config, "bf16", "quick", "cuda", None, index) for index in range(len(names))]
-    after = dict(zip(names, _leaders([_case_kernels(job) for job in jobs])))
+    after = dict(zip(names, leaders([_case_kernels(job) for job in jobs])))
     leader = names.index("bias_posinf_at_masked")
     for same in ("bias_neginf_at_masked", "bias_neginf_at_allowed", "large_logits", "large_bias"):
         assert after[same] == (leader,)

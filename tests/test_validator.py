@@ -10,7 +10,8 @@ import torch
 
 from dmattn_bench.registry import Backend, get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
-from dmattn_bench.tuning import validator
+# trials binds validator's check_case at its import: imported here, before a test patches that name
+from dmattn_bench.tuning import trials, validator
 from dmattn_bench.tuning.adversarial import Case, adversarial_cases, build_inputs
 from dmattn_bench.tuning.validator import check_case, classify_failure, validate
 
@@ -244,31 +245,68 @@ def test_other_failures_building_a_cases_inputs_still_raise(monkeypatch):
         _check(REFERENCE)
 
 
-def test_cases_out_of_memory_beside_other_workers_run_again_alone(monkeypatch):
-    """`verify` runs its planned suites in parallel processes on one GPU: a case whose memory
-    did not fit beside theirs runs again afterwards in the parent; the others keep their result
-    and progress counts each case once."""
+def _fake_pool(monkeypatch, statuses: list[dict[str, str]]) -> list[list[str]]:
+    """Replaces the worker pool: call i answers each case by `statuses[i]` (default "ok");
+    returns the case names of every call."""
     from dmattn_bench.tuning import workers
 
+    calls = []
+
+    def pool(fn, jobs, on_done, on_crash, after):
+        assert len(after) == len(jobs)
+        answers = statuses[len(calls)]
+        calls.append([job.case.name for job in jobs])
+        results = [validator.CaseResult(job.case.name, answers.get(job.case.name, "ok"), "") for job in jobs]
+        for job, result in zip(jobs, results):
+            on_done(job, result)
+        return results
+
+    monkeypatch.setattr(workers, "parallel_map", pool)
+    return calls
+
+
+def test_cases_out_of_memory_beside_other_workers_run_again_alone(monkeypatch):
+    """`verify` runs each planned case as a job of its own in parallel processes on one GPU: a
+    case whose memory did not fit beside theirs runs again afterwards in the parent; the others
+    keep their result and progress counts each case once."""
     cases = [dataclasses.replace(CASE, name=name) for name in ("small", "large")]
     item = validator.PlannedSuite("pair", "reference", SMALL_FWD, SMALL_BWD, cases)
-    in_pool = validator.SuiteResult("reference", SMALL_FWD, SMALL_BWD, "float32",
-                                    [validator.CaseResult("small", "ok", ""), validator.CaseResult("large", "oom", "OOM")])
-
-    def pool(fn, jobs, on_crash, on_done):
-        for job in jobs:
-            on_done(job, in_pool)
-        return [in_pool for _ in jobs]
-
+    calls = _fake_pool(monkeypatch, [{"large": "oom"}])
     alone = []
-    monkeypatch.setattr(workers, "parallel_map", pool)
     monkeypatch.setattr(validator, "check_case", lambda backend, case, *a, **k: alone.append(case.name) or
                         validator.CaseResult(case.name, "ok", ""))
     reported = []
     (label, result), _ = validator.run_plan(torch.float32, "cuda", [item, item], on_case=reported.append)
+    assert calls == [["small", "large", "small", "large"]]
     assert alone == ["large", "large"]
     assert [(c.case, c.status) for c in result.cases] == [("small", "ok"), ("large", "ok")]
     assert sorted(c.case for c in reported) == ["large", "large", "small", "small"]
+
+
+def test_cases_a_lost_cuda_context_left_undone_run_again_in_fresh_processes(monkeypatch):
+    """A case answered `retry` (its process's CUDA context died in an earlier case) runs in a
+    later round of the pool, and its suite gets that round's verdict, reported once."""
+    cases = [dataclasses.replace(CASE, name=name) for name in ("first", "second", "third")]
+    item = validator.PlannedSuite("pair", "reference", SMALL_FWD, SMALL_BWD, cases)
+    calls = _fake_pool(monkeypatch, [{"first": "launch_error", "second": "retry"}, {}])
+    reported = []
+    [(label, result)] = validator.run_plan(torch.float32, "cuda", [item], on_case=reported.append)
+    assert calls == [["first", "second", "third"], ["second"]]
+    assert [(c.case, c.status) for c in result.cases] == [("first", "launch_error"), ("second", "ok"),
+                                                          ("third", "ok")]
+    assert result.status == "launch_error"
+    assert sorted(c.case for c in reported) == ["first", "second", "third"]
+
+
+def test_a_planned_case_after_a_lost_context_answers_retry(monkeypatch):
+    """In a pool process, a case after one that killed the CUDA context is not run (it would
+    fail for the other's fault): it answers `retry`."""
+    monkeypatch.setattr(trials, "_context_lost", False)
+    lost = validator.CaseResult("first", "launch_error", "illegal memory access")
+    monkeypatch.setattr(validator, "check_case", lambda backend, case, *a, **k: lost)
+    job = trials.PlannedCaseJob("fp32", "cpu", "reference", SMALL_FWD, SMALL_BWD, CASE)
+    assert trials.planned_case_job(job).status == "launch_error"
+    assert trials.planned_case_job(job._replace(case=dataclasses.replace(CASE, name="next"))).status == "retry"
 
 
 def test_entry_cases_of_long_keys_have_one_kv_head():

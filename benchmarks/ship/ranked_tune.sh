@@ -11,14 +11,16 @@
 #       run left (OUT/NAME-exhaustive.ledger.jsonl): a re-tune on the same kernels, whose winners'
 #       cases that code already passed are not run again.
 #   The exhaustive run may come from an earlier call: put its OUT files back in OUT first.
-#   DTYPES="bf16" and BACKEND=triton narrow the grid (default: both dtypes, both backends).
+#   DTYPES="bf16" and BACKEND=triton narrow the grid (default: both dtypes, both backends;
+#   DTYPES="" keeps each workload's own dtype, as held-out.yaml picks them). GRID picks the
+#   workloads file's grid (default: default; held-out.yaml has held_out and held_out_b).
 set -uo pipefail
 out=$1; workloads=${2:-configs/workloads/default.yaml}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.txt" 2>&1
 name=$(basename "$workloads" .yaml)
-dtype_flags=(); for dtype in ${DTYPES:-bf16 fp16}; do dtype_flags+=(--dtype "$dtype"); done
+dtype_flags=(); for dtype in ${DTYPES-bf16 fp16}; do dtype_flags+=(--dtype "$dtype"); done
 for search in ${SEARCHES:-ranked exhaustive ranked-warm}; do
   flag=$([ "$search" = exhaustive ] && echo --exhaustive || true)
   ledger=$out/$name-$search.ledger.jsonl
@@ -26,7 +28,7 @@ for search in ${SEARCHES:-ranked exhaustive ranked-warm}; do
   cache=$(mktemp -d)
   start=$SECONDS
   TRITON_CACHE_DIR=$cache/triton DMATTN_BENCH_CACHE=$cache/dmattn DMATTN_BENCH_LEDGER=$ledger \
-    dmattn-bench tune --workloads "$workloads" "${dtype_flags[@]}" --backend "${BACKEND:-all}" $flag \
+    dmattn-bench tune --workloads "$workloads" --grid "${GRID:-default}" "${dtype_flags[@]}" --backend "${BACKEND:-all}" $flag \
     --out "$out/$name-$search.yaml" --format json > "$out/$name-$search.json" 2> "$out/$name-$search.txt"
   echo "$search tune rc $? in $((SECONDS - start)) s"
   rm -rf "$cache"

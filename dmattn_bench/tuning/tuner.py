@@ -55,7 +55,7 @@ from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, CaseJob, Trial, 
                                         warm_job)
 from dmattn_bench.tuning.validator import CaseResult, shape_of_case
 from dmattn_bench.tuning.workers import (PoolStats, ProcessPool, Worker, WorkerCrashed, WorkerTimedOut,
-                                         parallel_map, phase_bound, worker_count)
+                                         leaders, parallel_map, phase_bound, worker_count)
 from dmattn_bench.tuning.workloads import Workload
 
 DEFAULT_TRIAL_TIMEOUT_S = 300.0  # also the bound on building a workload's inputs and references
@@ -473,7 +473,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
         try:
             done = on_phase("compile", len(jobs)) if on_phase else None
             parallel_map(warm_job, jobs, on_crash=lambda job, reason: ("crash", reason), on_done=ended, gpus=len(workers),
-                         stats=pools["compile"], after=_leaders(compile_keys(jobs, backend)), pool=pool)
+                         stats=pools["compile"], after=leaders(compile_keys(jobs, backend)), pool=pool)
         finally:
             for _ in range(measurers):
                 queue.put(None)
@@ -533,19 +533,6 @@ def compile_keys(jobs: list[tuple], backend) -> list[list[tuple]]:
     share."""
     return [[(specialization_class(w.case(), w.dtype), *kernel) for kernel in backend.kernels(d, c, shape_of_workload(w))]
             for w, d, c, _ in jobs]
-
-
-def _leaders(kernels_per_job: list[list[tuple]]) -> list[tuple[int, ...]]:
-    """Per job, the earlier jobs it waits for: for each kernel it needs, the first job needing
-    it compiles it (into Triton's on-disk cache) and the later ones load it from there, instead
-    of compiling it again in other processes at the same time. On the 2x H200 the 8-process
-    compile phase's CPU time fell from 630 to 570 s with it; the 16-process one did not move
-    (684 -> 694 s), its extra cost being slower cores, not duplicates."""
-    first: dict[tuple, int] = {}
-    after = []
-    for index, kernels in enumerate(kernels_per_job):
-        after.append(tuple(sorted({first.setdefault(kernel, index) for kernel in kernels} - {index})))
-    return after
 
 
 def _case_identity(job: CaseJob) -> tuple:
@@ -679,7 +666,7 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         while pending:  # each round reruns, in fresh processes, what a lost context left undone
             results = parallel_map(suite_case_job, pending, on_crash=crashed,
                                    on_done=(lambda job, result: done() if done and result.status != "retry" else None),
-                                   gpus=gpus, stats=stats, after=_leaders([_case_kernels(job) for job in pending]),
+                                   gpus=gpus, stats=stats, after=leaders([_case_kernels(job) for job in pending]),
                                    pool=pool)
             outcomes.update((job, result) for job, result in zip(pending, results) if result.status != "retry")
             pending = [job for job, result in zip(pending, results) if result.status == "retry"]

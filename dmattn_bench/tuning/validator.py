@@ -26,8 +26,8 @@ import torch
 from dmattn_bench import tiles
 from dmattn_bench.dispatch.stamps import representative_window
 from dmattn_bench.registry import Backend, get_backend
-from dmattn_bench.space import (AttentionShape, BwdConfig, DecodeConfig, FwdConfig, TableKey, bias_has_rows,
-                                config_label, is_valid_head_dim)
+from dmattn_bench.space import (DTYPE_NAMES, AttentionShape, BwdConfig, DecodeConfig, FwdConfig, TableKey,
+                                bias_has_rows, config_label, is_valid_head_dim)
 from dmattn_bench.tiles import DECODE_DEFAULTS, decode_config, default_configs, default_entries
 from dmattn_bench.tuning import ledger
 from dmattn_bench.tuning.adversarial import (MASK_SHAPE_OF_KIND, NO_WINDOW, Case, adversarial_cases, bias_kind,
@@ -525,12 +525,6 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
     return plan
 
 
-def _validate_planned(job: tuple) -> SuiteResult:
-    """Worker entry: one planned suite (module level so spawned workers can import it)."""
-    dtype, device, item = job
-    return validate(item.backend, item.fwd_config, item.bwd_config, dtype, device, cases=item.cases)
-
-
 def _alone_where_out_of_memory(item: PlannedSuite, result: SuiteResult, dtype: torch.dtype,
                                device: torch.device | str, on_case) -> SuiteResult:
     """`result` with each case that ran out of GPU memory beside the other workers run again in
@@ -552,28 +546,49 @@ def run_plan(dtype: torch.dtype, device: torch.device | str, plan: list[PlannedS
              on_case: Callable[[CaseResult], None] | None = None) -> list[tuple[str, SuiteResult]]:
     """Validates every planned config pair on its cases, each with its own backend.
 
-    On a GPU the planned suites run in parallel worker processes (compilation dominates and is
-    single-threaded per process); on the CPU they run here, one after the other.
+    On a GPU the cases run in parallel worker processes (`_run_cases_in_pool`); on the CPU they
+    run here, one after the other.
     """
-    if torch.device(device).type == "cuda" and len(plan) > 1:
-        from dmattn_bench.tuning.workers import parallel_map
-
-        def crashed(job, reason):
-            item = job[2]
-            return SuiteResult(item.backend, item.fwd_config, item.bwd_config, str(dtype).removeprefix("torch."),
-                               [CaseResult(c.name, "crash", reason) for c in item.cases])
-
-        def report(job, result):
-            for case in result.cases:
-                if on_case is not None and case.status != "oom":  # reported once run alone
-                    on_case(case)
-
-        jobs = [(dtype, str(device), item) for item in plan]
-        results = parallel_map(_validate_planned, jobs, on_crash=crashed, on_done=report)
-        return [(item.label, _alone_where_out_of_memory(item, result, dtype, device, on_case))
-                for item, result in zip(plan, results)]
+    if torch.device(device).type == "cuda" and sum(len(item.cases) for item in plan) > 1:
+        return _run_cases_in_pool(dtype, device, plan, on_case)
     return [
         (item.label, validate(item.backend, item.fwd_config, item.bwd_config, dtype, device,
                               on_case=on_case, cases=item.cases))
         for item in plan
     ]
+
+
+def _run_cases_in_pool(dtype: torch.dtype, device: torch.device | str, plan: list[PlannedSuite],
+                       on_case: Callable[[CaseResult], None] | None) -> list[tuple[str, SuiteResult]]:
+    """Every planned case as a job of its own across worker processes: compiling dominates and is
+    single-threaded per process, and a suite run whole in one process left its last cases to that
+    process alone (an H200 restamp of 9 entries: a suite of 39 cases, 106 s of a 314 s full
+    verify). A case needing a kernel an earlier case compiles waits for it (`workers.leaders`);
+    what a lost CUDA context left undone runs again in fresh processes, and a case out of memory
+    beside the others runs alone here."""
+    from dmattn_bench.tuning.trials import PlannedCaseJob, planned_case_job, planned_case_kernels
+    from dmattn_bench.tuning.workers import leaders, parallel_map
+
+    jobs = [PlannedCaseJob(DTYPE_NAMES[dtype], str(device), item.backend, item.fwd_config, item.bwd_config, case)
+            for item in plan for case in item.cases]
+
+    def report(job, result: CaseResult) -> None:
+        if on_case is not None and result.status not in ("oom", "retry"):  # reported once run again
+            on_case(result)
+
+    outcomes: dict[int, CaseResult] = {}
+    pending = list(range(len(jobs)))
+    while pending:
+        batch = [jobs[index] for index in pending]
+        results = parallel_map(planned_case_job, batch, on_done=report,
+                               on_crash=lambda job, reason: CaseResult(job.case.name, "crash", reason),
+                               after=leaders([planned_case_kernels(job) for job in batch]))
+        outcomes.update((index, result) for index, result in zip(pending, results) if result.status != "retry")
+        pending = [index for index, result in zip(pending, results) if result.status == "retry"]
+    planned, first = [], 0
+    for item in plan:
+        cases = [outcomes[index] for index in range(first, first + len(item.cases))]
+        first += len(item.cases)
+        result = SuiteResult(item.backend, item.fwd_config, item.bwd_config, str(dtype).removeprefix("torch."), cases)
+        planned.append((item.label, _alone_where_out_of_memory(item, result, dtype, device, on_case)))
+    return planned

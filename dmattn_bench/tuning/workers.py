@@ -204,6 +204,19 @@ class ProcessPool:
         self.discard(kill=kind is not None)
 
 
+def leaders(kernels_per_job: list[list[tuple]]) -> list[tuple[int, ...]]:
+    """Per job, the earlier jobs it waits for: for each kernel it needs, the first job needing
+    it compiles it (into Triton's on-disk cache) and the later ones load it from there, instead
+    of compiling it again in other processes at the same time. On the 2x H200 the 8-process
+    compile phase's CPU time fell from 630 to 570 s with it; the 16-process one did not move
+    (684 -> 694 s), its extra cost being slower cores, not duplicates."""
+    first: dict[tuple, int] = {}
+    after = []
+    for index, kernels in enumerate(kernels_per_job):
+        after.append(tuple(sorted({first.setdefault(kernel, index) for kernel in kernels} - {index})))
+    return after
+
+
 def parallel_map(fn: Callable[[T], R], items: Iterable[T], on_crash: Callable[[T, str], R],
                  on_done: Callable[[T, R], None] | None = None, gpus: int = 1,
                  stats: PoolStats | None = None, after: list[tuple[int, ...]] | None = None,
