@@ -24,8 +24,8 @@ already failed to improve. (Stopping after the first batch when its best was the
 missed the best by 1.5x on H100 D256 backward shapes: two picks can agree with each other and
 both be wrong.) Either way the search goes on while the measured times of the timed candidates
 stray from the predicted ones (`misfit` over `model_error`; how far beyond MISFIT_CAP a slow
-candidate lies is not counted): there the model does not know the key. `--exhaustive` times every candidate; `benchmarks/ranked_replay.py` replays the rule on the
-committed journals.
+candidate lies is not counted): there the model does not know the key. `--exhaustive` times every
+candidate; `benchmarks/ranked_replay.py` replays the rule on the committed journals.
 """
 
 from __future__ import annotations
