@@ -294,8 +294,9 @@ class PlannedCaseJob(NamedTuple):
 
 
 def planned_case_job(job: tuple) -> CaseResult:
-    """Worker: one case of `verify`'s plan, its checks kept (the table prints their ratios).
-    Never raises; `retry` after a lost CUDA context (`_unless_context_lost`)."""
+    """Worker: one case of `verify`'s plan, its checks kept (the table prints their ratios);
+    `retry` after a lost CUDA context (`_unless_context_lost`). A kernel's failure is the case's
+    status; a bug building the case's inputs raises, as `validate` does, and stops the verify."""
     job = PlannedCaseJob(*job)
     return _unless_context_lost(job.case.name, lambda: validate(
         job.backend_name, job.fwd_config, job.bwd_config, DTYPES[job.dtype_name], job.device_name,
