@@ -14,7 +14,8 @@ import torch
 
 from dmattn_bench.bench.operators import operator
 from dmattn_bench.space import DTYPES, config_label
-from dmattn_bench.tuning.validator import plan_decode, run_plan
+from dmattn_bench.tuning.plan_runner import run_plan
+from dmattn_bench.tuning.validator import plan_decode
 
 
 @operator("verify-decode", help="The short-query forward's full suites in each dtype on the local GPU")

@@ -10,8 +10,8 @@ import torch
 
 from dmattn_bench.registry import Backend, get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig
-# trials binds validator's check_case at its import: imported here, before a test patches that name
-from dmattn_bench.tuning import trials, validator
+# these bind validator's names at their import: imported here, before a test patches one
+from dmattn_bench.tuning import plan_runner, trials, validator
 from dmattn_bench.tuning.adversarial import Case, adversarial_cases, build_inputs
 from dmattn_bench.tuning.validator import check_case, classify_failure, validate
 
@@ -248,8 +248,6 @@ def test_other_failures_building_a_cases_inputs_still_raise(monkeypatch):
 def _fake_pool(monkeypatch, statuses: list[dict[str, str]]) -> list[list[str]]:
     """Replaces the worker pool: call i answers each case by `statuses[i]` (default "ok");
     returns the case names of every call."""
-    from dmattn_bench.tuning import workers
-
     calls = []
 
     def pool(fn, jobs, on_done, on_crash, after):
@@ -261,7 +259,7 @@ def _fake_pool(monkeypatch, statuses: list[dict[str, str]]) -> list[list[str]]:
             on_done(job, result)
         return results
 
-    monkeypatch.setattr(workers, "parallel_map", pool)
+    monkeypatch.setattr(plan_runner, "parallel_map", pool)
     return calls
 
 
@@ -276,7 +274,7 @@ def test_cases_out_of_memory_beside_other_workers_run_again_alone(monkeypatch):
     monkeypatch.setattr(validator, "check_case", lambda backend, case, *a, **k: alone.append(case.name) or
                         validator.CaseResult(case.name, "ok", ""))
     reported = []
-    (label, result), _ = validator.run_plan(torch.float32, "cuda", [item, item], on_case=reported.append)
+    (label, result), _ = plan_runner.run_plan(torch.float32, "cuda", [item, item], on_case=reported.append)
     assert calls == [["small", "large", "small", "large"]]
     assert alone == ["large", "large"]
     assert [(c.case, c.status) for c in result.cases] == [("small", "ok"), ("large", "ok")]
@@ -290,7 +288,7 @@ def test_cases_a_lost_cuda_context_left_undone_run_again_in_fresh_processes(monk
     item = validator.PlannedSuite("pair", "reference", SMALL_FWD, SMALL_BWD, cases)
     calls = _fake_pool(monkeypatch, [{"first": "launch_error", "second": "retry"}, {}])
     reported = []
-    [(label, result)] = validator.run_plan(torch.float32, "cuda", [item], on_case=reported.append)
+    [(label, result)] = plan_runner.run_plan(torch.float32, "cuda", [item], on_case=reported.append)
     assert calls == [["first", "second", "third"], ["second"]]
     assert [(c.case, c.status) for c in result.cases] == [("first", "launch_error"), ("second", "ok"),
                                                           ("third", "ok")]
@@ -304,9 +302,9 @@ def test_a_planned_case_after_a_lost_context_answers_retry(monkeypatch):
     monkeypatch.setattr(trials, "_context_lost", False)
     lost = validator.CaseResult("first", "launch_error", "illegal memory access")
     monkeypatch.setattr(validator, "check_case", lambda backend, case, *a, **k: lost)
-    job = trials.PlannedCaseJob("fp32", "cpu", "reference", SMALL_FWD, SMALL_BWD, CASE)
-    assert trials.planned_case_job(job).status == "launch_error"
-    assert trials.planned_case_job(job._replace(case=dataclasses.replace(CASE, name="next"))).status == "retry"
+    job = plan_runner.PlannedCaseJob("fp32", "cpu", "reference", SMALL_FWD, SMALL_BWD, CASE)
+    assert plan_runner.planned_case_job(job).status == "launch_error"
+    assert plan_runner.planned_case_job(job._replace(case=dataclasses.replace(CASE, name="next"))).status == "retry"
 
 
 def test_entry_cases_of_long_keys_have_one_kv_head():

@@ -19,7 +19,7 @@ import torch
 from dmattn_bench import plan
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import DTYPES, BwdConfig, DecodeConfig, FwdConfig
-from dmattn_bench.tuning.adversarial import Case, Inputs, build_inputs, decode_cases, specialization_class
+from dmattn_bench.tuning.adversarial import Case, Inputs, build_inputs, decode_cases
 from dmattn_bench.tuning.runs import (fill_unowned, kernel_layout, launch_operands, poisoned_outputs,
                                       reference_forward, run_reference, user_layout)
 from dmattn_bench.tuning.timing import Timing, time_kernel
@@ -246,7 +246,7 @@ class CaseJob(NamedTuple):
 _context_lost = False  # this process's CUDA context died in a case (illegal access): it runs no more
 
 
-def _unless_context_lost(name: str, check: Callable[[], CaseResult]) -> CaseResult:
+def unless_context_lost(name: str, check: Callable[[], CaseResult]) -> CaseResult:
     """`check()` in a pool process. After a case that kills the CUDA context (`launch_error`,
     e.g. an illegal memory access) every later case of this process answers `retry`, so no other
     config is blamed for it; the parent reruns those in fresh processes."""
@@ -261,7 +261,7 @@ def _unless_context_lost(name: str, check: Callable[[], CaseResult]) -> CaseResu
 def suite_case_job(job: tuple) -> CaseResult:
     """Worker: one case of a config's adversarial suite (the GPU phase spreads a suite's cases
     over all processes: whole suites, ~50 s each on an H200, left the last ones alone). Never
-    raises; `retry` after a lost CUDA context (`_unless_context_lost`)."""
+    raises; `retry` after a lost CUDA context (`unless_context_lost`)."""
     if _problems:  # a kept pool process's last compile workload: its memory is the cases' now
         _problems.clear()
         torch.cuda.empty_cache()
@@ -277,42 +277,8 @@ def suite_case_job(job: tuple) -> CaseResult:
         except Exception as exc:  # noqa: BLE001 - inputs or references failed: data, not a crash
             return CaseResult(case.name, *classify_failure(exc))
 
-    result = _unless_context_lost(case.name, check)
+    result = unless_context_lost(case.name, check)
     return CaseResult(result.case, result.status, result.reason, replayed=result.replayed)  # the checks stay here
-
-
-class PlannedCaseJob(NamedTuple):
-    """One case of a planned suite of `verify` (`validator.PlannedSuite`: a config pair, either
-    of which may be None, or a short-query forward config) and the dtype and device it runs on."""
-
-    dtype_name: str
-    device_name: str
-    backend_name: str
-    fwd_config: object
-    bwd_config: BwdConfig | None
-    case: Case
-
-
-def planned_case_job(job: tuple) -> CaseResult:
-    """Worker: one case of `verify`'s plan, its checks kept (the table prints their ratios);
-    `retry` after a lost CUDA context (`_unless_context_lost`). A kernel's failure is the case's
-    status; a bug building the case's inputs raises, as `validate` does, and stops the verify."""
-    job = PlannedCaseJob(*job)
-    return _unless_context_lost(job.case.name, lambda: validate(
-        job.backend_name, job.fwd_config, job.bwd_config, DTYPES[job.dtype_name], job.device_name,
-        cases=[job.case]).cases[0])
-
-
-def planned_case_kernels(job: tuple) -> list[tuple]:
-    """The kernels a `planned_case_job` compiles, keyed like the tune's suite cases'
-    (`specialization_class`); none named for the short-query forward (its cases compile alone)."""
-    job = PlannedCaseJob(*job)
-    if job.backend_name == DECODE:
-        return []
-    backend, shape = get_backend(job.backend_name), shape_of_case(job.case)
-    return [(specialization_class(job.case, job.dtype_name), *kernel)
-            for direction, config in (("fwd", job.fwd_config), ("bwd", job.bwd_config)) if config is not None
-            for kernel in backend.kernels(direction, config, shape)]
 
 
 def shape_of_workload(workload: Workload):

@@ -26,7 +26,7 @@ import torch
 from dmattn_bench import tiles
 from dmattn_bench.dispatch.stamps import representative_window
 from dmattn_bench.registry import Backend, get_backend
-from dmattn_bench.space import (DTYPE_NAMES, AttentionShape, BwdConfig, DecodeConfig, FwdConfig, TableKey,
+from dmattn_bench.space import (AttentionShape, BwdConfig, DecodeConfig, FwdConfig, TableKey,
                                 bias_has_rows, config_label, is_valid_head_dim)
 from dmattn_bench.tiles import DECODE_DEFAULTS, decode_config, default_configs, default_entries
 from dmattn_bench.tuning import ledger
@@ -523,72 +523,3 @@ def plan_table_entries(entries, dtype_name: str, device: torch.device | str, sui
         cases = up_to_head_dim(suite_cases, largest) + [entry_case(e.key) for e in group]
         plan.append(PlannedSuite(label, backend, fwd, bwd, cases))
     return plan
-
-
-def _alone_where_out_of_memory(item: PlannedSuite, result: SuiteResult, dtype: torch.dtype,
-                               device: torch.device | str, on_case) -> SuiteResult:
-    """`result` with each case that ran out of GPU memory beside the other workers run again in
-    this process, the pool gone (a case that does not fit alone stays `oom`)."""
-    if not any(case.status == "oom" for case in result.cases):
-        return result
-    cases = []
-    for planned, outcome in zip(item.cases, result.cases):
-        if outcome.status == "oom":
-            torch.cuda.empty_cache()
-            outcome = validate(item.backend, item.fwd_config, item.bwd_config, dtype, device, cases=[planned]).cases[0]
-            if on_case is not None:
-                on_case(outcome)
-        cases.append(outcome)
-    return replace(result, cases=cases)
-
-
-def run_plan(dtype: torch.dtype, device: torch.device | str, plan: list[PlannedSuite],
-             on_case: Callable[[CaseResult], None] | None = None) -> list[tuple[str, SuiteResult]]:
-    """Validates every planned config pair on its cases, each with its own backend.
-
-    On a GPU the cases run in parallel worker processes (`_run_cases_in_pool`); on the CPU they
-    run here, one after the other.
-    """
-    if torch.device(device).type == "cuda" and sum(len(item.cases) for item in plan) > 1:
-        return _run_cases_in_pool(dtype, device, plan, on_case)
-    return [
-        (item.label, validate(item.backend, item.fwd_config, item.bwd_config, dtype, device,
-                              on_case=on_case, cases=item.cases))
-        for item in plan
-    ]
-
-
-def _run_cases_in_pool(dtype: torch.dtype, device: torch.device | str, plan: list[PlannedSuite],
-                       on_case: Callable[[CaseResult], None] | None) -> list[tuple[str, SuiteResult]]:
-    """Every planned case as a job of its own across worker processes: compiling dominates and is
-    single-threaded per process, and a suite run whole in one process left its last cases to that
-    process alone (an H200 restamp of 9 entries: a suite of 39 cases, 106 s of a 314 s full
-    verify). A case needing a kernel an earlier case compiles waits for it (`workers.leaders`);
-    what a lost CUDA context left undone runs again in fresh processes, and a case out of memory
-    beside the others runs alone here."""
-    from dmattn_bench.tuning.trials import PlannedCaseJob, planned_case_job, planned_case_kernels
-    from dmattn_bench.tuning.workers import leaders, parallel_map
-
-    jobs = [PlannedCaseJob(DTYPE_NAMES[dtype], str(device), item.backend, item.fwd_config, item.bwd_config, case)
-            for item in plan for case in item.cases]
-
-    def report(job, result: CaseResult) -> None:
-        if on_case is not None and result.status not in ("oom", "retry"):  # reported once run again
-            on_case(result)
-
-    outcomes: dict[int, CaseResult] = {}
-    pending = list(range(len(jobs)))
-    while pending:
-        batch = [jobs[index] for index in pending]
-        results = parallel_map(planned_case_job, batch, on_done=report,
-                               on_crash=lambda job, reason: CaseResult(job.case.name, "crash", reason),
-                               after=leaders([planned_case_kernels(job) for job in batch]))
-        outcomes.update((index, result) for index, result in zip(pending, results) if result.status != "retry")
-        pending = [index for index, result in zip(pending, results) if result.status == "retry"]
-    planned, first = [], 0
-    for item in plan:
-        cases = [outcomes[index] for index in range(first, first + len(item.cases))]
-        first += len(item.cases)
-        result = SuiteResult(item.backend, item.fwd_config, item.bwd_config, str(dtype).removeprefix("torch."), cases)
-        planned.append((item.label, _alone_where_out_of_memory(item, result, dtype, device, on_case)))
-    return planned
