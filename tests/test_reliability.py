@@ -322,11 +322,12 @@ def test_a_pool_takes_a_core_each_less_one_per_gpu_and_what_the_gpu_memory_holds
 def test_a_compile_job_holds_its_workloads_inputs_outputs_and_gradients():
     """What the pool's size counts per process: B2 L100 H4 Hkv2 D64 bf16 with a kv-head mask and
     a learnable per-key bias is Q, dO, O, dQ (4 x 2*100*4*64 x 2 bytes), K, V, dK, dV
-    (4 x 2*100*2*64 x 2), the mask (2*2*100*100 bytes) and the bias with its gradient
-    (2 x 2*2*100 x 2); packed documents count their tokens, not a batch of the longest."""
+    (4 x 2*100*2*64 x 2), the mask (2*2*100*100 bytes), the bias with its gradient
+    (2 x 2*2*100 x 2) and the float32 values the mask, the larger, is drawn from (2*2*100*100 x 4);
+    packed documents count their tokens, not a batch of the longest."""
     workload = Workload(batch=2, heads=4, heads_kv=2, seqlen_q=100, seqlen_k=100, head_dim=64, causal=True,
                         mask="kv_head", bias="per_key", bias_grad=True, dtype="bf16")
-    assert workload.tensor_bytes() == 4 * 51200 * 2 + 4 * 25600 * 2 + 40000 + 2 * 400 * 2
+    assert workload.tensor_bytes() == 4 * 51200 * 2 + 4 * 25600 * 2 + 40000 + 2 * 400 * 2 + 4 * 40000
     packed = replace(workload, batch=1, documents=(100, 30), mask="none", bias="none")
     assert packed.tensor_bytes() == 4 * 130 * 4 * 64 * 2 + 4 * 130 * 2 * 64 * 2
 

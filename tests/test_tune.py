@@ -235,6 +235,28 @@ def test_the_same_tune_again_starts_over_after_a_completed_run_and_resumes_only_
     assert [r["kind"] for r in _records(journal)].count("trial") == 3
 
 
+def test_resume_measures_again_a_trial_journaled_out_of_memory(tmp_path):
+    """A GPU tune's trials ran out of memory while the compile pool held other workloads' tensors
+    (H200 sweep grid, 2026-11-30: 1085 of 1712 measured trials); that verdict is the GPU's state
+    then, not the config's, so --resume measures such a trial again and counts it as to run."""
+    workloads, space = _tiny_inputs(tmp_path, dict(CPU_FWD.to_dict(), block_m=32))
+    out = tmp_path / "T.yaml"
+    journal = tmp_path / "T.yaml.trials.jsonl"
+    args = ["--workloads", workloads, "--space", space, "--out", str(out), "--format", "json"]
+    runner = CliRunner()
+    assert runner.invoke(tune_command, args).exit_code == 0
+    records = [r for r in _records(journal) if r["kind"] == "trial"]
+    records[0].update(status="oom", median_ms=None, reason="OutOfMemoryError: CUDA out of memory.")
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))  # interrupted: no final record
+
+    resumed = runner.invoke(tune_command, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert f"skipping {len(records) - 1} journaled trials, 1 of {len(records)} to run" in resumed.stderr
+    assert "tune [1/1]" in resumed.stderr
+    again = [r for r in _records(journal) if r["kind"] == "trial" and r["id"] == records[0]["id"]]
+    assert [r["status"] for r in again] == ["oom", "ok"]
+
+
 def test_a_tune_without_out_writes_into_the_tuned_folder_and_draws_no_speed_from_the_interpreter(
         tmp_path, monkeypatch):
     """Issue 54: the main command wrote cpu-interpreter.yaml and its journal into the checkout's

@@ -151,7 +151,8 @@ def build_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Input
         return build_packed_inputs(case, dtype, device, generator)
 
     def randn(shape, scale=1.0, dt=dtype):
-        return (torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * scale).to(dt)
+        # scaled in place: a copy would be a second float32 tensor of the bias's size at its peak
+        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).mul_(scale).to(dt)
 
     b, h, hkv, lq, lk, d = case.batch, case.heads, case.heads_kv, case.seqlen_q, case.seqlen_k, case.head_dim
     if case.bhld_views:

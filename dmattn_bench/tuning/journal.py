@@ -29,6 +29,11 @@ from dmattn_bench.tuning.workloads import Workload
 
 FINISHED = "finished"  # record kind: the run completed and wrote `table`
 RUN = "run"  # record kind: the backend, device and kernel hash the trials after it are measured with
+RANKED_OUT = "ranked_out"  # a trial's status: the ranked search did not time it (`--exhaustive` does)
+# Journaled trial statuses that a resumed run plans anew instead of replaying: a ranked-out trial
+# was never timed, and an out-of-memory one failed for what else held the GPU then (the compile
+# pool's tensors beside the measuring worker's references), not for its own config
+MEASURED_AGAIN_ON_RESUME = (RANKED_OUT, "oom")
 
 
 class JournalError(ValueError):
@@ -112,7 +117,7 @@ class JournalState:
     """A journal as found on disk, read without taking its lock (to tell the user what a run will do).
 
     Attributes:
-        trial_ids: the trials it holds.
+        trial_ids: the trials it holds that a resumed run replays (not `MEASURED_AGAIN_ON_RESUME`).
         completed: its run wrote its table with nothing left unmeasured.
         refusal: why a run without resume may not replace it (its run was interrupted or stopped
             by its budget), or None when a fresh run starts over.
@@ -130,7 +135,9 @@ def read_state(path: str | Path) -> JournalState | None:
         return None
     contents = _parse(path.read_text(encoding="utf-8"))
     completed = contents.finished is not None and not contents.finished.get("unmeasured", 0)
-    return JournalState(frozenset(contents.trials), completed, _refusal(path, contents))
+    replayed = frozenset(identifier for identifier, record in contents.trials.items()
+                         if record.get("status") not in MEASURED_AGAIN_ON_RESUME)
+    return JournalState(replayed, completed, _refusal(path, contents))
 
 
 class Journal:

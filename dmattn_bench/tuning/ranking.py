@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dmattn_bench.space import BWD_KNOBS, CONFIGS_DIR, FWD_KNOBS, TableKey
-from dmattn_bench.tuning.journal import timed_trials
+from dmattn_bench.tuning.journal import RANKED_OUT, timed_trials
 
 # Weight factors of `similarity`: a mismatch multiplies the weight by its factor. Head dim decides
 # the register and shared-memory budget of a tile, so a neighbour of another head-dim class says
@@ -285,8 +285,6 @@ def replay(model: RankingModel, widening: Widening, hold_out: str = "workload") 
 
 
 # -- the tuner's rounds -------------------------------------------------------------------------
-
-RANKED_OUT = "ranked_out"  # a trial's status: the ranked search did not time it (`--exhaustive` does)
 
 
 @dataclass

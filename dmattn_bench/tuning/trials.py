@@ -144,6 +144,11 @@ def _problem_for(workload: Workload, device: torch.device, with_reference: bool)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         problem = _problems[(workload, with_reference)] = _Problem(workload, device, with_reference)
+        if device.type == "cuda":
+            # the float32 values the inputs were drawn from and the reference's intermediates go
+            # back to the GPU: a worker then holds its problem's tensors between jobs, not the
+            # peak of building them, which the other workers on this GPU need for theirs
+            torch.cuda.empty_cache()
     return problem
 
 

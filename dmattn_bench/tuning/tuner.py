@@ -47,7 +47,7 @@ from dmattn_bench.registry import get_backend, kernel_source_hash
 from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey, config_from_dict, config_label
 from dmattn_bench.tiles import decode_config, default_configs
 from dmattn_bench.tuning.adversarial import specialization_class
-from dmattn_bench.tuning.journal import Journal, suite_id, trial_id
+from dmattn_bench.tuning.journal import MEASURED_AGAIN_ON_RESUME, Journal, suite_id, trial_id
 from dmattn_bench.tuning.prune import precheck
 from dmattn_bench.tuning.ranking import RANKED_OUT, RankedRounds, RankingModel, Widening
 from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, CaseJob, Trial, measure_job, problem_job, ready_job,
@@ -337,7 +337,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     todo = []
     for workload, direction, config, is_default in plan:
         record = journal.trials.get(trial_id(workload, direction, backend_name, config))
-        if record is not None and record["status"] != RANKED_OUT:  # a ranked-out one is planned anew
+        if record is not None and record["status"] not in MEASURED_AGAIN_ON_RESUME:
             fields = {k: record[k] for k in ("status", "reason", "median_ms", "spread", "tflops", "validation", "stage")}
             finish(workload, direction, config, is_default, fields, replayed=True)
             continue

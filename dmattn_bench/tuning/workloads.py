@@ -109,9 +109,13 @@ class Workload:
         return (b, h if kind == "full" else hkv, rows, lk)
 
     def tensor_bytes(self) -> int:
-        """GPU bytes of the tensors a compile job builds for this workload (`trials._Problem`
-        without its reference): Q, dO, the output and dQ; K, V, dK and dV; the mask; the bias
-        and its gradient. The pool's size on a GPU counts them (`workers.worker_count`)."""
+        """GPU bytes a compile job holds at its peak for this workload (`trials._Problem` without
+        its reference): Q, dO, the output and dQ; K, V, dK and dV; the mask; the bias and its
+        gradient; and, while they are drawn, the float32 values of the larger of mask and bias
+        (`adversarial.build_inputs`). The pool's size on a GPU counts them
+        (`workers.worker_count`): without the float32 values, compile workers of a full mask and
+        bias at B4 H16 L4096 held 9.85 GB each where 5.4 GB were counted, and the H200's
+        measuring worker ran out of memory beside them."""
         item = 4 if self.dtype == "fp32" else 2
         rows = sum(self.documents) if self.packed else self.batch * self.seqlen_q
         keys = sum(self.documents) if self.packed else self.batch * self.seqlen_k
@@ -121,7 +125,8 @@ class Workload:
             total += math.prod(mask)
         if bias is not None:
             total += math.prod(bias) * item * (2 if self.bias_grad else 1)
-        return total
+        drawn = max((math.prod(dims) for dims in (mask, bias) if dims is not None), default=0)
+        return total + 4 * drawn
 
     def directions(self, with_decode: bool = True) -> tuple[str, ...]:
         """The directions this shape is tuned in: the short-query forward ("decode") where a call
