@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 58 on lent H200s: the sweep's shape classes tuned into the shipped table, then the sweep.
+# Run from the repository root:
+#   bash benchmarks/ship/h200_sweep.sh OUT tune [JOURNAL]  # configs/workloads/default.yaml's `sweep`
+#       grid tuned (both backends, the ranked search, --suite full, every GPU of the host) and merged
+#       into a copy of the shipped table, OUT/<table>; with JOURNAL (a journal an earlier call's
+#       --budget stopped or a limit killed) the tune resumes it. Then that table's full bf16 verify (its case ledger
+#       answers what the tune's suites ran). JOURNAL may be the committed
+#       results/tune/h200-sweep.trials.jsonl: the resumed tune measures its out-of-memory trials again. BUDGET (default 3m, each backend's) stops starting new
+#       trials; TUNE_LIMIT (default 470 s) kills the tune, whose journal a later call resumes.
+#   bash benchmarks/ship/h200_sweep.sh OUT bench "PREFIX;PREFIX;..."  # the sweep bench on the
+#       working tree's table, one `bench --only PREFIX` run per workload-name prefix (e.g.
+#       "sweep-dims D96;sweep-issue;sweep-kinds D128 causal"), each JSON kept in OUT/bench.tgz as it
+#       ends (a call cut short by its time limit keeps what ran), then OUT/h200-sweep.{md,json,png}
+#       of every run; bench-N.json files an earlier call left, put in IN=DIR, join the report.
+#       Flex on every row, SDPA's flash and cuDNN kernels on the rows without mask and bias
+#       (WORKLOADS=FILE benches another workloads file).
+# Logs go to OUT/logs.tgz (the device tool brings back few files).
+set -uo pipefail
+out=$1; step=$2
+name=nvidia-h200-sm90.yaml
+work=$(mktemp -d)
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$work/install.txt" 2>&1
+if [ "$step" = tune ]; then
+  resume=()
+  if [ -n "${3:-}" ]; then cp "$3" "$out/$name.trials.jsonl"; resume=(--resume); fi
+  start=$SECONDS
+  timeout "${TUNE_LIMIT:-470}" dmattn-bench tune --workloads configs/workloads/default.yaml --grid sweep --backend all \
+    --space configs/space/cuda-fwd-ws.yaml --space configs/space/cuda-bwd.yaml \
+    --space configs/space/triton-fwd.yaml --space configs/space/triton-bwd.yaml \
+    --suite full --gpus all --budget "${BUDGET:-3m}" --trial-timeout 60 "${resume[@]}" \
+    --merge "results/tables/$name" --out "$out/$name" --format json > "$out/sweep-tune.json" 2> "$work/sweep-tune.txt"
+  echo "tune rc $? in $((SECONDS - start)) s"
+  tail -5 "$work/sweep-tune.txt"
+  start=$SECONDS
+  [ -s "$out/$name" ] && timeout "${VERIFY_LIMIT:-100}" dmattn-bench verify --table "$out/$name" --dtype bf16 --suite full \
+    > "$out/verify-bf16.txt" 2> "$work/verify-bf16.log"
+  echo "verify bf16 rc $? in $((SECONDS - start)) s: $(tail -1 "$work/verify-bf16.log")"
+  dmattn-bench show "$out/$name" 2>&1 | tail -3
+else
+  runs=$work/runs; mkdir -p "$runs"
+  [ -n "${IN:-}" ] && cp "$IN"/bench-*.json "$runs"/ 2>/dev/null
+  index=$(ls "$runs" | wc -l)
+  IFS=';' read -ra prefixes <<< "$3"
+  for prefix in "${prefixes[@]}"; do
+    index=$((index + 1)); start=$SECONDS
+    dmattn-bench bench --workloads "${WORKLOADS:-configs/workloads/sweep.yaml}" --only "$prefix" \
+      --peers flex,sdpa-flash-dense,sdpa-cudnn-dense --format json > "$runs/bench-$index.json" 2> "$work/bench-$index.txt"
+    echo "bench '$prefix' rc $? in $((SECONDS - start)) s"
+    tar -C "$runs" -czf "$out/bench.tmp" . && mv "$out/bench.tmp" "$out/bench.tgz"
+  done
+  reports=()
+  for json in "$runs"/bench-*.json; do [ -s "$json" ] && reports+=(--from-json "$json"); done
+  dmattn-bench bench "${reports[@]}" --format json > "$out/h200-sweep.json"
+  dmattn-bench bench "${reports[@]}" --format markdown > "$out/h200-sweep.md"
+  dmattn-bench bench "${reports[@]}" --plot "$out/h200-sweep.png" > /dev/null
+  grep -A12 "^Against each peer" "$out/h200-sweep.md"
+fi
+tar -C "$work" -czf "$out/logs.tgz" .
