@@ -250,7 +250,7 @@ def _fake_pool(monkeypatch, statuses: list[dict[str, str]]) -> list[list[str]]:
     returns the case names of every call."""
     calls = []
 
-    def pool(fn, jobs, on_done, on_crash, after):
+    def pool(fn, jobs, on_crash, on_done, after, **kwargs):
         assert len(after) == len(jobs)
         answers = statuses[len(calls)]
         calls.append([job.case.name for job in jobs])
@@ -259,7 +259,7 @@ def _fake_pool(monkeypatch, statuses: list[dict[str, str]]) -> list[list[str]]:
             on_done(job, result)
         return results
 
-    monkeypatch.setattr(plan_runner, "parallel_map", pool)
+    monkeypatch.setattr(trials, "parallel_map", pool)
     return calls
 
 

@@ -16,9 +16,9 @@ from dmattn_bench.errors import DmattnError
 from dmattn_bench.hardware import device_fingerprint
 from dmattn_bench.space import DTYPES, InvalidConfig, config_label
 from dmattn_bench.tuning import ledger
+from dmattn_bench.tuning.plan_runner import run_plan
 from dmattn_bench.tuning.table_writer import declare_stale
 from dmattn_bench.tuning.table_writer import restamp as restamp_table
-from dmattn_bench.tuning.plan_runner import run_plan
 from dmattn_bench.tuning.validator import (CHECKED, CaseResult, SuiteResult, plan_decode, plan_default_configs,
                                            plan_table_entries)
 

@@ -11,9 +11,8 @@ import torch
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import DTYPE_NAMES, DTYPES, BwdConfig
 from dmattn_bench.tuning.adversarial import Case, specialization_class
-from dmattn_bench.tuning.trials import unless_context_lost
+from dmattn_bench.tuning.trials import run_cases_in_pool, unless_context_lost
 from dmattn_bench.tuning.validator import DECODE, CaseResult, PlannedSuite, SuiteResult, shape_of_case, validate
-from dmattn_bench.tuning.workers import leaders, parallel_map
 
 
 class PlannedCaseJob(NamedTuple):
@@ -88,28 +87,19 @@ def _run_cases_in_pool(dtype: torch.dtype, device: torch.device | str, plan: lis
     """Every planned case as a job of its own across worker processes: compiling dominates and is
     single-threaded per process, and a suite run whole in one process left its last cases to that
     process alone (an H200 restamp of 9 entries: a suite of 39 cases, 106 s of a 314 s full
-    verify). A case needing a kernel an earlier case compiles waits for it (`workers.leaders`);
-    what a lost CUDA context left undone runs again in fresh processes, and a case out of memory
-    beside the others runs alone here."""
+    verify; `trials.run_cases_in_pool`). A case out of memory beside the others runs alone here."""
     jobs = [PlannedCaseJob(DTYPE_NAMES[dtype], str(device), item.backend, item.fwd_config, item.bwd_config, case)
             for item in plan for case in item.cases]
 
     def report(job, result: CaseResult) -> None:
-        if on_case is not None and result.status not in ("oom", "retry"):  # reported once run again
+        if on_case is not None and result.status != "oom":  # reported once run alone
             on_case(result)
 
-    outcomes: dict[int, CaseResult] = {}
-    pending = list(range(len(jobs)))
-    while pending:
-        batch = [jobs[index] for index in pending]
-        results = parallel_map(planned_case_job, batch, on_done=report,
-                               on_crash=lambda job, reason: CaseResult(job.case.name, "crash", reason),
-                               after=leaders([planned_case_kernels(job) for job in batch]))
-        outcomes.update((index, result) for index, result in zip(pending, results) if result.status != "retry")
-        pending = [index for index, result in zip(pending, results) if result.status == "retry"]
+    outcomes = run_cases_in_pool(planned_case_job, jobs, planned_case_kernels, on_done=report,
+                                 on_crash=lambda job, reason: CaseResult(job.case.name, "crash", reason))
     planned, first = [], 0
     for item in plan:
-        cases = [outcomes[index] for index in range(first, first + len(item.cases))]
+        cases = outcomes[first:first + len(item.cases)]
         first += len(item.cases)
         result = SuiteResult(item.backend, item.fwd_config, item.bwd_config, str(dtype).removeprefix("torch."), cases)
         planned.append((item.label, _alone_where_out_of_memory(item, result, dtype, device, on_case)))

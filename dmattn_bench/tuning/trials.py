@@ -25,6 +25,7 @@ from dmattn_bench.tuning.runs import (fill_unowned, kernel_layout, launch_operan
 from dmattn_bench.tuning.timing import Timing, time_kernel
 from dmattn_bench.tuning.validator import (DECODE, CaseResult, check_case, check_decode_case, classify_failure,
                                            compare, config_suite, shape_of_case, up_to_head_dim, validate)
+from dmattn_bench.tuning.workers import PoolStats, ProcessPool, leaders, parallel_map
 from dmattn_bench.tuning.workloads import Workload
 
 WARMUP = 2
@@ -261,6 +262,31 @@ def unless_context_lost(name: str, check: Callable[[], CaseResult]) -> CaseResul
     result = check()
     _context_lost = result.status == "launch_error"
     return result
+
+
+def run_cases_in_pool(job_fn: Callable[[tuple], CaseResult], jobs: list[tuple],
+                      kernels_of: Callable[[tuple], list[tuple]], on_crash: Callable[[tuple, str], CaseResult],
+                      on_done: Callable[[tuple, CaseResult], None] | None = None, gpus: int = 1,
+                      stats: PoolStats | None = None, pool: ProcessPool | None = None) -> list[CaseResult]:
+    """`[job_fn(job) for job in jobs]` across worker processes for case jobs guarded by
+    `unless_context_lost`, results in job order. A job needing a kernel an earlier job compiles
+    (`kernels_of`) waits for it (`workers.leaders`); the jobs answered `retry` run again in fresh
+    processes (a kept `pool` is discarded after a round in which a context died) until none is
+    left. `on_done` sees each job's final result once."""
+    results: list[CaseResult | None] = [None] * len(jobs)
+    pending = list(range(len(jobs)))
+    while pending:
+        batch = [jobs[index] for index in pending]
+        answers = parallel_map(job_fn, batch, on_crash=on_crash,
+                               on_done=(lambda job, result: on_done(job, result)
+                                        if on_done is not None and result.status != "retry" else None),
+                               gpus=gpus, stats=stats, after=leaders([kernels_of(job) for job in batch]), pool=pool)
+        for index, answer in zip(pending, answers):
+            results[index] = answer
+        pending = [index for index, answer in zip(pending, answers) if answer.status == "retry"]
+        if pool is not None and any(answer.status in ("retry", "launch_error") for answer in answers):
+            pool.discard()  # a process whose CUDA context died runs nothing more: fresh ones for what follows
+    return results  # type: ignore[return-value]
 
 
 def suite_case_job(job: tuple) -> CaseResult:

@@ -51,8 +51,8 @@ from dmattn_bench.tuning.journal import MEASURED_AGAIN_ON_RESUME, Journal, suite
 from dmattn_bench.tuning.prune import precheck
 from dmattn_bench.tuning.ranking import RANKED_OUT, RankedRounds, RankingModel, Widening
 from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, CaseJob, Trial, measure_job, problem_job, ready_job,
-                                        shape_of_workload, suite_case_job, suite_cases, suite_job, suite_verdict,
-                                        warm_job)
+                                        run_cases_in_pool, shape_of_workload, suite_case_job, suite_cases, suite_job,
+                                        suite_verdict, warm_job)
 from dmattn_bench.tuning.validator import CaseResult, shape_of_case
 from dmattn_bench.tuning.workers import (PoolStats, ProcessPool, Worker, WorkerCrashed, WorkerTimedOut,
                                          leaders, parallel_map, phase_bound, worker_count)
@@ -661,17 +661,9 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
             return CaseResult(_cases_of(job)[job.index].name, "crash", reason)
 
         done = on_phase(f"adversarial suite of {len(suites)} configs", len(distinct)) if on_phase and suites else None
-        outcomes: dict[tuple, CaseResult] = {}
-        pending = distinct
-        while pending:  # each round reruns, in fresh processes, what a lost context left undone
-            results = parallel_map(suite_case_job, pending, on_crash=crashed,
-                                   on_done=(lambda job, result: done() if done and result.status != "retry" else None),
-                                   gpus=gpus, stats=stats, after=leaders([_case_kernels(job) for job in pending]),
-                                   pool=pool)
-            outcomes.update((job, result) for job, result in zip(pending, results) if result.status != "retry")
-            pending = [job for job, result in zip(pending, results) if result.status == "retry"]
-            if pool is not None and any(result.status in ("retry", "launch_error") for result in results):
-                pool.discard()  # a process whose CUDA context died runs nothing more: fresh ones for what follows
+        outcomes = dict(zip(distinct, run_cases_in_pool(suite_case_job, distinct, _case_kernels, crashed,
+                                                        on_done=lambda job, result: done() if done else None,
+                                                        gpus=gpus, stats=stats, pool=pool)))
         for one in suites:
             status, note = suite_verdict([outcomes[runs_for[_case_identity(job)]] for job in case_jobs
                                           if job._replace(index=0) == one], suite)
