@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One `dmattn-bench bench` run per workload group of a workloads file, each under its own time
 # limit so that a timeout keeps the groups before it, then one report of them all (markdown, JSON,
-# PNG: `dmattn-bench bench --from-json A --from-json B ...`). Run from the repository root:
+# PNG: bench_report.sh). Run from the repository root:
 #   bash benchmarks/ship/bench_groups.sh OUT WORKLOADS.yaml REPORT "group:seconds ..." [bench options]
 # e.g. the shape sweep of issue 58 on an H200, in two calls of the device tool:
 #   bash benchmarks/ship/bench_groups.sh OUT configs/workloads/sweep.yaml h200-sweep "sweep-dims:300 sweep-fp16:200"
@@ -20,9 +20,4 @@ for group in $groups; do
     > "$out/bench-$name.json" 2> "$out/bench-$name.txt"
   echo "bench $name rc $? in $((SECONDS - start)) s"
 done
-reports=()
-for json in "$out"/bench-*.json; do [ -s "$json" ] && reports+=(--from-json "$json"); done
-dmattn-bench bench "${reports[@]}" --format json > "$out/$report.json"
-dmattn-bench bench "${reports[@]}" --format markdown > "$out/$report.md"
-dmattn-bench bench "${reports[@]}" --plot "$out/$report.png" > /dev/null
-cat "$out/$report.md"
+bash benchmarks/ship/bench_report.sh "$out" "$out/$report"

@@ -51,11 +51,6 @@ else
     echo "bench '$prefix' rc $? in $((SECONDS - start)) s"
     tar -C "$runs" -czf "$out/bench.tmp" . && mv "$out/bench.tmp" "$out/bench.tgz"
   done
-  reports=()
-  for json in "$runs"/bench-*.json; do [ -s "$json" ] && reports+=(--from-json "$json"); done
-  dmattn-bench bench "${reports[@]}" --format json > "$out/h200-sweep.json"
-  dmattn-bench bench "${reports[@]}" --format markdown > "$out/h200-sweep.md"
-  dmattn-bench bench "${reports[@]}" --plot "$out/h200-sweep.png" > /dev/null
-  grep -A12 "^Against each peer" "$out/h200-sweep.md"
+  bash benchmarks/ship/bench_report.sh "$runs" "$out/h200-sweep" | grep -A12 "^Against each peer"
 fi
 tar -C "$work" -czf "$out/logs.tgz" .
