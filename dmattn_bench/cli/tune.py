@@ -297,7 +297,8 @@ def _stale_workloads(table_path: str, dtypes, on_gpu: bool) -> tuple[list, set]:
                    "(16 heads, about 8192 key tokens; one sequence without a GPU), and write them into it. "
                    "Default --out: the --merge table.")
 @click.option("--resume", is_flag=True, default=False,
-              help="Continue the trial journal (<out>.trials.jsonl), skipping the trials it holds. Without it, "
+              help="Continue the trial journal (<out>.trials.jsonl), skipping the trials it holds but those "
+                   "ranked out or out of memory (measured again). Without it, "
                    "a completed run's journal is replaced (the run starts over), and that of a run interrupted "
                    "or stopped by --budget is refused.")
 @click.option("--budget", default=None,
