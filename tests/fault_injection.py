@@ -7,7 +7,9 @@ A Triton forward candidate with such tiles then:
   nan    writes NaN into its output,
   raise  raises an exception,
   ima    (CUDA only) launches a kernel that stores 2^40 elements past a real allocation: an
-         illegal memory access, which poisons the process's CUDA context.
+         illegal memory access, which poisons the process's CUDA context;
+  oom    raises CUDA's out-of-memory error on its first run only (a marker file in the folder
+         DMATTN_FAULTS_STATE names), as a trial crowded by other processes' tensors would.
 Every other candidate runs the real kernels. Compile-only passes (the tuner's parallel compile
 workers) are left alone: a fault can only strike where a candidate really runs.
 """
@@ -52,6 +54,12 @@ def _faulty_forward(real_forward):
             time.sleep(3600)
         if fault == "raise":
             raise RuntimeError("injected failure")
+        if fault == "oom":
+            marker = os.path.join(os.environ["DMATTN_FAULTS_STATE"], f"{config.block_m}x{config.block_n}")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB (injected)")
+            return real_forward(q, k, v, mask, bias, config=config, out=out, lse=lse, **options)
         if fault == "ima":
             _illegal_memory_access(out)
         real_forward(q, k, v, mask, bias, config=config, out=out, lse=lse, **options)

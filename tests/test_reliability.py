@@ -74,6 +74,25 @@ def test_faulty_candidates_become_statuses_and_the_rest_is_timed(tmp_path):
     assert json.loads(stdout)["counts"] == {"ok": 2, "crash": 2, "timeout": 1, "nonfinite": 1}
 
 
+def test_a_trial_out_of_memory_is_measured_once_more_after_the_others(tmp_path):
+    """On two H200s a tune's measuring worker ran out of memory beside the compile pool's tensors
+    (1085 of 1712 trials), and the winners came from what was left. A trial out of memory is
+    measured again once the others are done; its first verdict stays in the journal before it."""
+    workloads, space = _files(tmp_path, [16, 32], [20])
+    out = tmp_path / "T.yaml"
+    state = tmp_path / "faults"
+    state.mkdir()
+    process = _tune(["--workloads", workloads, "--space", space, "--out", str(out), "--format", "json"],
+                    {"DMATTN_BENCH_PLUGINS": "tests.fault_injection", "DMATTN_FAULTS": "32x16=oom",
+                     "DMATTN_FAULTS_STATE": str(state)})
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-2000:]
+    crowded = [r for r in _records(Path(f"{out}.trials.jsonl"))
+               if r["kind"] == "trial" and r["direction"] == "fwd" and r["config"]["block_m"] == 32]
+    assert [r["status"] for r in crowded] == ["oom", "ok"] and "out of memory" in crowded[0]["reason"]
+    assert json.loads(stdout)["counts"] == {"ok": 3}
+
+
 def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     workloads, space = _files(tmp_path, [16, 32], [20, 24, 40])
     out = tmp_path / "T.yaml"

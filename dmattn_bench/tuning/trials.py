@@ -154,16 +154,24 @@ def _problem_for(workload: Workload, device: torch.device, with_reference: bool)
 
 
 def warm_job(job: tuple) -> tuple[str, str]:
-    """Compile worker: compile one candidate without launching it; returns (status, reason)."""
+    """Compile worker: compile one candidate without launching it; returns (status, reason).
+
+    The workload's tensors are built for each job and dropped after it (a few milliseconds
+    against seconds of compiling): a compile worker between jobs holds no GPU memory, so that
+    the trials the tuner measures again after the compiles (`tuner._run`: those out of memory)
+    have the GPU to themselves."""
     workload, direction, config, backend_name = job
     try:
-        problem = _problem_for(workload, torch.device("cuda"), with_reference=False)
+        problem = _Problem(workload, torch.device("cuda"), with_reference=False)
         backend = get_backend(backend_name)
         with backend.compile_only():
             problem.launcher(backend, direction, config)()
         return "ok", ""
     except Exception as exc:  # noqa: BLE001 - a failed candidate is data
         return classify_failure(exc)
+    finally:
+        problem = None
+        torch.cuda.empty_cache()
 
 
 PROBLEM_FAILED = "the workload's inputs and reference: "  # how `problem_job`'s failures start
