@@ -93,6 +93,30 @@ def test_a_trial_out_of_memory_is_measured_once_more_after_the_others(tmp_path):
     assert json.loads(stdout)["counts"] == {"ok": 3}
 
 
+def test_a_suite_journaled_out_of_memory_runs_again_on_resume(tmp_path):
+    """On two H200s 22 of a tune's 69 suites ran out of memory among the pool's other cases, and
+    their keys took slower candidates. A resumed tune runs such a suite again instead of replaying
+    the verdict, and its winner stands."""
+    workloads, space = _files(tmp_path, [16, 32], [20])
+    out = tmp_path / "T.yaml"
+    journal = Path(f"{out}.trials.jsonl")
+    args = ["--workloads", workloads, "--space", space, "--out", str(out), "--format", "json"]
+    first = _tune(args)
+    _, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stderr[-2000:]
+    chosen = {e.key.direction: e.config for e in load_table(out).entries}
+    fwd_suite = next(r for r in _records(journal) if r["kind"] == "suite" and "|fwd " in r["id"])
+    with journal.open("a") as handle:  # as a crowded GPU's suite run would have left it
+        handle.write(json.dumps({**fwd_suite, "status": "oom", "note": "adversarial a: OutOfMemoryError"}) + "\n")
+
+    resumed = _tune([*args, "--resume"])
+    _, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-2000:]
+    verdicts = [r["status"] for r in _records(journal) if r["kind"] == "suite" and r["id"] == fwd_suite["id"]]
+    assert verdicts == ["ok", "oom", "ok"]
+    assert {e.key.direction: e.config for e in load_table(out).entries} == chosen
+
+
 def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     workloads, space = _files(tmp_path, [16, 32], [20, 24, 40])
     out = tmp_path / "T.yaml"

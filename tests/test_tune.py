@@ -26,7 +26,7 @@ from dmattn_bench.space import (CONFIGS_DIR, DecodeConfig, FwdConfig, TableKey, 
 from dmattn_bench.tiles import default_configs
 from dmattn_bench.tuning.adversarial import build_inputs, paged_cache
 from dmattn_bench.tuning.table_writer import dump_table, merged, new_table
-from dmattn_bench.tuning.workloads import load_workloads
+from dmattn_bench.tuning.workloads import Workload, load_workloads
 
 CPU_FWD, CPU_BWD = default_configs(32, "cpu")
 
@@ -923,3 +923,68 @@ def test_a_case_two_suites_share_is_one_case_job():
     assert 0 < small < len(jobs) - small and len(distinct) == len(jobs) - small
     other = [job._replace(dtype_name="fp16") for job in jobs] + [job._replace(config=FwdConfig(64, 64, 4, 3)) for job in jobs]
     assert len(distinct | {_case_identity(job) for job in other}) == 3 * len(distinct)
+
+
+def test_a_compile_worker_s_problem_has_the_measured_layouts_and_writes_nothing():
+    """The sweep tune's timings spread 14% at the median (p80 - p20 over the median) where
+    earlier tunes' spread 0.3%: its compile workers drew whole B4 H16 L4096 masks and biases on
+    the GPU beside the timed kernels. A compile worker's problem (`trials.warm_job`) has the
+    measuring worker's shapes, strides, dtypes and storage offsets, and building it dispatches
+    no operation that writes values: allocations and views only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dmattn_bench.tuning.trials import _Problem
+
+    class Dispatched(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    names = ("q", "k", "v", "mask", "bias", "dout", "out", "lse", "dq", "dk", "dv", "dbias", "ref_out", "ref_lse")
+
+    def tensors(problem):
+        o = problem.operands
+        found = dict(q=o.q, k=o.k, v=o.v, mask=problem.mask, bias=problem.bias, dout=o.dout, out=problem.out,
+                     lse=problem.lse, dq=problem.dq, dk=problem.dk, dv=problem.dv, dbias=problem.dbias,
+                     ref_out=problem.ref_out, ref_lse=problem.ref_lse)
+        return {n: None if t is None else (t.shape, t.stride(), t.dtype, t.storage_offset()) for n, t in found.items()}
+
+    kinds = [("none", "none", False), ("full", "full", True), ("kv_head", "kv_head", False),
+             ("per_key", "per_key", True), ("none", "per_key", False), ("kv_head", "full", True)]
+    allocations_and_views = {"empty", "empty_strided", "empty_like", "transpose", "view", "as_strided", "unsqueeze",
+                             "expand", "alias", "slice", "select", "_reshape_alias", "reshape", "detach", "squeeze"}
+    for mask, bias, bias_grad in kinds:
+        for causal, heads_kv in ((True, 2), (False, 4)):
+            workload = Workload(2, 4, heads_kv, 40, 48, 32, causal, mask, bias, bias_grad, "fp16")
+            recorder = Dispatched()
+            with recorder:
+                unwritten = _Problem(workload, torch.device("cpu"), with_reference=False, written=False)
+            written = _Problem(workload, torch.device("cpu"), with_reference=False)
+            assert tensors(unwritten) == tensors(written), workload.label
+            assert recorder.ops <= allocations_and_views, (workload.label, recorder.ops - allocations_and_views)
+
+
+def test_a_tune_says_when_its_timings_spread_more_than_a_kernel_does():
+    """The sweep tune's timings spread 14% at the median, half of them over 10%, and nothing said
+    so: its winners came from noise. A tune whose timed trials spread over 5% in more than a
+    tenth of them says so; steady timings (earlier H200 tunes: 0.2-0.4%) say nothing."""
+    from dmattn_bench.tuning.trials import Trial
+    from dmattn_bench.tuning.tuner import TuneResult, noisy_timings
+
+    def result(spreads):
+        trials = [Trial("w", {}, "fwd", "triton", {}, "ok", median_ms=1.0, spread=s) for s in spreads]
+        trials.append(Trial("w", {}, "fwd", "triton", {}, "unsupported"))  # untimed: not counted
+        return TuneResult([], trials, 1.0, True)
+
+    steady = result([0.003, 0.004, 0.002, 0.08, 0.005, 0.004, 0.003, 0.006, 0.002, 0.004, 0.003])
+    assert steady.timing_spread() == {"median": 0.004, "noisy": 1, "timed": 11}
+    assert noisy_timings(steady.timing_spread()) is None
+    crowded = result([0.14, 0.4, 0.003, 0.55, 0.02, 0.87, 0.004])
+    assert crowded.timing_spread() == {"median": 0.14, "noisy": 4, "timed": 7}
+    said = noisy_timings(crowded.timing_spread())
+    assert said.startswith("4 of 7 timed trials spread over 5%") and "14.0% at the median" in said
+    assert noisy_timings(None) is None

@@ -26,7 +26,7 @@ from dmattn_bench.tuning.ranking import RankingModel
 from dmattn_bench.tuning.prune import load_ci_space, load_space, read_yaml_mapping
 from dmattn_bench.tuning.table_writer import dump_table, merged, new_table
 from dmattn_bench.tuning.tuner import (DEFAULT_SUITE_TIMEOUT_S, DEFAULT_TRIAL_TIMEOUT_S, TuneResult, combine_backends,
-                                       planned_trial_ids, process_pool, tune)
+                                       noisy_timings, planned_trial_ids, process_pool, tune)
 from dmattn_bench.tuning.workers import usable_cores
 from dmattn_bench.tuning.workloads import load_workloads, workload_of_key
 
@@ -451,6 +451,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                 "timings_meaningful": result.meaningful_timings,
                 "search": "exhaustive" if exhaustive else "ranked",
                 "search_regret_estimate": result.search_regret or None,
+                "timing_spread": result.timing_spread() if result.meaningful_timings else None,
                 "winners": [dict(key=w.key.to_dict(), backend=w.backend, config=w.config.to_dict(), evidence=w.evidence,
                                  search=result.search_of(w))
                             for w in result.winners]}
@@ -467,6 +468,9 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
                            if estimate["groups"] else "nothing it can say")
                         + (f" ({estimate['unknown']} without a prediction)" if estimate["unknown"] else "")
                         + "; --exhaustive --resume times the rest")
+    noise = noisy_timings(document["timing_spread"])
+    if noise:
+        output.warn(noise)
     if regret["geomean"] is not None and result.meaningful_timings:
         output.info(f"before this tune, calls of these keys ran {regret['geomean']:.3f}x the tuned time in geometric "
                     f"mean ({regret['worst']:.3f}x at worst, {regret['keys']} keys"

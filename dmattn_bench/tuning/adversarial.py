@@ -144,6 +144,36 @@ def _excluded_positions(case: Case, mask: torch.Tensor | None, bias_shape, devic
     return excluded
 
 
+def unwritten_allowed(case: Case) -> bool:
+    """Whether a launch that runs nothing needs only the shapes of the case's inputs: not of a
+    case with sequence or cache lengths or a page table (the launchers read them), or with
+    tails and poison placed by value."""
+    return not (case.packed or case.sliced or case.cache_lengths or case.page or case.bias_poison is not None
+                or case.bias_neg_inf_allowed)
+
+
+def unwritten_inputs(case: Case, dtype: torch.dtype, device) -> Inputs:
+    """`build_inputs`'s tensors for a case that allows it (`unwritten_allowed`): the same
+    shapes, views and dtypes, allocated and never written. What the tuner's compile workers
+    launch with (`trials.warm_job`): a compile-only launch reads no value, and a draw is GPU
+    work that time-slices with the measuring worker's timed kernels (a full B4 H16 L4096 mask
+    and bias are 2 x 268M draws)."""
+    assert unwritten_allowed(case), case.name
+    b, h, hkv, lq, lk, d = case.batch, case.heads, case.heads_kv, case.seqlen_q, case.seqlen_k, case.head_dim
+
+    def empty(shape, dt=dtype):
+        return torch.empty(shape, dtype=dt, device=device)
+
+    if case.bhld_views:
+        q = empty((b, h, lq, d)).transpose(1, 2)
+        k, v = empty((b, hkv, lk, d)).transpose(1, 2), empty((b, hkv, lk, d)).transpose(1, 2)
+    else:
+        q, k, v = empty((b, lq, h, d)), empty((b, lk, hkv, d)), empty((b, lk, hkv, d))
+    mask = None if case.mask == "none" else empty(_mask_shape(case), torch.bool)
+    bias = None if case.bias == "none" else empty(_bias_shape(case), torch.float32 if case.bias_fp32 else dtype)
+    return Inputs(q, k, v, mask, bias, empty((b, lq, h, d)))
+
+
 def build_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Inputs:
     """Random inputs for `case` (seeded), with every adversarial feature applied."""
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -34,6 +34,10 @@ RANKED_OUT = "ranked_out"  # a trial's status: the ranked search did not time it
 # was never timed, and an out-of-memory one failed for what else held the GPU then (the compile
 # pool's tensors beside the measuring worker's references), not for its own config
 MEASURED_AGAIN_ON_RESUME = (RANKED_OUT, "oom")
+# Journaled suite verdicts that a resumed run runs again, for the same reason: on two H200s 22 of
+# a tune's 69 suites ran out of memory among the pool's other cases, and 13 of its 60 keys took a
+# slower candidate for it
+SUITES_RUN_AGAIN_ON_RESUME = ("oom",)
 
 
 class JournalError(ValueError):

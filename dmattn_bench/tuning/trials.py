@@ -19,7 +19,8 @@ import torch
 from dmattn_bench import plan
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import DTYPES, BwdConfig, DecodeConfig, FwdConfig
-from dmattn_bench.tuning.adversarial import Case, Inputs, build_inputs, decode_cases
+from dmattn_bench.tuning.adversarial import (Case, Inputs, build_inputs, decode_cases, unwritten_allowed,
+                                             unwritten_inputs)
 from dmattn_bench.tuning.runs import (fill_unowned, kernel_layout, launch_operands, poisoned_outputs,
                                       reference_forward, run_reference, user_layout)
 from dmattn_bench.tuning.timing import Timing, time_kernel
@@ -76,31 +77,41 @@ class _Problem:
     windowed workload's launches take its packing, window and sequences (`runs.launch_operands`);
     its outputs are checked in the reference's layouts (`runs.user_layout`)."""
 
-    def __init__(self, workload: Workload, device: torch.device, with_reference: bool = True):
+    def __init__(self, workload: Workload, device: torch.device, with_reference: bool = True,
+                 written: bool = True):
+        """written=False (a compile worker's problem, `warm_job`): the tensors are allocated and
+        left unwritten where the case allows (`adversarial.unwritten_inputs`), with no reference."""
         self.workload = workload
         self.case = workload.case()
         self.dtype = DTYPES[workload.dtype]
-        self.inputs: Inputs = build_inputs(self.case, self.dtype, device, seed=0)
+        written = written or not unwritten_allowed(self.case)
+        self.inputs: Inputs = (build_inputs(self.case, self.dtype, device, seed=0) if written
+                               else unwritten_inputs(self.case, self.dtype, device))
         self.operands = launch_operands(self.inputs, self.case)
         q, k, v, bias = self.operands.q, self.operands.k, self.operands.v, self.operands.bias
         self.mask, self.bias = self.operands.mask, bias
+
+        def poisoned(like: torch.Tensor) -> torch.Tensor:
+            return torch.full_like(like, float("nan")) if written else torch.empty_like(like)
+
         self.options = self.operands.options
-        nan = float("nan")
-        self.out, self.lse = poisoned_outputs(self.operands, self.inputs)
-        self.dq = torch.full(q.shape, nan, dtype=q.dtype, device=device)
-        self.dk = torch.full(k.shape, nan, dtype=k.dtype, device=device)
-        self.dv = torch.full(v.shape, nan, dtype=v.dtype, device=device)
-        self.dbias = None
-        if self.bias is not None and workload.bias_grad:
-            self.dbias = torch.full(self.bias.shape, nan, dtype=self.bias.dtype, device=device)
+        if written:
+            self.out, self.lse = poisoned_outputs(self.operands, self.inputs)
+        else:
+            self.out = torch.empty_like(q)
+            self.lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=device)
+        self.dq, self.dk, self.dv = poisoned(q), poisoned(k), poisoned(v)
+        self.dbias = poisoned(self.bias) if self.bias is not None and workload.bias_grad else None
         self.high = self.low = None
         if with_reference:
             self.high = run_reference(self.inputs, self.case, None)
             self.low = run_reference(self.inputs, self.case, self.dtype)
             # the backward is tuned on the reference's forward, independent of any fwd candidate
             self.ref_out, self.ref_lse = kernel_layout(reference_forward(self.high, self.dtype), self.inputs)
-        else:
+        elif written:
             self.ref_out, self.ref_lse = torch.zeros_like(q), torch.zeros_like(self.lse)
+        else:
+            self.ref_out, self.ref_lse = torch.empty_like(q), torch.empty_like(self.lse)
 
     def launcher(self, backend, direction: str, config) -> Callable[[], None]:
         o, runs = self.operands, self.operands.runs
@@ -156,13 +167,15 @@ def _problem_for(workload: Workload, device: torch.device, with_reference: bool)
 def warm_job(job: tuple) -> tuple[str, str]:
     """Compile worker: compile one candidate without launching it; returns (status, reason).
 
-    The workload's tensors are built for each job and dropped after it (a few milliseconds
-    against seconds of compiling): a compile worker between jobs holds no GPU memory, so that
-    the trials the tuner measures again after the compiles (`tuner._run`: those out of memory)
-    have the GPU to themselves."""
+    The workload's tensors are allocated for each job, left unwritten (a compile reads no value,
+    and drawing them is GPU work that time-slices with the measuring worker's timed kernels:
+    the sweep tune's timings spread 14% at the median, p80 - p20 over the median, against 0.3%
+    in earlier tunes), and dropped after it: a compile worker between jobs holds no GPU memory,
+    so that the trials the tuner measures again after the compiles (`tuner._run`: those out of
+    memory) have the GPU to themselves."""
     workload, direction, config, backend_name = job
     try:
-        problem = _Problem(workload, torch.device("cuda"), with_reference=False)
+        problem = _Problem(workload, torch.device("cuda"), with_reference=False, written=False)
         backend = get_backend(backend_name)
         with backend.compile_only():
             problem.launcher(backend, direction, config)()
@@ -216,9 +229,19 @@ def suite_verdict(results: list[CaseResult], suite: str) -> tuple[str, str]:
     return bad.status, f"adversarial {bad.case}: {bad.reason}"
 
 
+def _release_problem() -> None:
+    """Gives back the GPU memory this process's last workload held (its tensors and references,
+    and the allocator's cache of them), for a suite's cases, which other processes on the GPU
+    need room for too."""
+    _problems.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def suite_job(backend_name: str, direction: str, config, dtype_name: str, suite: str, device_name: str,
               max_head_dim: int | None = None, varlen: bool = False) -> tuple[str, str]:
     """Worker: the adversarial suite for one direction's config (`suite_cases`); returns (status, note)."""
+    _release_problem()  # a measuring worker's last workload: a long one's references are many GB
     result = validate(_suite_backend(backend_name, direction), *_alone(direction, config), DTYPES[dtype_name],
                       device_name, suite=suite,
                       cases=list(suite_cases(backend_name, direction, config, suite, max_head_dim, varlen)))
@@ -302,8 +325,7 @@ def suite_case_job(job: tuple) -> CaseResult:
     over all processes: whole suites, ~50 s each on an H200, left the last ones alone). Never
     raises; `retry` after a lost CUDA context (`unless_context_lost`)."""
     if _problems:  # a kept pool process's last compile workload: its memory is the cases' now
-        _problems.clear()
-        torch.cuda.empty_cache()
+        _release_problem()
     job = CaseJob(*job)
     case = suite_cases(job.backend_name, job.direction, job.config, job.suite, job.max_head_dim, job.varlen)[job.index]
 
@@ -317,6 +339,12 @@ def suite_case_job(job: tuple) -> CaseResult:
             return CaseResult(case.name, *classify_failure(exc))
 
     result = unless_context_lost(case.name, check)
+    if job.device_name.startswith("cuda") and result.status != "launch_error":
+        # what the case allocated goes back to the GPU, not to this process's cache: the other
+        # processes' cases need it (a long case's inputs and references are GBs). A case out of
+        # memory all the same is not held against its config: `_choose_winners` runs that suite
+        # again alone.
+        torch.cuda.empty_cache()
     return CaseResult(result.case, result.status, result.reason, replayed=result.replayed)  # the checks stay here
 
 

@@ -47,7 +47,8 @@ from dmattn_bench.registry import get_backend, kernel_source_hash
 from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey, config_from_dict, config_label
 from dmattn_bench.tiles import decode_config, default_configs
 from dmattn_bench.tuning.adversarial import specialization_class
-from dmattn_bench.tuning.journal import MEASURED_AGAIN_ON_RESUME, Journal, suite_id, trial_id
+from dmattn_bench.tuning.journal import (MEASURED_AGAIN_ON_RESUME, SUITES_RUN_AGAIN_ON_RESUME, Journal, suite_id,
+                                         trial_id)
 from dmattn_bench.tuning.prune import precheck
 from dmattn_bench.tuning.ranking import RANKED_OUT, RankedRounds, RankingModel, Widening
 from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, CaseJob, Trial, measure_job, problem_job, ready_job,
@@ -68,6 +69,24 @@ class Winner:
     backend: str
     config: FwdConfig | BwdConfig | DecodeConfig
     evidence: dict
+
+
+# A timed trial spread over this (p80 - p20 over the median) timed more than its kernel: the
+# H200 tunes of the default, W1-W3 and packed grids spread 0.2-0.4% at the median and none over
+# 10%; the sweep grid's, whose compile workers drew B4 H16 L4096 masks and biases on the GPU
+# beside the timed kernels, 14% at the median and half over 10%
+NOISY_SPREAD = 0.05
+NOISY_SHARE = 0.1  # the share of timed trials over NOISY_SPREAD at which a tune says its winners are doubtful
+
+
+def noisy_timings(spread: dict | None) -> str | None:
+    """What a tune says when more than NOISY_SHARE of its timed trials spread over NOISY_SPREAD
+    (`TuneResult.timing_spread`), else None."""
+    if not spread or spread["noisy"] <= NOISY_SHARE * spread["timed"]:
+        return None
+    return (f"{spread['noisy']} of {spread['timed']} timed trials spread over {NOISY_SPREAD:.0%} (p80 - p20 over "
+            f"the median; {spread['median']:.1%} at the median): something else ran on the GPU while they were "
+            "timed, so the winners may not be the fastest; tune again with the GPU to itself")
 
 
 @dataclass
@@ -95,6 +114,15 @@ class TuneResult:
         label = config_label(winner.config)
         return {"ran": len({config_label_of(t) for t in ran}), "candidates": len({config_label_of(t) for t in mine}),
                 "predicted_rank": order.index(label) + 1 if order and label in order else None}
+
+    def timing_spread(self) -> dict | None:
+        """How steady the timings were: the timed trials' median spread (p80 - p20 over the
+        median) and how many spread over NOISY_SPREAD; None without a timed trial."""
+        spreads = sorted(t.spread for t in self.trials if t.median_ms is not None and t.spread is not None)
+        if not spreads:
+            return None
+        return {"median": spreads[len(spreads) // 2], "noisy": sum(s > NOISY_SPREAD for s in spreads),
+                "timed": len(spreads)}
 
     def counts(self) -> dict[str, int]:
         """Trials by final status."""
@@ -619,9 +647,16 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         names = [case.name for case in suite_cases(backend_name, direction, config, suite, head_dim, varlen)]
         return suite_id(backend_name, direction, config, dtype, suite, names)
 
+    ran_here: set[str] = set()  # suites this run ran alone: their verdict stands, out of memory or not
+
+    def unanswered(identifier: str) -> bool:
+        journaled = journal.suites.get(identifier)
+        return identifier not in ran_here and (journaled is None or journaled[0] in SUITES_RUN_AGAIN_ON_RESUME)
+
     def verdict_of(direction, config, dtype, head_dim, varlen) -> tuple[str, str]:
         identifier = suite_key(direction, config, dtype, head_dim, varlen)
-        if identifier not in journal.suites:
+        if unanswered(identifier):
+            ran_here.add(identifier)
             try:
                 status, note = worker.call(suite_job, (backend_name, direction, config, dtype, suite, str(device),
                                                        head_dim, varlen), suite_timeout_s)
@@ -650,7 +685,7 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
             if not ranked:
                 continue
             identifier = suite_key(key.direction, ranked[0][0], key.dtype, key.head_dim, _varlen(key))
-            if identifier not in journal.suites:
+            if unanswered(identifier):
                 unjournaled.setdefault(identifier, CaseJob(backend_name, key.direction, ranked[0][0], key.dtype, suite,
                                                            str(device), key.head_dim, 0, _varlen(key)))
         suites = list(unjournaled.values())  # each a suite's first case job
@@ -673,9 +708,10 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         for one in suites:
             status, note = suite_verdict([outcomes[runs_for[_case_identity(job)]] for job in case_jobs
                                           if job._replace(index=0) == one], suite)
-            if status != "crash":
-                # a dead pool process is blamed on the first pending job, not always the culprit: a
-                # config with a crash is left to the isolated serial path below, which times it too
+            if status not in ("crash", "oom"):
+                # a dead pool process is blamed on the first pending job, not always the culprit,
+                # and a case out of memory may be short of what the pool's other cases held: such a
+                # config is left to the serial path below, which runs its suite alone
                 journal.append({"kind": "suite", "id": suite_key(one.direction, one.config, one.dtype_name,
                                                                  one.max_head_dim, one.varlen),
                                 "status": status, "note": note})
