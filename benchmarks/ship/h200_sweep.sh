@@ -14,7 +14,8 @@
 #       ends (a call cut short by its time limit keeps what ran), then OUT/h200-sweep.{md,json,png}
 #       of every run; bench-N.json files an earlier call left, put in IN=DIR, join the report.
 #       Flex on every row, SDPA's flash and cuDNN kernels on the rows without mask and bias
-#       (WORKLOADS=FILE benches another workloads file).
+#       (WORKLOADS=FILE benches another workloads file). GPUS=N spreads the prefixes over the
+#       host's first N GPUs, one bench at a time on each.
 # Logs go to OUT/logs.tgz (the device tool brings back few files).
 set -uo pipefail
 out=$1; step=$2
@@ -42,15 +43,26 @@ if [ "$step" = tune ]; then
 else
   runs=$work/runs; mkdir -p "$runs"
   [ -n "${IN:-}" ] && cp "$IN"/bench-*.json "$runs"/ 2>/dev/null
-  index=$(ls "$runs" | wc -l)
+  first=$(ls "$runs" | wc -l)
   IFS=';' read -ra prefixes <<< "$3"
-  for prefix in "${prefixes[@]}"; do
-    index=$((index + 1)); start=$SECONDS
-    dmattn-bench bench --workloads "${WORKLOADS:-configs/workloads/sweep.yaml}" --only "$prefix" \
-      --peers flex,sdpa-flash-dense,sdpa-cudnn-dense --format json > "$runs/bench-$index.json" 2> "$work/bench-$index.txt"
-    echo "bench '$prefix' rc $? in $((SECONDS - start)) s"
-    tar -C "$runs" -czf "$out/bench.tmp" . && mv "$out/bench.tmp" "$out/bench.tgz"
+  gpus=${GPUS:-1}
+  # prefix i runs on GPU i % GPUS, each GPU's in turn: the GPUs of a host share nothing a bench
+  # times (an eager call's host work runs on its own core of 32)
+  for ((gpu = 0; gpu < gpus; gpu++)); do
+    (
+      for ((i = gpu; i < ${#prefixes[@]}; i += gpus)); do
+        index=$((first + i + 1)); start=$SECONDS
+        CUDA_VISIBLE_DEVICES=$gpu dmattn-bench bench --workloads "${WORKLOADS:-configs/workloads/sweep.yaml}" \
+          --only "${prefixes[$i]}" --peers flex,sdpa-flash-dense,sdpa-cudnn-dense --format json \
+          > "$runs/.bench-$index.part" 2> "$work/bench-$index.txt"
+        echo "bench '${prefixes[$i]}' on GPU $gpu rc $? in $((SECONDS - start)) s"
+        mv "$runs/.bench-$index.part" "$runs/bench-$index.json"
+        # a finished run reaches OUT at once (a call cut short by its time limit keeps it)
+        tar -C "$runs" -czf "$out/bench-gpu$gpu.tmp" --exclude='.*.part' . && mv "$out/bench-gpu$gpu.tmp" "$out/bench.tgz"
+      done
+    ) &
   done
+  wait
   bash benchmarks/ship/bench_report.sh "$runs" "$out/h200-sweep" | grep -A12 "^Against each peer"
 fi
 tar -C "$work" -czf "$out/logs.tgz" .
