@@ -198,9 +198,9 @@ def _announce_phase(name: str, count: int):
     return lambda: None
 
 
-def _check_journal(trials_path: Path, resume: bool) -> JournalState | None:
+def _check_journal(trials_path: Path, resume: bool, on_gpu: bool) -> JournalState | None:
     """The journal this run starts from; --resume with none is a usage error (exit 2)."""
-    state = read_state(trials_path)
+    state = read_state(trials_path, on_gpu)
     if resume and state is None:
         found = "is empty" if trials_path.exists() else "does not exist"
         raise click.BadParameter(f"nothing to resume: the journal {trials_path} {found}; run without --resume "
@@ -298,7 +298,7 @@ def _stale_workloads(table_path: str, dtypes, on_gpu: bool) -> tuple[list, set]:
                    "Default --out: the --merge table.")
 @click.option("--resume", is_flag=True, default=False,
               help="Continue the trial journal (<out>.trials.jsonl), skipping the trials it holds but those "
-                   "ranked out or out of memory (measured again). Without it, "
+                   "ranked out, out of memory or timed with a spread over 5% (measured again). Without it, "
                    "a completed run's journal is replaced (the run starts over), and that of a run interrupted "
                    "or stopped by --budget is refused.")
 @click.option("--budget", default=None,
@@ -397,7 +397,7 @@ def tune_command(space_files, workloads_files, grid, backend, dtypes, out_path, 
             merged(kept, new_table((), fingerprint, interpreter=not on_gpu))
         except TableError as exc:
             raise DmattnError(f"--merge {merge_path}: {exc}", "merge a valid table of this GPU") from None
-    journal = _check_journal(trials_path, resume)
+    journal = _check_journal(trials_path, resume, on_gpu)
     for name in backends:
         counts = " + ".join(f"{len(configs)} {direction}" for direction, configs in spaces[name].items())
         output.info(f"{name}: {len(workloads)} workloads x ({counts}) candidates")

@@ -25,15 +25,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dmattn_bench.space import config_label
+from dmattn_bench.tuning.timing import NOISY_SPREAD
 from dmattn_bench.tuning.workloads import Workload
 
 FINISHED = "finished"  # record kind: the run completed and wrote `table`
 RUN = "run"  # record kind: the backend, device and kernel hash the trials after it are measured with
 RANKED_OUT = "ranked_out"  # a trial's status: the ranked search did not time it (`--exhaustive` does)
-# Journaled trial statuses that a resumed run plans anew instead of replaying: a ranked-out trial
-# was never timed, and an out-of-memory one failed for what else held the GPU then (the compile
-# pool's tensors beside the measuring worker's references), not for its own config
-MEASURED_AGAIN_ON_RESUME = (RANKED_OUT, "oom")
+
+
+def measured_again_on_resume(record: dict, on_gpu: bool) -> bool:
+    """Whether a resumed run plans a journaled trial anew instead of replaying it: one ranked
+    out was never timed; one out of memory failed for what else held the GPU then (the compile
+    pool's tensors beside the measuring worker's references), not for its own config; and one
+    timed on a GPU with a spread over NOISY_SPREAD timed what else ran there (the interpreter's
+    host clock always spreads: no speed is drawn from it)."""
+    return (record.get("status") in (RANKED_OUT, "oom")
+            or (on_gpu and record.get("median_ms") is not None and (record.get("spread") or 0.0) > NOISY_SPREAD))
 # Journaled suite verdicts that a resumed run runs again, for the same reason: on two H200s 22 of
 # a tune's 69 suites ran out of memory among the pool's other cases, and 13 of its 60 keys took a
 # slower candidate for it
@@ -121,7 +128,7 @@ class JournalState:
     """A journal as found on disk, read without taking its lock (to tell the user what a run will do).
 
     Attributes:
-        trial_ids: the trials it holds that a resumed run replays (not `MEASURED_AGAIN_ON_RESUME`).
+        trial_ids: the trials it holds that a resumed run replays (not `measured_again_on_resume`).
         completed: its run wrote its table with nothing left unmeasured.
         refusal: why a run without resume may not replace it (its run was interrupted or stopped
             by its budget), or None when a fresh run starts over.
@@ -132,15 +139,16 @@ class JournalState:
     refusal: str | None
 
 
-def read_state(path: str | Path) -> JournalState | None:
-    """The journal at `path`, or None when there is none (missing or empty: nothing to resume)."""
+def read_state(path: str | Path, on_gpu: bool = False) -> JournalState | None:
+    """The journal at `path`, or None when there is none (missing or empty: nothing to resume);
+    `on_gpu`: the resumed run times on a GPU (`measured_again_on_resume`)."""
     path = Path(path)
     if not path.exists() or path.stat().st_size == 0:
         return None
     contents = _parse(path.read_text(encoding="utf-8"))
     completed = contents.finished is not None and not contents.finished.get("unmeasured", 0)
     replayed = frozenset(identifier for identifier, record in contents.trials.items()
-                         if record.get("status") not in MEASURED_AGAIN_ON_RESUME)
+                         if not measured_again_on_resume(record, on_gpu))
     return JournalState(replayed, completed, _refusal(path, contents))
 
 

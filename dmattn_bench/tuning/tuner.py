@@ -47,10 +47,11 @@ from dmattn_bench.registry import get_backend, kernel_source_hash
 from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey, config_from_dict, config_label
 from dmattn_bench.tiles import decode_config, default_configs
 from dmattn_bench.tuning.adversarial import specialization_class
-from dmattn_bench.tuning.journal import (MEASURED_AGAIN_ON_RESUME, SUITES_RUN_AGAIN_ON_RESUME, Journal, suite_id,
+from dmattn_bench.tuning.journal import (SUITES_RUN_AGAIN_ON_RESUME, Journal, measured_again_on_resume, suite_id,
                                          trial_id)
 from dmattn_bench.tuning.prune import precheck
 from dmattn_bench.tuning.ranking import RANKED_OUT, RankedRounds, RankingModel, Widening
+from dmattn_bench.tuning.timing import NOISY_SPREAD
 from dmattn_bench.tuning.trials import (PROBLEM_FAILED, STAGES, CaseJob, Trial, measure_job, problem_job, ready_job,
                                         run_cases_in_pool, shape_of_workload, suite_case_job, suite_cases, suite_job,
                                         suite_verdict, warm_job)
@@ -71,11 +72,6 @@ class Winner:
     evidence: dict
 
 
-# A timed trial spread over this (p80 - p20 over the median) timed more than its kernel: the
-# H200 tunes of the default, W1-W3 and packed grids spread 0.2-0.4% at the median and none over
-# 10%; the sweep grid's, whose compile workers drew B4 H16 L4096 masks and biases on the GPU
-# beside the timed kernels, 14% at the median and half over 10%
-NOISY_SPREAD = 0.05
 NOISY_SHARE = 0.1  # the share of timed trials over NOISY_SPREAD at which a tune says its winners are doubtful
 
 
@@ -365,7 +361,7 @@ def _run(workloads, spaces, device, backend, backend_name, budget_s, suite, on_t
     todo = []
     for workload, direction, config, is_default in plan:
         record = journal.trials.get(trial_id(workload, direction, backend_name, config))
-        if record is not None and record["status"] not in MEASURED_AGAIN_ON_RESUME:
+        if record is not None and not measured_again_on_resume(record, device.type == "cuda"):
             fields = {k: record[k] for k in ("status", "reason", "median_ms", "spread", "tflops", "validation", "stage")}
             finish(workload, direction, config, is_default, fields, replayed=True)
             continue

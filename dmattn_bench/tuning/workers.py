@@ -52,10 +52,15 @@ def ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+POOL_NICENESS = 5  # pool processes yield the CPU to the measuring workers, whose host work a timing holds
+
+
 def _init_worker(slots, gpus: int, visible: list[str] | None) -> None:
-    """Runs first in each pool process: real kernels, and with several GPUs a GPU of its own
-    (processes are dealt out round-robin in start order)."""
+    """Runs first in each pool process: real kernels, a lower CPU priority than the measuring
+    workers' (`POOL_NICENESS`: a compile's nvcc or ptxas children inherit it), and with several
+    GPUs a GPU of its own (processes are dealt out round-robin in start order)."""
     ignore_interrupts()
+    os.nice(POOL_NICENESS)
     os.environ.pop("TRITON_INTERPRET", None)
     if gpus > 1:
         with slots.get_lock():
