@@ -43,7 +43,8 @@ if [ "$step" = tune ]; then
 else
   runs=$work/runs; mkdir -p "$runs"
   [ -n "${IN:-}" ] && cp "$IN"/bench-*.json "$runs"/ 2>/dev/null
-  first=$(ls "$runs" | wc -l)
+  # runs of an earlier call (IN) keep their numbers: a call cut short on several GPUs leaves gaps
+  first=$(ls "$runs" | sed -n 's/^bench-\([0-9]*\)\.json$/\1/p' | sort -n | tail -1); first=${first:-0}
   IFS=';' read -ra prefixes <<< "$3"
   gpus=${GPUS:-1}
   # prefix i runs on GPU i % GPUS, each GPU's in turn: the GPUs of a host share nothing a bench
@@ -63,6 +64,7 @@ else
     ) &
   done
   wait
+  tar -C "$runs" -czf "$out/bench.tmp" --exclude='.*.part' . && mv "$out/bench.tmp" "$out/bench.tgz"  # every run, whichever GPU's tar came last
   bash benchmarks/ship/bench_report.sh "$runs" "$out/h200-sweep" | grep -A12 "^Against each peer"
 fi
 tar -C "$work" -czf "$out/logs.tgz" .

@@ -98,7 +98,7 @@ class _Problem:
         if written:
             self.out, self.lse = poisoned_outputs(self.operands, self.inputs)
         else:
-            self.out = torch.empty_like(q)
+            self.out = torch.empty(q.shape, dtype=q.dtype, device=device)  # as `poisoned_outputs`'s
             self.lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=device)
         self.dq, self.dk, self.dv = poisoned(q), poisoned(k), poisoned(v)
         self.dbias = poisoned(self.bias) if self.bias is not None and workload.bias_grad else None
@@ -339,7 +339,7 @@ def suite_case_job(job: tuple) -> CaseResult:
             return CaseResult(case.name, *classify_failure(exc))
 
     result = unless_context_lost(case.name, check)
-    if job.device_name.startswith("cuda") and result.status != "launch_error":
+    if job.device_name.startswith("cuda") and not _context_lost:  # a lost context's free would raise
         # what the case allocated goes back to the GPU, not to this process's cache: the other
         # processes' cases need it (a long case's inputs and references are GBs). A case out of
         # memory all the same is not held against its config: `_choose_winners` runs that suite

@@ -701,9 +701,11 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
         outcomes = dict(zip(distinct, run_cases_in_pool(suite_case_job, distinct, _case_kernels, crashed,
                                                         on_done=lambda job, result: done() if done else None,
                                                         gpus=gpus, stats=stats, pool=pool)))
+        short = False  # a suite ran out of memory: the serial path runs it with no pool process on the GPU
         for one in suites:
             status, note = suite_verdict([outcomes[runs_for[_case_identity(job)]] for job in case_jobs
                                           if job._replace(index=0) == one], suite)
+            short = short or status == "oom"
             if status not in ("crash", "oom"):
                 # a dead pool process is blamed on the first pending job, not always the culprit,
                 # and a case out of memory may be short of what the pool's other cases held: such a
@@ -711,6 +713,8 @@ def _choose_winners(workloads, spaces, device, backend_name, suite, trials, jour
                 journal.append({"kind": "suite", "id": suite_key(one.direction, one.config, one.dtype_name,
                                                                  one.max_head_dim, one.varlen),
                                 "status": status, "note": note})
+        if short and pool is not None:
+            pool.discard()  # each process holds a CUDA context; a later phase starts fresh ones
 
     winners = []
     for key, ranked in ranked_by_key.items():

@@ -60,7 +60,10 @@ def _init_worker(slots, gpus: int, visible: list[str] | None) -> None:
     workers' (`POOL_NICENESS`: a compile's nvcc or ptxas children inherit it), and with several
     GPUs a GPU of its own (processes are dealt out round-robin in start order)."""
     ignore_interrupts()
-    os.nice(POOL_NICENESS)
+    try:
+        os.nice(POOL_NICENESS)
+    except OSError:  # a sandbox that refuses it: the pool runs at the measuring workers' priority
+        pass
     os.environ.pop("TRITON_INTERPRET", None)
     if gpus > 1:
         with slots.get_lock():
