@@ -962,8 +962,8 @@ def test_a_compile_worker_s_problem_has_the_measured_layouts_and_writes_nothing(
             workload = Workload(2, 4, heads_kv, 40, 48, 32, causal, mask, bias, bias_grad, "fp16")
             recorder = Dispatched()
             with recorder:
-                unwritten = _Problem(workload, torch.device("cpu"), with_reference=False, written=False)
-            written = _Problem(workload, torch.device("cpu"), with_reference=False)
+                unwritten = _Problem(workload, torch.device("cpu"), compile_only=True)
+            written = _Problem(workload, torch.device("cpu"))
             assert tensors(unwritten) == tensors(written), workload.label
             assert recorder.ops <= allocations_and_views, (workload.label, recorder.ops - allocations_and_views)
 

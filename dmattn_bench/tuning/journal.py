@@ -41,8 +41,10 @@ def measured_again_on_resume(record: dict, on_gpu: bool) -> bool:
     host clock always spreads: no speed is drawn from it)."""
     return (record.get("status") in (RANKED_OUT, "oom")
             or (on_gpu and record.get("median_ms") is not None and (record.get("spread") or 0.0) > NOISY_SPREAD))
+
+
 # Journaled suite verdicts that a resumed run runs again, for the same reason: on two H200s 22 of
-# a tune's 69 suites ran out of memory among the pool's other cases, and 13 of its 60 keys took a
+# a tune's 69 suites ran out of memory among the pool's other cases, and 12 of its 60 keys took a
 # slower candidate for it
 SUITES_RUN_AGAIN_ON_RESUME = ("oom",)
 

@@ -68,13 +68,16 @@ def fill_unowned(out: torch.Tensor, lse: torch.Tensor, inputs: Inputs) -> None:
         lse[:, :, rows] = float("-inf")
 
 
-def poisoned_outputs(operands: Operands, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+def poisoned_outputs(operands: Operands, inputs: Inputs, written: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse filled with NaN, then `fill_unowned`: an element the kernel should write and
-    did not fails rule 1."""
+    did not fails rule 1. written=False: allocated alike and left unwritten (a compile-only launch)."""
     q = operands.q
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
-    fill_unowned(out, lse, inputs)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    if written:
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        fill_unowned(out, lse, inputs)
     return out, lse
 
 

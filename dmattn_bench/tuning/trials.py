@@ -77,41 +77,36 @@ class _Problem:
     windowed workload's launches take its packing, window and sequences (`runs.launch_operands`);
     its outputs are checked in the reference's layouts (`runs.user_layout`)."""
 
-    def __init__(self, workload: Workload, device: torch.device, with_reference: bool = True,
-                 written: bool = True):
-        """written=False (a compile worker's problem, `warm_job`): the tensors are allocated and
-        left unwritten where the case allows (`adversarial.unwritten_inputs`), with no reference."""
+    def __init__(self, workload: Workload, device: torch.device, compile_only: bool = False):
+        """compile_only (a compile worker's problem, `warm_job`): no reference, and every tensor
+        allocated and left unwritten, the inputs where the case allows it
+        (`adversarial.unwritten_allowed`)."""
         self.workload = workload
         self.case = workload.case()
         self.dtype = DTYPES[workload.dtype]
-        written = written or not unwritten_allowed(self.case)
-        self.inputs: Inputs = (build_inputs(self.case, self.dtype, device, seed=0) if written
-                               else unwritten_inputs(self.case, self.dtype, device))
+        self.inputs: Inputs = (unwritten_inputs(self.case, self.dtype, device)
+                               if compile_only and unwritten_allowed(self.case)
+                               else build_inputs(self.case, self.dtype, device, seed=0))
         self.operands = launch_operands(self.inputs, self.case)
         q, k, v, bias = self.operands.q, self.operands.k, self.operands.v, self.operands.bias
         self.mask, self.bias = self.operands.mask, bias
+        self.options = self.operands.options
 
         def poisoned(like: torch.Tensor) -> torch.Tensor:
-            return torch.full_like(like, float("nan")) if written else torch.empty_like(like)
+            grad = torch.empty(like.shape, dtype=like.dtype, device=device)
+            return grad if compile_only else grad.fill_(float("nan"))
 
-        self.options = self.operands.options
-        if written:
-            self.out, self.lse = poisoned_outputs(self.operands, self.inputs)
-        else:
-            self.out = torch.empty(q.shape, dtype=q.dtype, device=device)  # as `poisoned_outputs`'s
-            self.lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=device)
+        self.out, self.lse = poisoned_outputs(self.operands, self.inputs, written=not compile_only)
         self.dq, self.dk, self.dv = poisoned(q), poisoned(k), poisoned(v)
         self.dbias = poisoned(self.bias) if self.bias is not None and workload.bias_grad else None
         self.high = self.low = None
-        if with_reference:
+        if compile_only:
+            self.ref_out, self.ref_lse = torch.empty_like(q), torch.empty_like(self.lse)
+        else:
             self.high = run_reference(self.inputs, self.case, None)
             self.low = run_reference(self.inputs, self.case, self.dtype)
             # the backward is tuned on the reference's forward, independent of any fwd candidate
             self.ref_out, self.ref_lse = kernel_layout(reference_forward(self.high, self.dtype), self.inputs)
-        elif written:
-            self.ref_out, self.ref_lse = torch.zeros_like(q), torch.zeros_like(self.lse)
-        else:
-            self.ref_out, self.ref_lse = torch.empty_like(q), torch.empty_like(self.lse)
 
     def launcher(self, backend, direction: str, config) -> Callable[[], None]:
         o, runs = self.operands, self.operands.runs
@@ -149,13 +144,13 @@ class _Problem:
 _problems: dict = {}  # the worker's current workload (one at a time: tensors can be large)
 
 
-def _problem_for(workload: Workload, device: torch.device, with_reference: bool) -> _Problem:
-    problem = _problems.get((workload, with_reference))
+def _problem_for(workload: Workload, device: torch.device) -> _Problem:
+    problem = _problems.get(workload)
     if problem is None:
         _problems.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        problem = _problems[(workload, with_reference)] = _Problem(workload, device, with_reference)
+        problem = _problems[workload] = _Problem(workload, device)
         if device.type == "cuda":
             # the float32 values the inputs were drawn from and the reference's intermediates go
             # back to the GPU: a worker then holds its problem's tensors between jobs, not the
@@ -175,7 +170,7 @@ def warm_job(job: tuple) -> tuple[str, str]:
     memory) have the GPU to themselves."""
     workload, direction, config, backend_name = job
     try:
-        problem = _Problem(workload, torch.device("cuda"), with_reference=False, written=False)
+        problem = _Problem(workload, torch.device("cuda"), compile_only=True)
         backend = get_backend(backend_name)
         with backend.compile_only():
             problem.launcher(backend, direction, config)()
@@ -196,7 +191,7 @@ def problem_job(workload: Workload, device_name: str) -> dict | None:
     cannot be built (the reference of a long sequence can need more memory than the GPU has)."""
     device = torch.device(device_name)
     try:
-        _problem_for(workload, device, with_reference=True)
+        _problem_for(workload, device)
     except Exception as exc:  # noqa: BLE001 - a workload that does not fit is data
         _problems.clear()
         if device.type == "cuda":
@@ -212,7 +207,7 @@ def problem_job(workload: Workload, device_name: str) -> dict | None:
 def measure_job(workload: Workload, direction: str, config, backend_name: str, device_name: str) -> dict:
     """Measuring worker: validate one candidate on its workload and time it; returns trial fields."""
     device = torch.device(device_name)
-    problem = _problem_for(workload, device, with_reference=True)
+    problem = _problem_for(workload, device)
     trial = Trial(workload.label, {}, direction, backend_name, config.to_dict(), "ok")
     _measure(trial, problem, get_backend(backend_name), direction, config, device, workload)
     return {name: getattr(trial, name) for name in ("status", "reason", "median_ms", "spread", "tflops",
