@@ -236,6 +236,18 @@ def test_inputs_a_cuda_call_could_not_allocate_are_an_oom_case_not_a_crash(monke
     assert result.status == "oom" and "out of memory" in result.reason
 
 
+def test_a_library_call_failing_in_the_reference_is_an_oom_case_not_a_crash(monkeypatch):
+    """A full bf16 verify on an H200 stopped at case 1331 of 1408: the bf16 reference's backward,
+    beside the pool's other workers, raised cuBLAS's launch failure. The kernel had not run: the
+    case is `oom`, which `run_plan` runs again alone, and the verify goes on."""
+    def launch_failed(*args, **kwargs):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmStridedBatchedEx(...)`")
+
+    monkeypatch.setattr(validator, "run_reference", launch_failed)
+    result = _check(REFERENCE)
+    assert result.status == "oom" and "before the kernel ran" in result.reason and "CUBLAS" in result.reason
+
+
 def test_other_failures_building_a_cases_inputs_still_raise(monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("a bug in the case builder")

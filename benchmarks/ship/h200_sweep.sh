@@ -7,7 +7,8 @@
 #       --budget stopped or a limit killed) the tune resumes it. Then that table's full bf16 verify (its case ledger
 #       answers what the tune's suites ran). JOURNAL may be the committed
 #       results/tune/h200-sweep.trials.jsonl: the resumed tune measures its out-of-memory trials again. BUDGET (default 3m, each backend's) stops starting new
-#       trials; TUNE_LIMIT (default 470 s) kills the tune, whose journal a later call resumes.
+#       trials; TUNE_LIMIT (default 470 s) kills the tune, whose journal a later call resumes
+#       (it comes back as OUT/<table>.trials.jsonl.gz; JOURNAL may be such a .gz).
 #   bash benchmarks/ship/h200_sweep.sh OUT bench "PREFIX;PREFIX;..."  # the sweep bench on the
 #       working tree's table, one `bench --only PREFIX` run per workload-name prefix (e.g.
 #       "sweep-dims D96;sweep-issue;sweep-kinds D128 causal"), each JSON kept in OUT/bench.tgz as it
@@ -26,7 +27,10 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$work/install.txt" 2>&1
 if [ "$step" = tune ]; then
   resume=()
-  if [ -n "${3:-}" ]; then cp "$3" "$out/$name.trials.jsonl"; resume=(--resume); fi
+  if [ -n "${3:-}" ]; then
+    case $3 in *.gz) gzip -dc "$3" > "$out/$name.trials.jsonl" ;; *) cp "$3" "$out/$name.trials.jsonl" ;; esac
+    resume=(--resume)
+  fi
   start=$SECONDS
   timeout "${TUNE_LIMIT:-470}" dmattn-bench tune --workloads configs/workloads/default.yaml --grid sweep --backend all \
     --space configs/space/cuda-fwd-ws.yaml --space configs/space/cuda-bwd.yaml \
@@ -35,6 +39,8 @@ if [ "$step" = tune ]; then
     --merge "results/tables/$name" --out "$out/$name" --format json > "$out/sweep-tune.json" 2> "$work/sweep-tune.txt"
   echo "tune rc $? in $((SECONDS - start)) s"
   tail -5 "$work/sweep-tune.txt"
+  # the journal (18 MB after three runs) comes back only compressed: the next call resumes it
+  gzip -c "$out/$name.trials.jsonl" > "$out/$name.trials.jsonl.gz" && rm "$out/$name.trials.jsonl"
   start=$SECONDS
   [ -s "$out/$name" ] && timeout "${VERIFY_LIMIT:-100}" dmattn-bench verify --table "$out/$name" --dtype bf16 --suite full \
     > "$out/verify-bf16.txt" 2> "$work/verify-bf16.log"

@@ -39,8 +39,13 @@ def measured_again_on_resume(record: dict, on_gpu: bool) -> bool:
     pool's tensors beside the measuring worker's references), not for its own config; and one
     timed on a GPU with a spread over NOISY_SPREAD timed what else ran there (the interpreter's
     host clock always spreads: no speed is drawn from it)."""
-    return (record.get("status") in (RANKED_OUT, "oom")
-            or (on_gpu and record.get("median_ms") is not None and (record.get("spread") or 0.0) > NOISY_SPREAD))
+    return record.get("status") in (RANKED_OUT, "oom") or timed_noisily(record, on_gpu)
+
+
+def timed_noisily(record: dict, on_gpu: bool) -> bool:
+    """Whether a trial's time (a journal record's fields) is more what else ran on the GPU than
+    its kernel: timed on a GPU with a spread over NOISY_SPREAD."""
+    return on_gpu and record.get("median_ms") is not None and (record.get("spread") or 0.0) > NOISY_SPREAD
 
 
 # Journaled suite verdicts that a resumed run runs again, for the same reason: on two H200s 22 of
