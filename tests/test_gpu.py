@@ -117,7 +117,8 @@ WS_CONFIGS = {"fwd128x128w12s2": FwdConfig(128, 128, 12, 2), "fwd128x64w12s3": F
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("config", list(WS_CONFIGS), ids=list(WS_CONFIGS))
 def test_the_warp_specialized_forward_passes_the_full_suite(dtype, config, record_property):
-    """The forward alone, every case of the full suite at head dims 64, 120 and 128, and again at
+    """The forward alone, every case of the full suite at head dims 64, 80, 96, 120 and 128 (80
+    and 96 on the tiles of 128, TMA filling the columns past the head dim with zeros), and again at
     128 with every key length rounded up to a multiple of 16: there a mask's rows and a 16-bit
     bias's rows start on 16-byte boundaries, so TMA stages them (tiles of rows, or one row of keys
     for a padding mask or per-key bias); at the suite's own odd lengths they are read from global
@@ -129,7 +130,7 @@ def test_the_warp_specialized_forward_passes_the_full_suite(dtype, config, recor
         pytest.skip("the warp-specialized forward runs on SM90 only")
     suite = adversarial_cases("full", config_tiles(fwd, None))
     cases = [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
-             for case in suite for head_dim in (64, 120, 128) if case.head_dim < head_dim]
+             for case in suite for head_dim in (64, 80, 96, 120, 128) if case.head_dim < head_dim]
     cases += [replace(case, name=f"{case.name}@d128,lk{-(-case.seqlen_k // 16) * 16}", head_dim=128,
                       seqlen_k=-(-case.seqlen_k // 16) * 16)
               for case in suite if case.head_dim <= 128 and case.seqlen_k % 16]

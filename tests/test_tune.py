@@ -477,27 +477,30 @@ def test_suite_verdict_from_cases_matches_the_whole_suite():
 
 
 def test_a_suite_runs_each_case_at_a_head_dim_its_config_takes():
-    """The warp-specialized CUDA forward takes head dims that pad to a multiple of 64: the
-    suite's cases at others run at the next it takes, the rest as they are; a config that takes
-    every head dim runs the suite unchanged."""
+    """The warp-specialized CUDA backward of 128 keys takes head dims that pad to 128: the suite's
+    cases at others run at the next it takes, the rest as they are; a config that takes every
+    head dim (the warp-specialized forward too, on tiles of the next multiple of 64) runs the
+    suite unchanged."""
+    from dmattn_bench.space import BwdConfig
     from dmattn_bench.tuning.adversarial import adversarial_cases
     from dmattn_bench.tuning.validator import config_suite, config_tiles
 
-    ws, plain = FwdConfig(128, 128, 12, 2), FwdConfig(64, 64, 4, 2)
-    whole = adversarial_cases("quick", config_tiles(ws, None))
-    moved = config_suite("cuda", "quick", ws, None)
+    ws, plain, ws_forward = BwdConfig(64, 128, 64, 128, 12, 2), FwdConfig(64, 64, 4, 2), FwdConfig(128, 128, 12, 2)
+    whole = adversarial_cases("quick", config_tiles(None, ws))
+    moved = config_suite("cuda", "quick", None, ws)
     assert [case.name.split("@d")[0] for case in moved] == [case.name for case in whole]
 
-    def pads_to_64(head_dim: int) -> bool:
-        return -(-head_dim // 16) * 16 % 64 == 0
+    def takes(head_dim: int) -> bool:  # padded to 128: whole 64-column blocks for both consumers
+        return -(-head_dim // 16) * 16 == 128
 
     for before, after in zip(whole, moved):
-        if pads_to_64(before.head_dim):
+        if takes(before.head_dim):
             assert after == before
-        else:  # the next multiple of 8 that pads to 64
-            assert pads_to_64(after.head_dim) and not any(pads_to_64(d) for d in range(before.head_dim, after.head_dim, 8))
+        elif before.head_dim < 128:  # the next multiple of 8 it takes
+            assert takes(after.head_dim) and not any(takes(d) for d in range(before.head_dim, after.head_dim, 8))
     assert any(case.head_dim != before.head_dim for case, before in zip(moved, whole))
-    assert config_suite("cuda", "quick", plain, None) == adversarial_cases("quick", config_tiles(plain, None))
+    for config in (plain, ws_forward):
+        assert config_suite("cuda", "quick", config, None) == adversarial_cases("quick", config_tiles(config, None))
 
 
 def test_a_case_that_loses_the_cuda_context_is_not_blamed_on_the_next(monkeypatch):

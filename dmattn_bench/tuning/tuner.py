@@ -48,8 +48,7 @@ from dmattn_bench.space import BwdConfig, DecodeConfig, FwdConfig, TableKey, con
 from dmattn_bench.tiles import decode_config, default_configs
 from dmattn_bench.tuning.adversarial import specialization_class
 from dmattn_bench.tuning.journal import (SUITES_RUN_AGAIN_ON_RESUME, Journal, measured_again_on_resume, suite_id,
-                                         timed_noisily,
-                                         trial_id)
+                                         timed_noisily, trial_id)
 from dmattn_bench.tuning.prune import precheck
 from dmattn_bench.tuning.ranking import RANKED_OUT, RankedRounds, RankingModel, Widening
 from dmattn_bench.tuning.timing import NOISY_SPREAD

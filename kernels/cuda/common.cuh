@@ -49,7 +49,13 @@ typedef elem_t bias_t;
 #endif
 
 constexpr int WARP_ROWS = 16;                        // rows of the mma tile a warp owns
+#if SWIZZLE_PADDED
+// the warp-specialized forward at a head dim that is not a multiple of 64 (variants.variant):
+// tiles of whole 128-byte swizzle lines, the columns past HEAD_DIM zeros from TMA
+constexpr int BLOCK_D = (HEAD_DIM + 63) / 64 * 64;
+#else
 constexpr int BLOCK_D = (HEAD_DIM + 15) / 16 * 16;  // the mma k-step is 16
+#endif
 // Shared row length in elements: ldmatrix tiles pad each row by 16 B, so the 8 rows one ldmatrix
 // reads start in different banks; wgmma tiles are swizzled instead (sm90.cuh), unpadded.
 constexpr int ROW = WGMMA ? BLOCK_D : BLOCK_D + 8;

@@ -42,6 +42,15 @@ def padded_head_dim(head_dim: int) -> int:
     return (head_dim + 15) // 16 * 16
 
 
+SWIZZLE_COLS = 64  # columns of one 128-byte swizzle line of 16-bit elements (sm90.cuh)
+
+
+def swizzled_head_dim(head_dim: int) -> int:
+    """The columns of a warp-specialized forward's tiles: whole 64-column swizzle blocks, TMA
+    filling those past head_dim with zeros (common.cuh's BLOCK_D under SWIZZLE_PADDED)."""
+    return -(-head_dim // SWIZZLE_COLS) * SWIZZLE_COLS
+
+
 def uses_wgmma(config: FwdConfig | BwdConfig, head_dim: int, arch: str | None) -> bool:
     """Whether `config`'s kernels run their products as SM90 wgmma (sm90.cuh): on SM90, with 16
     rows per warp in whole warpgroups, inner tiles wgmma has a width for, and a head dim padded to
@@ -60,8 +69,9 @@ def uses_wgmma(config: FwdConfig | BwdConfig, head_dim: int, arch: str | None) -
 def warp_specialized(config: FwdConfig, head_dim: int, arch: str | None) -> bool:
     """Whether `config` names the SM90 warp-specialized forward (flash_fwd_ws.cu): a producer
     warpgroup plus one consumer warpgroup per 64 query rows, so num_warps = block_m / 16 + 4, on
-    SM90 with a head dim padded to a multiple of 64 and a key tile wgmma has a width for."""
-    return (arch == "sm90" and padded_head_dim(head_dim) % 64 == 0 and config.block_m % 64 == 0
+    SM90 with a key tile wgmma has a width for. Any head dim: one that is not a multiple of 64
+    runs on tiles of the next (`swizzled_head_dim`; D80 and D96 as D128)."""
+    return (arch == "sm90" and config.block_m % 64 == 0
             and config.num_warps == config.block_m // 16 + WARPGROUP and config.block_n in WGMMA_TILES)
 
 
@@ -140,11 +150,9 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
     if _is_warp_specialized_shape(config):  # the SM90 warp-specialized forward (`warp_specialized`)
         if config.block_n not in WGMMA_TILES:
             return f"block_n={config.block_n} is not one of {WGMMA_TILES} (warp-specialized forward: wgmma widths)"
-        if padded_head_dim(shape.head_dim) % 64:
-            return f"head_dim={shape.head_dim} does not pad to a multiple of 64 (warp-specialized forward)"
         # 16 warps leave ptxas 128 registers a thread, and a consumer's wgmma at head dim 256
         # needs 158 (ptxas C7602); 192 builds (nvcc 13, sm_90a)
-        if config.num_warps > 12 and padded_head_dim(shape.head_dim) > 192:
+        if config.num_warps > 12 and swizzled_head_dim(shape.head_dim) > 192:
             return (f"head_dim={shape.head_dim} needs at most 12 warps in the warp-specialized forward "
                     f"(num_warps={config.num_warps}: too few registers a thread for its products)")
         return _stages_reason(config)

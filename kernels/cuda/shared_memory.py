@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Callable
 
 from dmattn_kernels.configs import BwdConfig, FwdConfig
-from dmattn_kernels.cuda.rules import backward_warp_specialized, padded_head_dim, uses_wgmma, warp_specialized
+from dmattn_kernels.cuda.rules import (backward_warp_specialized, padded_head_dim, swizzled_head_dim, uses_wgmma,
+                                       warp_specialized)
 
 SWIZZLE_SLACK = 1024  # bytes a wgmma kernel may skip to align its tiles (sm90.cuh: SWIZZLE_ATOM)
 SHARED_PAD = 8  # elements per shared row beyond the padded head dim (common.cuh: ROW)
@@ -66,7 +67,7 @@ def _tile_bytes(rows: int, head_dim: int, wgmma: bool) -> int:
     """Shared bytes of `rows` tile rows: padded rows for ldmatrix, or swizzled ones plus the
     alignment slack for wgmma (common.cuh: ROW)."""
     if wgmma:
-        return rows * padded_head_dim(head_dim) * 2 + SWIZZLE_SLACK
+        return rows * swizzled_head_dim(head_dim) * 2 + SWIZZLE_SLACK
     return rows * (padded_head_dim(head_dim) + SHARED_PAD) * 2
 
 

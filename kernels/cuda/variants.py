@@ -11,7 +11,8 @@ import torch
 
 from dmattn_kernels.configs import BwdConfig, FwdConfig
 from dmattn_kernels.cuda.build import defines
-from dmattn_kernels.cuda.rules import backward_warp_specialized, element_name, knob_reason, uses_wgmma, warp_specialized
+from dmattn_kernels.cuda.rules import (backward_warp_specialized, element_name, knob_reason, padded_head_dim,
+                                       swizzled_head_dim, uses_wgmma, warp_specialized)
 from dmattn_kernels.cuda.shared_memory import (NOT_STAGED, TILES_OF_KEYS, TILES_OF_ROWS, backward_score_stages,
                                                score_stages)
 from dmattn_kernels.runtime.operands import padded
@@ -44,6 +45,8 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
     if warp_specialized(config, head_dim, arch):
         stages, mask_tiles, bias_tiles = staging(config, head_dim, has_mask, bias_dtype, mask_tiles, bias_tiles)
         own.update(WGMMA=True, SCORE_STAGES=stages, MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles)
+        if swizzled_head_dim(head_dim) != padded_head_dim(head_dim):  # absent elsewhere: their code as it was
+            own.update(SWIZZLE_PADDED=True)
         own.update({name: True for name, on in (("FWD_OVERLAP", config.overlap), ("FWD_PERSISTENT", config.persistent),
                                                 ("HAS_WINDOW", window), ("PACKED", packed)) if on})
     elif config.overlap or config.persistent:
