@@ -17,6 +17,10 @@
 #       Flex on every row, SDPA's flash and cuDNN kernels on the rows without mask and bias
 #       (WORKLOADS=FILE benches another workloads file). GPUS=N spreads the prefixes over the
 #       host's first N GPUs, one bench at a time on each.
+#   bash benchmarks/ship/h200_sweep.sh OUT swizzled  # the GPU tier's warp-specialized forward
+#       suite (D80 and D96 among its head dims) on GPU 1 while the `sweep-swizzled` grid's keys
+#       (D80, D96) are tuned on GPU 0 with the CUDA spaces and merged where faster than the shipped
+#       entry (OUT/<table>); then the sweep bench of those rows on that table (OUT/h200-sweep-d96.*).
 # Logs go to OUT/logs.tgz (the device tool brings back few files).
 set -uo pipefail
 out=$1; step=$2
@@ -46,6 +50,24 @@ if [ "$step" = tune ]; then
     > "$out/verify-bf16.txt" 2> "$work/verify-bf16.log"
   echo "verify bf16 rc $? in $((SECONDS - start)) s: $(tail -1 "$work/verify-bf16.log")"
   dmattn-bench show "$out/$name" 2>&1 | tail -3
+elif [ "$step" = swizzled ]; then
+  (CUDA_VISIBLE_DEVICES=1 DMATTN_TEST_GPU=1 timeout "${TIER_LIMIT:-400}" python3 -m pytest -q -m gpu tests/test_gpu.py \
+    -k "warp_specialized_forward_passes and bf16" -n 8 -p no:cacheprovider > "$out/gpu-tier.txt" 2>&1
+   echo "GPU tier rc $?: $(tail -1 "$out/gpu-tier.txt")") &
+  start=$SECONDS
+  CUDA_VISIBLE_DEVICES=0 timeout "${TUNE_LIMIT:-300}" dmattn-bench tune --workloads configs/workloads/default.yaml \
+    --grid sweep-swizzled --backend cuda --space configs/space/cuda-fwd-ws.yaml --space configs/space/cuda-bwd.yaml \
+    --suite full --merge "results/tables/$name" --out "$out/$name" --format json > "$out/swizzled-tune.json" \
+    2> "$work/swizzled-tune.txt"
+  echo "tune rc $? in $((SECONDS - start)) s"; tail -4 "$work/swizzled-tune.txt"
+  wait
+  if [ -s "$out/$name" ]; then
+    DMATTN_BENCH_TABLE="$out/$name" timeout "${BENCH_LIMIT:-200}" dmattn-bench bench --workloads configs/workloads/sweep.yaml \
+      --only "sweep-dims D80" --only "sweep-dims D96" --only sweep-issue --peers flex,sdpa-flash-dense \
+      --format json > "$work/bench-1.json" 2> "$work/bench.txt"
+    echo "bench rc $?"
+    bash benchmarks/ship/bench_report.sh "$work" "$out/h200-sweep-d96" | grep -A6 "^Against each peer"
+  fi
 else
   runs=$work/runs; mkdir -p "$runs"
   [ -n "${IN:-}" ] && cp "$IN"/bench-*.json "$runs"/ 2>/dev/null
