@@ -247,6 +247,19 @@ def test_a_library_call_failing_in_the_reference_is_an_oom_case_not_a_crash(monk
     result = _check(REFERENCE)
     assert result.status == "oom" and "before the kernel ran" in result.reason and "CUBLAS" in result.reason
 
+    # the same error where the context is gone (an earlier kernel's illegal access), and any
+    # other CUDA error, still raise: the pool restarts the process and blames no config for it
+    monkeypatch.setattr(validator, "_context_alive", lambda device: False)
+    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_EXECUTION_FAILED"):
+        _check(REFERENCE)
+
+    def sticky(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(validator, "run_reference", sticky)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _check(REFERENCE)
+
 
 def test_other_failures_building_a_cases_inputs_still_raise(monkeypatch):
     def broken(*args, **kwargs):
