@@ -62,7 +62,7 @@ elif [ "$step" = swizzled ]; then
   echo "tune rc $? in $((SECONDS - start)) s"; tail -4 "$work/swizzled-tune.txt"
   wait
   if [ -s "$out/$name" ]; then
-    DMATTN_BENCH_TABLE="$out/$name" timeout "${BENCH_LIMIT:-200}" dmattn-bench bench --workloads configs/workloads/sweep.yaml \
+    timeout "${BENCH_LIMIT:-200}" dmattn-bench bench --table "$out/$name" --workloads configs/workloads/sweep.yaml \
       --only "sweep-dims D80" --only "sweep-dims D96" --only sweep-issue --peers flex,sdpa-flash-dense \
       --format json > "$work/bench-1.json" 2> "$work/bench.txt"
     echo "bench rc $?"
