@@ -19,8 +19,9 @@
 #       host's first N GPUs, one bench at a time on each.
 #   bash benchmarks/ship/h200_sweep.sh OUT swizzled  # the GPU tier's warp-specialized forward
 #       suite (D80 and D96 among its head dims) on GPU 1 while the `sweep-swizzled` grid's keys
-#       (D80, D96) are tuned on GPU 0 with the CUDA spaces and merged where faster than the shipped
-#       entry (OUT/<table>); then the sweep bench of those rows on that table (OUT/h200-sweep-d96.*).
+#       (D80, D96) are tuned again on GPU 0, both backends (a merged tune's entries replace the
+#       table's: Triton's candidates compete again), into OUT/<table>; then the sweep bench of
+#       those rows on that table (OUT/h200-sweep-d96.*).
 # Logs go to OUT/logs.tgz (the device tool brings back few files).
 set -uo pipefail
 out=$1; step=$2
@@ -56,7 +57,8 @@ elif [ "$step" = swizzled ]; then
    echo "GPU tier rc $?: $(tail -1 "$out/gpu-tier.txt")") &
   start=$SECONDS
   CUDA_VISIBLE_DEVICES=0 timeout "${TUNE_LIMIT:-300}" dmattn-bench tune --workloads configs/workloads/default.yaml \
-    --grid sweep-swizzled --backend cuda --space configs/space/cuda-fwd-ws.yaml --space configs/space/cuda-bwd.yaml \
+    --grid sweep-swizzled --backend all --space configs/space/cuda-fwd-ws.yaml --space configs/space/cuda-bwd.yaml \
+    --space configs/space/triton-fwd.yaml --space configs/space/triton-bwd.yaml --gpus 1 \
     --suite full --merge "results/tables/$name" --out "$out/$name" --format json > "$out/swizzled-tune.json" \
     2> "$work/swizzled-tune.txt"
   echo "tune rc $? in $((SECONDS - start)) s"; tail -4 "$work/swizzled-tune.txt"
