@@ -310,8 +310,10 @@ def test_the_warp_specialized_backward_is_a_producer_warpgroup_beside_one_per_64
     assert rules.backward_kernel(WS_BWD, 128, "sm80") == "bwd"
     shape = AttentionShape(1, 16, 16, 2, 1, 128)
     assert rules.is_supported(WS_BWD, shape) is None
-    assert "head_dim=96 does not pad to 64 or 128" in rules.is_supported(WS_BWD, replace(shape, head_dim=96))
-    assert "among block_n / 64 = 2 consumer warpgroups" in rules.is_supported(WS_BWD, replace(shape, head_dim=64))
+    assert rules.is_supported(WS_BWD, replace(shape, head_dim=96)) is None  # on the tiles of 128
+    assert "head_dim=136 is over 128" in rules.is_supported(WS_BWD, replace(shape, head_dim=136))
+    assert "tiles of 64 columns, which do not split into 64-column blocks among block_n / 64 = 2 consumer" in \
+        rules.is_supported(WS_BWD, replace(shape, head_dim=64))
     assert "block_m=32 is not 64" in rules.is_supported(BwdConfig(32, 128, 64, 128, 12, 2), shape)
     assert "is not block_m x block_n = 64x128" in rules.is_supported(BwdConfig(64, 128, 64, 64, 12, 2), shape)
     assert "sm90 only (here: sm120)" in rules.arch_reason(WS_BWD, 128, "sm120")
@@ -366,6 +368,57 @@ def test_the_warp_specialized_backward_stages_mask_and_bias_where_its_ring_fits(
             + shared_memory.WS_STATIC_BYTES <= shared_memory.SM90_SHARED_BYTES
 
 
+def test_the_warp_specialized_backward_runs_head_dims_up_to_128_on_tiles_of_64_or_128():
+    """As the forward (above): at D80 and D96 the backward multiplies the 128 columns of D128's tiles
+    (Triton's too are powers of two), TMA filling those past the head dim with zeros, which add
+    nothing to S, dP, dK, dV or the dQ shares. Its variant alone adds SWIZZLE_PADDED, and its
+    shared memory, dQ sums and dQ cast are the wider tiles'."""
+    one_consumer = BwdConfig(64, 64, 64, 64, 8, 2)
+
+    def flags(config, head_dim):
+        return variants.backward_variant(config, head_dim, torch.bfloat16, torch.bfloat16, arch="sm90",
+                                         is_causal=False, has_mask=True, softcap=0.0, group=1, dbias=(True, torch.bfloat16))
+
+    for config, head_dims in ((WS_BWD, (72, 80, 96, 112)), (one_consumer, (8, 32, 40, 48))):
+        for head_dim in head_dims:
+            wider = rules.swizzled_head_dim(head_dim)
+            assert rules.backward_warp_specialized(config, head_dim, "sm90")
+            assert rules.tile_columns(config, head_dim, "sm90") == wider
+            assert "-DSWIZZLE_PADDED=1" in flags(config, head_dim)
+            assert shared_memory.backward_shared_bytes(config, head_dim, "sm90") == \
+                shared_memory.backward_shared_bytes(config, wider, "sm90")
+    for config, head_dim in ((WS_BWD, 120), (WS_BWD, 128), (one_consumer, 64)):  # whole lines already
+        assert not any("SWIZZLE_PADDED" in flag for flag in flags(config, head_dim))
+    # 64 keys split any width of one or two lines among their one consumer; 128 keys need two
+    assert rules.backward_warp_specialized(one_consumer, 96, "sm90")
+    assert not rules.backward_warp_specialized(WS_BWD, 40, "sm90")
+    # the mma.sync backward keeps the 16-column padding
+    plain = BwdConfig(64, 64, 64, 64, 4, 2)
+    assert rules.tile_columns(plain, 96, "sm90") == 96 and not rules.backward_warp_specialized(plain, 96, "sm90")
+
+
+@needs_nvcc
+def test_the_warp_specialized_backward_at_d96_builds_as_d128_does(cubin_cache):
+    """nvcc builds the D96 backward variants (a mask and bias of rows staged, dBias by TMA; and a
+    KV group) with the D128 ones' registers and stack and no local memory."""
+    import triton
+
+    def usage(head_dim, config, **features):
+        flags = variants.backward_variant(config, head_dim, torch.bfloat16, torch.bfloat16, arch="sm90",
+                                          is_causal=True, has_mask=True, softcap=0.0, **features)
+        cubin = build.build("bwd_ws", "sm90", flags)
+        cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        text = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        found = re.search(r"Function dmattn_bwd_ws_kernel:\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+        return found.groups()
+
+    for config, features in ((WS_BWD, dict(group=1, dbias=(True, torch.bfloat16))),
+                             (BwdConfig(64, 128, 64, 128, 12, 2, kv_group=1), dict(group=4, dbias=(False, torch.float32)))):
+        assert usage(96, config, **features) == usage(128, config, **features)
+        assert usage(96, config, **features)[2] == "0"  # no local memory (spills)
+
+
 def test_the_warp_specialized_backward_zeroes_the_dq_sums_of_tiles_no_key_block_visits():
     """Block n walks query tiles from (n x block_n - (Lk - Lq)) // 64 on (flash_bwd_ws.cu's m_begin):
     the tiles before block 0's start are visited by none, and exactly those hold only rows that
@@ -400,9 +453,13 @@ def test_a_warp_specialized_backward_config_off_sm90_is_refused_before_any_launc
 def test_the_delta_kernels_cover_their_rows_with_a_lane_per_16_bytes():
     # 16 lanes a 128-column row, so a warp holds two rows, four times over
     assert backward.delta_rows_per_block(128, 12) == 12 * 2 * 4
-    assert backward.delta_rows_per_block(72, 4) == 4 * 2 * 4  # 80 padded columns: 10 chunks, 16 lanes
+    assert backward.delta_rows_per_block(80, 4) == 4 * 2 * 4  # 10 chunks, 16 lanes
     assert backward.delta_rows_per_block(256, 4) == 4 * 1 * 4
-    assert backward.delta_rows_per_block(8, 4) == 4 * 16 * 4
+    assert backward.delta_rows_per_block(16, 4) == 4 * 16 * 4
+    # the kernel's columns (common.cuh: BLOCK_D): D32 runs on 64 in the warp-specialized backward
+    ws, plain = BwdConfig(64, 64, 64, 64, 8, 2), BwdConfig(64, 64, 64, 64, 4, 2)
+    assert rules.tile_columns(ws, 32, "sm90") == 64 and rules.tile_columns(plain, 32, "sm90") == 32
+    assert backward.delta_rows_per_block(64, 8) == 8 * 4 * 4 != backward.delta_rows_per_block(32, 8)
 
 
 def test_the_cuda_backend_is_registered_and_refuses_cpu_tensors():

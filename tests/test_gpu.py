@@ -130,11 +130,16 @@ def test_the_warp_specialized_forward_passes_the_full_suite(dtype, config, recor
     fwd = WS_CONFIGS[config]
     if not warp_specialized(fwd, 128, arch_of(torch.device("cuda"))):
         pytest.skip("the warp-specialized forward runs on SM90 only")
+    from dmattn_kernels.cuda.shared_memory import SM90_SHARED_BYTES, WS_STATIC_BYTES, forward_shared_bytes
+
+    def fits(head_dim):  # 3-stage rings of 64 keys outgrow a block at D192's tiles
+        return forward_shared_bytes(fwd, head_dim, "sm90") + WS_STATIC_BYTES <= SM90_SHARED_BYTES
+
     suite = adversarial_cases("full", config_tiles(fwd, None))
     takes = get_backend("cuda").is_supported
-    cases = [case for case in suite if takes(fwd, shape_of_case(case)) is None]
+    cases = [case for case in suite if takes(fwd, shape_of_case(case)) is None and fits(case.head_dim)]
     cases += [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
-              for case in suite for head_dim in (64, 80, 96, 120, 128, 136) if case.head_dim < head_dim]
+              for case in suite for head_dim in (64, 80, 96, 120, 128, 136) if case.head_dim < head_dim and fits(head_dim)]
     cases += [replace(case, name=f"{case.name}@d128,lk{-(-case.seqlen_k // 16) * 16}", head_dim=128,
                       seqlen_k=-(-case.seqlen_k // 16) * 16)
               for case in suite if case.head_dim <= 128 and case.seqlen_k % 16]
@@ -201,6 +206,28 @@ KV_GROUP_CONFIGS = {name: config for name, config in WINDOW_BACKWARD_CONFIGS.ite
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", ["bwd64x128w12s2", "bwd64x64w8s2"])
+def test_the_warp_specialized_backward_passes_the_full_suite(dtype, config, record_property):
+    """The backward alone (the reference's out and lse), every case of the full suite at its own
+    head dim where the config takes it (the suite's D32, D40, D72 and D96 among them) and at each
+    of 64, 80, 96 and 128 it takes: head dims that are not a multiple of 64 run on the tiles of the
+    next, TMA filling the columns past the head dim with zeros, which must add nothing to dQ, dK,
+    dV or dBias (at D32 and D40 one box is wider than the whole row)."""
+    from dmattn_kernels.cuda import arch_of, backward_warp_specialized
+
+    bwd = WINDOW_BACKWARD_CONFIGS[config]
+    if not backward_warp_specialized(bwd, 128, arch_of(torch.device("cuda"))):
+        pytest.skip("the warp-specialized backward runs on SM90 only")
+    suite = adversarial_cases("full", config_tiles(None, bwd))
+    cases = [case for case in suite if backward_warp_specialized(bwd, case.head_dim, "sm90")]
+    cases += [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
+              for case in suite for head_dim in (64, 80, 96, 128)
+              if case.head_dim < head_dim and backward_warp_specialized(bwd, head_dim, "sm90")]
+    _assert_all_ok(cases, [check_case(get_backend("cuda"), case, dtype, "cuda", None, bwd) for case in cases],
+                   record_property)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("config", list(KV_GROUP_CONFIGS), ids=list(KV_GROUP_CONFIGS))
 def test_the_kv_group_backward_passes_the_full_suite(dtype, config, record_property):
     """The backward alone with a KV group a CTA (BWD_KV_GROUP) on the dense full suite, every case
@@ -211,7 +238,7 @@ def test_the_kv_group_backward_passes_the_full_suite(dtype, config, record_prope
     bwd = KV_GROUP_CONFIGS[config]
     if not backward_warp_specialized(bwd, 128, arch_of(torch.device("cuda"))):
         pytest.skip("the warp-specialized backward runs on SM90 only")
-    # a head dim the kernel cannot take (192: not padded to 64 or 128) at 128
+    # a head dim the kernel cannot take (192: over 128) at 128
     cases = [case if backward_warp_specialized(bwd, case.head_dim, "sm90") else replace(case, head_dim=128)
              for case in config_suite("cuda", "full", None, bwd)]
     assert all(case.heads > case.heads_kv for case in cases)
@@ -223,9 +250,10 @@ def test_the_kv_group_backward_passes_the_full_suite(dtype, config, record_prope
 @pytest.mark.parametrize("config", list(WINDOW_BACKWARD_CONFIGS), ids=list(WINDOW_BACKWARD_CONFIGS))
 def test_the_warp_specialized_backward_runs_the_full_suite_s_windows(dtype, config, record_property):
     """The backward alone (the reference's out and lse) on the window cases of the full suite's
-    packed/window half, on the config's own tiles, at the head dims 64 and 128 besides each case's
-    own where the config takes them: dQ summed over the blocks a window leaves each query tile,
-    dBias zero outside the window (NaN bias there), both sides bounded, Lq != Lk."""
+    packed/window half, on the config's own tiles, at the head dims 64, 96 (on the tiles of 128)
+    and 128 besides each case's own where the config takes them: dQ summed over the blocks a
+    window leaves each query tile, dBias zero outside the window (NaN bias there), both sides
+    bounded, Lq != Lk."""
     from dmattn_kernels.cuda import arch_of, backward_warp_specialized
 
     bwd = WINDOW_BACKWARD_CONFIGS[config]
@@ -233,7 +261,7 @@ def test_the_warp_specialized_backward_runs_the_full_suite_s_windows(dtype, conf
         pytest.skip("the warp-specialized backward runs on SM90 only")
     suite = [case for case in config_suite("cuda", "full", None, bwd, varlen=True) if not case.packed]
     cases = suite + [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
-                     for case in suite for head_dim in (64, 128)
+                     for case in suite for head_dim in (64, 96, 128)
                      if case.head_dim != head_dim and backward_warp_specialized(bwd, head_dim, "sm90")]
     results = [check_case(get_backend("cuda"), case, dtype, "cuda", None, bwd) for case in cases]
     _assert_all_ok(cases, results, record_property, minimum=12)

@@ -488,10 +488,10 @@ def test_suite_verdict_from_cases_matches_the_whole_suite():
 
 
 def test_a_suite_runs_each_case_at_a_head_dim_its_config_takes():
-    """The warp-specialized CUDA backward of 128 keys takes head dims that pad to 128: the suite's
-    cases at others run at the next it takes, the rest as they are; a config that takes every
-    head dim (the warp-specialized forward too, on tiles of the next multiple of 64) runs the
-    suite unchanged."""
+    """The warp-specialized CUDA backward of 128 keys takes head dims 72 to 128 (its two consumers
+    split tiles of 128 columns): the suite's cases at others run at the next it takes, the rest as
+    they are; a config that takes every head dim (the warp-specialized forward too, on tiles of
+    the next multiple of 64) runs the suite unchanged."""
     from dmattn_bench.space import BwdConfig
     from dmattn_bench.tuning.adversarial import adversarial_cases
     from dmattn_bench.tuning.validator import config_suite, config_tiles
@@ -501,8 +501,8 @@ def test_a_suite_runs_each_case_at_a_head_dim_its_config_takes():
     moved = config_suite("cuda", "quick", None, ws)
     assert [case.name.split("@d")[0] for case in moved] == [case.name for case in whole]
 
-    def takes(head_dim: int) -> bool:  # padded to 128: whole 64-column blocks for both consumers
-        return -(-head_dim // 16) * 16 == 128
+    def takes(head_dim: int) -> bool:  # tiles of 128 columns: a 64-column block for each consumer
+        return 64 < head_dim <= 128
 
     for before, after in zip(whole, moved):
         if takes(before.head_dim):

@@ -347,8 +347,8 @@ def config_suite(backend_name: str, suite: str, fwd_config: FwdConfig | None,
                  bwd_config: BwdConfig | None, varlen: bool = False) -> list[Case]:
     """The adversarial suite on the configs' own tiles (with `varlen`, its packed-sequence and
     window half: `varlen_cases`), each case at a head dim they run: a case whose head dim they
-    cannot take at all (`is_supported`; the warp-specialized backward needs one that pads to 64
-    or 128) runs at the next one they take. Dispatch sends a config only the head dims of
+    cannot take at all (`is_supported`; the warp-specialized backward of 128 keys needs one from
+    72 to 128) runs at the next one they take. Dispatch sends a config only the head dims of
     its own entries, which it takes. A packed case the configs cannot run (`feature_problem`: the
     CUDA forward, the CUDA backward with a mask or bias of query rows or at a head dim where it is
     not warp-specialized) is served by no entry of theirs, so the suite leaves it out."""

@@ -18,7 +18,7 @@ from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arc
 from dmattn_kernels.cuda.forward import kernel_window_sides, section_slices, sequence_fields
 from dmattn_kernels.cuda.params import BwdParams, WindowedBwdParams, bwd_ws_params_type, inputs, with_window
 from dmattn_kernels.cuda.rules import (backward_kernel, check_aligned, check_arch, check_config, check_query,
-                                       padded_head_dim)
+                                       swizzled_head_dim, tile_columns)
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_ROWS, backward_shared_bytes
 from dmattn_kernels.cuda.variants import (backward_packed_reason, backward_staging, backward_variant, staged_tiles,
                                           stores_dbias_by_tma)
@@ -162,8 +162,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
                                        bias if staging[2] == TILES_OF_ROWS else None,
                                        target if stored_by_tma else None, packing, sequences)
     else:
-        launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, delta_rows_per_block(head_dim, config.num_warps)),
-                                              heads), config.num_warps, 0, params)
+        delta_rows = delta_rows_per_block(tile_columns(config, head_dim, arch), config.num_warps)
+        launcher(b"dmattn_bwd_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), heads), config.num_warps, 0, params)
         delta_with_lse_grad(delta, dlse, lse)  # on the launches' stream (the current one), between them
         launcher(b"dmattn_bwd_dkdv_kernel", (heads, triton.cdiv(seqlen_k, config.block_n)), config.num_warps,
                  shared["dkdv"], params)
@@ -176,10 +176,11 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
         finish_dbias(target, dbias)
 
 
-def delta_rows_per_block(head_dim: int, num_warps: int) -> int:
-    """Query rows of one CTA of the backward's delta kernels (bwd_steps.cuh: DELTA_ROWS_PER_BLOCK):
-    a lane per 16-byte chunk of a row, lane groups a power of two, DELTA_UNROLL rows a group."""
-    chunks = padded_head_dim(head_dim) // 8
+def delta_rows_per_block(columns: int, num_warps: int) -> int:
+    """Query rows of one CTA of the backward's delta kernels (bwd_steps.cuh: DELTA_ROWS_PER_BLOCK)
+    on tiles of `columns` (`rules.tile_columns`): a lane per 16-byte chunk of a row, lane groups a
+    power of two, DELTA_UNROLL rows a group."""
+    chunks = columns // 8
     return num_warps * 32 // (1 << (chunks - 1).bit_length()) * DELTA_UNROLL
 
 
@@ -219,12 +220,12 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     are KV heads (BWD_KV_GROUP), each walking its group's query heads; the dQ kernel's stay query
     heads."""
     batch, seqlen_q, num_heads, head_dim = q.shape
-    padded = padded_head_dim(head_dim)
+    columns = swizzled_head_dim(head_dim)  # the kernel's BLOCK_D (`rules.tile_columns`): D80 and D96 on tiles of 128
     heads_per_cta = num_heads // k.shape[2] if config.kv_group else 1  # a KV group's query heads, or one
     if packing is None:
         slices, rows, keys = batch * num_heads, seqlen_q, k.shape[1]
         tiles = (slices, triton.cdiv(seqlen_q, config.block_m))
-        dq_sum = torch.empty((*tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
+        dq_sum = torch.empty((*tiles, config.block_m * columns), dtype=torch.float32, device=q.device)
         dq_sum[:, :unvisited_query_tiles(seqlen_q, k.shape[1], config.block_m, is_causal, window_sides)].zero_()
         dq_counter = torch.empty(tiles, dtype=torch.int32, device=q.device)  # the delta kernel zeroes them
     else:
@@ -232,7 +233,7 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
         if slices == 0 or rows == 0 or keys == 0:  # no sequence, or every one empty: dQ, dK, dV stay zero
             return
         tiles = (num_heads, packed_head_tiles(seqlen_q, config.block_m, packing.num_sequences))
-        dq_sum = torch.empty((*tiles, config.block_m * padded), dtype=torch.float32, device=q.device)
+        dq_sum = torch.empty((*tiles, config.block_m * columns), dtype=torch.float32, device=q.device)
         dq_counter = torch.zeros(tiles, dtype=torch.int32, device=q.device)
     driver = the_driver()
     maps = {name: driver.tensor_map(t, ROWS_OF, box_rows, TMA_LINE, TMA_LINE)
@@ -245,17 +246,17 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
         if t is not None:
             maps[name] = driver.tensor_map(t, KEYS_OF, config.block_m, TMA_LINE, TMA_LINE)
     # Q, dO and the fp32 dQ sums of a kernel slice: its query heads'
-    reread_bytes = heads_per_cta * rows * padded * (2 * q.element_size() + 4)
+    reread_bytes = heads_per_cta * rows * columns * (2 * q.element_size() + 4)
     packed = {} if packing is None else dict(sequence_fields(packing, sequences), head_tiles=tiles[1])
     ws_params = bwd_ws_params_type(window_sides is not None, packing is not None)(
         backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),
         section_slices=section_slices(slices // heads_per_cta, reread_bytes), **maps, **packed)
-    delta_rows = delta_rows_per_block(head_dim, config.num_warps)
+    delta_rows = delta_rows_per_block(columns, config.num_warps)
     launcher(b"dmattn_bwd_ws_delta_kernel", (triton.cdiv(seqlen_q, delta_rows), batch * num_heads), config.num_warps,
              0, ws_params)
     delta_with_lse_grad(delta, dlse, lse)
     launcher(b"dmattn_bwd_ws_kernel", (slices // heads_per_cta, triton.cdiv(keys, config.block_n)), config.num_warps,
              shared, ws_params)
-    pairs = triton.cdiv(rows, DQ_CAST_ROWS) * padded // 2  # a thread per two columns of DQ_CAST_ROWS rows
+    pairs = triton.cdiv(rows, DQ_CAST_ROWS) * columns // 2  # a thread per two columns of DQ_CAST_ROWS rows
     launcher(b"dmattn_bwd_ws_dq_kernel", (triton.cdiv(pairs, 32 * config.num_warps), slices), config.num_warps, 0,
              ws_params)

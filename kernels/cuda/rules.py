@@ -46,7 +46,7 @@ SWIZZLE_COLS = 64  # columns of one 128-byte swizzle line of 16-bit elements (sm
 
 
 def swizzled_head_dim(head_dim: int) -> int:
-    """The columns of a warp-specialized forward's tiles: whole 64-column swizzle blocks, TMA
+    """The columns of a warp-specialized kernel's tiles: whole 64-column swizzle blocks, TMA
     filling those past head_dim with zeros (common.cuh's BLOCK_D under SWIZZLE_PADDED)."""
     return -(-head_dim // SWIZZLE_COLS) * SWIZZLE_COLS
 
@@ -78,16 +78,24 @@ def warp_specialized(config: FwdConfig, head_dim: int, arch: str | None) -> bool
 def backward_warp_specialized(config: BwdConfig, head_dim: int, arch: str | None) -> bool:
     """Whether `config` names the SM90 warp-specialized backward (flash_bwd_ws.cu): a producer
     warpgroup plus one consumer warpgroup per 64 keys, so num_warps = block_n / 16 + 4, on SM90
-    with a head dim padded to 64 or 128 whose columns split into whole 64-column blocks among the
-    consumers (their dQ products)."""
+    with tiles of 64 or 128 columns (`swizzled_head_dim`: D80 and D96 run as D128) that split
+    into whole 64-column blocks among the consumers (their dQ products)."""
     return arch == "sm90" and _is_warp_specialized_shape(config) and _splits_head_dim(config, head_dim)
 
 
 def _splits_head_dim(config: BwdConfig, head_dim: int) -> bool:
-    """The warp-specialized backward's head-dim rule: padded to 64 or 128, in whole 64-column
-    blocks for each of its block_n / 64 consumer warpgroups."""
-    padded = padded_head_dim(head_dim)
-    return padded in (64, 128) and padded % config.block_n == 0
+    """The warp-specialized backward's head-dim rule: tiles of 64 or 128 columns, in whole
+    64-column blocks for each of its block_n / 64 consumer warpgroups."""
+    columns = swizzled_head_dim(head_dim)
+    return columns in (64, 128) and columns % config.block_n == 0
+
+
+def tile_columns(config: FwdConfig | BwdConfig, head_dim: int, arch: str | None) -> int:
+    """The columns of `config`'s tiles on `arch` (common.cuh: BLOCK_D): whole swizzle blocks in the
+    warp-specialized kernels, else the head dim padded to the mma k-step."""
+    specialized = (warp_specialized(config, head_dim, arch) if isinstance(config, FwdConfig)
+                   else backward_warp_specialized(config, head_dim, arch))
+    return swizzled_head_dim(head_dim) if specialized else padded_head_dim(head_dim)
 
 
 def _is_warp_specialized_shape(config: FwdConfig | BwdConfig) -> bool:
@@ -213,17 +221,19 @@ def kv_group_reason(config: BwdConfig, group: int) -> str | None:
 
 def _warp_specialized_backward_reason(config: BwdConfig, head_dim: int) -> str | None:
     """`is_supported` for the warp-specialized backward's shape."""
-    padded = padded_head_dim(head_dim)
+    columns = swizzled_head_dim(head_dim)
     if config.block_m != WS_BWD_BLOCK_M:
         return f"block_m={config.block_m} is not {WS_BWD_BLOCK_M} (warp-specialized backward: query tiles of 64 rows)"
     if (config.block_m_dq, config.block_n_dq) != (config.block_m, config.block_n):
         return (f"block_m_dq x block_n_dq = {config.block_m_dq}x{config.block_n_dq} is not block_m x block_n = "
                 f"{config.block_m}x{config.block_n} (warp-specialized backward: the dQ shares are its tiles)")
-    if padded not in (64, 128):
-        return f"head_dim={head_dim} does not pad to 64 or 128 (warp-specialized backward)"
+    if columns not in (64, 128):
+        return (f"head_dim={head_dim} is over {WGMMA_BWD_MAX_HEAD_DIM} (warp-specialized backward: tiles of 64 or "
+                f"128 columns)")
     if not _splits_head_dim(config, head_dim):
-        return (f"head_dim={head_dim} does not split into 64-column blocks among block_n / 64 = "
-                f"{config.block_n // 64} consumer warpgroups (warp-specialized backward: their dQ products)")
+        return (f"head_dim={head_dim} runs on tiles of {columns} columns, which do not split into 64-column blocks "
+                f"among block_n / 64 = {config.block_n // 64} consumer warpgroups (warp-specialized backward: their "
+                f"dQ products)")
     return _stages_reason(config)
 
 

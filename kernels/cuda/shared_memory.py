@@ -98,7 +98,7 @@ def _backward_ws_bytes(config: BwdConfig, head_dim: int, score_stages: int, slot
     """flash_bwd_ws.cu's dynamic shared memory: K and V, the Q and dO rings, two dS tiles, the fp32
     dQ shares (one beside a ring of staged tiles, else two), that ring, the lse and delta rings."""
     ring = config.num_stages * config.block_m
-    dq_shares = (1 if score_stages else 2) * config.block_m * padded_head_dim(head_dim) * 4
+    dq_shares = (1 if score_stages else 2) * config.block_m * swizzled_head_dim(head_dim) * 4
     return (_tile_bytes(2 * config.block_n + 2 * ring, head_dim, True) + 2 * config.block_m * config.block_n * 2
             + dq_shares + score_stages * slot + 2 * ring * 4)
 

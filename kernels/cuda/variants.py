@@ -184,6 +184,8 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
         own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, WGMMA=True, SCORE_STAGES=stages,
                    MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles,
                    DBIAS_TMA=stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma and not config.kv_group))
+        if swizzled_head_dim(head_dim) != padded_head_dim(head_dim):  # absent elsewhere: their code as it was
+            own.update(SWIZZLE_PADDED=True)
         own.update({name: True for name, on in (("HAS_WINDOW", window), ("PACKED", packed),
                                                 ("BWD_KV_GROUP", config.kv_group)) if on})
     else:
