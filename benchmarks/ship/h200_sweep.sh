@@ -18,10 +18,16 @@
 #       (WORKLOADS=FILE benches another workloads file). GPUS=N spreads the prefixes over the
 #       host's first N GPUs, one bench at a time on each.
 #   bash benchmarks/ship/h200_sweep.sh OUT swizzled  # the GPU tier's warp-specialized forward
-#       suite (D80 and D96 among its head dims) on GPU 1 while the `sweep-swizzled` grid's keys
-#       (D80, D96) are tuned again on GPU 0, both backends (a merged tune's entries replace the
-#       table's: Triton's candidates compete again), into OUT/<table>; then the sweep bench of
-#       those rows on that table (OUT/h200-sweep-d96.*).
+#       and backward suites in bf16 (D80 and D96 among their head dims) on GPU 1 while the
+#       `sweep-swizzled` grid's keys (D80, D96) are tuned again on GPU 0, both backends (a merged
+#       tune's entries replace the table's: Triton's candidates compete again; BUDGET, default 2m,
+#       each backend's), into OUT/<table>; then the sweep bench of those rows on that table
+#       (OUT/h200-sweep-d96.*).
+#   bash benchmarks/ship/h200_sweep.sh OUT verify  # the working tree's table verified in bf16 with
+#       the full suite, its CUDA entries on GPU 0 and the rest (Triton, decode) on GPU 1 at once:
+#       OUT/verify-{cuda,triton}-bf16.txt (VERIFY_LIMIT, default 540 s, each).
+#   bash benchmarks/ship/h200_sweep.sh OUT tier  # the README's GPU tier, tests/test_gpu.py on GPU 0
+#       and the other GPU test files on GPU 1: OUT/gpu-tier-{0,1}.txt (TIER_LIMIT, default 540 s).
 # Logs go to OUT/logs.tgz (the device tool brings back few files).
 set -uo pipefail
 out=$1; step=$2
@@ -52,16 +58,18 @@ if [ "$step" = tune ]; then
   echo "verify bf16 rc $? in $((SECONDS - start)) s: $(tail -1 "$work/verify-bf16.log")"
   dmattn-bench show "$out/$name" 2>&1 | tail -3
 elif [ "$step" = swizzled ]; then
-  (CUDA_VISIBLE_DEVICES=1 DMATTN_TEST_GPU=1 timeout "${TIER_LIMIT:-400}" python3 -m pytest -q -m gpu tests/test_gpu.py \
-    -k "warp_specialized_forward_passes and bf16" -n 8 -p no:cacheprovider > "$out/gpu-tier.txt" 2>&1
+  (CUDA_VISIBLE_DEVICES=1 DMATTN_TEST_GPU=1 timeout "${TIER_LIMIT:-360}" python3 -m pytest -q -m gpu tests/test_gpu.py \
+    -k "(warp_specialized_forward_passes or warp_specialized_backward_passes) and bf16" -n 8 -p no:cacheprovider \
+    > "$out/gpu-tier.txt" 2>&1
    echo "GPU tier rc $?: $(tail -1 "$out/gpu-tier.txt")") &
   start=$SECONDS
-  CUDA_VISIBLE_DEVICES=0 timeout "${TUNE_LIMIT:-300}" dmattn-bench tune --workloads configs/workloads/default.yaml \
+  CUDA_VISIBLE_DEVICES=0 timeout "${TUNE_LIMIT:-360}" dmattn-bench tune --workloads configs/workloads/default.yaml \
     --grid sweep-swizzled --backend all --space configs/space/cuda-fwd-ws.yaml --space configs/space/cuda-bwd.yaml \
-    --space configs/space/triton-fwd.yaml --space configs/space/triton-bwd.yaml --gpus 1 \
+    --space configs/space/triton-fwd.yaml --space configs/space/triton-bwd.yaml --gpus 1 --budget "${BUDGET:-2m}" \
     --suite full --merge "results/tables/$name" --out "$out/$name" --format json > "$out/swizzled-tune.json" \
     2> "$work/swizzled-tune.txt"
   echo "tune rc $? in $((SECONDS - start)) s"; tail -4 "$work/swizzled-tune.txt"
+  [ -f "$out/$name.trials.jsonl" ] && gzip -f "$out/$name.trials.jsonl"
   wait
   if [ -s "$out/$name" ]; then
     timeout "${BENCH_LIMIT:-200}" dmattn-bench bench --table "$out/$name" --workloads configs/workloads/sweep.yaml \
@@ -70,6 +78,25 @@ elif [ "$step" = swizzled ]; then
     echo "bench rc $?"
     bash benchmarks/ship/bench_report.sh "$work" "$out/h200-sweep-d96" | grep -A6 "^Against each peer"
   fi
+elif [ "$step" = verify ]; then
+  for part in cuda:0 triton:1; do
+    backend=${part%:*}; gpu=${part#*:}
+    (start=$SECONDS
+     CUDA_VISIBLE_DEVICES=$gpu timeout "${VERIFY_LIMIT:-540}" dmattn-bench verify --table "results/tables/$name" \
+       --backend "$backend" --suite full --dtype bf16 > "$out/verify-$backend-bf16.txt" 2> "$work/verify-$backend.log"
+     echo "verify $backend bf16 rc $? in $((SECONDS - start)) s: $(tail -1 "$work/verify-$backend.log")") &
+  done
+  wait
+elif [ "$step" = tier ]; then
+  start=$SECONDS
+  (CUDA_VISIBLE_DEVICES=0 DMATTN_TEST_GPU=1 timeout "${TIER_LIMIT:-540}" python3 -m pytest -q -m gpu tests/test_gpu.py \
+     -k "not test_full_suite" -n 8 -p no:cacheprovider > "$out/gpu-tier-0.txt" 2>&1
+   echo "GPU tier (test_gpu.py) rc $? in $((SECONDS - start)) s: $(tail -1 "$out/gpu-tier-0.txt")") &
+  (CUDA_VISIBLE_DEVICES=1 DMATTN_TEST_GPU=1 timeout "${TIER_LIMIT:-540}" python3 -m pytest -q -m gpu \
+     tests/test_gpu_varlen.py tests/test_cuda_kernels.py tests/test_native.py -k "not test_full_suite" -n 8 \
+     -p no:cacheprovider > "$out/gpu-tier-1.txt" 2>&1
+   echo "GPU tier (the other files) rc $? in $((SECONDS - start)) s: $(tail -1 "$out/gpu-tier-1.txt")") &
+  wait
 else
   runs=$work/runs; mkdir -p "$runs"
   [ -n "${IN:-}" ] && cp "$IN"/bench-*.json "$runs"/ 2>/dev/null
