@@ -67,18 +67,18 @@ CUDA_DEFAULTS = (
 # H200, same shapes and command (2026-11-22). Forward, TFLOP/s:
 # D64 64x128 w4 337, D128 128x128 w8 363, D256 128x64 w8 423; backward: D64 128x64 dq64x64 w4
 # 271, D128 64x64 dq64x64 w4 317. The D256 backward stays on mma.sync (WGMMA_BWD_MAX_HEAD_DIM).
-# Head dim 128 runs the warp-specialized forward (`warp_specialized`: a head dim padded to
-# 128; 72-120 keep the class before): H200, the bench's W1-W3 forward (bf16 B2 H16 L4096 D128
+# Head dims 72-128 run the warp-specialized forward (`warp_specialized`; those below 128 on its
+# tiles): H200, the bench's W1-W3 forward (bf16 B2 H16 L4096 D128
 # causal; `python -m benchmarks cuda-ws-probe`, 2026-11-26), 128x128 w12 s2 against 128x128 w8:
 # W3 0.290 / 0.380 ms, W1 (full mask and bias) 0.522 / 1.537, W2 (kv-head mask, per-key bias)
 # 0.417 / 1.080. Its backward is the warp-specialized one (`backward_warp_specialized`): H100,
 # W3 causal and not, the whole backward 1.007 / 1.595 ms against 1.078 / 2.029 for 64x64 dq64x64
-# w4 (`python -m benchmarks cuda-bwd-ws-check time`, 2026-11-27).
+# w4 (`python -m benchmarks cuda-bwd-ws-check time`, 2026-11-27). At D80 and D96 both kernels won
+# every key of the H200 sweep's, both directions, over the mma.sync defaults and every Triton
+# candidate (`results/tune/h200-sweep-swizzled.json`: 2.60x over the defaults, 2026-11-30).
 CUDA_SM90_DEFAULTS = (
     (64, (FwdConfig(64, 128, 4, 2), FwdConfig(64, 64, 4, 2)),
      (BwdConfig(128, 64, 64, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2))),
-    (120, (FwdConfig(128, 128, 8, 2), FwdConfig(64, 64, 4, 2)),
-     (BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
     (128, (FwdConfig(128, 128, 12, 2), FwdConfig(128, 128, 8, 2)),
      (BwdConfig(64, 128, 64, 128, 12, 2), BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
     (256, (FwdConfig(128, 64, 8, 2), FwdConfig(64, 32, 4, 2)),

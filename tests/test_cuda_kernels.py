@@ -497,12 +497,13 @@ def test_the_sm90_defaults_run_wgmma_where_it_pays_and_fit_hopper():
         assert shared_memory.shared_bytes(bwds[0], high, "sm90") <= limit
         assert rules.uses_wgmma(fwds[0], high, "sm90") or rules.warp_specialized(fwds[0], high, "sm90")
         assert rules.uses_wgmma(bwds[0], high, "sm90") == (high <= rules.WGMMA_BWD_MAX_HEAD_DIM)
-    # a class's defaults run every head dim in it (the warp-specialized forward only 121-128)
+    # a class's defaults run every head dim in it (the warp-specialized kernels D72-D128 on D128's tiles)
     low = 8
     for high, fwds, bwds in CUDA_SM90_DEFAULTS:
         for head_dim in range(low, high + 1, 8):
             shape = AttentionShape(1, 16, 16, 2, 1, head_dim)
-            assert rules.is_supported(fwds[0], shape) is None and rules.arch_reason(fwds[0], head_dim, "sm90") is None
+            for config in (fwds[0], bwds[0]):
+                assert rules.is_supported(config, shape) is None and rules.arch_reason(config, head_dim, "sm90") is None
         low = high + 8
 
 
