@@ -73,8 +73,8 @@ CUDA_DEFAULTS = (
 # W3 0.290 / 0.380 ms, W1 (full mask and bias) 0.522 / 1.537, W2 (kv-head mask, per-key bias)
 # 0.417 / 1.080. Its backward is the warp-specialized one (`backward_warp_specialized`): H100,
 # W3 causal and not, the whole backward 1.007 / 1.595 ms against 1.078 / 2.029 for 64x64 dq64x64
-# w4 (`python -m benchmarks cuda-bwd-ws-check time`, 2026-11-27). At D80 and D96 both kernels won
-# every key of the H200 sweep's, both directions, over the mma.sync defaults and every Triton
+# w4 (`python -m benchmarks cuda-bwd-ws-check time`, 2026-11-27). Both kernels won every D80 and
+# D96 key of the H200 sweep, both directions, over the mma.sync defaults and every Triton
 # candidate (`results/tune/h200-sweep-swizzled.json`: 2.60x over the defaults, 2026-11-30).
 CUDA_SM90_DEFAULTS = (
     (64, (FwdConfig(64, 128, 4, 2), FwdConfig(64, 64, 4, 2)),

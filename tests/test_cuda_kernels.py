@@ -400,7 +400,8 @@ def test_the_warp_specialized_backward_runs_head_dims_up_to_128_on_tiles_of_64_o
 @needs_nvcc
 def test_the_warp_specialized_backward_at_d96_builds_as_d128_does(cubin_cache):
     """nvcc builds the D96 backward variants (a mask and bias of rows staged, dBias by TMA; and a
-    KV group) with the D128 ones' registers and stack and no local memory."""
+    KV group) with the D128 ones' registers and stack and no local memory, and one consumer's D32
+    variant as its D64 one."""
     import triton
 
     def usage(head_dim, config, **features):
@@ -413,10 +414,12 @@ def test_the_warp_specialized_backward_at_d96_builds_as_d128_does(cubin_cache):
         found = re.search(r"Function dmattn_bwd_ws_kernel:\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
         return found.groups()
 
-    for config, features in ((WS_BWD, dict(group=1, dbias=(True, torch.bfloat16))),
-                             (BwdConfig(64, 128, 64, 128, 12, 2, kv_group=1), dict(group=4, dbias=(False, torch.float32)))):
-        assert usage(96, config, **features) == usage(128, config, **features)
-        assert usage(96, config, **features)[2] == "0"  # no local memory (spills)
+    for config, features, narrow, wide in (
+            (WS_BWD, dict(group=1, dbias=(True, torch.bfloat16)), 96, 128),
+            (BwdConfig(64, 128, 64, 128, 12, 2, kv_group=1), dict(group=4, dbias=(False, torch.float32)), 96, 128),
+            (BwdConfig(64, 64, 64, 64, 8, 2), dict(group=1, dbias=(True, torch.bfloat16)), 32, 64)):
+        assert usage(narrow, config, **features) == usage(wide, config, **features)
+        assert usage(narrow, config, **features)[2] == "0"  # no local memory (spills)
 
 
 def test_the_warp_specialized_backward_zeroes_the_dq_sums_of_tiles_no_key_block_visits():

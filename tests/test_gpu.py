@@ -132,7 +132,7 @@ def test_the_warp_specialized_forward_passes_the_full_suite(dtype, config, recor
         pytest.skip("the warp-specialized forward runs on SM90 only")
     from dmattn_kernels.cuda.shared_memory import SM90_SHARED_BYTES, WS_STATIC_BYTES, forward_shared_bytes
 
-    def fits(head_dim):  # 3-stage rings of 64 keys outgrow a block at D192's tiles
+    def fits(head_dim):  # 2-stage rings of 128 keys outgrow a block at D192's tiles
         return forward_shared_bytes(fwd, head_dim, "sm90") + WS_STATIC_BYTES <= SM90_SHARED_BYTES
 
     suite = adversarial_cases("full", config_tiles(fwd, None))

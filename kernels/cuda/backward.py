@@ -18,7 +18,7 @@ from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arc
 from dmattn_kernels.cuda.forward import kernel_window_sides, section_slices, sequence_fields
 from dmattn_kernels.cuda.params import BwdParams, WindowedBwdParams, bwd_ws_params_type, inputs, with_window
 from dmattn_kernels.cuda.rules import (backward_kernel, check_aligned, check_arch, check_config, check_query,
-                                       swizzled_head_dim, tile_columns)
+                                       tile_columns)
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_ROWS, backward_shared_bytes
 from dmattn_kernels.cuda.variants import (backward_packed_reason, backward_staging, backward_variant, staged_tiles,
                                           stores_dbias_by_tma)
@@ -220,7 +220,7 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     are KV heads (BWD_KV_GROUP), each walking its group's query heads; the dQ kernel's stay query
     heads."""
     batch, seqlen_q, num_heads, head_dim = q.shape
-    columns = swizzled_head_dim(head_dim)  # the kernel's BLOCK_D (`rules.tile_columns`): D80 and D96 on tiles of 128
+    columns = tile_columns(config, head_dim, "sm90")  # the kernel's BLOCK_D: D80 and D96 on tiles of 128
     heads_per_cta = num_heads // k.shape[2] if config.kv_group else 1  # a KV group's query heads, or one
     if packing is None:
         slices, rows, keys = batch * num_heads, seqlen_q, k.shape[1]
@@ -245,8 +245,8 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     for name, t in (("bias_map", staged_bias), ("dbias_map", dbias_target)):  # boxes of 128-byte lines
         if t is not None:
             maps[name] = driver.tensor_map(t, KEYS_OF, config.block_m, TMA_LINE, TMA_LINE)
-    # Q, dO and the fp32 dQ sums of a kernel slice: its query heads'
-    reread_bytes = heads_per_cta * rows * columns * (2 * q.element_size() + 4)
+    # Q and dO (TMA reads no column past the head dim) and the fp32 dQ sums of a kernel slice: its query heads'
+    reread_bytes = heads_per_cta * rows * (2 * head_dim * q.element_size() + 4 * columns)
     packed = {} if packing is None else dict(sequence_fields(packing, sequences), head_tiles=tiles[1])
     ws_params = bwd_ws_params_type(window_sides is not None, packing is not None)(
         backward=params, dq_sum=dq_sum.data_ptr(), dq_counter=dq_counter.data_ptr(),

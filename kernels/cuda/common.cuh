@@ -6,7 +6,8 @@
 // HAS_MASK, HAS_BIAS, HAS_SOFTCAP, each kernel's own tile sizes, WGMMA (SM90 products
 // through wgmma.mma_async, shared tiles in its swizzled layout: sm90.cuh; default 0) and
 // HAS_WINDOW (a sliding window: Inputs' window_left and window_right; undefined is 0, and only
-// the warp-specialized kernels take it: the overlapped forward and the backward).
+// the warp-specialized kernels take it: the overlapped forward and the backward), and
+// SWIZZLE_PADDED (undefined is 0: below).
 //
 // Fragment coordinates (PTX ISA, mma.m16n8k16): lane = 4 g + t. A (16x16) holds rows g and
 // g + 8, columns 2t, 2t + 1 and 8 + 2t, 9 + 2t; a C/D accumulator c[4] of a 16x8 tile holds
@@ -50,8 +51,9 @@ typedef elem_t bias_t;
 
 constexpr int WARP_ROWS = 16;                        // rows of the mma tile a warp owns
 #if SWIZZLE_PADDED
-// the warp-specialized forward at a head dim that is not a multiple of 64 (variants.variant):
-// tiles of whole 128-byte swizzle lines, the columns past HEAD_DIM zeros from TMA
+// the warp-specialized kernels at a head dim that is not a multiple of 64 (variants.variant,
+// variants.backward_variant): tiles of whole 128-byte swizzle lines, the columns past HEAD_DIM
+// zeros from TMA
 constexpr int BLOCK_D = (HEAD_DIM + 63) / 64 * 64;
 #else
 constexpr int BLOCK_D = (HEAD_DIM + 15) / 16 * 16;  // the mma k-step is 16
