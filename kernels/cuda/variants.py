@@ -22,6 +22,13 @@ def _features(bias_dtype: torch.dtype | None, is_causal: bool, has_mask: bool, s
                 has_bias=bias_dtype is not None, has_softcap=softcap > 0)
 
 
+def _swizzle_padding(head_dim: int) -> dict[str, bool]:
+    """A warp-specialized kernel's SWIZZLE_PADDED define (common.cuh: tiles of whole swizzle lines)
+    where `head_dim` padded to the mma k-step is not such a width; absent elsewhere, so every
+    other variant keeps its code, and its stamp."""
+    return {"SWIZZLE_PADDED": True} if swizzled_head_dim(head_dim) != padded_head_dim(head_dim) else {}
+
+
 def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *, arch: str,
             is_causal: bool, has_mask: bool, softcap: float, mask_tiles: int = TILES_OF_ROWS,
             bias_tiles: int = TILES_OF_ROWS, window: bool = False, packed: bool = False) -> tuple[str, ...]:
@@ -45,8 +52,7 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
     if warp_specialized(config, head_dim, arch):
         stages, mask_tiles, bias_tiles = staging(config, head_dim, has_mask, bias_dtype, mask_tiles, bias_tiles)
         own.update(WGMMA=True, SCORE_STAGES=stages, MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles)
-        if swizzled_head_dim(head_dim) != padded_head_dim(head_dim):  # absent elsewhere: their code as it was
-            own.update(SWIZZLE_PADDED=True)
+        own.update(_swizzle_padding(head_dim))
         own.update({name: True for name, on in (("FWD_OVERLAP", config.overlap), ("FWD_PERSISTENT", config.persistent),
                                                 ("HAS_WINDOW", window), ("PACKED", packed)) if on})
     elif config.overlap or config.persistent:
@@ -184,8 +190,7 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
         own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, WGMMA=True, SCORE_STAGES=stages,
                    MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles,
                    DBIAS_TMA=stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma and not config.kv_group))
-        if swizzled_head_dim(head_dim) != padded_head_dim(head_dim):  # absent elsewhere: their code as it was
-            own.update(SWIZZLE_PADDED=True)
+        own.update(_swizzle_padding(head_dim))
         own.update({name: True for name, on in (("HAS_WINDOW", window), ("PACKED", packed),
                                                 ("BWD_KV_GROUP", config.kv_group)) if on})
     else:
