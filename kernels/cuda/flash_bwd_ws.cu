@@ -106,11 +106,22 @@ constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
 constexpr int CONSUMER_THREADS = CONSUMERS * GROUP_WARPS * 32;
 constexpr int DQ_COLS = BLOCK_D / CONSUMERS;  // the columns of a dQ share one consumer computes
 constexpr bool SCORE_TILES = (HAS_MASK && MASK_TILES == 1) || (HAS_BIAS && BIAS_TILES == 1);  // a staged ring
+#if DKV_TRANSPOSED
+constexpr int DQ_BUFFERS = 1;  // the room of a second share holds the P^T tile
+constexpr int CONSUMER_KEYS = BLOCK_N / CONSUMERS;  // the keys a consumer owns: the n of its products
+static_assert(CONSUMERS == 2 && BLOCK_D == 192 && BLOCK_M == 64 && CONSUMER_KEYS % 16 == 0,
+              "transposed dK/dV: two consumers splitting the block's keys, tiles of 192 columns, query tiles of 64 rows");
+#if HAS_WINDOW || PACKED || BWD_KV_GROUP
+#error "transposed dK/dV: no window, packed sequences or KV group"
+#endif
+static_assert(!SCORE_TILES && !DBIAS_TMA, "transposed dK/dV: mask and bias from global memory, dBias stored by its threads");
+#else
 constexpr int DQ_BUFFERS = SCORE_TILES ? 1 : 2;  // `shared_memory.backward_shared_bytes` mirrors the layout below
 static_assert(CONSUMERS >= 1 && NUM_WARPS % GROUP_WARPS == 0 && BLOCK_N == CONSUMERS * GROUP_ROWS && BLOCK_M == 64,
               "one producer warpgroup and a consumer warpgroup per 64 keys; query tiles of 64 rows");
 static_assert(BLOCK_D % CONSUMERS == 0 && DQ_COLS % SWIZZLE_COLS == 0 && is_wgmma_width(DQ_COLS),
               "each consumer's dQ columns are whole 128-byte lines of K");
+#endif
 constexpr int PRODUCER_REGISTERS = 24;
 constexpr int CONSUMER_REGISTERS_LEFT = (65536 - GROUP_WARPS * 32 * PRODUCER_REGISTERS) / CONSUMER_THREADS / 8 * 8;
 constexpr int CONSUMER_REGISTERS = CONSUMER_REGISTERS_LEFT < 240 ? CONSUMER_REGISTERS_LEFT : 240;
@@ -184,6 +195,262 @@ __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;\n" :: "n"(CONSUMER_THREADS) : "memory");
 }
 
+#if DKV_TRANSPOSED
+// dQ = dS K for the 64 columns of block `column_block`, over the keys [16 first_step, + 16 K16),
+// issued: A dS from the dS^T tile (MN-major), B that column block of K (MN-major).
+template <int K16>
+__device__ __forceinline__ void transposed_dq_product(float (&dq)[SWIZZLE_COLS / 8][4], const elem_t* ds_tile,
+                                                      const elem_t* k_smem, int column_block, int first_step) {
+  const elem_t* k_columns = k_smem + column_block * BLOCK_N * SWIZZLE_COLS;
+#pragma unroll
+  for (int kk = 0; kk < K16; ++kk)
+    WgmmaTransposed<SWIZZLE_COLS>::template ss<1, 1>(dq, mn_major(ds_tile, BLOCK_N, first_step + kk),
+                                                     mn_major(k_columns, BLOCK_N, first_step + kk), kk > 0);
+}
+
+// Where a consumer thread's pair (d, r) of column block `column_block` goes in the dQ share: the
+// fragment order the dQ kernel reads, as if consumer c had computed columns [c DQ_COLS, +
+// DQ_COLS) (the pair of row 16 w4 + g + 8 r, columns 8 n8 + 2 t at float2 (2 (n8 % (DQ_COLS / 8))
+// + r) x consumer threads + (n8 / (DQ_COLS / 8) x 4 + w4) x 32 + lane).
+__device__ __forceinline__ int transposed_share_index(int column_block, int d, int r, int w4, int lane) {
+  const int n8 = column_block * (SWIZZLE_COLS / 8) + d, owner = n8 / (DQ_COLS / 8);
+  return (2 * (n8 % (DQ_COLS / 8)) + r) * CONSUMER_THREADS + (owner * GROUP_WARPS + w4) * 32 + lane;
+}
+
+// The consumers of the transposed layout (DKV_TRANSPOSED, header): consumer `group` owns keys
+// [group_key0, + CONSUMER_KEYS) of the block. Per query tile it computes S = Q K^T and dP = dO V^T
+// for them (64 rows x its keys), stages P and dS transposed (rows = keys) and adds
+// dV^T += dO^T P and dK^T += Q^T dS, BLOCK_D x its keys in three m64 blocks of head-dim rows;
+// then the tile's dQ = dS K by 64-column blocks (an MN-major operand starts on a block): consumer
+// c block c over all keys, and block 2 over its own keys, the two halves added in the share. Both
+// consumers run the same products (wgmma in a branch of one consumer only is serialized by ptxas,
+// C7520), so a consumer whose keys no query of a causal tile sees computes a dS of zeros.
+// Fragment (n, c) of S and dP: query row first_row + 16 w4 + g + 8 (c / 2), key
+// group_first_key + 8 n + 2 t + c % 2. Of dK^T and dV^T block b: column 64 b + 16 w4 + g + 8 (c / 2),
+// the same key.
+template <typename TileAt>
+__device__ __forceinline__ void transposed_consumer(const BwdWsParams& p, const BwdParams& bwd, const HeadSlices& at,
+                                                    const ScoreRule& rule, int n_block, int steps, TileAt tile_at,
+                                                    const elem_t* k_smem, const elem_t* v_smem, const elem_t* q_smem,
+                                                    const elem_t* do_smem, elem_t* ds_smem, elem_t* pt_smem,
+                                                    float* dq_smem, const float* lse_smem, const float* delta_smem,
+                                                    uint64_t* kv_full, uint64_t* full, uint64_t* empty,
+                                                    uint64_t* dq_full, uint64_t* dq_empty) {
+  const Inputs& in = bwd.in;
+  constexpr int KEY_TILES = CONSUMER_KEYS / 8, COLUMN_BLOCKS = BLOCK_D / SWIZZLE_COLS;
+  const int warp = threadIdx.x / 32 - GROUP_WARPS, lane = threadIdx.x % 32;  // warp among the consumers
+  const int g = lane / 4, t = lane % 4, w4 = warp % GROUP_WARPS;
+  const int group = warp / GROUP_WARPS, group_key0 = group * CONSUMER_KEYS;
+  const int group_first_key = n_block * BLOCK_N + group_key0;
+  const float scale_log2 = in.softmax_scale * LOG2E;
+  float dkt_acc[COLUMN_BLOCKS][KEY_TILES][4] = {}, dvt_acc[COLUMN_BLOCKS][KEY_TILES][4] = {};
+  float dbias_sum[KEY_TILES][2] = {};  // per key, this thread's rows summed (HAS_DBIAS, !DBIAS_ROWS)
+  dbias_t* dbias = HAS_DBIAS ? bwd.dbias + at.batch * bwd.dbias_stride[0] + at.head * bwd.dbias_stride[1] : nullptr;
+  auto key_of = [&](int n, int c) { return group_first_key + 8 * n + 2 * t + c % 2; };
+  // a fragment of this consumer's keys (rows = queries) into a BLOCK_N x BLOCK_M tile whose rows
+  // are keys: matrix i of k-step kk holds queries 16 w4 + 8 (i % 2) .. + 7 of keys
+  // 16 kk + 8 (i / 2) .. + 7, stored transposed
+  auto store_transposed = [&](elem_t* tile, const uint32_t (&frag)[KEY_TILES / 2][4]) {
+    const int i = lane / 8;
+#pragma unroll
+    for (int kk = 0; kk < KEY_TILES / 2; ++kk)
+      stmatrix_x4_trans(frag[kk], tile + swizzled(group_key0 + 16 * kk + 8 * (i / 2) + lane % 8, 16 * w4 + 8 * (i % 2),
+                                                  BLOCK_N));
+  };
+  auto group_sync = [&] {  // this consumer's warpgroup (named barriers 2, 3)
+    asm volatile("bar.sync %0, %1;\n" :: "r"(2 + group), "n"(GROUP_WARPS * 32) : "memory");
+  };
+  // consumer 0's half of dQ block 2 is in the share before consumer 1 adds its own (named barrier 4)
+  auto half_sync = [&](int group) {
+    if (group == 0)
+      asm volatile("bar.arrive 4, %0;\n" :: "n"(CONSUMER_THREADS) : "memory");
+    else
+      asm volatile("bar.sync 4, %0;\n" :: "n"(CONSUMER_THREADS) : "memory");
+  };
+  barrier_wait(kv_full, 0);
+
+  for (int step = 0; step < steps; ++step) {
+    const int m = tile_at(step), slot = step % STAGES;
+    barrier_wait(&full[slot], (step / STAGES) & 1);
+    const elem_t* q_tile = q_smem + slot * BLOCK_M * BLOCK_D;
+    const elem_t* do_tile = do_smem + slot * BLOCK_M * BLOCK_D;
+    const int first_row = m * BLOCK_M, tile_row = 16 * w4 + g;  // this thread's rows: tile_row, tile_row + 8
+    const float2 lse = make_float2(lse_smem[slot * BLOCK_M + tile_row], lse_smem[slot * BLOCK_M + tile_row + 8]);
+    const float2 delta = make_float2(delta_smem[slot * BLOCK_M + tile_row], delta_smem[slot * BLOCK_M + tile_row + 8]);
+    auto row_of = [&](int c) { return first_row + tile_row + 8 * (c / 2); };
+    // Bounds and causal are tested only where some query of the tile misses some key of this
+    // consumer; a mask (global memory) at every position.
+    const bool check = HAS_MASK || first_row + BLOCK_M > in.seqlen_q || group_first_key + CONSUMER_KEYS > in.seqlen_k ||
+                       (IS_CAUSAL && group_first_key + CONSUMER_KEYS - 1 > first_row + rule.offset);
+    elem_t* ds_tile = ds_smem + (step % 2) * BLOCK_M * BLOCK_N;
+    uint32_t ds_frag[KEY_TILES / 2][4];
+    {
+      float s[KEY_TILES][4], dp[KEY_TILES][4];  // the first k-step overwrites (scale-d 0)
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_D / 16; ++kk)
+        WgmmaTransposed<CONSUMER_KEYS>::template ss<0, 0>(s, k_major(q_tile, BLOCK_M, 0, kk),
+                                                          k_major(k_smem, BLOCK_N, group_key0, kk), kk > 0);
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_D / 16; ++kk)
+        WgmmaTransposed<CONSUMER_KEYS>::template ss<0, 0>(dp, k_major(do_tile, BLOCK_M, 0, kk),
+                                                          k_major(v_smem, BLOCK_N, group_key0, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<HAS_SOFTCAP ? 0 : 1>();  // S is in (with a softcap dP too: dS needs the capped score); dP runs on
+      touch(s);
+      if (HAS_SOFTCAP) touch(dp);
+#pragma unroll
+      for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = row_of(c), key = key_of(n, c);
+          const bool allowed = !check || rule.visible(row, key);
+          float prob = 0.f, dbias_value = 0.f, ds = 0.f;
+          if (allowed) {  // a bias is read only where visible (elsewhere it may be NaN or outside the operand)
+            const float capped = rule.capped(s[n][c]);
+            const float x = HAS_BIAS ? rule.score(capped, row, key) * LOG2E
+                                     : (HAS_SOFTCAP ? capped * LOG2E : s[n][c] * scale_log2);
+            prob = exp2_ftz(x - (c / 2 ? lse.y : lse.x));
+            if (HAS_SOFTCAP) {
+              const float tanh_value = capped / rule.softcap;
+              dbias_value = prob * (dp[n][c] - (c / 2 ? delta.y : delta.x));
+              ds = dbias_value * (1.f - tanh_value * tanh_value);
+            }
+          }
+          s[n][c] = prob;
+          if (HAS_SOFTCAP) {
+            dp[n][c] = ds;
+            if (HAS_DBIAS && DBIAS_ROWS && row < in.seqlen_q && key < in.seqlen_k)
+              dbias[row * bwd.dbias_stride[2] + key * bwd.dbias_stride[3]] = static_cast<dbias_t>(dbias_value);
+            if (HAS_DBIAS && !DBIAS_ROWS) dbias_sum[n][c % 2] += dbias_value;
+          }
+        }
+      uint32_t p_frag[KEY_TILES / 2][4];
+#pragma unroll
+      for (int kk = 0; kk < KEY_TILES / 2; ++kk) accumulator_to_a(p_frag[kk], s, kk);
+      store_transposed(pt_smem, p_frag);
+      fence_async_shared();
+      group_sync();  // the consumer's P^T rows are in
+#pragma unroll
+      for (int b = 0; b < COLUMN_BLOCKS; ++b) touch(dvt_acc[b]);
+      wgmma_fence();
+#pragma unroll
+      for (int b = 0; b < COLUMN_BLOCKS; ++b)
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+          WgmmaTransposed<CONSUMER_KEYS>::template ss<1, 0>(
+              dvt_acc[b], mn_major(do_tile + b * BLOCK_M * SWIZZLE_COLS, BLOCK_M, kk),
+              k_major(pt_smem, BLOCK_N, group_key0, kk), 1);
+      wgmma_commit();
+      if (!HAS_SOFTCAP) {
+        wgmma_wait<1>();  // dP is in; dV^T's product runs on
+        touch(dp);
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int row = row_of(c), key = key_of(n, c);
+            dp[n][c] = s[n][c] * (dp[n][c] - (c / 2 ? delta.y : delta.x));
+            if (HAS_DBIAS && DBIAS_ROWS && row < in.seqlen_q && key < in.seqlen_k)
+              dbias[row * bwd.dbias_stride[2] + key * bwd.dbias_stride[3]] = static_cast<dbias_t>(dp[n][c]);
+            if (HAS_DBIAS && !DBIAS_ROWS) dbias_sum[n][c % 2] += dp[n][c];
+          }
+      }
+#pragma unroll
+      for (int kk = 0; kk < KEY_TILES / 2; ++kk) accumulator_to_a(ds_frag[kk], dp, kk);
+    }
+    store_transposed(ds_tile, ds_frag);
+    fence_async_shared();
+    consumers_sync();  // every consumer's dS^T is in
+#pragma unroll
+    for (int b = 0; b < COLUMN_BLOCKS; ++b) touch(dkt_acc[b]);
+    wgmma_fence();
+#pragma unroll
+    for (int b = 0; b < COLUMN_BLOCKS; ++b)
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+        WgmmaTransposed<CONSUMER_KEYS>::template ss<1, 0>(
+            dkt_acc[b], mn_major(q_tile + b * BLOCK_M * SWIZZLE_COLS, BLOCK_M, kk),
+            k_major(ds_tile, BLOCK_N, group_key0, kk), 1);
+    wgmma_commit();
+    float dq_own[SWIZZLE_COLS / 8][4], dq_half[SWIZZLE_COLS / 8][4];  // column block `group`; block 2, own keys
+    transposed_dq_product<BLOCK_N / 16>(dq_own, ds_tile, k_smem, group, 0);
+    transposed_dq_product<CONSUMER_KEYS / 16>(dq_half, ds_tile, k_smem, 2, group_key0 / 16);
+    wgmma_commit();
+    wgmma_wait<1>();  // dK^T and dV^T are in
+#pragma unroll
+    for (int b = 0; b < COLUMN_BLOCKS; ++b) {
+      touch(dkt_acc[b]);
+      touch(dvt_acc[b]);
+    }
+    barrier_arrive(&empty[slot]);  // Q, dO, lse and delta of the slot are read
+    wgmma_wait<0>();
+    touch(dq_own);
+    touch(dq_half);
+    float2* share = reinterpret_cast<float2*>(dq_smem);  // DQ_BUFFERS is 1
+    if (step >= 1) barrier_wait(&dq_empty[0], (step - 1) & 1);  // warp 2 has added the last share
+#pragma unroll
+    for (int d = 0; d < SWIZZLE_COLS / 8; ++d)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        share[transposed_share_index(group, d, r, w4, lane)] = make_float2(dq_own[d][2 * r], dq_own[d][2 * r + 1]);
+        if (group == 0)  // block 2's first half; consumer 1 adds the second at the same positions
+          share[transposed_share_index(2, d, r, w4, lane)] = make_float2(dq_half[d][2 * r], dq_half[d][2 * r + 1]);
+      }
+    half_sync(group);
+    if (group == 1) {
+#pragma unroll
+      for (int d = 0; d < SWIZZLE_COLS / 8; ++d)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float2& sum = share[transposed_share_index(2, d, r, w4, lane)];
+          sum = make_float2(sum.x + dq_half[d][2 * r], sum.y + dq_half[d][2 * r + 1]);
+        }
+    }
+    fence_async_shared();
+    barrier_arrive(&dq_full[0]);
+  }
+
+  if (HAS_DBIAS && !DBIAS_ROWS) {  // each key's dS summed over the rows: lanes of one t, then the group's warps
+    float* partial = reinterpret_cast<float*>(pt_smem + group_key0 * BLOCK_M);  // the consumer's own P^T rows
+    group_sync();  // its last dV^T product has read them
+#pragma unroll
+    for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float sum = dbias_sum[n][j];
+        sum += __shfl_xor_sync(0xffffffff, sum, 4);
+        sum += __shfl_xor_sync(0xffffffff, sum, 8);
+        sum += __shfl_xor_sync(0xffffffff, sum, 16);
+        if (g == 0) partial[w4 * CONSUMER_KEYS + 8 * n + 2 * t + j] = sum;
+      }
+    group_sync();
+    const int key = threadIdx.x % (GROUP_WARPS * 32);
+    if (key < CONSUMER_KEYS && group_first_key + key < in.seqlen_k)
+      dbias[(group_first_key + key) * bwd.dbias_stride[3]] =
+          static_cast<dbias_t>(partial[key] + partial[CONSUMER_KEYS + key] + partial[2 * CONSUMER_KEYS + key] +
+                               partial[3 * CONSUMER_KEYS + key]);
+  }
+  // Every key of the consumer is written, also one that no query sees (its gradients are 0).
+  const int dkv_head = DKV_FP32 ? at.head : at.kv_head;
+  dkv_t* dk = bwd.dk + at.batch * bwd.dk_stride[0] + dkv_head * bwd.dk_stride[2];
+  dkv_t* dv = bwd.dv + at.batch * bwd.dv_stride[0] + dkv_head * bwd.dv_stride[2];
+#pragma unroll
+  for (int b = 0; b < COLUMN_BLOCKS; ++b)
+#pragma unroll
+    for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int col = SWIZZLE_COLS * b + 16 * w4 + g + 8 * (c / 2), key = key_of(n, c);
+        if (key < in.seqlen_k && col < HEAD_DIM) {
+          dk[key * bwd.dk_stride[1] + col] = static_cast<dkv_t>(dkt_acc[b][n][c] * in.softmax_scale);
+          dv[key * bwd.dv_stride[1] + col] = static_cast<dkv_t>(dvt_acc[b][n][c]);
+        }
+      }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(const __grid_constant__ BwdWsParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t kv_full, full[STAGES], empty[STAGES], dq_full[DQ_BUFFERS], dq_empty[DQ_BUFFERS];
@@ -193,7 +460,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   elem_t* q_smem = v_smem + BLOCK_N * BLOCK_D;             // ring of STAGES query tiles
   elem_t* do_smem = q_smem + STAGES * BLOCK_M * BLOCK_D;    // and their dO tiles
   elem_t* ds_smem = do_smem + STAGES * BLOCK_M * BLOCK_D;   // two dS tiles, BLOCK_M x BLOCK_N
+#if DKV_TRANSPOSED
+  elem_t* pt_smem = ds_smem + 2 * BLOCK_M * BLOCK_N;  // the P^T tile, BLOCK_N x BLOCK_M
+  float* dq_smem = reinterpret_cast<float*>(pt_smem + BLOCK_M * BLOCK_N);  // DQ_BUFFERS shares
+#else
   float* dq_smem = reinterpret_cast<float*>(ds_smem + 2 * BLOCK_M * BLOCK_N);  // DQ_BUFFERS shares
+#endif
   // the score ring's slots (the mask tile, then the bias tile; whole KiB, as TMA's swizzle needs)
   unsigned char* score_smem = reinterpret_cast<unsigned char*>(dq_smem + DQ_BUFFERS * BLOCK_M * BLOCK_D);
   float* lse_smem = reinterpret_cast<float*>(score_smem + SCORE_SLOTS * SCORE_SLOT_BYTES);  // STAGES x BLOCK_M
@@ -451,6 +723,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
 
   // -- consumers --
   registers_claim<CONSUMER_REGISTERS>();
+#if DKV_TRANSPOSED
+  transposed_consumer(p, bwd, at, rule, n_block, steps, tile_at, k_smem, v_smem, q_smem, do_smem, ds_smem, pt_smem,
+                      dq_smem, lse_smem, delta_smem, &kv_full, full, empty, dq_full, dq_empty);
+#else
   const int warp = threadIdx.x / 32 - GROUP_WARPS, lane = threadIdx.x % 32;  // warp among the consumers
   const int g = lane / 4, t = lane % 4;
   const int group = warp / GROUP_WARPS, group_key0 = group * GROUP_ROWS;  // the consumer's keys in the block
@@ -783,6 +1059,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
       }
     }
   }
+#endif
 }
 
 // delta (bwd_steps.cuh), and the counters of the query tiles starting in the CTA's rows zeroed

@@ -29,6 +29,12 @@ WS_BLOCK_M = (64, 128, 192)
 # (block_m_dq = block_m, block_n_dq = block_n)
 WS_BWD_BLOCK_N = (64, 128)
 WS_BWD_BLOCK_M = 64
+# Its transposed layout (DKV_TRANSPOSED) for tiles of 192 columns (D136-D192): two consumer
+# warpgroups (12 warps) splitting block_n keys, each holding dK^T and dV^T of its keys (the n of
+# its products), as FlashAttention-3's hdim-192 backward does
+TRANSPOSED_BWD_BLOCK_N = (64, 96)
+TRANSPOSED_BWD_WARPS = 12
+TRANSPOSED_BWD_COLUMNS = 192
 WARPGROUP = 4  # warps that issue one wgmma together
 # Above it a dK/dV thread holds 2 x head_dim / 2 fp32 accumulators (192 or more registers) plus
 # its S^T and dP^T fragments, and spills heavily (at 128 only the largest 4-warp tiles spill a
@@ -79,8 +85,25 @@ def backward_warp_specialized(config: BwdConfig, head_dim: int, arch: str | None
     """Whether `config` names the SM90 warp-specialized backward (flash_bwd_ws.cu): a producer
     warpgroup plus one consumer warpgroup per 64 keys, so num_warps = block_n / 16 + 4, on SM90
     with tiles of 64 or 128 columns (`swizzled_head_dim`: D80 and D96 run as D128) that split
-    into whole 64-column blocks among the consumers (their dQ products)."""
+    into whole 64-column blocks among the consumers (their dQ products); or its transposed layout
+    (`transposed_backward`)."""
+    if _is_transposed_shape(config):
+        return transposed_backward(config, head_dim, arch)
     return arch == "sm90" and _is_warp_specialized_shape(config) and _splits_head_dim(config, head_dim)
+
+
+def transposed_backward(config: BwdConfig, head_dim: int, arch: str | None) -> bool:
+    """Whether `config` names the warp-specialized backward's transposed layout (flash_bwd_ws.cu's
+    DKV_TRANSPOSED): block_n of 64 or 96 keys on 12 warps, on SM90, at a head dim on tiles of 192
+    columns (D136-D192)."""
+    return (arch == "sm90" and _is_transposed_shape(config)
+            and swizzled_head_dim(head_dim) == TRANSPOSED_BWD_COLUMNS)
+
+
+def _is_transposed_shape(config: FwdConfig | BwdConfig) -> bool:
+    """The transposed backward's tile shape, on any arch and head dim."""
+    return (isinstance(config, BwdConfig) and config.block_n in TRANSPOSED_BWD_BLOCK_N
+            and config.num_warps == TRANSPOSED_BWD_WARPS)
 
 
 def _splits_head_dim(config: BwdConfig, head_dim: int) -> bool:
@@ -104,7 +127,8 @@ def _is_warp_specialized_shape(config: FwdConfig | BwdConfig) -> bool:
     at 16 a warp plus a producer warpgroup."""
     if isinstance(config, FwdConfig):
         return config.block_m in WS_BLOCK_M and config.num_warps == config.block_m // 16 + WARPGROUP
-    return config.block_n in WS_BWD_BLOCK_N and config.num_warps == config.block_n // 16 + WARPGROUP
+    return ((config.block_n in WS_BWD_BLOCK_N and config.num_warps == config.block_n // 16 + WARPGROUP)
+            or _is_transposed_shape(config))
 
 
 def arch_reason(config: FwdConfig | BwdConfig, head_dim: int, arch: str) -> str | None:
@@ -227,9 +251,17 @@ def _warp_specialized_backward_reason(config: BwdConfig, head_dim: int) -> str |
     if (config.block_m_dq, config.block_n_dq) != (config.block_m, config.block_n):
         return (f"block_m_dq x block_n_dq = {config.block_m_dq}x{config.block_n_dq} is not block_m x block_n = "
                 f"{config.block_m}x{config.block_n} (warp-specialized backward: the dQ shares are its tiles)")
+    if _is_transposed_shape(config):
+        if columns != TRANSPOSED_BWD_COLUMNS:
+            return (f"{config.block_n} keys on {config.num_warps} warps is the transposed warp-specialized backward, "
+                    f"which runs head dims 129-{TRANSPOSED_BWD_COLUMNS} (head_dim={head_dim})")
+        if config.kv_group:
+            return "kv_group=1 is not a knob of the transposed warp-specialized backward (head dims 129-192)"
+        return _stages_reason(config)
     if columns not in (64, 128):
         return (f"head_dim={head_dim} is over {WGMMA_BWD_MAX_HEAD_DIM} (warp-specialized backward: tiles of 64 or "
-                f"128 columns)")
+                f"128 columns; head dims 129-{TRANSPOSED_BWD_COLUMNS} run block_n in {TRANSPOSED_BWD_BLOCK_N} on "
+                f"{TRANSPOSED_BWD_WARPS} warps)")
     if not _splits_head_dim(config, head_dim):
         return (f"head_dim={head_dim} runs on tiles of {columns} columns, which do not split into 64-column blocks "
                 f"among block_n / 64 = {config.block_n // 64} consumer warpgroups (warp-specialized backward: their "

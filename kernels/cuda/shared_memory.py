@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Callable
 
 from dmattn_kernels.configs import BwdConfig, FwdConfig
-from dmattn_kernels.cuda.rules import (backward_warp_specialized, padded_head_dim, swizzled_head_dim, uses_wgmma,
-                                       warp_specialized)
+from dmattn_kernels.cuda.rules import (backward_warp_specialized, padded_head_dim, swizzled_head_dim,
+                                       transposed_backward, uses_wgmma, warp_specialized)
 
 SWIZZLE_SLACK = 1024  # bytes a wgmma kernel may skip to align its tiles (sm90.cuh: SWIZZLE_ATOM)
 SHARED_PAD = 8  # elements per shared row beyond the padded head dim (common.cuh: ROW)
@@ -95,12 +95,15 @@ def backward_score_slot_bytes(config: BwdConfig, mask_tiles: int, bias_tiles: in
 
 
 def _backward_ws_bytes(config: BwdConfig, head_dim: int, score_stages: int, slot: int) -> int:
-    """flash_bwd_ws.cu's dynamic shared memory: K and V, the Q and dO rings, two dS tiles, the fp32
-    dQ shares (one beside a ring of staged tiles, else two), that ring, the lse and delta rings."""
+    """flash_bwd_ws.cu's dynamic shared memory: K and V, the Q and dO rings, two dS tiles (and the
+    transposed layout's P^T tile), the fp32 dQ shares (one beside a ring of staged tiles or in the
+    transposed layout, else two), that ring, the lse and delta rings."""
     ring = config.num_stages * config.block_m
-    dq_shares = (1 if score_stages else 2) * config.block_m * swizzled_head_dim(head_dim) * 4
-    return (_tile_bytes(2 * config.block_n + 2 * ring, head_dim, True) + 2 * config.block_m * config.block_n * 2
-            + dq_shares + score_stages * slot + 2 * ring * 4)
+    transposed = transposed_backward(config, head_dim, "sm90")  # a P^T tile in the room of a second share
+    dq_shares = (1 if score_stages or transposed else 2) * config.block_m * swizzled_head_dim(head_dim) * 4
+    score_tiles = (3 if transposed else 2) * config.block_m * config.block_n * 2
+    return (_tile_bytes(2 * config.block_n + 2 * ring, head_dim, True) + score_tiles + dq_shares
+            + score_stages * slot + 2 * ring * 4)
 
 
 def backward_score_stages(config: BwdConfig, head_dim: int, mask_tiles: int, bias_tiles: int) -> int:

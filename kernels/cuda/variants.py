@@ -12,7 +12,7 @@ import torch
 from dmattn_kernels.configs import BwdConfig, FwdConfig
 from dmattn_kernels.cuda.build import defines
 from dmattn_kernels.cuda.rules import (backward_warp_specialized, element_name, knob_reason, padded_head_dim,
-                                       swizzled_head_dim, uses_wgmma, warp_specialized)
+                                       swizzled_head_dim, transposed_backward, uses_wgmma, warp_specialized)
 from dmattn_kernels.cuda.shared_memory import (NOT_STAGED, TILES_OF_KEYS, TILES_OF_ROWS, backward_score_stages,
                                                score_stages)
 from dmattn_kernels.runtime.operands import padded
@@ -87,7 +87,10 @@ def forward_packed_reason(config: FwdConfig, head_dim: int, arch: str | None) ->
 def backward_feature_reason(config: BwdConfig, head_dim: int, arch: str | None, feature: str) -> str | None:
     """Why `config`'s CUDA backward runs no call with `feature` ("a sliding window", "a packed
     call") on `arch`, or None: only the warp-specialized backward walks a window's query tiles
-    and a sequence's keys (flash_bwd_ws.cu)."""
+    and a sequence's keys (flash_bwd_ws.cu), and not in its transposed layout (head dims 129-192)."""
+    if transposed_backward(config, head_dim, arch):
+        return (f"{feature} does not run in the CUDA backward's transposed warp-specialized layout (head dims "
+                f"129-192: {config.to_dict()})")
     if backward_warp_specialized(config, head_dim, arch):
         return None
     return (f"{feature} runs in the CUDA backward's warp-specialized kernel only (sm90, "
@@ -139,7 +142,9 @@ def backward_staging(config: BwdConfig, head_dim: int, has_mask: bool, bias_dtyp
     """(score ring slots, MASK_TILES, BIAS_TILES) of a warp-specialized backward call whose
     operands allow `mask_tiles` and `bias_tiles` (`staged_tiles`): tiles of rows staged where
     the ring fits (a bias only if 16-bit), a row of keys read into registers; with `kv_group`
-    (whose ring would be per query head) no tiles of rows."""
+    (whose ring would be per query head) no tiles of rows; in the transposed layout none."""
+    if transposed_backward(config, head_dim, "sm90"):  # its consumers read the mask and bias from global memory
+        return 0, NOT_STAGED, NOT_STAGED
     mask_tiles = mask_tiles if has_mask else NOT_STAGED
     bias_tiles = bias_tiles if bias_dtype is not None else NOT_STAGED
     if config.kv_group:
@@ -173,6 +178,8 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
     (`window`) adds HAS_WINDOW, packed sequences (`packed`: no mask or bias of query rows, the
     caller's check, `backward_packed_reason`) PACKED, and the knob `kv_group` BWD_KV_GROUP (dK
     and dV summed over the group in the kernel: not DKV_FP32; no staged tiles, no dBias by TMA).
+    The transposed layout (`rules.transposed_backward`) adds DKV_TRANSPOSED and stages nothing:
+    the mask and bias from global memory, dBias stored by its threads.
 
     Raises:
         ValueError: a window or packed sequences for a config that is not the warp-specialized
@@ -189,10 +196,12 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
                                                           bias_tiles)
         own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, WGMMA=True, SCORE_STAGES=stages,
                    MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles,
-                   DBIAS_TMA=stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma and not config.kv_group))
+                   DBIAS_TMA=stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma and not config.kv_group
+                                                 and not transposed_backward(config, head_dim, arch)))
         own.update(_swizzle_padding(head_dim))
         own.update({name: True for name, on in (("HAS_WINDOW", window), ("PACKED", packed),
-                                                ("BWD_KV_GROUP", config.kv_group)) if on})
+                                                ("BWD_KV_GROUP", config.kv_group),
+                                                ("DKV_TRANSPOSED", transposed_backward(config, head_dim, arch))) if on})
     else:
         own = dict(DKDV_BLOCK_M=config.block_m, DQ_BLOCK_N=config.block_n_dq, WGMMA=uses_wgmma(config, head_dim, arch))
     return defines(element_name(dtype), head_dim, config.num_warps, config.num_stages,
