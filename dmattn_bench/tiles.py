@@ -76,11 +76,17 @@ CUDA_DEFAULTS = (
 # w4 (`python -m benchmarks cuda-bwd-ws-check time`, 2026-11-27). Both kernels won every D80 and
 # D96 key of the H200 sweep, both directions, over the mma.sync defaults and every Triton
 # candidate (`results/tune/h200-sweep-swizzled.json`: 2.60x over the defaults, 2026-11-30).
+# Head dims 136-192 run the warp-specialized backward's transposed layout (`transposed_backward`):
+# it won both D192 keys of the H200 sweep over every Triton and CUDA candidate, 64x96 w12 s1 at
+# 3.016 ms causal and 5.040 ms not (bf16 B4 H16 gqa4 L4096), 2.34x and 2.66x the tables' choices
+# (`results/tune/h200-sweep-d192.json`, 2026-11-30).
 CUDA_SM90_DEFAULTS = (
     (64, (FwdConfig(64, 128, 4, 2), FwdConfig(64, 64, 4, 2)),
      (BwdConfig(128, 64, 64, 64, 4, 2), BwdConfig(64, 64, 64, 64, 4, 2))),
     (128, (FwdConfig(128, 128, 12, 2), FwdConfig(128, 128, 8, 2)),
      (BwdConfig(64, 128, 64, 128, 12, 2), BwdConfig(64, 64, 64, 64, 4, 2), BwdConfig(32, 64, 64, 32, 4, 2))),
+    (192, (FwdConfig(128, 64, 8, 2), FwdConfig(64, 32, 4, 2)),
+     (BwdConfig(64, 96, 64, 96, 12, 1), BwdConfig(32, 64, 64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1))),
     (256, (FwdConfig(128, 64, 8, 2), FwdConfig(64, 32, 4, 2)),
      (BwdConfig(32, 64, 64, 32, 4, 1), BwdConfig(16, 64, 64, 16, 4, 1))),
 )

@@ -500,7 +500,9 @@ def test_the_sm90_defaults_run_wgmma_where_it_pays_and_fit_hopper():
         assert shared_memory.shared_bytes(fwds[0], high, "sm90") <= limit
         assert shared_memory.shared_bytes(bwds[0], high, "sm90") <= limit
         assert rules.uses_wgmma(fwds[0], high, "sm90") or rules.warp_specialized(fwds[0], high, "sm90")
-        assert rules.uses_wgmma(bwds[0], high, "sm90") == (high <= rules.WGMMA_BWD_MAX_HEAD_DIM)
+        # wgmma (D136-D192 in the warp-specialized backward's transposed layout) up to 192
+        assert (rules.uses_wgmma(bwds[0], high, "sm90")
+                or rules.backward_warp_specialized(bwds[0], high, "sm90")) == (high <= rules.TRANSPOSED_BWD_COLUMNS)
     # a class's defaults run every head dim in it (the warp-specialized kernels D72-D128 on D128's tiles)
     low = 8
     for high, fwds, bwds in CUDA_SM90_DEFAULTS:

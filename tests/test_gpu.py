@@ -227,6 +227,29 @@ def test_the_warp_specialized_backward_passes_the_full_suite(dtype, config, reco
                    record_property)
 
 
+TRANSPOSED_BACKWARD_CONFIGS = {"bwd64x96w12s1": BwdConfig(64, 96, 64, 96, 12, 1),
+                               "bwd64x64w12s2": BwdConfig(64, 64, 64, 64, 12, 2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", list(TRANSPOSED_BACKWARD_CONFIGS), ids=list(TRANSPOSED_BACKWARD_CONFIGS))
+def test_the_transposed_backward_passes_the_full_suite(dtype, config, record_property):
+    """The warp-specialized backward's transposed layout (DKV_TRANSPOSED, head dims 129-192) alone,
+    every case of the full suite moved to D192 and to D160 (on D192's tiles, TMA filling the
+    columns past 160 with zeros): masks and biases of every layout read from global memory, dBias
+    of query rows and per key (summed across a consumer's warps), softcap, GQA's fp32 shares,
+    dead rows, Lq != Lk, and keys past the last block's end."""
+    from dmattn_kernels.cuda import arch_of, backward_warp_specialized
+
+    bwd = TRANSPOSED_BACKWARD_CONFIGS[config]
+    if not backward_warp_specialized(bwd, 192, arch_of(torch.device("cuda"))):
+        pytest.skip("the warp-specialized backward runs on SM90 only")
+    cases = [replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim)
+             for case in config_suite("cuda", "full", None, bwd) for head_dim in (160, 192)]
+    _assert_all_ok(cases, [check_case(get_backend("cuda"), case, dtype, "cuda", None, bwd) for case in cases],
+                   record_property)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("config", list(KV_GROUP_CONFIGS), ids=list(KV_GROUP_CONFIGS))
 def test_the_kv_group_backward_passes_the_full_suite(dtype, config, record_property):

@@ -23,6 +23,11 @@
 #       tune's entries replace the table's: Triton's candidates compete again; BUDGET, default 2m,
 #       each backend's), into OUT/<table>; then the sweep bench of those rows on that table
 #       (OUT/h200-sweep-d96.*).
+#   bash benchmarks/ship/h200_sweep.sh OUT d192  # the GPU tier's transposed-backward suites (D160,
+#       D192; bf16 and fp16), then the `sweep-d192` grid's backward tuned again, both backends, every
+#       candidate (--exhaustive: the transposed configs have no journal to rank them by; BUDGET,
+#       default 4m, each backend's), into OUT/<table>; then that table's D192 backward entries
+#       verified with the full suite in bf16 and fp16 (OUT/verify-d192-{bf16,fp16}.txt).
 #   bash benchmarks/ship/h200_sweep.sh OUT verify  # the working tree's table verified in bf16 with
 #       the full suite, its CUDA entries on GPU 0 and the rest (Triton, decode) on GPU 1 at once:
 #       OUT/verify-{cuda,triton}-bf16.txt (VERIFY_LIMIT, default 540 s, each).
@@ -77,6 +82,30 @@ elif [ "$step" = swizzled ]; then
       --format json > "$work/bench-1.json" 2> "$work/bench.txt"
     echo "bench rc $?"
     bash benchmarks/ship/bench_report.sh "$work" "$out/h200-sweep-d96" | grep -A6 "^Against each peer"
+  fi
+elif [ "$step" = d192 ]; then
+  start=$SECONDS
+  DMATTN_TEST_GPU=1 timeout "${TIER_LIMIT:-240}" python3 -m pytest -q -m gpu tests/test_gpu.py -k transposed_backward \
+    -n 8 -p no:cacheprovider > "$out/gpu-tier-transposed.txt" 2>&1
+  echo "GPU tier rc $? in $((SECONDS - start)) s: $(tail -1 "$out/gpu-tier-transposed.txt")"
+  start=$SECONDS
+  timeout "${TUNE_LIMIT:-300}" dmattn-bench tune --workloads configs/workloads/default.yaml --grid sweep-d192 \
+    --backend all --space configs/space/cuda-bwd.yaml --space configs/space/triton-bwd.yaml --exhaustive \
+    --budget "${BUDGET:-4m}" --suite full --merge "results/tables/$name" --out "$out/$name" --format json \
+    > "$out/d192-tune.json" 2> "$work/d192-tune.txt"
+  echo "tune rc $? in $((SECONDS - start)) s"; tail -4 "$work/d192-tune.txt"
+  [ -f "$out/$name.trials.jsonl" ] && gzip -f "$out/$name.trials.jsonl"
+  if [ -s "$out/$name" ]; then
+    # a table of its D192 backward entries alone
+    python3 -c 'import sys, yaml; t = yaml.safe_load(open(sys.argv[1])); t["entries"] = [e for e in t["entries"]
+if e["key"]["head_dim"] == 192 and e["key"]["direction"] == "bwd"]; yaml.safe_dump(t, open(sys.argv[2], "w"),
+sort_keys=False); print(len(t["entries"]), "D192 backward entries")' "$out/$name" "$work/d192.yaml"
+    for dtype in bf16 fp16; do
+      start=$SECONDS
+      timeout "${VERIFY_LIMIT:-100}" dmattn-bench verify --table "$work/d192.yaml" --dtype $dtype --suite full \
+        > "$out/verify-d192-$dtype.txt" 2> "$work/verify-$dtype.log"
+      echo "verify $dtype rc $? in $((SECONDS - start)) s: $(tail -1 "$work/verify-$dtype.log")"
+    done
   fi
 elif [ "$step" = verify ]; then
   for part in cuda:0 triton:1; do
