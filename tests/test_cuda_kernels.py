@@ -423,6 +423,82 @@ def test_the_warp_specialized_backward_at_d96_builds_as_d128_does(cubin_cache):
         assert narrow_usage[2] == "0"  # no local memory (spills)
 
 
+TRANSPOSED_BWD = BwdConfig(64, 96, 64, 96, 12, 1)
+
+
+def test_head_dims_129_to_192_run_the_transposed_backward_and_only_there():
+    """block_n 64 or 96 on 12 warps names the warp-specialized backward's transposed layout, on
+    tiles of 192 columns (D136-D184 padded, TMA filling the rest with zeros); elsewhere it is
+    refused with a reason, as are a KV group, a window and packed sequences, and the regular
+    shapes stop at 128. Its variant stages nothing and stores dBias itself."""
+    def shape(head_dim):
+        return AttentionShape(2, 128, 128, 4, 1, head_dim, True, True, True, True)
+
+    for config in (TRANSPOSED_BWD, BwdConfig(64, 64, 64, 64, 12, 2)):
+        for head_dim in (136, 160, 184, 192):
+            assert rules.is_supported(config, shape(head_dim)) is None
+            assert rules.transposed_backward(config, head_dim, "sm90")
+            assert rules.backward_warp_specialized(config, head_dim, "sm90")
+            assert rules.tile_columns(config, head_dim, "sm90") == 192
+        for head_dim in (64, 128, 200, 256):
+            assert "runs head dims 129-192" in rules.is_supported(config, shape(head_dim))
+            assert not rules.backward_warp_specialized(config, head_dim, "sm90")
+        assert not rules.transposed_backward(config, 192, "sm80")
+        assert "sm90 only" in rules.arch_reason(config, 192, "sm80")
+        for feature in ("a sliding window", "a packed call"):
+            assert "transposed" in variants.backward_feature_reason(config, 192, "sm90", feature)
+    assert "kv_group=1 is not a knob" in rules.is_supported(replace(TRANSPOSED_BWD, kv_group=1), shape(192))
+    assert "block_n in (64, 96) on 12 warps" in rules.is_supported(WS_BWD, shape(192))
+    flags = variants.backward_variant(TRANSPOSED_BWD, 160, torch.bfloat16, torch.bfloat16, arch="sm90",
+                                      is_causal=True, has_mask=True, softcap=0.0, group=4,
+                                      dbias=(True, torch.bfloat16))
+    for flag in ("-DDKV_TRANSPOSED=1", "-DSWIZZLE_PADDED=1", "-DSCORE_STAGES=0", "-DMASK_TILES=0", "-DBIAS_TILES=0",
+                 "-DDBIAS_TMA=0", "-DDKV_FP32=1"):
+        assert flag in flags
+    assert variants.backward_staging(TRANSPOSED_BWD, 192, True, torch.bfloat16, shared_memory.TILES_OF_ROWS,
+                                     shared_memory.TILES_OF_ROWS) == (0, 0, 0)
+    assert not any("DKV_TRANSPOSED" in flag for flag in variants.backward_variant(
+        WS_BWD, 128, torch.bfloat16, None, arch="sm90", is_causal=True, has_mask=False, softcap=0.0, group=1,
+        dbias=None))
+
+
+def test_the_transposed_backward_fits_hopper_with_one_ring_slot_of_96_keys():
+    """Its shared memory (flash_bwd_ws.cu's layout: K and V, the Q and dO ring, two dS^T tiles and
+    the P^T tile, one fp32 dQ share, lse and delta) fits an SM90 block for 96 keys with one ring
+    slot and for 64 keys with two, not for 96 keys with two."""
+    from dmattn_bench.hardware import ARCH_LIMITS
+
+    limit = ARCH_LIMITS["sm90"].shared_memory_per_block
+    tiles = (2 * 96 + 2 * 64) * 192 * 2 + 3 * 64 * 96 * 2
+    assert shared_memory.backward_shared_bytes(TRANSPOSED_BWD, 192, "sm90")["ws"] == (
+        tiles + 64 * 192 * 4 + 2 * 64 * 4 + shared_memory.SWIZZLE_SLACK)
+    assert shared_memory.backward_shared_bytes(TRANSPOSED_BWD, 192, "sm90")["ws"] <= limit
+    assert shared_memory.backward_shared_bytes(BwdConfig(64, 64, 64, 64, 12, 2), 192, "sm90")["ws"] <= limit
+    assert shared_memory.backward_shared_bytes(replace(TRANSPOSED_BWD, num_stages=2), 192, "sm90")["ws"] > limit
+
+
+@needs_nvcc
+def test_the_transposed_backward_builds_without_local_memory(cubin_cache):
+    """nvcc builds the transposed layout's variants (96 and 64 keys; dense, and a mask with a
+    bias and dBias of rows or per key under GQA) with no local memory: two consumers keep dK^T and
+    dV^T of 48 keys x 192 columns (144 registers) in the 240 each is given."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    for config, features in (
+            (TRANSPOSED_BWD, dict(has_mask=False, bias_dtype=None, group=1, dbias=None)),
+            (BwdConfig(64, 64, 64, 64, 12, 2), dict(has_mask=False, bias_dtype=None, group=1, dbias=None)),
+            (TRANSPOSED_BWD, dict(has_mask=True, bias_dtype=torch.bfloat16, group=1, dbias=(True, torch.bfloat16))),
+            (TRANSPOSED_BWD, dict(has_mask=True, bias_dtype=torch.float32, group=4, dbias=(False, torch.float32)))):
+        bias_dtype = features.pop("bias_dtype")
+        flags = variants.backward_variant(config, 192, torch.bfloat16, bias_dtype, arch="sm90", is_causal=True,
+                                          softcap=0.0, **features)
+        text = subprocess.run([str(cuobjdump), "-res-usage", str(build.build("bwd_ws", "sm90", flags))],
+                              capture_output=True, text=True, check=True).stdout
+        found = re.search(r"Function dmattn_bwd_ws_kernel:\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+        assert found and found.group(3) == "0", (config, features, text)
+
+
 def test_the_warp_specialized_backward_zeroes_the_dq_sums_of_tiles_no_key_block_visits():
     """Block n walks query tiles from (n x block_n - (Lk - Lq)) // 64 on (flash_bwd_ws.cu's m_begin):
     the tiles before block 0's start are visited by none, and exactly those hold only rows that
