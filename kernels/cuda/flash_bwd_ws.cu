@@ -86,6 +86,17 @@
 // tiles and dBias by TMA are not taken (their rings and stores are per query head): a mask or
 // bias of query rows is read from global memory.
 //
+// Transposed dK/dV (DKV_TRANSPOSED; tiles of 192 columns, D136-D192): 64 keys x 192 columns of
+// dK and dV would take 192 accumulator registers a thread and spill, so the block's BLOCK_N (64
+// or 96) keys are split between its two consumers instead, each holding dK^T and dV^T of its
+// own (the head dim as the m of their products, its keys as the n: 144 registers at 48 keys), as
+// FlashAttention-3's hdim-192 backward does. S and dP come as rows of queries; P and dS reach
+// the dV^T and dK^T products through shared memory, stored transposed; dQ is summed by 64-column
+// blocks (`transposed_consumer`). The ring has STAGES slots (96 keys fit one), the dQ share one
+// buffer; no window, packed sequences or KV group, and the mask and bias come from global memory
+// (H200, bf16 B4 H16 GQA 4 L4096 D192: the whole backward 3.02 ms causal, 5.01 not, against
+// 7.07 and 13.51 ms on D256's tiles; `python -m benchmarks cuda-bwd-transposed-check`).
+//
 // Layouts: TMA writes each 64-column block of a tile as 128-byte rows in the 128-byte swizzle
 // (sm90.cuh); rows past Lq or Lk and columns past HEAD_DIM arrive as zeros. The maps
 // (`dmattn_kernels.cuda.backward`, per call) describe q and dO as (D, Lq, H, B), k and v as
@@ -94,8 +105,8 @@
 // so each warp's store fills 256 contiguous bytes (the dQ kernel reads rows and columns back).
 //
 // Compile-time parameters: those of common.cuh (WGMMA 1), BLOCK_M, BLOCK_N, SCORE_STAGES,
-// MASK_TILES, BIAS_TILES, DBIAS_TMA, and flash_bwd.cu's HAS_DBIAS, DBIAS_ROWS, DBIAS_FP32 and
-// DKV_FP32.
+// MASK_TILES, BIAS_TILES, DBIAS_TMA, HAS_WINDOW, PACKED, BWD_KV_GROUP, DKV_TRANSPOSED, and
+// flash_bwd.cu's HAS_DBIAS, DBIAS_ROWS, DBIAS_FP32 and DKV_FP32.
 
 #include <cuda.h>  // CUtensorMap
 
