@@ -340,6 +340,11 @@ __device__ __forceinline__ void transposed_consumer(const BwdWsParams& p, const 
       uint32_t p_frag[KEY_TILES / 2][4];
 #pragma unroll
       for (int kk = 0; kk < KEY_TILES / 2; ++kk) accumulator_to_a(p_frag[kk], s, kk);
+#if STAGES > 1
+      // the last step's dV^T product of every warp of the consumer has read P^T (with one ring
+      // slot, the wait for this tile's Q and dO came after every consumer thread's release)
+      group_sync();
+#endif
       store_transposed(pt_smem, p_frag);
       fence_async_shared();
       group_sync();  // the consumer's P^T rows are in

@@ -254,13 +254,13 @@ def _warp_specialized_backward_reason(config: BwdConfig, head_dim: int) -> str |
     if _is_transposed_shape(config):
         if columns != TRANSPOSED_BWD_COLUMNS:
             return (f"{config.block_n} keys on {config.num_warps} warps is the transposed warp-specialized backward, "
-                    f"which runs head dims 129-{TRANSPOSED_BWD_COLUMNS} (head_dim={head_dim})")
+                    f"which runs head dims 136-{TRANSPOSED_BWD_COLUMNS} (head_dim={head_dim})")
         if config.kv_group:
-            return "kv_group=1 is not a knob of the transposed warp-specialized backward (head dims 129-192)"
+            return "kv_group=1 is not a knob of the transposed warp-specialized backward (head dims 136-192)"
         return _stages_reason(config)
     if columns not in (64, 128):
         return (f"head_dim={head_dim} is over {WGMMA_BWD_MAX_HEAD_DIM} (warp-specialized backward: tiles of 64 or "
-                f"128 columns; head dims 129-{TRANSPOSED_BWD_COLUMNS} run block_n in {TRANSPOSED_BWD_BLOCK_N} on "
+                f"128 columns; head dims 136-{TRANSPOSED_BWD_COLUMNS} run block_n in {TRANSPOSED_BWD_BLOCK_N} on "
                 f"{TRANSPOSED_BWD_WARPS} warps)")
     if not _splits_head_dim(config, head_dim):
         return (f"head_dim={head_dim} runs on tiles of {columns} columns, which do not split into 64-column blocks "

@@ -87,10 +87,10 @@ def forward_packed_reason(config: FwdConfig, head_dim: int, arch: str | None) ->
 def backward_feature_reason(config: BwdConfig, head_dim: int, arch: str | None, feature: str) -> str | None:
     """Why `config`'s CUDA backward runs no call with `feature` ("a sliding window", "a packed
     call") on `arch`, or None: only the warp-specialized backward walks a window's query tiles
-    and a sequence's keys (flash_bwd_ws.cu), and not in its transposed layout (head dims 129-192)."""
+    and a sequence's keys (flash_bwd_ws.cu), and not in its transposed layout (head dims 136-192)."""
     if transposed_backward(config, head_dim, arch):
         return (f"{feature} does not run in the CUDA backward's transposed warp-specialized layout (head dims "
-                f"129-192: {config.to_dict()})")
+                f"136-192: {config.to_dict()})")
     if backward_warp_specialized(config, head_dim, arch):
         return None
     return (f"{feature} runs in the CUDA backward's warp-specialized kernel only (sm90, "
