@@ -1,5 +1,5 @@
 """The warp-specialized CUDA backward's transposed layout (flash_bwd_ws.cu's DKV_TRANSPOSED, head
-dims 129-192) on an SM90 GPU: the full adversarial suite, backward alone, at D192 and D160 (every
+dims 136-192) on an SM90 GPU: the full adversarial suite, backward alone, at D192 and D160 (every
 case moved there) in bf16 and fp16; then the whole backward's GPU time on the sweep's D192 rows
 (bf16 B4 H16 Hkv4 L4096, causal and not) beside the H200 table's configs and SDPA-flash's
 backward. Prints a short report.
@@ -9,19 +9,16 @@ backward. Prints a short report.
 Exits 1 when a suite case fails (before the timing).
 """
 import argparse
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
 
-from benchmarks.cuda.bwd_ws_check import kernel_times
+from benchmarks.cuda.bwd_ws_check import check_suite, kernel_times
 from dmattn_bench.bench.operators import operator
 from dmattn_bench.registry import get_backend
 from dmattn_bench.space import BwdConfig, FwdConfig, config_label
-from dmattn_bench.tuning.adversarial import build_inputs
 from dmattn_bench.tuning.timing import time_kernel
-from dmattn_bench.tuning.validator import check_case, config_suite, run_kernel
+from dmattn_bench.tuning.validator import config_suite
 
 TRANSPOSED_CONFIGS = (BwdConfig(64, 96, 64, 96, 12, 1), BwdConfig(64, 64, 64, 64, 12, 2))
 HEAD_DIMS = (192, 160)  # 160 runs on tiles of 192 (SWIZZLE_PADDED)
@@ -36,41 +33,6 @@ def suite_jobs():
     return [(bwd, replace(case, name=f"{case.name}@d{head_dim}", head_dim=head_dim), dtype)
             for bwd in TRANSPOSED_CONFIGS for case in config_suite("cuda", "full", None, bwd)
             for head_dim in HEAD_DIMS for dtype in DTYPES]
-
-
-def check_suite(cuda) -> bool:
-    """Every suite job, the variants built in parallel first; whether every case passed."""
-    jobs = suite_jobs()
-    start, errors = time.time(), []
-
-    def build(job):
-        bwd, case, dtype = job
-        try:
-            inputs = build_inputs(case, dtype, "cuda", 0)
-            stand_in = (torch.empty_like(inputs.q), torch.empty(inputs.q.shape[0], inputs.q.shape[2],
-                                                                inputs.q.shape[1], device="cuda"))
-            with cuda.compile_only():
-                run_kernel(cuda, inputs, case, None, bwd, forward=stand_in)
-        except Exception as exc:  # noqa: BLE001
-            errors.append(f"{case.name}: {type(exc).__name__}: {str(exc)[:200]}")
-
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(build, jobs))
-    print(f"built the variants of {len(jobs)} case runs in {time.time() - start:.0f} s, {len(errors)} errors", flush=True)
-    for error in sorted(set(errors))[:5]:
-        print("  ", error)
-    worst, fails, start = {}, [], time.time()
-    for bwd, case, dtype in jobs:
-        result = check_case(cuda, case, dtype, "cuda", None, bwd)
-        if result.status not in ("ok", "unsupported"):
-            fails.append(f"{config_label(bwd)} {str(dtype)[6:]} {case.name}: {result.status} {result.reason[:160]}")
-        for name, check in result.checks.items():
-            worst[name] = max(worst.get(name, 0.0), check.ratio)
-    print(f"suite: {len(jobs)} case runs in {time.time() - start:.0f} s, {len(fails)} not ok; worst error/bound "
-          + ", ".join(f"{n} {r:.3f}" for n, r in sorted(worst.items())), flush=True)
-    for line in fails[:25]:
-        print("  FAIL", line)
-    return not fails
 
 
 def time_d192() -> None:
@@ -126,7 +88,7 @@ def time_d192() -> None:
 
 
 @operator("cuda-bwd-transposed-check",
-          help="Transposed warp-specialized CUDA backward (D129-192): the full suite, then the D192 sweep rows' timing")
+          help="Transposed warp-specialized CUDA backward (D136-D192): the full suite, then the D192 sweep rows' timing")
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", choices=("suite", "time", "all"), default="all",
@@ -135,6 +97,6 @@ def main(argv: list[str]) -> int:
     print(torch.cuda.get_device_name(), flush=True)
     if what in ("time", "all"):
         time_d192()
-    if what in ("suite", "all") and not check_suite(get_backend("cuda")):
+    if what in ("suite", "all") and not check_suite(get_backend("cuda"), suite_jobs()):
         return 1
     return 0

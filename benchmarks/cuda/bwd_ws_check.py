@@ -24,11 +24,12 @@ WS_CONFIGS = (BwdConfig(64, 128, 64, 128, 12, 2), BwdConfig(64, 64, 64, 64, 8, 2
 DTYPES = (torch.bfloat16, torch.float16)
 
 
-def check_suite(cuda) -> bool:
-    """The suite of each warp-specialized config in both dtypes, the variants built in parallel
-    first; whether every case passed."""
-    jobs = [(bwd, case, dtype) for bwd in WS_CONFIGS for case in config_suite("cuda", "full", None, bwd)
-            for dtype in DTYPES]
+def check_suite(cuda, jobs=None) -> bool:
+    """The suite of each warp-specialized config in both dtypes, or the (config, case, dtype)
+    `jobs` given, the variants built in parallel first; whether every case passed."""
+    if jobs is None:
+        jobs = [(bwd, case, dtype) for bwd in WS_CONFIGS for case in config_suite("cuda", "full", None, bwd)
+                for dtype in DTYPES]
     start, errors = time.time(), []
 
     def build(job):  # every variant the suite needs, nvcc in parallel processes

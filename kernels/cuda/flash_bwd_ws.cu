@@ -219,6 +219,23 @@ __device__ __forceinline__ void transposed_dq_product(float (&dq)[SWIZZLE_COLS /
                                                      mn_major(k_columns, BLOCK_N, first_step + kk), kk > 0);
 }
 
+// acc (dK^T or dV^T: BLOCK_D x a consumer's keys, in 64-column blocks of the head dim) += A^T B,
+// issued and committed: A the query tile `queries` (Q or dO; MN-major, the transpose flag), B the
+// consumer's rows of a transposed tile (dS^T or P^T: rows are keys, K-major).
+__device__ __forceinline__ void add_transposed_product(float (&acc)[BLOCK_D / SWIZZLE_COLS][CONSUMER_KEYS / 8][4],
+                                                       const elem_t* queries, const elem_t* keys_tile, int group_key0) {
+#pragma unroll
+  for (int b = 0; b < BLOCK_D / SWIZZLE_COLS; ++b) touch(acc[b]);
+  wgmma_fence();
+#pragma unroll
+  for (int b = 0; b < BLOCK_D / SWIZZLE_COLS; ++b)
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+      WgmmaTransposed<CONSUMER_KEYS>::template ss<1, 0>(acc[b], mn_major(queries + b * BLOCK_M * SWIZZLE_COLS, BLOCK_M, kk),
+                                                        k_major(keys_tile, BLOCK_N, group_key0, kk), 1);
+  wgmma_commit();
+}
+
 // Where a consumer thread's pair (d, r) of column block `column_block` goes in the dQ share: the
 // fragment order the dQ kernel reads, as if consumer c had computed columns [c DQ_COLS, +
 // DQ_COLS) (the pair of row 16 w4 + g + 8 r, columns 8 n8 + 2 t at float2 (2 (n8 % (DQ_COLS / 8))
@@ -348,17 +365,7 @@ __device__ __forceinline__ void transposed_consumer(const BwdWsParams& p, const 
       store_transposed(pt_smem, p_frag);
       fence_async_shared();
       group_sync();  // the consumer's P^T rows are in
-#pragma unroll
-      for (int b = 0; b < COLUMN_BLOCKS; ++b) touch(dvt_acc[b]);
-      wgmma_fence();
-#pragma unroll
-      for (int b = 0; b < COLUMN_BLOCKS; ++b)
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-          WgmmaTransposed<CONSUMER_KEYS>::template ss<1, 0>(
-              dvt_acc[b], mn_major(do_tile + b * BLOCK_M * SWIZZLE_COLS, BLOCK_M, kk),
-              k_major(pt_smem, BLOCK_N, group_key0, kk), 1);
-      wgmma_commit();
+      add_transposed_product(dvt_acc, do_tile, pt_smem, group_key0);  // dV^T += dO^T P
       if (!HAS_SOFTCAP) {
         wgmma_wait<1>();  // dP is in; dV^T's product runs on
         touch(dp);
@@ -379,17 +386,7 @@ __device__ __forceinline__ void transposed_consumer(const BwdWsParams& p, const 
     store_transposed(ds_tile, ds_frag);
     fence_async_shared();
     consumers_sync();  // every consumer's dS^T is in
-#pragma unroll
-    for (int b = 0; b < COLUMN_BLOCKS; ++b) touch(dkt_acc[b]);
-    wgmma_fence();
-#pragma unroll
-    for (int b = 0; b < COLUMN_BLOCKS; ++b)
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-        WgmmaTransposed<CONSUMER_KEYS>::template ss<1, 0>(
-            dkt_acc[b], mn_major(q_tile + b * BLOCK_M * SWIZZLE_COLS, BLOCK_M, kk),
-            k_major(ds_tile, BLOCK_N, group_key0, kk), 1);
-    wgmma_commit();
+    add_transposed_product(dkt_acc, q_tile, ds_tile, group_key0);  // dK^T += Q^T dS
     float dq_own[SWIZZLE_COLS / 8][4], dq_half[SWIZZLE_COLS / 8][4];  // column block `group`; block 2, own keys
     transposed_dq_product<BLOCK_N / 16>(dq_own, ds_tile, k_smem, group, 0);
     transposed_dq_product<CONSUMER_KEYS / 16>(dq_half, ds_tile, k_smem, 2, group_key0 / 16);
