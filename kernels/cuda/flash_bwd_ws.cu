@@ -257,8 +257,8 @@ __device__ __forceinline__ int transposed_share_index(int column_block, int d, i
 // group_first_key + 8 n + 2 t + c % 2. Of dK^T and dV^T block b: column 64 b + 16 w4 + g + 8 (c / 2),
 // the same key.
 template <typename TileAt>
-__device__ __forceinline__ void transposed_consumer(const BwdWsParams& p, const BwdParams& bwd, const HeadSlices& at,
-                                                    const ScoreRule& rule, int n_block, int steps, TileAt tile_at,
+__device__ __forceinline__ void transposed_consumer(const BwdParams& bwd, const HeadSlices& at, const ScoreRule& rule,
+                                                    int n_block, int steps, TileAt tile_at,
                                                     const elem_t* k_smem, const elem_t* v_smem, const elem_t* q_smem,
                                                     const elem_t* do_smem, elem_t* ds_smem, elem_t* pt_smem,
                                                     float* dq_smem, const float* lse_smem, const float* delta_smem,
@@ -289,7 +289,7 @@ __device__ __forceinline__ void transposed_consumer(const BwdWsParams& p, const 
     asm volatile("bar.sync %0, %1;\n" :: "r"(2 + group), "n"(GROUP_WARPS * 32) : "memory");
   };
   // consumer 0's half of dQ block 2 is in the share before consumer 1 adds its own (named barrier 4)
-  auto half_sync = [&](int group) {
+  auto half_sync = [&] {
     if (group == 0)
       asm volatile("bar.arrive 4, %0;\n" :: "n"(CONSUMER_THREADS) : "memory");
     else
@@ -411,7 +411,7 @@ __device__ __forceinline__ void transposed_consumer(const BwdWsParams& p, const 
         if (group == 0)  // block 2's first half; consumer 1 adds the second at the same positions
           share[transposed_share_index(2, d, r, w4, lane)] = make_float2(dq_half[d][2 * r], dq_half[d][2 * r + 1]);
       }
-    half_sync(group);
+    half_sync();
     if (group == 1) {
 #pragma unroll
       for (int d = 0; d < SWIZZLE_COLS / 8; ++d)
@@ -737,7 +737,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
   // -- consumers --
   registers_claim<CONSUMER_REGISTERS>();
 #if DKV_TRANSPOSED
-  transposed_consumer(p, bwd, at, rule, n_block, steps, tile_at, k_smem, v_smem, q_smem, do_smem, ds_smem, pt_smem,
+  transposed_consumer(bwd, at, rule, n_block, steps, tile_at, k_smem, v_smem, q_smem, do_smem, ds_smem, pt_smem,
                       dq_smem, lse_smem, delta_smem, &kv_full, full, empty, dq_full, dq_empty);
 #else
   const int warp = threadIdx.x / 32 - GROUP_WARPS, lane = threadIdx.x % 32;  // warp among the consumers
