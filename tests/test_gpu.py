@@ -234,7 +234,7 @@ TRANSPOSED_BACKWARD_CONFIGS = {"bwd64x96w12s1": BwdConfig(64, 96, 64, 96, 12, 1)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("config", list(TRANSPOSED_BACKWARD_CONFIGS), ids=list(TRANSPOSED_BACKWARD_CONFIGS))
 def test_the_transposed_backward_passes_the_full_suite(dtype, config, record_property):
-    """The warp-specialized backward's transposed layout (DKV_TRANSPOSED, head dims 129-192) alone,
+    """The warp-specialized backward's transposed layout (DKV_TRANSPOSED, head dims 136-192) alone,
     every case of the full suite moved to D192 and to D160 (on D192's tiles, TMA filling the
     columns past 160 with zeros): masks and biases of every layout read from global memory, dBias
     of query rows and per key (summed across a consumer's warps), softcap, GQA's fp32 shares,

@@ -18,7 +18,7 @@ from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arc
 from dmattn_kernels.cuda.forward import kernel_window_sides, section_slices, sequence_fields
 from dmattn_kernels.cuda.params import BwdParams, WindowedBwdParams, bwd_ws_params_type, inputs, with_window
 from dmattn_kernels.cuda.rules import (backward_kernel, check_aligned, check_arch, check_config, check_query,
-                                       tile_columns, transposed_backward)
+                                       tile_columns)
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_ROWS, backward_shared_bytes
 from dmattn_kernels.cuda.variants import (backward_packed_reason, backward_staging, backward_variant, staged_tiles,
                                           stores_dbias_by_tma)
@@ -115,9 +115,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
         staging = backward_staging(config, head_dim, mask is not None, bias_dtype, staged_tiles(mask, seqlen_q),
                                    staged_tiles(bias, seqlen_q))
     target_kind = None if layout is None else (layout[1], dbias.dtype if layout[2] else torch.float32)
-    # a TMA store needs the target in place (`_dbias_layout`), on 16-byte boundaries, and a CTA per query head
-    target_allows = (layout is not None and layout[2] and staged_tiles(dbias, seqlen_q) == TILES_OF_ROWS
-                     and not config.kv_group and not transposed_backward(config, head_dim, arch))
+    # a TMA store needs the target in place (`_dbias_layout`) and on 16-byte boundaries
+    target_allows = layout is not None and layout[2] and staged_tiles(dbias, seqlen_q) == TILES_OF_ROWS
     flags = backward_variant(config, head_dim, q.dtype, bias_dtype, arch=arch, is_causal=is_causal,
                              has_mask=mask is not None, softcap=softcap, group=group, dbias=target_kind,
                              mask_tiles=staging[1], bias_tiles=staging[2], dbias_tma=target_allows,
@@ -125,7 +124,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, bias, *, is_causal: bool, 
     launcher = Launcher(source, q.device, flags)
     if is_compile_only():
         return
-    stored_by_tma = source == "bwd_ws" and stores_dbias_by_tma(target_kind, q.dtype, softcap, target_allows)
+    stored_by_tma = source == "bwd_ws" and stores_dbias_by_tma(config, head_dim, arch, target_kind, q.dtype, softcap,
+                                                               target_allows)
     target = None
     if stored_by_tma:  # the warp-specialized kernel writes every element, the zeros the causal rule skips too
         target = dbias

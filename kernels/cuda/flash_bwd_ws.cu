@@ -275,6 +275,13 @@ __device__ __forceinline__ void transposed_consumer(const BwdParams& bwd, const 
   float dbias_sum[KEY_TILES][2] = {};  // per key, this thread's rows summed (HAS_DBIAS, !DBIAS_ROWS)
   dbias_t* dbias = HAS_DBIAS ? bwd.dbias + at.batch * bwd.dbias_stride[0] + at.head * bwd.dbias_stride[1] : nullptr;
   auto key_of = [&](int n, int c) { return group_first_key + 8 * n + 2 * t + c % 2; };
+  // dBias of one position (the other consumers' rule: stored, or summed per key)
+  auto add_dbias = [&](float value, int row, int n, int c) {
+    const int key = key_of(n, c);
+    if (HAS_DBIAS && DBIAS_ROWS && row < in.seqlen_q && key < in.seqlen_k)
+      dbias[row * bwd.dbias_stride[2] + key * bwd.dbias_stride[3]] = static_cast<dbias_t>(value);
+    if (HAS_DBIAS && !DBIAS_ROWS) dbias_sum[n][c % 2] += value;
+  };
   // a fragment of this consumer's keys (rows = queries) into a BLOCK_N x BLOCK_M tile whose rows
   // are keys: matrix i of k-step kk holds queries 16 w4 + 8 (i % 2) .. + 7 of keys
   // 16 kk + 8 (i / 2) .. + 7, stored transposed
@@ -349,9 +356,7 @@ __device__ __forceinline__ void transposed_consumer(const BwdParams& bwd, const 
           s[n][c] = prob;
           if (HAS_SOFTCAP) {
             dp[n][c] = ds;
-            if (HAS_DBIAS && DBIAS_ROWS && row < in.seqlen_q && key < in.seqlen_k)
-              dbias[row * bwd.dbias_stride[2] + key * bwd.dbias_stride[3]] = static_cast<dbias_t>(dbias_value);
-            if (HAS_DBIAS && !DBIAS_ROWS) dbias_sum[n][c % 2] += dbias_value;
+            add_dbias(dbias_value, row, n, c);
           }
         }
       uint32_t p_frag[KEY_TILES / 2][4];
@@ -373,11 +378,8 @@ __device__ __forceinline__ void transposed_consumer(const BwdParams& bwd, const 
         for (int n = 0; n < KEY_TILES; ++n)
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
-            const int row = row_of(c), key = key_of(n, c);
             dp[n][c] = s[n][c] * (dp[n][c] - (c / 2 ? delta.y : delta.x));
-            if (HAS_DBIAS && DBIAS_ROWS && row < in.seqlen_q && key < in.seqlen_k)
-              dbias[row * bwd.dbias_stride[2] + key * bwd.dbias_stride[3]] = static_cast<dbias_t>(dp[n][c]);
-            if (HAS_DBIAS && !DBIAS_ROWS) dbias_sum[n][c % 2] += dp[n][c];
+            add_dbias(dp[n][c], row_of(c), n, c);
           }
       }
 #pragma unroll

@@ -14,11 +14,16 @@ TRANSPOSED_WIDTHS = (32, 48, 64, 128)
 HEADER = Path(__file__).with_name("wgmma.cuh")
 
 
-def wrapper(n: int) -> str:
+def accumulators(n: int) -> tuple[str, str, int]:
+    """An m64nNk16's accumulator operands: their %-list, their output constraints, and the index
+    of the first input operand after them."""
     count = n // 2
-    regs = ", ".join(f"%{i}" for i in range(count))
-    outs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(count))
-    a = count  # first input operand
+    return (", ".join(f"%{i}" for i in range(count)),
+            ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(count)), count)
+
+
+def wrapper(n: int) -> str:
+    regs, outs, a = accumulators(n)  # a: the first input operand
     return f"""
 template <>
 struct Wgmma<{n}> {{
@@ -48,10 +53,7 @@ struct Wgmma<{n}> {{
 
 
 def transposed_wrapper(n: int) -> str:
-    count = n // 2
-    regs = ", ".join(f"%{i}" for i in range(count))
-    outs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(count))
-    a = count
+    regs, outs, a = accumulators(n)
     return f"""
 template <>
 struct WgmmaTransposed<{n}> {{

@@ -100,10 +100,9 @@ def transposed_backward(config: BwdConfig, head_dim: int, arch: str | None) -> b
             and swizzled_head_dim(head_dim) == TRANSPOSED_BWD_COLUMNS)
 
 
-def _is_transposed_shape(config: FwdConfig | BwdConfig) -> bool:
+def _is_transposed_shape(config: BwdConfig) -> bool:
     """The transposed backward's tile shape, on any arch and head dim."""
-    return (isinstance(config, BwdConfig) and config.block_n in TRANSPOSED_BWD_BLOCK_N
-            and config.num_warps == TRANSPOSED_BWD_WARPS)
+    return config.block_n in TRANSPOSED_BWD_BLOCK_N and config.num_warps == TRANSPOSED_BWD_WARPS
 
 
 def _splits_head_dim(config: BwdConfig, head_dim: int) -> bool:

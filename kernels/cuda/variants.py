@@ -157,12 +157,14 @@ def backward_staging(config: BwdConfig, head_dim: int, has_mask: bool, bias_dtyp
     return stages, mask_tiles, bias_tiles
 
 
-def stores_dbias_by_tma(dbias: tuple[bool, torch.dtype] | None, dtype: torch.dtype, softcap: float,
-                        target_allows: bool) -> bool:
-    """Whether the warp-specialized backward stores dBias from its staged dS tiles by TMA: a
-    target with query rows in the input dtype whose layout allows (`target_allows`), and no
-    softcap (dS is dBias)."""
-    return dbias is not None and dbias[0] and dbias[1] == dtype and softcap <= 0 and target_allows
+def stores_dbias_by_tma(config: BwdConfig, head_dim: int, arch: str, dbias: tuple[bool, torch.dtype] | None,
+                        dtype: torch.dtype, softcap: float, target_allows: bool) -> bool:
+    """Whether `config`'s warp-specialized backward stores dBias from its staged dS tiles by TMA: a
+    target with query rows in the input dtype whose layout allows (`target_allows`), no softcap
+    (dS is dBias), and a CTA per query head staging its dS tiles (not `kv_group`, not the
+    transposed layout)."""
+    return (dbias is not None and dbias[0] and dbias[1] == dtype and softcap <= 0 and target_allows
+            and not config.kv_group and not transposed_backward(config, head_dim, arch))
 
 
 def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
@@ -196,8 +198,7 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
                                                           bias_tiles)
         own = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, WGMMA=True, SCORE_STAGES=stages,
                    MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles,
-                   DBIAS_TMA=stores_dbias_by_tma(dbias, dtype, softcap, dbias_tma and not config.kv_group
-                                                 and not transposed_backward(config, head_dim, arch)))
+                   DBIAS_TMA=stores_dbias_by_tma(config, head_dim, arch, dbias, dtype, softcap, dbias_tma))
         own.update(_swizzle_padding(head_dim))
         own.update({name: True for name, on in (("HAS_WINDOW", window), ("PACKED", packed),
                                                 ("BWD_KV_GROUP", config.kv_group),
