@@ -3,7 +3,8 @@ padding, sliding window), one checkout against another on the same GPU: run it o
 other checkout's packages first on PYTHONPATH (a folder holding its dmattn_bench, its kernels as
 dmattn_kernels, and its configs) and once with this one's, so both run the same tiles whatever
 table each would pick, and the second compares its outputs with the first's. From the repository
-root (`-P` keeps the current folder's packages from coming before PYTHONPATH's):
+root (`-P` keeps the current folder's packages from coming before PYTHONPATH's; the configs
+file holds each workload's backend and config, the first run's table choice):
 
     PYTHONPATH=old:$PWD python -P -m benchmarks forward-ab --label before --table T.yaml \
         --write-configs c.json --save b.pt
@@ -69,10 +70,11 @@ def main(argv: list[str]) -> None:
     outputs, rows = {}, []
     for name, (q, k, v, mask, bias, causal) in workloads(device):
         if name not in configs:
-            _, config = plans.select("fwd", q, k, as_4d(mask), as_4d(bias), causal, "auto", args.table, None, False)
-            configs[name] = config.to_dict()
-        config = FwdConfig(**configs[name])
-        call = lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=causal, fwd_config=config)
+            backend, config = plans.select("fwd", q, k, as_4d(mask), as_4d(bias), causal, "auto", args.table, None,
+                                           False)
+            configs[name] = dict(backend=backend.name, config=config.to_dict())
+        backend, config = configs[name]["backend"], FwdConfig(**configs[name]["config"])
+        call = lambda: flash_dmattn_func(q, k, v, mask, bias, is_causal=causal, fwd_config=config, backend=backend)
         out = call()
         outputs[name] = out.cpu()
         diff = (out.float().cpu() - earlier[name].float()).abs().max().item() if name in earlier else float("nan")

@@ -2,13 +2,13 @@
 (`configs/workloads/peers.yaml`, or `--workloads`), forward alone, GPU time
 (`timing.time_kernel`, L2 flushed): other sources of that kernel with the same host side
 (`--variants NAME=DIR,...`: each DIR a flash_fwd_ws.cu and the headers it includes, e.g. from
-`git show REV:...`), built beside it with the knobs off, then this tree's at each set of kernel
-knobs (`--knobs`: FwdConfig.overlap, persistent; "off" for none). Each variant's out and lse
-are compared bitwise with the first variant's (overlap's softmax rounds otherwise: the scale in
-the exp, rows reduced as trees; persistent moves work items, not arithmetic), and out against the
-Triton forward's (`flash_dmattn_func`).
+`git show REV:...`), built beside it at the knobs `--variant-knobs` names (default off), then
+this tree's at each set of kernel knobs (`--knobs`: FwdConfig.overlap, persistent; "off" for
+none). Each variant's out and lse are compared bitwise with the first variant's (overlap's
+softmax rounds otherwise: the scale in the exp, rows reduced as trees; persistent moves work
+items, not arithmetic), and out against the Triton forward's (`flash_dmattn_func`).
 
-    python -m benchmarks cuda-fwd-variants-probe [--variants baseline=DIR,...]
+    python -m benchmarks cuda-fwd-variants-probe [--variants baseline=DIR,...] [--variant-knobs overlap]
         [--configs 128x128w12s2,192x64w16s2] [--knobs off,overlap,overlap+persistent]
         [--workloads configs/workloads/peers.yaml]
 
@@ -41,12 +41,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--knobs", default="off,overlap,overlap+persistent",
                         help=f"sets of kernel knobs ({', '.join(FWD_KNOBS)}) joined by '+', 'off' for none: this "
                         "tree's kernel is timed at each (default: off,overlap,overlap+persistent)")
+    parser.add_argument("--variant-knobs", default="off",
+                        help="the kernel knobs the --variants are timed at ('+'-joined, or 'off')")
     parser.add_argument("--workloads", default="configs/workloads/peers.yaml", help="a workloads file of peers.yaml's form")
     args = parser.parse_args(argv)
     knob_sets = [{} if text == "off" else dict.fromkeys(text.split("+"), 1) for text in args.knobs.split(",")]
-    unknown = sorted({name for knobs in knob_sets for name in knobs} - set(FWD_KNOBS))
+    variant_knobs = {} if args.variant_knobs == "off" else dict.fromkeys(args.variant_knobs.split("+"), 1)
+    unknown = sorted({name for knobs in [*knob_sets, variant_knobs] for name in knobs} - set(FWD_KNOBS))
     if unknown:
-        parser.error(f"--knobs: unknown knob(s) {unknown}; expected {list(FWD_KNOBS)} joined by '+', or 'off'")
+        parser.error(f"--knobs, --variant-knobs: unknown knob(s) {unknown}; expected {list(FWD_KNOBS)} joined by '+', or 'off'")
     device = torch.device("cuda")
     cuda = get_backend("cuda")
     variants = []
@@ -55,7 +58,7 @@ def main(argv: list[str]) -> None:
         # the build cache keys the package's sources, not a variant's: its build name carries its own
         digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(folder).glob("*.cu*")))).hexdigest()[:12]
         build.SOURCES[f"fwd_ws_{name}_{digest}"] = Path(folder) / "flash_fwd_ws.cu"
-        variants.append((name, f"fwd_ws_{name}_{digest}", {}))
+        variants.append((name, f"fwd_ws_{name}_{digest}", variant_knobs))
     variants += [(f"this tree {'+'.join(knobs) or 'off'}", "fwd_ws", knobs) for knobs in knob_sets]
     rows = []
     for pw in load_peer_workloads(args.workloads):
