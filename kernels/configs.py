@@ -67,6 +67,10 @@ class FwdConfig:
             exp where scores are scaled dots, a row's max and sum reduced as trees.
         persistent: 1 (with overlap): a CTA per SM walking a schedule of work items
             (FWD_PERSISTENT, `forward.persistent_schedule`) instead of a CTA per item.
+        tma_store: 1 (with overlap, not for packed sequences): each consumer stages its rows of
+            out in shared memory and one of its threads stores them by TMA (FWD_TMA_STORE)
+            instead of every thread storing its pairs; its calls launch from Python (no native
+            program), so it is not in the tuning space.
     """
 
     block_m: int = 64
@@ -75,6 +79,7 @@ class FwdConfig:
     num_stages: int = 2
     overlap: int = field(default=0, metadata={"minimum": 0})
     persistent: int = field(default=0, metadata={"minimum": 0})
+    tma_store: int = field(default=0, metadata={"minimum": 0})
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -83,7 +88,7 @@ class FwdConfig:
         return {name: value for name, value in asdict(self).items() if value or name not in FWD_KNOBS}
 
 
-FWD_KNOBS = ("overlap", "persistent")  # FwdConfig's kernel knobs, in label order
+FWD_KNOBS = ("overlap", "persistent", "tma_store")  # FwdConfig's kernel knobs, in label order
 
 
 @dataclass(frozen=True)

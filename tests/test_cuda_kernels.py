@@ -715,6 +715,9 @@ def test_a_kernel_knob_off_adds_no_define_and_a_knob_on_adds_its_own():
     assert _ws_flags(ws) == _ws_flags(replace(ws, overlap=0, persistent=0)) == WS_FLAGS
     assert _ws_flags(replace(ws, overlap=1)) == (*WS_FLAGS, "-DFWD_OVERLAP=1")
     assert _ws_flags(replace(ws, overlap=1, persistent=1)) == (*WS_FLAGS, "-DFWD_OVERLAP=1", "-DFWD_PERSISTENT=1")
+    # out's staged rows leave a full mask and bias no slot: they are read from global memory
+    unstaged = tuple(flag.replace("=1", "=0") if "TILES" in flag or "SCORE_STAGES" in flag else flag for flag in WS_FLAGS)
+    assert _ws_flags(replace(ws, overlap=1, tma_store=1)) == (*unstaged, "-DFWD_OVERLAP=1", "-DFWD_TMA_STORE=1")
     assert not any("FWD_" in flag for flag in _ws_flags(FwdConfig(128, 64, 8, 2)))  # flash_fwd.cu has no knobs
     with pytest.raises(ValueError, match=r"overlap=1: a knob of the warp-specialized forward only"):
         _ws_flags(FwdConfig(128, 64, 8, 2, overlap=1))
@@ -731,6 +734,9 @@ def test_the_kernel_knobs_are_0_or_1_on_the_warp_specialized_forward_and_persist
         replace(ws, overlap=2)  # a config is built checked (`space._check_fields`)
     assert rules.is_supported(replace(ws, persistent=1), shape) == (
         "persistent=1 needs overlap=1 (the persistent launch walks the overlapped forward's work items)")
+    assert rules.is_supported(replace(ws, overlap=1, persistent=1, tma_store=1), shape) is None
+    assert rules.is_supported(replace(ws, tma_store=1), shape) == (
+        "tma_store=1 needs overlap=1 (out is stored by TMA in the overlapped forward's epilogue)")
     assert rules.is_supported(FwdConfig(128, 64, 8, 2, overlap=1, persistent=1), shape) == (
         "overlap=1 and persistent=1: a knob of the warp-specialized forward only (block_m in (64, 128, 192) on "
         "block_m / 16 + 4 warps), not of 128 rows on 8 warps")
@@ -739,9 +745,10 @@ def test_the_kernel_knobs_are_0_or_1_on_the_warp_specialized_forward_and_persist
     assert "sm90 only (here: sm80)" in rules.arch_reason(replace(ws, overlap=1), 128, "sm80")
     triton = get_backend("triton").is_supported
     assert triton(FwdConfig(64, 64, 4, 2), shape) is None
-    assert triton(FwdConfig(64, 64, 4, 2, overlap=1), shape) == (
-        "overlap and persistent are knobs of the CUDA warp-specialized forward; the Triton forward has neither "
-        "(leave them 0)")
+    for knob in ("overlap", "tma_store"):
+        assert triton(replace(FwdConfig(64, 64, 4, 2), **{knob: 1}), shape) == (
+            "overlap, persistent and tma_store are knobs of the CUDA warp-specialized forward; the Triton forward "
+            "has none (leave them 0)")
 
 
 def test_the_warp_specialized_space_prunes_a_persistent_launch_without_overlap_before_compiling():
@@ -756,6 +763,7 @@ def test_the_warp_specialized_space_prunes_a_persistent_launch_without_overlap_b
 
     configs = load_space(SPACE_DIR / "cuda-fwd-ws.yaml", "cuda", "fwd", "sm90")
     assert {(c.overlap, c.persistent) for c in configs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert not any(c.tma_store for c in configs)  # left out until the native launch path maps out
     for config in configs:
         tiles_alone = verdict(replace(config, overlap=0, persistent=0))
         if config.persistent and not config.overlap:
@@ -768,9 +776,10 @@ def test_the_warp_specialized_space_prunes_a_persistent_launch_without_overlap_b
                                                                and not c.persistent)
 
 
-def test_a_persistent_forward_plans_its_items_and_launches_a_cta_per_sm_over_their_schedule(monkeypatch):
-    """The knobs travel in the plan: overlap alone launches the grid of items with WsParams,
-    persistent a CTA per SM (at most one per item) with the schedule in PersistentWsParams."""
+@pytest.fixture
+def sm90_forward_plans(monkeypatch):
+    """Forward plans made as on an SM90 GPU of 3 SMs, without one: the flags each launcher would
+    build with (`built`), and the layouts of a causal B2 L300 D128 call's q (4 heads) and k (1)."""
     built = []
     monkeypatch.setattr(forward, "arch_of", lambda device: "sm90")
     monkeypatch.setattr(forward, "Launcher", lambda source, device, flags: built.append(flags))
@@ -780,23 +789,29 @@ def test_a_persistent_forward_plans_its_items_and_launches_a_cta_per_sm_over_the
     cpu = torch.device("cpu")
     q = ((2, 300, 4, 128), torch.empty(2, 300, 4, 128, device="meta").stride(), torch.bfloat16, cpu, 0)
     k = ((2, 300, 1, 128), torch.empty(2, 300, 1, 128, device="meta").stride(), torch.bfloat16, cpu, 0)
+    yield built, q, k
+    forward._signature_launch.cache_clear()
+    forward._persistent_launch.cache_clear()
+
+
+def test_a_persistent_forward_plans_its_items_and_launches_a_cta_per_sm_over_their_schedule(sm90_forward_plans):
+    """The knobs travel in the plan: overlap alone launches the grid of items with WsParams,
+    persistent a CTA per SM (at most one per item) with the schedule in PersistentWsParams."""
+    built, q, k = sm90_forward_plans
+    cpu = torch.device("cpu")
     forward_params = params.FwdParams()
-    try:
-        overlap = forward._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, overlap=1))
-        assert overlap.tiles == () and overlap.launch_grid(cpu) == ((8, 3), None) and built[-1][-1] == "-DFWD_OVERLAP=1"
-        assert type(overlap.ws_params(forward_params, None)) is params.WsParams
-        plan = forward._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, 1, 1))
-        assert built[-1][-2:] == ("-DFWD_OVERLAP=1", "-DFWD_PERSISTENT=1")
-        assert plan.grid == plan.items == (8, 3) and plan.tiles == (1, 2, 3)  # 300 causal rows: 128, 256, 300 keys
-        grid, schedule = plan.launch_grid(cpu)
-        assert grid == (3, 1)
-        assert schedule.tolist() == forward.persistent_schedule((8, 3), plan.section_slices, [1, 2, 3], 3)
-        block = plan.ws_params(forward_params, schedule)
-        assert type(block) is params.PersistentWsParams
-        assert (block.item_columns, block.item_rows, block.schedule) == (8, 3, schedule.data_ptr())
-    finally:
-        forward._signature_launch.cache_clear()
-        forward._persistent_launch.cache_clear()
+    overlap = forward._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, overlap=1))
+    assert overlap.tiles == () and overlap.launch_grid(cpu) == ((8, 3), None) and built[-1][-1] == "-DFWD_OVERLAP=1"
+    assert type(overlap.ws_params(forward_params, None)) is params.WsParams
+    plan = forward._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, 1, 1))
+    assert built[-1][-2:] == ("-DFWD_OVERLAP=1", "-DFWD_PERSISTENT=1")
+    assert plan.grid == plan.items == (8, 3) and plan.tiles == (1, 2, 3)  # 300 causal rows: 128, 256, 300 keys
+    grid, schedule = plan.launch_grid(cpu)
+    assert grid == (3, 1)
+    assert schedule.tolist() == forward.persistent_schedule((8, 3), plan.section_slices, [1, 2, 3], 3)
+    block = plan.ws_params(forward_params, schedule)
+    assert type(block) is params.PersistentWsParams
+    assert (block.item_columns, block.item_rows, block.schedule) == (8, 3, schedule.data_ptr())
 
 
 @needs_nvcc
@@ -817,6 +832,71 @@ def test_the_forward_s_knobs_build_for_sm90_and_take_their_parameter_blocks(cubi
         build.build("fwd_ws", "sm90", variants.variant(FwdConfig(192, 64, 16, 2, **knobs), 128, torch.float16,
                                                        torch.float32, arch="sm90", is_causal=False, has_mask=True,
                                                        softcap=30.0))
+
+
+def test_a_tma_store_of_out_stages_its_rows_beside_the_tiles_and_refuses_packed_sequences():
+    """tma_store adds a consumer's rows of out (64 x the swizzled head dim) per consumer to the
+    forward's shared memory, before the staged mask and bias ring takes what is left, and a
+    packed call, whose boxes would write the next sequence's rows, refuses it."""
+    base = FwdConfig(128, 128, 12, 2, overlap=1, persistent=1)
+    store = replace(base, tma_store=1)
+    none, rows = shared_memory.NOT_STAGED, shared_memory.TILES_OF_ROWS
+    for head_dim in (64, 96, 128):
+        assert (shared_memory.forward_shared_bytes(store, head_dim, "sm90", none, none)
+                - shared_memory.forward_shared_bytes(base, head_dim, "sm90", none, none)) == 128 * (
+                    rules.swizzled_head_dim(head_dim) * 2)
+    # a full mask and bias: one slot beside the rings, none left once out's rows take 32 KiB
+    assert shared_memory.score_stages(base, 128, rows, rows) == 1
+    assert shared_memory.score_stages(store, 128, rows, rows) == 0
+    with pytest.raises(ValueError, match="tma_store=1 stores boxes of 64 rows"):
+        variants.variant(store, 128, torch.bfloat16, None, arch="sm90", is_causal=True, has_mask=False, softcap=0.0,
+                         packed=True)
+    assert "tma_store" in variants.forward_packed_reason(store, 128, "sm90")
+    assert variants.forward_packed_reason(base, 128, "sm90") is None
+
+
+def test_a_tma_store_forward_plans_out_s_map_last_and_no_native_program(sm90_forward_plans):
+    """The plan of a tma_store config maps out (operand 5) as q's rows load, 64 rows a box, and
+    passes it in the parameter block's last field (OutMap*WsParams); its forward plan builds no
+    native program (a program's maps are of its inputs; out is its own allocation)."""
+    built, q, k = sm90_forward_plans
+    cpu = torch.device("cpu")
+    for persistent in (0, 1):
+        expected = params.ws_params_type(False, bool(persistent), False, True)
+        config = FwdConfig(128, 128, 12, 2, overlap=1, persistent=persistent, tma_store=1)
+        plan = forward._forward_launch((q, k, k, None, None, q), True, 0.0, config)
+        assert built[-1][-1] == "-DFWD_TMA_STORE=1" and plan.tma_store
+        assert plan.maps[-1] == ("o_map", 5, forward.ROWS_OF, 64, forward.TMA_LINE, forward.TMA_LINE)
+        block = plan.ws_params(params.FwdParams(), plan.launch_grid(cpu)[1])
+        assert type(block) is expected and expected.o_map.offset == ctypes.sizeof(expected) - 128
+    untouched = forward._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, 1, 1))
+    assert not untouched.tma_store and [m[0] for m in untouched.maps] == ["q_map", "k_map", "v_map"]
+    query, key = torch.empty(2, 300, 4, 128, device="meta"), torch.empty(2, 300, 1, 128, device="meta")
+    out, lse = torch.empty_like(query), torch.empty(2, 4, 300, device="meta")
+    plan = forward.ForwardPlan(query, key, key, None, None, is_causal=True, softmax_scale=0.1, softcap=0.0,
+                               config=FwdConfig(128, 128, 12, 2, overlap=1, tma_store=1), out=out, lse=lse)
+    assert plan._native_program(query, key, key, None, None, out, lse) is None
+
+
+@needs_nvcc
+def test_a_tma_store_forward_builds_with_out_s_map_after_the_other_fields(cubin_cache):
+    """FWD_TMA_STORE appends out's map to every WsParams it builds with (one item a CTA or
+    persistent, a window), each kernel's parameter block the size of its ctypes mirror, and its
+    consumers spill nothing without a mask or bias."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    for persistent, window in ((0, False), (1, False), (0, True), (1, True)):
+        config = FwdConfig(128, 128, 12, 2, overlap=1, persistent=persistent, tma_store=1)
+        flags = variants.variant(config, 128, torch.bfloat16, None, arch="sm90", is_causal=True, has_mask=False,
+                                 softcap=0.0, window=window)
+        cubin = build.build("fwd_ws", "sm90", flags)
+        mirror = params.ws_params_type(window, bool(persistent), False, True)
+        assert _parameter_sizes(cubin) == [ctypes.sizeof(mirror)]
+        assert mirror.o_map.offset == ctypes.sizeof(params.ws_params_type(window, bool(persistent), False))
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+        assert re.search(r"STACK:0 ", usage), usage
 
 
 @needs_nvcc

@@ -89,8 +89,20 @@
 // and each consumer warpgroup zeroes those rows of the V tile in shared memory before its P V,
 // where 0 x NaN would reach acc.
 //
+// FWD_TMA_STORE (FwdConfig.tma_store = 1, with overlap, not packed): a consumer writes its rows
+// of out into shared memory of its own, laid out as TMA's 128-byte swizzle reads a box of 64
+// columns by 64 rows, and one of its threads stores them by the out map (`o_map`), so the rows
+// leave the consumer in two instructions a 128-column tile and the bulk engine writes them while
+// the consumer goes on to its next item. Rows past Lq and columns past HEAD_DIM lie outside the
+// map and are not written. H200, W3's shape (bf16 B2 H16 L4096 D128 causal) at 128x128 w12 s2
+// persistent: 0.252 -> 0.240 ms, not causal 0.458 -> 0.423; the stores from registers cost 6-7%
+// of the causal forward, 11% at L2048 (results/cuda/h200-fwd-variants-probe.md). The host
+// launches it from Python (`forward.ForwardPlan`: no native program maps out), so the knob is
+// not in the tuning space yet.
+//
 // Compile-time parameters: those of common.cuh (WGMMA = 1), BLOCK_M, BLOCK_N, SCORE_STAGES,
-// MASK_TILES and BIAS_TILES; FWD_OVERLAP, FWD_PERSISTENT and PACKED where defined (to 1).
+// MASK_TILES and BIAS_TILES; FWD_OVERLAP, FWD_PERSISTENT, FWD_TMA_STORE and PACKED where defined
+// (to 1).
 
 #include <cuda.h>  // CUtensorMap
 
@@ -102,6 +114,9 @@ static_assert(WGMMA, "the warp-specialized forward runs its products as wgmma (s
 #endif
 #if PACKED && !FWD_OVERLAP
 #error "packed sequences run in the overlapped forward, whose consumers walk work items"
+#endif
+#if FWD_TMA_STORE && (!FWD_OVERLAP || PACKED)
+#error "out stored by TMA: the overlapped consumers' epilogue, not packed (a box would write the next sequence's rows)"
 #endif
 constexpr int CONSUMERS = NUM_WARPS / GROUP_WARPS - 1;  // warpgroup 0 produces
 static_assert(CONSUMERS >= 1 && NUM_WARPS % GROUP_WARPS == 0 && BLOCK_M == CONSUMERS * GROUP_ROWS,
@@ -163,6 +178,9 @@ struct WsParams {  // `dmattn_kernels.cuda.params.WsParams` mirrors it (`Persist
   const int* seqused_k;
   int max_seqlen_q, max_seqlen_k;
   int* item_counter;  // persistent: the items taken so far (0 at launch)
+#endif
+#if FWD_TMA_STORE
+  alignas(128) CUtensorMap o_map;  // out as q_map describes q: (D, Lq, H, B), boxes of 64 x GROUP_ROWS
 #endif
 };
 
@@ -232,6 +250,51 @@ __device__ __forceinline__ Item item_at(const WsParams& p, int index) {
   return item;
 }
 
+#if FWD_TMA_STORE
+// A consumer's rows of out in shared memory: BLOCK_D / 64 boxes of GROUP_ROWS rows of 128 bytes,
+// each row's 16-byte chunks swizzled as TMA's 128-byte swizzle reads them (chunk ^ row % 8).
+constexpr int OUT_SHARE_BYTES = GROUP_ROWS * BLOCK_D * int(sizeof(elem_t));
+
+// out = acc / l of the consumer's rows (from first_row) into its share `out_share`, then stored
+// by one thread through o_map;
+// lse = m + log l stored by the threads (store_rows' rule: dead rows out 0, lse -inf). The share
+// is written again only once the store before has read it (its issuer's bulk group).
+__device__ __forceinline__ void store_rows_by_tma(const WsParams& p, const HeadSlices& at,
+                                                  const float (&acc)[1][BLOCK_D / 8][4], const float (&row_max)[1][2],
+                                                  const float (&row_sum)[1][2], int warp_row0, int first_row, int g,
+                                                  int t, unsigned char* out_share, int group) {
+  constexpr int GROUP_THREADS = GROUP_WARPS * 32;
+  const bool issuer = threadIdx.x % GROUP_THREADS == 0;
+  if (issuer) bulk_wait<0, true>();
+  named_barrier_sync(5 + group, GROUP_THREADS);  // barriers 1-4: the turns, packed sequences' V tails
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[0][r];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    const int row = warp_row0 + r * 8 + g, share_row = row - first_row;
+    const bool dead = sum == 0.f;
+    const float inverse = dead ? 0.f : 1.f / sum;
+#pragma unroll
+    for (int d = 0; d < BLOCK_D / 8; ++d)  // columns 8 d + 2 t, + 1: chunk d % 8 of box d / 8
+      *reinterpret_cast<elem2_t*>(out_share + (d / 8) * GROUP_ROWS * 128 + share_row * 128 +
+                                  (((d % 8) ^ (share_row % 8)) << 4) + 4 * t) =
+          pack2(acc[0][d][2 * r] * inverse, acc[0][d][2 * r + 1] * inverse);
+    if (t == 0 && row < p.fwd.in.seqlen_q)
+      p.fwd.lse[at.batch * p.fwd.lse_stride[0] + at.head * p.fwd.lse_stride[1] + row * p.fwd.lse_stride[2]] =
+          dead ? -INFINITY : row_max[0][r] * (SCALE_IN_EXP ? p.fwd.in.softmax_scale : 1.f) + logf(sum);
+  }
+  fence_async_shared();
+  named_barrier_sync(5 + group, GROUP_THREADS);
+  if (issuer) {
+#pragma unroll
+    for (int box = 0; box < BLOCK_D / 64; ++box)
+      tma_store(&p.o_map, out_share + box * GROUP_ROWS * 128, box * 64, first_row, at.head, at.batch);
+    bulk_commit();
+  }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(const __grid_constant__ WsParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t q_full, q_empty, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
@@ -243,6 +306,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
   elem_t* v_smem = k_smem + STAGES * BLOCK_N * BLOCK_D;
   // the score ring's slots (SCORE_SLOT_BYTES each: the mask tile, then the bias tile, on 1 KiB bounds)
   unsigned char* score_smem = reinterpret_cast<unsigned char*>(v_smem + STAGES * BLOCK_N * BLOCK_D);
+#if FWD_TMA_STORE
+  unsigned char* out_smem = score_smem + (SCORE_TILES ? SCORE_STAGES * SCORE_SLOT_BYTES : 0);  // a share a consumer
+#endif
 
   const Inputs& in = p.fwd.in;
 #if PACKED && !FWD_PERSISTENT
@@ -564,11 +630,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(co
     sequence_rows.out += item.q0 * p.fwd.out_stride[1];
     sequence_rows.lse += item.q0 * p.fwd.lse_stride[2];
     store_rows(sequence_rows, item.at, acc, row_max, row_sum, warp_row0, g, t);
+#elif FWD_TMA_STORE
+    store_rows_by_tma(p, item.at, acc, row_max, row_sum, warp_row0, block_row0 + group_row0, g, t,
+                      out_smem + group * OUT_SHARE_BYTES, group);
 #else
     store_rows(p.fwd, item.at, acc, row_max, row_sum, warp_row0, g, t);
 #endif
     ring += n_tiles;
   }
+#if FWD_TMA_STORE
+  if (threadIdx.x % (GROUP_WARPS * 32) == 0) bulk_wait<0, false>();  // the last stores, before the CTA ends
+#endif
 }
 #else  // FWD_OVERLAP: the consumer that takes one key tile at a time
 extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_fwd_ws_kernel(const __grid_constant__ WsParams p) {

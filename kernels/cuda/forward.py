@@ -27,7 +27,8 @@ from dmattn_kernels.configs import FwdConfig, Packing, window_bounds
 from dmattn_kernels.cuda.driver import KEYS_OF, ROWS_OF, TMA_LINE, Launcher, arch_of, the_driver
 from dmattn_kernels.cuda.params import (FwdParams, Inputs, TensorMap, WindowedFwdParams, address, inputs,
                                         with_window, ws_params_type)
-from dmattn_kernels.cuda.rules import check_arch, check_config, check_query, check_rows, forward_kernel, padded_head_dim
+from dmattn_kernels.cuda.rules import (GROUP_ROWS, check_arch, check_config, check_query, check_rows, forward_kernel,
+                                       padded_head_dim)
 from dmattn_kernels.cuda.shared_memory import NOT_STAGED, TILES_OF_KEYS, TILES_OF_ROWS, forward_shared_bytes
 from dmattn_kernels.cuda.variants import backward_packed_reason, staged_layout, staging, variant
 from dmattn_kernels.runtime import launch_context, native
@@ -49,7 +50,7 @@ class _ForwardLaunch(NamedTuple):
     grid: tuple[int, int]
     shared: int
     # the warp-specialized forward's tensor maps: (WsParams field, operand: 0 q, 1 k, 2 v, 3
-    # mask, 4 bias; dims order, box rows, box line bytes, swizzle)
+    # mask, 4 bias, 5 out; dims order, box rows, box line bytes, swizzle)
     maps: tuple[tuple[str, int, tuple[int, int, int, int], int, int, int], ...]
     section_slices: int = 0  # the warp-specialized forward's launch order (`section_slices`; flash_fwd.cu has none)
     items: tuple[int, int] = (0, 0)  # the warp-specialized forward's work items: head slices x query blocks
@@ -57,6 +58,7 @@ class _ForwardLaunch(NamedTuple):
     windowed: bool = False  # built with HAS_WINDOW: its parameters are the Windowed structures
     packed: bool = False  # built with PACKED: its parameters take the sequences' (`ws_params`)
     persistent: bool = False  # built with FWD_PERSISTENT: a CTA per SM walks items
+    tma_store: bool = False  # built with FWD_TMA_STORE: its parameters end with out's map
 
     def launch_grid(self, device: torch.device) -> tuple[tuple[int, int], torch.Tensor | None]:
         """The grid on `device`, and a persistent launch's schedule (`persistent_schedule`; a packed
@@ -76,10 +78,10 @@ class _ForwardLaunch(NamedTuple):
             fields.update(item_columns=self.items[0], item_rows=self.items[1], schedule=address(schedule))
         if self.packed:
             fields.update(sequences)
-        return ws_params_type(self.windowed, self.persistent, self.packed)(**fields)
+        return ws_params_type(self.windowed, self.persistent, self.packed, self.tma_store)(**fields)
 
     def tensor_maps(self, operands: tuple) -> dict[str, TensorMap]:
-        """A call's tensor maps by `WsParams` field, of its operands (q, k, v, mask, bias)."""
+        """A call's tensor maps by `WsParams` field, of its operands (q, k, v, mask, bias, out)."""
         driver = the_driver()
         return {field: driver.tensor_map(operands[index], order, rows, line, swizzle)
                 for field, index, order, rows, line, swizzle in self.maps}
@@ -170,6 +172,8 @@ def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: F
     maps = [("q_map", 0, ROWS_OF, config.block_m, TMA_LINE, TMA_LINE),
             ("k_map", 1, ROWS_OF, config.block_n, TMA_LINE, TMA_LINE),
             ("v_map", 2, ROWS_OF, config.block_n, TMA_LINE, TMA_LINE)]
+    if config.tma_store:  # a consumer's rows of out, as q's rows load
+        maps.append(("o_map", 5, ROWS_OF, GROUP_ROWS, TMA_LINE, TMA_LINE))
     # a mask box is block_n bytes wide, a bias box of rows one 128-byte line; a single row of keys
     # is one box, not swizzled
     mask_line = min(config.block_n, TMA_LINE)
@@ -187,7 +191,7 @@ def _signature_launch(layouts: tuple, is_causal: bool, softcap: float, config: F
     tiles = (tuple(_key_tiles(block, config, seqlen_q, k.shape[1], is_causal, window_sides) for block in range(grid[1]))
              if config.persistent and not packed else ())
     return _ForwardLaunch(launcher, b"dmattn_fwd_ws_kernel", grid, shared, tuple(maps), sections, grid, tiles,
-                          windowed, packed, bool(config.persistent))
+                          windowed, packed, bool(config.persistent), bool(config.tma_store))
 
 
 def _key_tiles(m_block: int, config: FwdConfig, seqlen_q: int, seqlen_k: int, is_causal: bool,
@@ -291,7 +295,7 @@ def attention_forward(q, k, v, mask, bias, *, is_causal: bool, softmax_scale: fl
             # persistent: the counter its CTAs take items from, zeroed
             counter = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent else None
             packed = dict(sequence_fields(packing, sequences), item_counter=address(counter))
-        params = plan.ws_params(params, schedule, packed, **plan.tensor_maps((q, k, v, mask, bias)))
+        params = plan.ws_params(params, schedule, packed, **plan.tensor_maps((q, k, v, mask, bias, out)))
     plan.launcher(plan.name, grid, config.num_warps, plan.shared, params)
 
 
@@ -324,10 +328,12 @@ class ForwardPlan:
     A run of `allocate_and_run` from Python builds the program of the later ones
     (`dmattn_kernels.runtime.native`): the same two allocations and one launch in one C++ call, the
     parameters copied from the signature's template with the call's addresses and, for the
-    warp-specialized forward, its tensor maps filled in (encoded again only for new addresses).
-    A packed call (`packing`, `configs.Packing`) runs into given outputs, given its sequences on
-    each run (`sequences`: cu_seqlens_q, cu_seqlens_k, seqused_k or None); it writes only its
-    sequences' rows (the caller fills the rest: `dmattn_bench.plan`).
+    warp-specialized forward, its tensor maps filled in (encoded again only for new addresses);
+    not with `tma_store`, whose out map would follow the program's own allocation of out: such
+    calls launch from Python each time. A packed call (`packing`, `configs.Packing`) runs into
+    given outputs, given its sequences on each run (`sequences`: cu_seqlens_q, cu_seqlens_k,
+    seqused_k or None); it writes only its sequences' rows (the caller fills the rest:
+    `dmattn_bench.plan`).
     """
 
     leaves_activity = False  # no tile activity for the backward (the Triton forward's schedule)
@@ -374,6 +380,8 @@ class ForwardPlan:
         return out, lse, None
 
     def _native_program(self, q, k, v, mask, bias, out, lse) -> native.Program | None:
+        if self.config.tma_store:  # its out map: a program's maps are of its inputs, and out is its allocation
+            return None
         layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
         options = self.options
         plan = _forward_launch(layouts, options["is_causal"], options["softcap"], self.config, self.window_sides)

@@ -116,18 +116,29 @@ def _packed_ws_params(base: type) -> type:
         "__doc__": f"flash_fwd_ws.cu's WsParams built as `{base.__name__}` and with PACKED."})
 
 
-_WS_PARAMS = {(windowed, persistent, False): base for (windowed, persistent), base in (
+def _out_map_ws_params(base: type) -> type:
+    """`base`'s WsParams fields (padded: the map that follows keeps its 128-byte alignment), then
+    the out map of FWD_TMA_STORE."""
+    return type(f"OutMap{base.__name__}", (ctypes.Structure,), {
+        "_fields_": base._fields_ + [("o_map", TensorMap)],
+        "__doc__": f"flash_fwd_ws.cu's WsParams built as `{base.__name__}` and with FWD_TMA_STORE."})
+
+
+# by (windowed, persistent, packed, tma_store); packed sequences take no TMA store of out
+_WS_PARAMS = {(windowed, persistent, False, False): base for (windowed, persistent), base in (
     ((False, False), WsParams), ((True, False), WindowedWsParams), ((False, True), PersistentWsParams),
     ((True, True), WindowedPersistentWsParams))}
-_WS_PARAMS.update({(windowed, persistent, True): _packed_ws_params(base)
-                   for (windowed, persistent, _), base in list(_WS_PARAMS.items())})
-PackedWsParams = _WS_PARAMS[False, False, True]
-WindowedPackedWsParams = _WS_PARAMS[True, False, True]
+_WS_PARAMS.update({(windowed, persistent, True, False): _packed_ws_params(base)
+                   for (windowed, persistent, _, _), base in list(_WS_PARAMS.items())})
+_WS_PARAMS.update({(windowed, persistent, False, True): _out_map_ws_params(base)
+                   for (windowed, persistent, packed, _), base in list(_WS_PARAMS.items()) if not packed})
+PackedWsParams = _WS_PARAMS[False, False, True, False]
+WindowedPackedWsParams = _WS_PARAMS[True, False, True, False]
 
 
-def ws_params_type(windowed: bool, persistent: bool, packed: bool) -> type:
+def ws_params_type(windowed: bool, persistent: bool, packed: bool, tma_store: bool = False) -> type:
     """The WsParams structure of a warp-specialized forward variant."""
-    return _WS_PARAMS[windowed, persistent, packed]
+    return _WS_PARAMS[windowed, persistent, packed, tma_store]
 
 
 class BwdParams(ctypes.Structure):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dmattn_kernels import target
-from dmattn_kernels.configs import AttentionShape, BwdConfig, FwdConfig, shape_problem
+from dmattn_kernels.configs import FWD_KNOBS, AttentionShape, BwdConfig, FwdConfig, shape_problem
 
 WARP_CHOICES = (2, 4, 8)
 # Rows a warp owns, as m16 tiles: forward block_m = 16 or 32 x num_warps (flash_fwd.cu: WARP_TILES),
@@ -36,6 +36,7 @@ TRANSPOSED_BWD_BLOCK_N = (64, 96)
 TRANSPOSED_BWD_WARPS = 12
 TRANSPOSED_BWD_COLUMNS = 192
 WARPGROUP = 4  # warps that issue one wgmma together
+GROUP_ROWS = 64  # query rows of a consumer warpgroup's m64 products (sm90.cuh)
 # Above it a dK/dV thread holds 2 x head_dim / 2 fp32 accumulators (192 or more registers) plus
 # its S^T and dP^T fragments, and spills heavily (at 128 only the largest 4-warp tiles spill a
 # little, 128x64 w4: the tuner measures those): H200, B2 H16 L4096
@@ -168,7 +169,7 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
     reason = shape_problem(shape)
     if reason:
         return reason
-    if isinstance(config, FwdConfig) and (config.overlap or config.persistent):
+    if isinstance(config, FwdConfig) and (config.overlap or config.persistent or config.tma_store):
         reason = knob_reason(config)
         if reason:
             return reason
@@ -219,13 +220,16 @@ def _stages_reason(config: FwdConfig | BwdConfig) -> str | None:
 
 
 def knob_reason(config: FwdConfig) -> str | None:
-    """`is_supported` for the forward's kernel knobs: `overlap` (flash_fwd_ws.cu's FWD_OVERLAP)
-    and `persistent` (FWD_PERSISTENT) (each 0 or 1: `FwdConfig`), on the warp-specialized forward only, and a
-    persistent launch only of the overlapped forward (whose consumers walk work items)."""
+    """`is_supported` for the forward's kernel knobs: `overlap` (flash_fwd_ws.cu's FWD_OVERLAP),
+    `persistent` (FWD_PERSISTENT) and `tma_store` (FWD_TMA_STORE) (each 0 or 1: `FwdConfig`), on
+    the warp-specialized forward only, and a persistent launch and a TMA store of out only of the
+    overlapped forward (whose consumers walk work items)."""
     if config.persistent and not config.overlap:
         return "persistent=1 needs overlap=1 (the persistent launch walks the overlapped forward's work items)"
+    if config.tma_store and not config.overlap:
+        return "tma_store=1 needs overlap=1 (out is stored by TMA in the overlapped forward's epilogue)"
     if not _is_warp_specialized_shape(config):
-        knobs = " and ".join(f"{name}=1" for name in ("overlap", "persistent") if getattr(config, name))
+        knobs = " and ".join(f"{name}=1" for name in FWD_KNOBS if getattr(config, name))
         return (f"{knobs}: a knob of the warp-specialized forward only (block_m in {WS_BLOCK_M} on block_m / 16 + "
                 f"{WARPGROUP} warps), not of {config.block_m} rows on {config.num_warps} warps")
     return None

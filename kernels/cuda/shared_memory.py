@@ -59,8 +59,10 @@ def _ring_stages(block_n: int, slot: int, kernel_bytes: Callable[[int], int]) ->
 
 
 def _forward_tile_bytes(config: FwdConfig, head_dim: int, wgmma: bool) -> int:
-    """Shared bytes of the forward's Q tile and its K and V rings."""
-    return _tile_bytes(config.block_m + 2 * config.num_stages * config.block_n, head_dim, wgmma)
+    """Shared bytes of the forward's Q tile and its K and V rings, and with tma_store the rows of
+    out its consumers stage (flash_fwd_ws.cu: OUT_SHARE_BYTES each)."""
+    rows = config.block_m * (2 if config.tma_store else 1) + 2 * config.num_stages * config.block_n
+    return _tile_bytes(rows, head_dim, wgmma)
 
 
 def _tile_bytes(rows: int, head_dim: int, wgmma: bool) -> int:

@@ -54,9 +54,11 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
         own.update(WGMMA=True, SCORE_STAGES=stages, MASK_TILES=mask_tiles, BIAS_TILES=bias_tiles)
         own.update(_swizzle_padding(head_dim))
         own.update({name: True for name, on in (("FWD_OVERLAP", config.overlap), ("FWD_PERSISTENT", config.persistent),
-                                                ("HAS_WINDOW", window), ("PACKED", packed)) if on})
-    elif config.overlap or config.persistent:
-        reason = knob_reason(config) or "overlap and persistent: knobs of the warp-specialized forward, on sm90 only"
+                                                ("FWD_TMA_STORE", config.tma_store), ("HAS_WINDOW", window),
+                                                ("PACKED", packed)) if on})
+    elif config.overlap or config.persistent or config.tma_store:
+        reason = knob_reason(config) or ("overlap, persistent and tma_store: knobs of the warp-specialized forward, "
+                                         "on sm90 only")
         raise ValueError(f"config: {reason} (here: {arch})")
     else:
         own.update(WGMMA=uses_wgmma(config, head_dim, arch))
@@ -77,7 +79,9 @@ def window_reason(config: FwdConfig, head_dim: int, arch: str | None) -> str | N
 def forward_packed_reason(config: FwdConfig, head_dim: int, arch: str | None) -> str | None:
     """Why `config`'s CUDA forward runs no packed call on `arch`, or None: only the overlapped
     warp-specialized forward (one item per CTA or persistent) walks a sequence's rows
-    (flash_fwd_ws.cu)."""
+    (flash_fwd_ws.cu), and not with tma_store (a box of out would write the next sequence's rows)."""
+    if config.tma_store:
+        return "a packed call writes its sequences' rows one by one: tma_store=1 stores boxes of 64 rows"
     if warp_specialized(config, head_dim, arch) and config.overlap:
         return None
     return (f"a packed call runs in the CUDA forward's overlapped warp-specialized kernel only (sm90, "
