@@ -465,7 +465,7 @@ def _fwd_tile_the_backend_cannot_run():
 def _knob_on_the_triton_backend():
     """On 0f8f85e the knobs of the CUDA forward ran silently on the Triton one."""
     return _err_inputs(), {"fwd_config": FwdConfig(128, 128, 12, 2, overlap=1)}, ValueError, [
-        "fwd_config", "overlap and persistent", "triton backend"]
+        "fwd_config", "overlap, persistent and tma_store", "triton backend"]
 
 
 def _bwd_tile_the_backend_cannot_run():
