@@ -751,10 +751,12 @@ def test_the_kernel_knobs_are_0_or_1_on_the_warp_specialized_forward_and_persist
             "has none (leave them 0)")
 
 
-def test_the_warp_specialized_space_prunes_a_persistent_launch_without_overlap_before_compiling():
-    """configs/space/cuda-fwd-ws.yaml crosses both knobs; persistent without overlap is ruled out
-    by its structure (is_supported's reason), the other two pairs are candidates wherever their
-    tiles are."""
+def test_the_warp_specialized_space_prunes_knobs_without_overlap_before_compiling():
+    """configs/space/cuda-fwd-ws.yaml crosses the three knobs; persistent or tma_store without
+    overlap is ruled out by its structure (is_supported's reason); the other knob sets are
+    candidates wherever their tiles are, tma_store only where out's rows also fit in shared memory."""
+    from itertools import product
+
     from dmattn_bench.hardware import parse_arch
     from dmattn_bench.tuning.prune import load_space, precheck
 
@@ -762,18 +764,22 @@ def test_the_warp_specialized_space_prunes_a_persistent_launch_without_overlap_b
         return precheck("fwd", config, parse_arch("sm90"), 128, "bf16", "cuda")
 
     configs = load_space(SPACE_DIR / "cuda-fwd-ws.yaml", "cuda", "fwd", "sm90")
-    assert {(c.overlap, c.persistent) for c in configs} == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    assert not any(c.tma_store for c in configs)  # left out until the native launch path maps out
+    assert {(c.overlap, c.persistent, c.tma_store) for c in configs} == set(product((0, 1), repeat=3))
     for config in configs:
-        tiles_alone = verdict(replace(config, overlap=0, persistent=0))
-        if config.persistent and not config.overlap:
-            pruned = verdict(config)
+        tiles_alone = verdict(replace(config, overlap=0, persistent=0, tma_store=0))
+        pruned = verdict(config)
+        if not config.overlap and (config.persistent or config.tma_store):
             assert (pruned.status, pruned.check) == ("unsupported", "structure")
-            assert pruned.reason.startswith("persistent=1 needs overlap=1")
+            knob = "persistent" if config.persistent else "tma_store"
+            assert pruned.reason.startswith(f"{knob}=1 needs overlap=1")
+        elif config.tma_store and tiles_alone is None and pruned is not None:
+            assert pruned.check == "shared", config
         else:
-            assert (verdict(config) is None) == (tiles_alone is None), config
-    assert sum(verdict(c) is None for c in configs) == 3 * sum(verdict(c) is None for c in configs if not c.overlap
-                                                               and not c.persistent)
+            assert (pruned is None) == (tiles_alone is None), config
+    candidates = [c for c in configs if verdict(c) is None]
+    tiles = sum(1 for c in candidates if not c.overlap and not c.persistent and not c.tma_store)
+    assert sum(1 for c in candidates if not c.tma_store) == 3 * tiles
+    assert 0 < sum(c.tma_store for c in candidates) < 2 * tiles  # some tiles leave no room for out's rows
 
 
 @pytest.fixture
@@ -855,10 +861,12 @@ def test_a_tma_store_of_out_stages_its_rows_beside_the_tiles_and_refuses_packed_
     assert variants.forward_packed_reason(base, 128, "sm90") is None
 
 
-def test_a_tma_store_forward_plans_out_s_map_last_and_no_native_program(sm90_forward_plans):
+def test_a_tma_store_forward_plans_out_s_map_last_and_from_the_program_s_out(sm90_forward_plans):
     """The plan of a tma_store config maps out (operand 5) as q's rows load, 64 rows a box, and
-    passes it in the parameter block's last field (OutMap*WsParams); its forward plan builds no
-    native program (a program's maps are of its inputs; out is its own allocation)."""
+    passes it in the parameter block's last field (OutMap*WsParams); its native program's map of
+    out is of the program's own allocation of out (`native.allocated(0)`), the others of its inputs."""
+    from dmattn_kernels.runtime import native
+
     built, q, k = sm90_forward_plans
     cpu = torch.device("cpu")
     for persistent in (0, 1):
@@ -867,15 +875,15 @@ def test_a_tma_store_forward_plans_out_s_map_last_and_no_native_program(sm90_for
         plan = forward._forward_launch((q, k, k, None, None, q), True, 0.0, config)
         assert built[-1][-1] == "-DFWD_TMA_STORE=1" and plan.tma_store
         assert plan.maps[-1] == ("o_map", 5, forward.ROWS_OF, 64, forward.TMA_LINE, forward.TMA_LINE)
-        block = plan.ws_params(params.FwdParams(), plan.launch_grid(cpu)[1])
+        schedule = plan.launch_grid(cpu)[1]
+        block = plan.ws_params(params.FwdParams(), schedule)
         assert type(block) is expected and expected.o_map.offset == ctypes.sizeof(expected) - 128
+        _, _, descriptors = forward._native_parameters((q, k, k, None, None, q), 0.1, 0.0, (1200, 300, 1), plan,
+                                                       schedule)
+        assert descriptors == [(expected.q_map.offset, native.given(0)), (expected.k_map.offset, native.given(1)),
+                               (expected.v_map.offset, native.given(2)), (expected.o_map.offset, native.allocated(0))]
     untouched = forward._forward_launch((q, k, k, None, None, q), True, 0.0, FwdConfig(128, 128, 12, 2, 1, 1))
     assert not untouched.tma_store and [m[0] for m in untouched.maps] == ["q_map", "k_map", "v_map"]
-    query, key = torch.empty(2, 300, 4, 128, device="meta"), torch.empty(2, 300, 1, 128, device="meta")
-    out, lse = torch.empty_like(query), torch.empty(2, 4, 300, device="meta")
-    plan = forward.ForwardPlan(query, key, key, None, None, is_causal=True, softmax_scale=0.1, softcap=0.0,
-                               config=FwdConfig(128, 128, 12, 2, overlap=1, tma_store=1), out=out, lse=lse)
-    assert plan._native_program(query, key, key, None, None, out, lse) is None
 
 
 @needs_nvcc

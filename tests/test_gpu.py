@@ -775,6 +775,9 @@ def test_the_native_launch_path_repeats_the_python_launches_bitwise(monkeypatch,
 CUDA_NATIVE_CALLS = {"ws-mask-bias": (FwdConfig(128, 128, 12, 2), 128, "rows"), "ws-default": (None, 128, None),
                      "ws-keys": (FwdConfig(128, 128, 12, 2), 128, "keys"),
                      "ws-persistent-mask-bias": (FwdConfig(128, 128, 12, 2, overlap=1, persistent=1), 128, "rows"),
+                     "ws-tma-store": (FwdConfig(128, 128, 12, 2, overlap=1, tma_store=1), 128, None),
+                     "ws-persistent-tma-store-keys": (FwdConfig(128, 128, 12, 2, overlap=1, persistent=1, tma_store=1),
+                                                      128, "keys"),
                      "flash-fwd-mask-bias": (FwdConfig(64, 64, 4, 2), 64, "rows")}
 
 

@@ -94,19 +94,21 @@ def test_descriptors_take_an_aligned_map_then_their_shape_and_strides():
                               [native.given(0), native.given(1)])
     _, _, _, _, params, offsets, pointers, descriptors, encode = spec
     # q; the map at 128; its four i32 sizes and four i64 strides; n; the scratch pointers
-    assert offsets[:2] == [0, 128] and descriptors == [(128, 1)] and pointers == [(0, native.INPUT, 0, 0)]
+    assert offsets[:2] == [0, 128] and descriptors == [(128, native.INPUT, 1)] and pointers == [(0, native.INPUT, 0, 0)]
     sizes = struct.unpack_from("<4i", params, offsets[2])
     strides = struct.unpack_from("<4q", params, offsets[6])
     assert sizes == tuple(k.shape) and strides == k.stride()
     assert struct.unpack_from("<i", params, offsets[10]) == (40,) and callable(encode)
 
 
-@pytest.mark.parametrize("operands", ["none", "mask_bias_maps", "mask_bias_maps_persistent"])
+@pytest.mark.parametrize("operands", ["none", "mask_bias_maps", "mask_bias_maps_persistent",
+                                      "mask_bias_maps_persistent_tma_store"])
 def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(module, operands):
     """The CUDA forward's program copies its signature's parameters and fills in the call's
     addresses, its allocations' and (warp-specialized) its tensor maps: the bytes the Python
     launch builds field by field; a persistent launch's (FwdConfig.persistent) with its work
-    items and schedule."""
+    items and schedule; with `tma_store`, out's map encoded on the program's own allocation of
+    out (on a GPU the driver moves it to each run's; `pack` has no driver: each run's encoded)."""
     from dmattn_kernels.cuda import forward, params
 
     q = torch.randn(2, 40, 4, 64, dtype=torch.float16)
@@ -115,31 +117,56 @@ def test_a_cuda_forward_program_fills_the_structure_a_python_launch_builds(modul
     bias = torch.randn(2, 1, 1, 48, dtype=torch.float16) if operands != "none" else None
     # two of the maps a warp-specialized launch takes (fields and operands as `_forward_launch`'s)
     maps = (("q_map", 0, (3, 1, 2, 0), 128, 128, 128), ("mask_map", 3, (3, 2, 1, 0), 128, 64, 64)) if mask is not None else ()
+    tma_store = operands.endswith("tma_store")
+    if tma_store:
+        maps += (("o_map", 5, (3, 1, 2, 0), 64, 128, 128),)
     layouts = tuple(forward._layout(t) for t in (q, k, v, mask, bias, torch.empty_like(q)))
-    persistent = operands.endswith("persistent")
+    persistent = "persistent" in operands
     schedule = torch.zeros(3, dtype=torch.int32) if persistent else None  # the template holds its address
     plan = forward._ForwardLaunch(None, b"", (8, 2), 4096, maps, 6, (8, 2), (1, 1) if persistent else (),
-                                  persistent=persistent)
+                                  persistent=persistent, tma_store=tma_store)
     template, pointers, descriptors = forward._native_parameters(layouts, 0.125, 0.0, (160, 40, 1), plan, schedule)
 
-    def encode(inputs):  # a map per slot, told apart by its operand
-        assert inputs[3] is mask
-        return [bytes([operand + 1]) * native.DESCRIPTOR_BYTES for _, operand, *_ in maps]
+    def encode(inputs, allocations):  # a map per slot: its operand, then the address it maps
+        assert inputs[3] is mask and len(allocations) == 2 and allocations[0].shape == q.shape
+        operands = (*inputs, allocations[0])
+        return [bytes([operand + 1]) * 120 + struct.pack("<Q", operands[operand].data_ptr())
+                for _, operand, *_ in maps]
+
+    def tensor_map(operand: int, tensor: torch.Tensor):
+        return params.TensorMap.from_buffer_copy(bytes([operand + 1]) * 120 + struct.pack("<Q", tensor.data_ptr()))
 
     spec = native.structure_spec(1234, (8, 2), 384, 4096, template, pointers, descriptors, encode)
     handle = module.program(0, 5, [(tuple(q.shape), q.dtype), ((2, 4, 40), torch.float32)], [], [spec], [0, 1, -1])
-    (out, lse, nothing), (filled,) = module.pack(handle, 0, q, k, v, mask, bias)
-    assert nothing is None and out.shape == q.shape and lse.shape == (2, 4, 40)
-    built = params.FwdParams(params.inputs(q, k, v, mask, bias, 0.125, 0.0), out.data_ptr(), lse.data_ptr(),
-                             out.stride()[:3], lse.stride())
-    encoded = dict(q_map=params.TensorMap.from_buffer_copy(b"\x01" * 128),
-                   mask_map=params.TensorMap.from_buffer_copy(b"\x04" * 128))
-    if persistent:
-        built = params.PersistentWsParams(forward=built, section_slices=6, item_columns=8, item_rows=2,
-                                          schedule=schedule.data_ptr(), **encoded)
-    elif mask is not None:
-        built = params.WsParams(forward=built, section_slices=6, **encoded)
-    assert filled == bytes(built)
+    outs = []
+    for _ in range(2):  # the second run's out is a new allocation (the first is still held)
+        (out, lse, nothing), (filled,) = module.pack(handle, 0, q, k, v, mask, bias)
+        outs.append(out)
+        assert nothing is None and out.shape == q.shape and lse.shape == (2, 4, 40)
+        built = params.FwdParams(params.inputs(q, k, v, mask, bias, 0.125, 0.0), out.data_ptr(), lse.data_ptr(),
+                                 out.stride()[:3], lse.stride())
+        encoded = dict(q_map=tensor_map(0, q), mask_map=tensor_map(3, mask)) if mask is not None else {}
+        if tma_store:
+            encoded["o_map"] = tensor_map(5, out)
+        if persistent:
+            built = params.ws_params_type(False, True, False, tma_store)(
+                forward=built, section_slices=6, item_columns=8, item_rows=2, schedule=schedule.data_ptr(), **encoded)
+        elif mask is not None:
+            built = params.WsParams(forward=built, section_slices=6, **encoded)
+        assert filled == bytes(built)
+    assert outs[0].data_ptr() != outs[1].data_ptr()
+
+
+def test_a_program_s_tensor_maps_are_of_an_input_or_a_whole_allocation(module):
+    """A descriptor slot names an input or an allocation the program has (else the program is
+    refused), and maps its tensor from the start (no offset into an allocation)."""
+    allocations = [((4, 64), torch.float16)]
+    with pytest.raises(ValueError, match="no offset"):
+        native.structure_spec(1, (1,), 128, 0, bytes(256), [], [(128, native.allocated(0, 512))], lambda *_: [])
+    for source in (native.given(1), native.allocated(1)):
+        spec = native.structure_spec(1, (1,), 128, 0, bytes(256), [], [(128, source)], lambda *_: [])
+        with pytest.raises(ValueError, match="descriptor slot reads no input or allocation"):
+            module.program(0, 1, allocations, [], [spec], [0])
 
 
 @pytest.mark.parametrize("change", ["scratch", "cluster", "shared", "tuple", "pointer_in_tail"])

@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# The forward's tma_store knob (FWD_TMA_STORE) on a lent H200 (its table was not shipped: the
-# knob's calls launch from Python, and eager callers lost; results/tables/README.md):
+# The forward's tma_store knob (FWD_TMA_STORE) into the H200 table, on a lent H200:
 #   bash benchmarks/ship/h200_tma_store.sh OUT tier   # the knob's GPU tier suites (the full suite and
-#                                                     # the windows, bf16 and fp16)
-#   bash benchmarks/ship/h200_tma_store.sh OUT tune   # W1-W3's forward keys tuned over
-#       configs/space/cuda-fwd-ws.yaml (which crosses the knob; Triton given its one config of
-#       those keys' class, so that its part costs a trial a key) into the shipped table, then the
-#       bench of W1-W3 against Flex and SDPA
-#   bash benchmarks/ship/h200_tma_store.sh OUT ab     # as tune, every key timed at its shipped
-#       config (128x128 w12 s2 overlap persistent) with and without tma_store (--exhaustive): the
-#       ranked tune above ranked the knob out (no journal had timed it)
+#       the windows, bf16 and fp16) and the CUDA forward's native programs (out's map moved to each
+#       run's allocation); then W1-W3's forward keys timed at their shipped config (128x128 w12 s2
+#       overlap persistent) with and without tma_store (`tune --exhaustive`: a ranked tune ranks an
+#       untimed knob out; Triton given one config of those keys' class, a trial a key), merged into
+#       the shipped table; then the table's tma_store entries verified with the full suite in bf16
+#       and, as fp16 keys, in fp16
+#   bash benchmarks/ship/h200_tma_store.sh OUT bench  # W1-W3 against every peer on the table
+#       (results/bench/h200.{json,md,png})
 # Logs (and the table) go to OUT/logs.tgz.
 set -uo pipefail
 out=$1; step=$2
@@ -19,35 +18,47 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$logs/install.txt" 2>&1
 pack() { tar czf "$out/logs.tgz" -C "$out" logs; }
 start=$SECONDS
-if [ "$step" = tier ]; then
-  DMATTN_TEST_GPU=1 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_cuda_kernels.py -k tma_store -n 6 \
-    > "$logs/gpu-tier.txt" 2>&1
-  echo "gpu tier rc $? ($(tail -1 "$logs/gpu-tier.txt")) in $((SECONDS - start)) s"; pack
+if [ "$step" = bench ]; then
+  dmattn-bench bench --peers ours-cuda,flex,flex-small-bwd,sdpa-efficient,sdpa-flash-dense,sdpa-cudnn-dense \
+    --format json > "$out/h200.json" 2> "$logs/bench.txt"
+  echo "bench rc $? in $((SECONDS - start)) s"
+  dmattn-bench bench --from-json "$out/h200.json" --format markdown > "$out/h200.md"
+  dmattn-bench bench --from-json "$out/h200.json" --plot "$out/h200.png" > /dev/null; pack
   exit
 fi
-triton_one=$out/triton-fwd-one.yaml
-cat > "$triton_one" <<'YAML'
+DMATTN_TEST_GPU=1 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_cuda_kernels.py \
+  -k "tma_store or native_program" -n 6 > "$logs/gpu-tier.txt" 2>&1
+echo "gpu tier rc $? ($(tail -1 "$logs/gpu-tier.txt")) in $((SECONDS - start)) s"; pack
+start=$SECONDS
+cat > "$out/triton-fwd-one.yaml" <<'YAML'
 backend: triton
 direction: fwd
 arch:
   sm90: {block_m: [128], block_n: [64], num_warps: [8], num_stages: [3]}
 YAML
-space=configs/space/cuda-fwd-ws.yaml; exhaustive=
-if [ "$step" = ab ]; then
-  space=$out/cuda-fwd-tma-ab.yaml; exhaustive=--exhaustive
-  cat > "$space" <<'YAML'
+cat > "$out/cuda-fwd-tma-ab.yaml" <<'YAML'
 backend: cuda
 direction: fwd
 arch:
   sm90: {block_m: [128], block_n: [128], num_warps: [12], num_stages: [2], overlap: [1], persistent: [1], tma_store: [0, 1]}
 YAML
-fi
-dmattn-bench tune --backend all --space $space --space "$triton_one" $exhaustive \
+dmattn-bench tune --backend all --space "$out/cuda-fwd-tma-ab.yaml" --space "$out/triton-fwd-one.yaml" --exhaustive \
   --workloads configs/workloads/peers-tune.yaml --dtype bf16 --suite full --budget 3m --merge $table \
-  --out /tmp/h200.yaml --format json > "$logs/tune.json" 2> "$logs/tune.txt"
+  --out /tmp/nvidia-h200-sm90.yaml --format json > "$logs/tune.json" 2> "$logs/tune.txt"
 echo "tune rc $? in $((SECONDS - start)) s"
-cp /tmp/h200.yaml $table && cp /tmp/h200.yaml /tmp/h200.yaml.trials.jsonl "$logs/"; pack
-start=$SECONDS
-dmattn-bench bench --peers ours-cuda,flex,sdpa-flash-dense,sdpa-cudnn-dense --format json > "$logs/h200.json" 2> "$logs/bench.txt"
-echo "bench rc $? in $((SECONDS - start)) s"
-dmattn-bench bench --from-json "$logs/h200.json" --format markdown > "$logs/h200.md"; pack
+cp /tmp/nvidia-h200-sm90.yaml $table && cp /tmp/nvidia-h200-sm90.yaml.trials.jsonl "$logs/"; pack
+python3 - "$table" "$out/tma-store-entries.yaml" <<'PY'
+import sys, yaml
+table = yaml.safe_load(open(sys.argv[1]))
+entries = [e for e in table["entries"] if e["config"].get("tma_store")]
+table["entries"] = entries + [{**e, "key": {**e["key"], "dtype": "fp16"}} for e in entries]
+print(f"{len(entries)} tma_store entries", file=sys.stderr)
+yaml.safe_dump(table, open(sys.argv[2], "w"), sort_keys=False)
+PY
+for dtype in bf16 fp16; do
+  start=$SECONDS
+  dmattn-bench verify --table "$out/tma-store-entries.yaml" --dtype $dtype --suite full --no-ledger \
+    > "$logs/verify-$dtype.txt" 2>&1
+  echo "verify $dtype rc $? in $((SECONDS - start)) s: $(tail -1 "$logs/verify-$dtype.txt")"
+done
+pack

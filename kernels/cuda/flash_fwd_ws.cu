@@ -96,9 +96,9 @@
 // the consumer goes on to its next item. Rows past Lq and columns past HEAD_DIM lie outside the
 // map and are not written. H200, W3's shape (bf16 B2 H16 L4096 D128 causal) at 128x128 w12 s2
 // persistent: 0.252 -> 0.240 ms, not causal 0.458 -> 0.423; the stores from registers cost 6-7%
-// of the causal forward, 11% at L2048 (results/cuda/h200-fwd-variants-probe.md). The host
-// launches it from Python (`forward.ForwardPlan`: no native program maps out), so the knob is
-// not in the tuning space yet.
+// of the causal forward, 11% at L2048 (results/cuda/h200-fwd-variants-probe.md). A native
+// program encodes out's map once and has the driver move it to each call's out
+// (`forward.ForwardPlan`).
 //
 // Compile-time parameters: those of common.cuh (WGMMA = 1), BLOCK_M, BLOCK_N, SCORE_STAGES,
 // MASK_TILES and BIAS_TILES; FWD_OVERLAP, FWD_PERSISTENT, FWD_TMA_STORE and PACKED where defined

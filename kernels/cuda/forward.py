@@ -305,7 +305,8 @@ def _native_parameters(layouts: tuple, softmax_scale: float, softcap: float, lse
     """A forward signature's parameters for a native program (`dmattn_kernels.runtime.native.structure_spec`):
     the template (its FwdParams, inside a WsParams where the kernel reads tensor maps, with a
     persistent launch's schedule), the address slots (q, k, v, the mask and bias where given, then
-    the program's out and lse allocations) and the map slots (`_ForwardLaunch.maps`' operands)."""
+    the program's out and lse allocations) and the map slots (`_ForwardLaunch.maps`' operands: the
+    inputs, and out's allocation for `tma_store`)."""
     forward_type = FwdParams if window_sides is None else WindowedFwdParams
     forward = forward_type.from_buffer_copy(_forward_template(layouts, softmax_scale, softcap, lse_stride, window_sides))
     maps = plan.maps
@@ -316,7 +317,8 @@ def _native_parameters(layouts: tuple, softmax_scale: float, softcap: float, lse
                 for index, name in enumerate(("q", "k", "v", "mask", "bias")) if layouts[index] is not None]
     pointers += [(base + forward_type.out.offset, native.allocated(0)),
                  (base + forward_type.lse.offset, native.allocated(1))]
-    descriptors = [(getattr(type(params), field).offset, operand) for field, operand, *_ in maps]
+    operands = (*(native.given(index) for index in range(5)), native.allocated(0))  # q, k, v, mask, bias, out
+    descriptors = [(getattr(type(params), field).offset, operands[operand]) for field, operand, *_ in maps]
     return bytes(params), pointers, descriptors
 
 
@@ -328,9 +330,8 @@ class ForwardPlan:
     A run of `allocate_and_run` from Python builds the program of the later ones
     (`dmattn_kernels.runtime.native`): the same two allocations and one launch in one C++ call, the
     parameters copied from the signature's template with the call's addresses and, for the
-    warp-specialized forward, its tensor maps filled in (encoded again only for new addresses);
-    not with `tma_store`, whose out map would follow the program's own allocation of out: such
-    calls launch from Python each time. A packed call (`packing`, `configs.Packing`) runs into
+    warp-specialized forward, its tensor maps filled in (encoded again only for new input
+    addresses; `tma_store`'s map of out moved to each run's allocation). A packed call (`packing`, `configs.Packing`) runs into
     given outputs, given its sequences on each run (`sequences`: cu_seqlens_q, cu_seqlens_k,
     seqused_k or None); it writes only its sequences' rows (the caller fills the rest:
     `dmattn_bench.plan`).
@@ -380,8 +381,6 @@ class ForwardPlan:
         return out, lse, None
 
     def _native_program(self, q, k, v, mask, bias, out, lse) -> native.Program | None:
-        if self.config.tma_store:  # its out map: a program's maps are of its inputs, and out is its allocation
-            return None
         layouts = tuple(_layout(t) for t in (q, k, v, mask, bias, out))
         options = self.options
         plan = _forward_launch(layouts, options["is_causal"], options["softcap"], self.config, self.window_sides)
@@ -389,8 +388,8 @@ class ForwardPlan:
         template, pointers, descriptors = _native_parameters(layouts, options["softmax_scale"], options["softcap"],
                                                              lse.stride(), plan, schedule, self.window_sides)
 
-        def encode(given: tuple) -> list[bytes]:  # the program's inputs: the mask and bias as passed
-            return [bytes(tensor_map) for tensor_map in plan.tensor_maps(given[:5]).values()]
+        def encode(given: tuple, allocations: tuple) -> list[bytes]:  # the mask and bias as passed
+            return [bytes(tensor_map) for tensor_map in plan.tensor_maps((*given[:5], allocations[0])).values()]
 
         spec = native.structure_spec(plan.launcher.function(plan.name, plan.shared), grid, 32 * self.config.num_warps,
                                      plan.shared, template, pointers, descriptors, encode if plan.maps else None)

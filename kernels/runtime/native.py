@@ -221,13 +221,15 @@ def _triton_version() -> tuple[int, int]:
 
 
 def _descriptor_encoder(launch, sources: list[tuple[int, int, int]]):
-    """`encode(inputs)`: the CUtensorMaps of `launch`'s descriptors on the run's inputs, encoded by
-    Triton's own wrapper (`DirectLaunch.encode`); the descriptors are its last tensor arguments."""
+    """`encode(inputs, allocations)`: the CUtensorMaps of `launch`'s descriptors on the run's
+    inputs, encoded by Triton's own wrapper (`DirectLaunch.encode`); the descriptors are its last
+    tensor arguments, each of an input (`kernel_spec` declines others)."""
     from dmattn_kernels.triton.handles import descriptor_on
 
     direct, positions = launch.launcher, sorted(launch.descriptors)
 
-    def encode(inputs: tuple) -> list:
+    def encode(inputs: tuple, allocations: tuple) -> list:
+        del allocations
         tensors = [0] * positions[0] + [descriptor_on(launch.descriptors[p], inputs[sources[p][1]]) for p in positions]
         flat = direct.encode([*tensors, *direct.tail])
         return [item for item in flat if type(item).__name__ == "PyCUtensorMap"]
@@ -271,7 +273,7 @@ def kernel_spec(launch, sources: list[tuple[int, int, int]]) -> tuple | None:
             template = launch.descriptors.get(position)
             if meta is None or template is None or sources[position][0] != INPUT:
                 return None
-            descriptors.append((place(DESCRIPTOR_BYTES, DESCRIPTOR_BYTES), sources[position][1]))
+            descriptors.append((place(DESCRIPTOR_BYTES, DESCRIPTOR_BYTES), *sources[position][:2]))
             for size in template.shape:
                 struct.pack_into("i", params, place(4, 4), size)
             for stride in template.strides:
@@ -296,15 +298,20 @@ def kernel_spec(launch, sources: list[tuple[int, int, int]]) -> tuple | None:
 
 
 def structure_spec(function: int, grid: tuple[int, ...], threads: int, shared: int, template: bytes,
-                   pointers: list[tuple[int, tuple[int, int, int]]], descriptors: list[tuple[int, int]],
-                   encode=None) -> tuple:
+                   pointers: list[tuple[int, tuple[int, int, int]]],
+                   descriptors: list[tuple[int, tuple[int, int, int]]], encode=None) -> tuple:
     """`native_launch.cpp`'s description of a kernel whose one parameter is a structure passed by
     value (the CUDA backend's): `template` its bytes with every address and tensor map zero,
     `pointers` (offset, source: `given`, `allocated`) per address to fill, `descriptors` (offset,
-    input) per 128-byte tensor map, which `encode(inputs)` returns as bytes, in that order, for
-    inputs at addresses the program has not seen."""
+    source: `given`, `allocated` at offset 0) per 128-byte tensor map, which `encode(inputs,
+    allocations)` returns as bytes, in that order, for inputs at addresses the program has not
+    seen. A map of an allocation is moved to each run's own by the driver
+    (cuTensorMapReplaceAddress), not encoded anew."""
+    if any(source[2] for _, source in descriptors):
+        raise ValueError("a tensor map covers its tensor from its start: no offset into an allocation")
     return (function, (*grid, 1, 1)[:3], threads, shared, template, [0],
-            [(offset, *source) for offset, source in pointers], descriptors, encode)
+            [(offset, *source) for offset, source in pointers],
+            [(offset, *source[:2]) for offset, source in descriptors], encode)
 
 
 def program(device: torch.device, num_inputs: int, allocations: list, views: list, kernels: list,

@@ -65,6 +65,7 @@ using GraphLaunchFn = CUresult (*)(CUgraphExec, CUstream);
 using GraphDestroyFn = CUresult (*)(CUgraph);
 using GraphExecDestroyFn = CUresult (*)(CUgraphExec);
 using StreamIsCapturingFn = CUresult (*)(CUstream, int*);
+using TensorMapReplaceAddressFn = CUresult (*)(void*, void*);
 
 LaunchKernelFn launch_kernel = nullptr;
 ErrorStringFn error_string = nullptr;
@@ -81,6 +82,7 @@ GraphLaunchFn graph_launch = nullptr;
 GraphDestroyFn graph_destroy = nullptr;
 GraphExecDestroyFn graph_exec_destroy = nullptr;
 StreamIsCapturingFn stream_is_capturing = nullptr;
+TensorMapReplaceAddressFn tensor_map_replace_address = nullptr;  // a map of an allocation, moved to this run's
 bool graphs_enabled = false;  // a run of several kernels as one graph launch (`run_as_graph`)
 
 constexpr size_t kDescriptorBytes = 128;      // sizeof(CUtensorMap)
@@ -117,6 +119,8 @@ bool load_driver() {
   graph_destroy = reinterpret_cast<GraphDestroyFn>(dlsym(handle, "cuGraphDestroy"));
   graph_exec_destroy = reinterpret_cast<GraphExecDestroyFn>(dlsym(handle, "cuGraphExecDestroy"));
   stream_is_capturing = reinterpret_cast<StreamIsCapturingFn>(dlsym(handle, "cuStreamIsCapturing"));
+  tensor_map_replace_address =
+      reinterpret_cast<TensorMapReplaceAddressFn>(dlsym(handle, "cuTensorMapReplaceAddress"));
   const char* graphs = std::getenv("DMATTN_BENCH_LAUNCH_GRAPHS");  // "0": each kernel launched on its own
   graphs_enabled = (graphs == nullptr || std::strcmp(graphs, "0") != 0) && graph_create && graph_add_kernel_node &&
                    graph_instantiate && graph_exec_set_params && graph_launch && graph_destroy &&
@@ -160,9 +164,10 @@ struct PointerSlot {
   int64_t add;    // bytes past the tensor's address (a part of a workspace)
 };
 
-struct DescriptorSlot {
+struct DescriptorSlot {  // a tensor map of an input or allocation
   size_t offset;
-  int input;      // the tensor the descriptor reads
+  int source;
+  int index;
 };
 
 struct Kernel {
@@ -174,7 +179,7 @@ struct Kernel {
   std::vector<size_t> offsets;  // of each parameter
   std::vector<PointerSlot> pointers;
   std::vector<DescriptorSlot> descriptors;
-  PyObject* encode = nullptr;   // inputs -> a CUtensorMap object per descriptor slot, on an address miss
+  PyObject* encode = nullptr;   // (inputs, allocations) -> a CUtensorMap object per descriptor slot, on a miss
   std::vector<std::pair<std::vector<uint64_t>, std::vector<char>>> encoded;  // addresses -> descriptors
 };
 
@@ -271,7 +276,7 @@ bool descriptor_bytes(PyObject* obj, char* out) {
 // -- building a program --------------------------------------------------------------------------
 
 // kernel: (function, (gx, gy, gz), block, shared, params bytes, offsets, pointer slots
-//          [(offset, source, index, add)], descriptor slots [(offset, input)], encode or None)
+//          [(offset, source, index, add)], descriptor slots [(offset, source, index)], encode or None)
 bool read_kernel(PyObject* spec, Kernel& kernel) {
   unsigned long long function;
   unsigned gx, gy, gz, block, shared;
@@ -327,7 +332,7 @@ bool read_kernel(PyObject* spec, Kernel& kernel) {
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
     DescriptorSlot slot;
     long long offset;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "Li", &offset, &slot.input)) {
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "Lii", &offset, &slot.source, &slot.index)) {
       Py_DECREF(fast);
       return false;
     }
@@ -408,17 +413,19 @@ PyObject* program(PyObject*, PyObject* args) {
   for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
     built->kernels.emplace_back();
     ok = read_kernel(PySequence_Fast_GET_ITEM(fast, i), built->kernels.back());
+    auto sourced = [&](int source, int index) {
+      size_t limit = source == kInput ? built->num_inputs : built->allocations.size();
+      return (source == kInput || source == kAllocation) && index >= 0 && static_cast<size_t>(index) < limit;
+    };
     for (const PointerSlot& slot : ok ? built->kernels.back().pointers : std::vector<PointerSlot>{}) {
-      size_t limit = slot.source == kInput ? built->num_inputs : built->allocations.size();
-      if ((slot.source != kInput && slot.source != kAllocation) || slot.index < 0 ||
-          static_cast<size_t>(slot.index) >= limit) {
+      if (!sourced(slot.source, slot.index)) {
         PyErr_SetString(PyExc_ValueError, "native launch: a pointer slot reads no input or allocation");
         ok = false;
       }
     }
     for (const DescriptorSlot& slot : ok ? built->kernels.back().descriptors : std::vector<DescriptorSlot>{}) {
-      if (slot.input < 0 || static_cast<size_t>(slot.input) >= built->num_inputs) {
-        PyErr_SetString(PyExc_ValueError, "native launch: a descriptor slot reads no input");
+      if (!sourced(slot.source, slot.index)) {
+        PyErr_SetString(PyExc_ValueError, "native launch: a descriptor slot reads no input or allocation");
         ok = false;
       }
     }
@@ -446,23 +453,54 @@ PyObject* program(PyObject*, PyObject* args) {
 
 // -- running a program ---------------------------------------------------------------------------
 
-// The kernel's descriptors for these inputs' addresses: cached, else encoded by Python.
+// Whether the maps of allocations are moved to each run's allocation by the driver, not encoded
+// anew: `pack` (no driver) and a driver without the entry point encode them per address.
+bool moves_allocation_maps(bool launch) { return launch && tensor_map_replace_address != nullptr; }
+
+// The address a descriptor slot's map reads in this run.
+uint64_t slot_address(const DescriptorSlot& slot, const std::array<uint64_t, kMaxInputs>& addresses,
+                      const std::vector<at::Tensor>& allocated) {
+  return slot.source == kInput ? addresses[slot.index] : reinterpret_cast<uint64_t>(allocated[slot.index].data_ptr());
+}
+
+// The kernel's descriptors for this run's addresses: cached, else encoded by Python. A run's
+// allocations are new, so where their maps are moved (`moves_allocation_maps`) the key holds the
+// inputs' addresses only and the caller moves those maps.
 const char* descriptors_for(Kernel& kernel, PyObject* const* inputs, size_t num_inputs,
-                            const std::array<uint64_t, kMaxInputs>& addresses) {
+                            const std::array<uint64_t, kMaxInputs>& addresses,
+                            const std::vector<at::Tensor>& allocated, bool launch) {
   std::vector<uint64_t> key;
   key.reserve(kernel.descriptors.size());
-  for (const DescriptorSlot& slot : kernel.descriptors) key.push_back(addresses[slot.input]);
+  for (const DescriptorSlot& slot : kernel.descriptors) {
+    key.push_back(slot.source == kAllocation && moves_allocation_maps(launch) ? 0
+                                                                              : slot_address(slot, addresses, allocated));
+  }
   for (const auto& entry : kernel.encoded) {
     if (entry.first == key) return entry.second.data();
   }
-  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(num_inputs));
-  if (tuple == nullptr) return nullptr;
+  PyObject* given = PyTuple_New(static_cast<Py_ssize_t>(num_inputs));
+  PyObject* made = PyTuple_New(static_cast<Py_ssize_t>(allocated.size()));
+  if (given == nullptr || made == nullptr) {
+    Py_XDECREF(given);
+    Py_XDECREF(made);
+    return nullptr;
+  }
   for (size_t i = 0; i < num_inputs; ++i) {
     Py_INCREF(inputs[i]);
-    PyTuple_SET_ITEM(tuple, i, inputs[i]);
+    PyTuple_SET_ITEM(given, i, inputs[i]);
   }
-  PyObject* maps = PyObject_CallOneArg(kernel.encode, tuple);
-  Py_DECREF(tuple);
+  for (size_t i = 0; i < allocated.size(); ++i) {
+    PyObject* tensor = THPVariable_Wrap(allocated[i]);
+    if (tensor == nullptr) {
+      Py_DECREF(given);
+      Py_DECREF(made);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(made, i, tensor);
+  }
+  PyObject* maps = PyObject_CallFunctionObjArgs(kernel.encode, given, made, nullptr);
+  Py_DECREF(given);
+  Py_DECREF(made);
   if (maps == nullptr) return nullptr;
   PyObject* fast = PySequence_Fast(maps, "encode must return a sequence");
   Py_DECREF(maps);
@@ -488,7 +526,7 @@ const char* descriptors_for(Kernel& kernel, PyObject* const* inputs, size_t num_
 // Fills `storage` with `kernel`'s parameters for this run; `params` points at each.
 bool fill_params(Kernel& kernel, PyObject* const* inputs, size_t num_inputs,
                  const std::array<uint64_t, kMaxInputs>& addresses, const std::vector<at::Tensor>& allocated,
-                 char* storage, void** params) {
+                 bool launch, char* storage, void** params) {
   std::memcpy(storage, kernel.params.data(), kernel.params.size());
   for (const PointerSlot& slot : kernel.pointers) {
     uint64_t address;
@@ -505,10 +543,20 @@ bool fill_params(Kernel& kernel, PyObject* const* inputs, size_t num_inputs,
     std::memcpy(storage + slot.offset, &address, sizeof(address));
   }
   if (!kernel.descriptors.empty()) {
-    const char* maps = descriptors_for(kernel, inputs, num_inputs, addresses);
+    const char* maps = descriptors_for(kernel, inputs, num_inputs, addresses, allocated, launch);
     if (maps == nullptr) return false;
     for (size_t i = 0; i < kernel.descriptors.size(); ++i) {
-      std::memcpy(storage + kernel.descriptors[i].offset, maps + i * kDescriptorBytes, kDescriptorBytes);
+      const DescriptorSlot& slot = kernel.descriptors[i];
+      std::memcpy(storage + slot.offset, maps + i * kDescriptorBytes, kDescriptorBytes);
+      if (slot.source != kAllocation || !moves_allocation_maps(launch)) continue;
+      // the storage is 128-byte aligned and so is a map's offset in it, as the driver needs
+      void* moved = reinterpret_cast<void*>(slot_address(slot, addresses, allocated));
+      CUresult status = tensor_map_replace_address(storage + slot.offset, moved);
+      if (status != 0) {
+        PyErr_Format(PyExc_RuntimeError, "native launch: moving a tensor map to its allocation failed (CUDA error %d)",
+                     status);
+        return false;
+      }
     }
   }
   for (size_t i = 0; i < kernel.offsets.size(); ++i) params[i] = storage + kernel.offsets[i];
@@ -652,7 +700,7 @@ PyObject* execute(PyObject* const* args, Py_ssize_t nargs, bool launch, size_t w
   void* params[kMaxKernels][kMaxParams];
   size_t count = built->kernels.size();
   for (size_t i = 0; i < count; ++i) {
-    if (!fill_params(built->kernels[i], inputs, num_inputs, addresses, allocated, storage[i], params[i])) {
+    if (!fill_params(built->kernels[i], inputs, num_inputs, addresses, allocated, launch, storage[i], params[i])) {
       return nullptr;
     }
   }
