@@ -69,8 +69,7 @@ class FwdConfig:
             (FWD_PERSISTENT, `forward.persistent_schedule`) instead of a CTA per item.
         tma_store: 1 (with overlap, not for packed sequences): each consumer stages its rows of
             out in shared memory and one of its threads stores them by TMA (FWD_TMA_STORE)
-            instead of every thread storing its pairs; its calls launch from Python (no native
-            program), so it is not in the tuning space.
+            instead of every thread storing its pairs.
     """
 
     block_m: int = 64
@@ -86,6 +85,10 @@ class FwdConfig:
 
     def to_dict(self) -> dict[str, int]:
         return {name: value for name, value in asdict(self).items() if value or name not in FWD_KNOBS}
+
+    def knobs_on(self) -> tuple[str, ...]:
+        """The kernel knobs this config sets, in label order (none: the plain forward)."""
+        return tuple(name for name in FWD_KNOBS if getattr(self, name))
 
 
 FWD_KNOBS = ("overlap", "persistent", "tma_store")  # FwdConfig's kernel knobs, in label order

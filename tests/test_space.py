@@ -70,6 +70,8 @@ def test_a_label_names_the_knobs_that_are_on():
     assert config_label(FwdConfig(128, 128, 12, 2)) == "128x128 w12 s2"
     assert config_label(FwdConfig(128, 128, 12, 2, overlap=1)) == "128x128 w12 s2 overlap"
     assert config_label(FwdConfig(128, 128, 12, 2, overlap=1, persistent=1)) == "128x128 w12 s2 overlap persistent"
+    assert FwdConfig(128, 128, 12, 2).knobs_on() == ()
+    assert FwdConfig(128, 128, 12, 2, overlap=1, tma_store=1).knobs_on() == ("overlap", "tma_store")
 
 
 def test_a_space_may_leave_the_knobs_out_but_not_a_tile():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dmattn_kernels import target
-from dmattn_kernels.configs import FWD_KNOBS, AttentionShape, BwdConfig, FwdConfig, shape_problem
+from dmattn_kernels.configs import AttentionShape, BwdConfig, FwdConfig, shape_problem
 
 WARP_CHOICES = (2, 4, 8)
 # Rows a warp owns, as m16 tiles: forward block_m = 16 or 32 x num_warps (flash_fwd.cu: WARP_TILES),
@@ -169,7 +169,7 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
     reason = shape_problem(shape)
     if reason:
         return reason
-    if isinstance(config, FwdConfig) and (config.overlap or config.persistent or config.tma_store):
+    if isinstance(config, FwdConfig) and config.knobs_on():
         reason = knob_reason(config)
         if reason:
             return reason
@@ -229,7 +229,7 @@ def knob_reason(config: FwdConfig) -> str | None:
     if config.tma_store and not config.overlap:
         return "tma_store=1 needs overlap=1 (out is stored by TMA in the overlapped forward's epilogue)"
     if not _is_warp_specialized_shape(config):
-        knobs = " and ".join(f"{name}=1" for name in FWD_KNOBS if getattr(config, name))
+        knobs = " and ".join(f"{name}=1" for name in config.knobs_on())
         return (f"{knobs}: a knob of the warp-specialized forward only (block_m in {WS_BLOCK_M} on block_m / 16 + "
                 f"{WARPGROUP} warps), not of {config.block_m} rows on {config.num_warps} warps")
     return None

@@ -56,7 +56,7 @@ def variant(config: FwdConfig, head_dim: int, dtype: torch.dtype, bias_dtype: to
         own.update({name: True for name, on in (("FWD_OVERLAP", config.overlap), ("FWD_PERSISTENT", config.persistent),
                                                 ("FWD_TMA_STORE", config.tma_store), ("HAS_WINDOW", window),
                                                 ("PACKED", packed)) if on})
-    elif config.overlap or config.persistent or config.tma_store:
+    elif config.knobs_on():
         reason = knob_reason(config) or ("overlap, persistent and tma_store: knobs of the warp-specialized forward, "
                                          "on sm90 only")
         raise ValueError(f"config: {reason} (here: {arch})")

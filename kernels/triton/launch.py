@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from dmattn_kernels.configs import FWD_KNOBS, AttentionShape, BwdConfig, DecodeConfig, FwdConfig, Packing, shape_problem
+from dmattn_kernels.configs import AttentionShape, BwdConfig, DecodeConfig, FwdConfig, Packing, shape_problem
 from dmattn_kernels.runtime.plan_cache import PlanCache, python_tensor_layouts
 from dmattn_kernels.triton.backward import BackwardPlan
 from dmattn_kernels.triton.decode_launch import MASK_SCAN_KEYS, MAX_BLOCK_M
@@ -55,7 +55,7 @@ def is_supported(config: FwdConfig | BwdConfig | DecodeConfig, shape: AttentionS
     reason = shape_problem(shape)
     if reason:
         return reason
-    if isinstance(config, FwdConfig) and any(getattr(config, name) for name in FWD_KNOBS):
+    if isinstance(config, FwdConfig) and config.knobs_on():
         return ("overlap, persistent and tma_store are knobs of the CUDA warp-specialized forward; the Triton "
                 "forward has none (leave them 0)")
     if isinstance(config, BwdConfig) and config.kv_group:
