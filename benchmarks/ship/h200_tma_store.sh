@@ -1,31 +1,22 @@
 #!/usr/bin/env bash
 # The forward's tma_store knob (FWD_TMA_STORE) into the H200 table, on a lent H200:
-#   bash benchmarks/ship/h200_tma_store.sh OUT tier   # the knob's GPU tier suites (the full suite and
+#   bash benchmarks/ship/h200_tma_store.sh OUT   # the knob's GPU tier suites (the full suite and
 #       the windows, bf16 and fp16) and the CUDA forward's native programs (out's map moved to each
 #       run's allocation); then W1-W3's forward keys timed at their shipped config (128x128 w12 s2
 #       overlap persistent) with and without tma_store (`tune --exhaustive`: a ranked tune ranks an
 #       untimed knob out; Triton given one config of those keys' class, a trial a key), merged into
 #       the shipped table; then the table's tma_store entries verified with the full suite in bf16
 #       and, as fp16 keys, in fp16
-#   bash benchmarks/ship/h200_tma_store.sh OUT bench  # W1-W3 against every peer on the table
-#       (results/bench/h200.{json,md,png})
+# (the bench of W1-W3 on the table: h200_rescale_threshold.sh OUT ship)
 # Logs (and the table) go to OUT/logs.tgz.
 set -uo pipefail
-out=$1; step=$2
+out=$1
 table=results/tables/nvidia-h200-sm90.yaml
 logs=$out/logs; mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$logs/install.txt" 2>&1
 pack() { tar czf "$out/logs.tgz" -C "$out" logs; }
 start=$SECONDS
-if [ "$step" = bench ]; then
-  dmattn-bench bench --peers ours-cuda,flex,flex-small-bwd,sdpa-efficient,sdpa-flash-dense,sdpa-cudnn-dense \
-    --format json > "$out/h200.json" 2> "$logs/bench.txt"
-  echo "bench rc $? in $((SECONDS - start)) s"
-  dmattn-bench bench --from-json "$out/h200.json" --format markdown > "$out/h200.md"
-  dmattn-bench bench --from-json "$out/h200.json" --plot "$out/h200.png" > /dev/null; pack
-  exit
-fi
 DMATTN_TEST_GPU=1 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_cuda_kernels.py \
   -k "tma_store or native_program" -n 6 > "$logs/gpu-tier.txt" 2>&1
 echo "gpu tier rc $? ($(tail -1 "$logs/gpu-tier.txt")) in $((SECONDS - start)) s"; pack
