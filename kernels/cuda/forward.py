@@ -331,10 +331,10 @@ class ForwardPlan:
     (`dmattn_kernels.runtime.native`): the same two allocations and one launch in one C++ call, the
     parameters copied from the signature's template with the call's addresses and, for the
     warp-specialized forward, its tensor maps filled in (encoded again only for new input
-    addresses; `tma_store`'s map of out moved to each run's allocation). A packed call (`packing`, `configs.Packing`) runs into
-    given outputs, given its sequences on each run (`sequences`: cu_seqlens_q, cu_seqlens_k,
-    seqused_k or None); it writes only its sequences' rows (the caller fills the rest:
-    `dmattn_bench.plan`).
+    addresses; `tma_store`'s map of out moved to each run's allocation). A packed call
+    (`packing`, `configs.Packing`) runs into given outputs, given its sequences on each run
+    (`sequences`: cu_seqlens_q, cu_seqlens_k, seqused_k or None); it writes only its sequences'
+    rows (the caller fills the rest: `dmattn_bench.plan`).
     """
 
     leaves_activity = False  # no tile activity for the backward (the Triton forward's schedule)

@@ -472,8 +472,8 @@ const char* descriptors_for(Kernel& kernel, PyObject* const* inputs, size_t num_
   std::vector<uint64_t> key;
   key.reserve(kernel.descriptors.size());
   for (const DescriptorSlot& slot : kernel.descriptors) {
-    key.push_back(slot.source == kAllocation && moves_allocation_maps(launch) ? 0
-                                                                              : slot_address(slot, addresses, allocated));
+    bool moved = slot.source == kAllocation && moves_allocation_maps(launch);
+    key.push_back(moved ? 0 : slot_address(slot, addresses, allocated));
   }
   for (const auto& entry : kernel.encoded) {
     if (entry.first == key) return entry.second.data();
