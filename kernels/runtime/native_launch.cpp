@@ -457,10 +457,10 @@ PyObject* program(PyObject*, PyObject* args) {
 // anew: `pack` (no driver) and a driver without the entry point encode them per address.
 bool moves_allocation_maps(bool launch) { return launch && tensor_map_replace_address != nullptr; }
 
-// The address a descriptor slot's map reads in this run.
-uint64_t slot_address(const DescriptorSlot& slot, const std::array<uint64_t, kMaxInputs>& addresses,
-                      const std::vector<at::Tensor>& allocated) {
-  return slot.source == kInput ? addresses[slot.index] : reinterpret_cast<uint64_t>(allocated[slot.index].data_ptr());
+// This run's address of input or allocation `index` (a pointer or descriptor slot's source).
+uint64_t source_address(int source, int index, const std::array<uint64_t, kMaxInputs>& addresses,
+                        const std::vector<at::Tensor>& allocated) {
+  return source == kInput ? addresses[index] : reinterpret_cast<uint64_t>(allocated[index].data_ptr());
 }
 
 // The kernel's descriptors for this run's addresses: cached, else encoded by Python. A run's
@@ -473,7 +473,7 @@ const char* descriptors_for(Kernel& kernel, PyObject* const* inputs, size_t num_
   key.reserve(kernel.descriptors.size());
   for (const DescriptorSlot& slot : kernel.descriptors) {
     bool moved = slot.source == kAllocation && moves_allocation_maps(launch);
-    key.push_back(moved ? 0 : slot_address(slot, addresses, allocated));
+    key.push_back(moved ? 0 : source_address(slot.source, slot.index, addresses, allocated));
   }
   for (const auto& entry : kernel.encoded) {
     if (entry.first == key) return entry.second.data();
@@ -529,15 +529,10 @@ bool fill_params(Kernel& kernel, PyObject* const* inputs, size_t num_inputs,
                  bool launch, char* storage, void** params) {
   std::memcpy(storage, kernel.params.data(), kernel.params.size());
   for (const PointerSlot& slot : kernel.pointers) {
-    uint64_t address;
-    if (slot.source == kInput) {
-      address = addresses[slot.index];
-      if (address == 0 && inputs[slot.index] == Py_None) {
-        PyErr_Format(PyExc_TypeError, "native launch: input %d is None where the kernel reads a tensor", slot.index);
-        return false;
-      }
-    } else {
-      address = reinterpret_cast<uint64_t>(allocated[slot.index].data_ptr());
+    uint64_t address = source_address(slot.source, slot.index, addresses, allocated);
+    if (slot.source == kInput && address == 0 && inputs[slot.index] == Py_None) {
+      PyErr_Format(PyExc_TypeError, "native launch: input %d is None where the kernel reads a tensor", slot.index);
+      return false;
     }
     address += static_cast<uint64_t>(slot.add);
     std::memcpy(storage + slot.offset, &address, sizeof(address));
@@ -550,7 +545,7 @@ bool fill_params(Kernel& kernel, PyObject* const* inputs, size_t num_inputs,
       std::memcpy(storage + slot.offset, maps + i * kDescriptorBytes, kDescriptorBytes);
       if (slot.source != kAllocation || !moves_allocation_maps(launch)) continue;
       // the storage is 128-byte aligned and so is a map's offset in it, as the driver needs
-      void* moved = reinterpret_cast<void*>(slot_address(slot, addresses, allocated));
+      void* moved = reinterpret_cast<void*>(source_address(slot.source, slot.index, addresses, allocated));
       CUresult status = tensor_map_replace_address(storage + slot.offset, moved);
       if (status != 0) {
         PyErr_Format(PyExc_RuntimeError, "native launch: moving a tensor map to its allocation failed (CUDA error %d)",
