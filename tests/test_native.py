@@ -84,6 +84,8 @@ def test_a_program_fills_addresses_and_scalars_where_triton_puts_them(module):
     assert values == (x.data_ptr(), y.data_ptr(), view.data_ptr(), 7, 0.5, 1 << 40, 0, 0)
     (_, view_again, _), (again,) = module.pack(handle, 0, x, torch.zeros(9, dtype=torch.int8))
     assert struct.unpack_from("<Q", again, 8) != struct.unpack_from("<Q", filled, 8)  # each run's own addresses
+    with pytest.raises(TypeError, match="input 1 is None where the kernel reads a tensor"):
+        module.pack(handle, 0, x, None)
 
 
 def test_descriptors_take_an_aligned_map_then_their_shape_and_strides():
