@@ -65,7 +65,8 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       return_lse: bool = False, backend: str = "auto", cache_seqlens: torch.Tensor | None = None,
                       window_size: tuple[int, int] = plans.NO_WINDOW, *,
                       block_table: torch.Tensor | None = None, table: str | None = None,
-                      fwd_config: FwdConfig | None = None, bwd_config: BwdConfig | None = None):
+                      fwd_config: FwdConfig | None = None, bwd_config: BwdConfig | None = None,
+                      deterministic: bool = False):
     """Flash attention with a boolean dynamic mask and an additive learnable bias.
 
     Semantics are those of DESIGN.md §1 and `dmattn_bench.reference.attention`:
@@ -103,6 +104,10 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             the table chooses it (not backend "cuda": the CUDA backward has no window).
         table: a dispatch-table path for this call (overrides `use_table` and DMATTN_BENCH_TABLE).
         fwd_config, bwd_config: explicit kernel tiles, overriding the table for that direction.
+        deterministic: a bool: the backward gives bitwise-identical gradients on every run even
+            where the table's config is marked non-deterministic (`BwdConfig.nondeterministic_dq`:
+            dQ summed in no set order), which then runs in its fixed order;
+            `torch.use_deterministic_algorithms(True)` does the same for every call.
 
     A call that needs no gradient and has at most 64 query rows runs the short-query forward
     (split-KV, a KV group's query heads in one tile); with a gradient the prefill kernels run
@@ -129,6 +134,7 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if result is not None:
             return result
     checks.check_flag("return_lse", return_lse)  # not in a plan's signature: checked on every call
+    checks.check_flag("deterministic", deterministic)
     if backend != "reference" and not torch.compiler.is_compiling() and not _traced(query):
         if _NATIVE_PENDING and getattr(query, "is_cuda", False):
             _load_native()
@@ -140,7 +146,7 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             signature = plans.signature(
                 plans.tensor_layouts(query, key, value, attn_mask, attn_bias, cache_seqlens, block_table),
                 type(is_causal), is_causal, type(softmax_scale), softmax_scale, type(softcap), softcap, backend,
-                table, fwd_config, bwd_config, bias_grad, window_size)
+                table, fwd_config, bwd_config, bias_grad, window_size, deterministic)
             plan = plans.PLANS.get(signature)  # an unhashable window (a list) raises TypeError here
         except (AttributeError, TypeError):  # not a tensor, an unhashable option: the checks say which
             signature = plan = None
@@ -155,7 +161,7 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                                        softmax_scale=scale, softcap=float(softcap), backend=backend, table=table,
                                        fwd_config=fwd_config, bwd_config=bwd_config, bias_requires_grad=bias_grad,
                                        cache_seqlens=cache_seqlens, block_table=block_table,
-                                       window=tuple(window_size))
+                                       window=tuple(window_size), deterministic=deterministic)
             if signature is not None:
                 plans.PLANS.put(signature, plan)
         elif cache_seqlens is not None or block_table is not None:  # no grad flag in the signature
@@ -189,6 +195,6 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     out, lse, _ = ops.attention_fwd(
         query, key, value, as_4d(attn_mask), as_4d(attn_bias), is_causal, softmax_scale,
         float(softcap), backend, table, as_list(fwd_config), as_list(bwd_config), cache_seqlens, block_table,
-        not needs_grad, list(window_size),
+        not needs_grad, list(window_size), deterministic,
     )
     return (out, lse) if return_lse else out

@@ -20,8 +20,9 @@ transformers' FlashAttention path loads (it passes ``cu_seqlens_q``, ``cu_seqlen
 FlashAttention, both take keyword-only ``attn_mask`` and ``attn_bias`` (the dynamic mask and the
 learnable bias, in the layouts of the functions they run on; the varlen one also
 ``seqused_k``). ``max_seqlen_*`` given as 0-dim tensors (transformers derives them so) are read
-as ints, one host sync each. ``deterministic`` is accepted and ignored: our kernels are always
-deterministic (DESIGN.md §1). What we cannot honour raises `NotImplementedError` naming the
+as ints, one host sync each. ``deterministic=True`` is passed on: the backward then runs in its
+fixed order where the table's config is marked non-deterministic (DESIGN.md §1; every other
+config is deterministic anyway). What we cannot honour raises `NotImplementedError` naming the
 argument: ``dropout_p`` other than 0 (our kernels have no attention dropout),
 ``alibi_slopes`` (give the ALiBi term as ``attn_bias`` instead), ``return_attn_probs=True``
 (the probabilities are never materialised) and ``block_table`` (paged caches go through
@@ -41,7 +42,7 @@ take the same layout, q ``(B, Lq, H, D)`` and k/v ``(B, Lk, Hkv, D)``, as
 Of flash-dmattn's arguments, ``return_attn_probs=True`` raises
 (`NotImplementedError`: the probabilities are never materialised; use
 `dmattn_bench.flash_dmattn_func(..., return_lse=True)` for the log-sum-exp). ``deterministic``
-is accepted and ignored: our kernels are always deterministic (DESIGN.md §1).
+is passed on, as for FlashAttention's functions.
 
 Where flash-dmattn 1.2.2 is buggy or narrower, we differ on purpose (DESIGN.md §1 is the
 contract; `dmattn_bench.reference.attention` implements it):
@@ -114,7 +115,8 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         softmax_scale: default 1/sqrt(D).
         is_causal: bottom-right aligned; None means False.
         softcap: > 0 soft-caps the scaled scores before the bias; None or 0 disables.
-        deterministic: accepted for compatibility; we are always deterministic.
+        deterministic: True: bitwise-identical gradients on every run (`dmattn_bench.flash_dmattn_func`);
+            None means False.
         return_attn_probs: only None/False; True raises NotImplementedError.
 
     Returns:
@@ -123,7 +125,6 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     for name, flag in (("is_causal", is_causal), ("deterministic", deterministic),
                        ("return_attn_probs", return_attn_probs)):
         checks.check_flag(name, flag, optional=True)
-    del deterministic  # every configuration we ship is deterministic
     if return_attn_probs:
         raise NotImplementedError(
             "return_attn_probs: got True, but dmattn-bench never materialises the attention "
@@ -133,6 +134,7 @@ def flash_dmattn_func(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return api.flash_dmattn_func(
         query, key, value, _bool_mask(attn_mask), attn_bias, is_causal=bool(is_causal),
         softmax_scale=softmax_scale, softcap=0.0 if softcap is None else float(softcap),
+        deterministic=bool(deterministic),
     )
 
 
@@ -155,7 +157,6 @@ def _check_flash_attn_options(causal, deterministic, dropout_p, alibi_slopes, re
     """FlashAttention 2's options we take as given, or raise on, naming the argument."""
     checks.check_flag("causal", causal)
     checks.check_flag("deterministic", deterministic, optional=True)
-    del deterministic  # every configuration we ship is deterministic
     if dropout_p:
         raise NotImplementedError(
             f"dropout_p: got {dropout_p}, but dmattn-bench has no attention dropout; pass dropout_p=0.0 "
@@ -205,7 +206,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             i + Lk - Lq + right.
         softcap: > 0 soft-caps the scaled scores; 0 (or None) disables.
         alibi_slopes: only None; give ALiBi as `attn_bias`.
-        deterministic: accepted; we are always deterministic.
+        deterministic: True: bitwise-identical gradients on every run (`dmattn_bench.flash_dmattn_func`).
         return_attn_probs: only False.
         attn_mask, attn_bias: keyword only, our extension: a bool mask and a learnable bias,
             broadcastable as (B|1, H|Hkv|1, Lq|1, Lk|1) (see `dmattn_bench.flash_dmattn_func`).
@@ -215,7 +216,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     _check_flash_attn_options(causal, deterministic, dropout_p, alibi_slopes, return_attn_probs)
     return api.flash_dmattn_func(q, k, v, attn_mask, attn_bias, is_causal=causal, softmax_scale=softmax_scale,
-                                 softcap=0.0 if softcap is None else float(softcap), window_size=_window(window_size))
+                                 softcap=0.0 if softcap is None else float(softcap), window_size=_window(window_size),
+                                 deterministic=bool(deterministic))
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -245,4 +247,4 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v, cu_seqlens_q, cu_seqlens_k, _length("max_seqlen_q", max_seqlen_q),
         _length("max_seqlen_k", max_seqlen_k), attn_mask, attn_bias, is_causal=causal,
         window_size=_window(window_size), softcap=0.0 if softcap is None else float(softcap),
-        softmax_scale=softmax_scale, seqused_k=seqused_k)
+        softmax_scale=softmax_scale, seqused_k=seqused_k, deterministic=bool(deterministic))

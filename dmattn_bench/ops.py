@@ -26,17 +26,20 @@ def _as_config(values: list[int] | None, cls):
 def plan_for(query, key, value, mask, bias, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
              table: str | None, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None,
              bias_requires_grad: bool, cache_seqlens: torch.Tensor | None = None,
-             block_table: torch.Tensor | None = None, window: list[int] | None = None) -> plans.AttentionPlan:
+             block_table: torch.Tensor | None = None, window: list[int] | None = None,
+             deterministic: bool = False) -> plans.AttentionPlan:
     """The call's plan, built (after the device and dtype checks) on its signature's first call."""
     window = plans.NO_WINDOW if window is None else tuple(window)
-    options = (is_causal, softmax_scale, softcap, backend, table, fwd_config, bwd_config, bias_requires_grad, window)
+    options = (is_causal, softmax_scale, softcap, backend, table, fwd_config, bwd_config, bias_requires_grad, window,
+               deterministic)
 
     def build() -> plans.AttentionPlan:
         checks.check_device_and_dtypes(query, key, value, bias)
         return plans.AttentionPlan(query, key, value, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
                                    softcap=softcap, backend=backend, table=table, fwd_config=fwd_config,
                                    bwd_config=bwd_config, bias_requires_grad=bias_requires_grad,
-                                   cache_seqlens=cache_seqlens, block_table=block_table, window=window)
+                                   cache_seqlens=cache_seqlens, block_table=block_table, window=window,
+                                   deterministic=deterministic)
 
     layouts = plans.tensor_layouts(query, key, value, mask, bias, cache_seqlens, block_table)
     return plans.PLANS.get_or_build(plans.signature(layouts, *options), build)
@@ -57,16 +60,17 @@ def attention_fwd(
     bias: torch.Tensor | None, is_causal: bool, softmax_scale: float, softcap: float, backend: str,
     table: str | None, fwd_config: list[int] | None, bwd_config: list[int] | None,
     cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, inference: bool = False,
-    window: list[int] | None = None,
+    window: list[int] | None = None, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, Lq, H, D), lse (B, H, Lq) fp32 and, with a mask, its tile-activity summary (int8,
     `layouts.activity_shape`; empty without a mask), which the backward reuses instead of reading
     the mask again where the forward filled it (`AttentionPlan.fills_activity`).
     `inference`: no gradient will be asked for (`AttentionPlan.infer`; the summary is empty).
-    `window`: window_size as [left, right] (None: no window)."""
+    `window`: window_size as [left, right] (None: no window). `deterministic`: the call's, for its
+    backward (`AttentionPlan.bwd_deterministic`)."""
     plan = plan_for(query, key, value, mask, bias, is_causal, softmax_scale, softcap, backend, table,
                     _as_config(fwd_config, FwdConfig), _as_config(bwd_config, BwdConfig), False, cache_seqlens,
-                    block_table, window)
+                    block_table, window, deterministic)
     if inference:
         out, lse = plan.infer(query, key, value, mask, bias, cache_seqlens, block_table)
         return out, lse, query.new_empty(0, dtype=torch.int8)
@@ -83,7 +87,8 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(query, key, value, mask, bias, is_causal, softmax_scale, softcap, backend, table,
-                        fwd_config, bwd_config, cache_seqlens=None, block_table=None, inference=False, window=None):
+                        fwd_config, bwd_config, cache_seqlens=None, block_table=None, inference=False, window=None,
+                        deterministic=False):
     batch, seqlen_q, num_heads, _ = query.shape
     return (query.new_empty(query.shape),
             query.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32),
@@ -96,14 +101,14 @@ def attention_bwd(
     lse: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None, is_causal: bool,
     softmax_scale: float, softcap: float, bias_requires_grad: bool, backend: str, table: str | None,
     fwd_config: list[int] | None, bwd_config: list[int] | None, activity: torch.Tensor | None = None,
-    dlse: torch.Tensor | None = None, window: list[int] | None = None,
+    dlse: torch.Tensor | None = None, window: list[int] | None = None, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and dbias (the bias's 4-D shape and dtype; empty when it needs no gradient).
     `activity`: the forward's tile-activity summary of `mask`; `dlse`: the gradient reaching lse,
     None when the loss does not use it."""
     plan = plan_for(query, key, value, mask, bias, is_causal, softmax_scale, softcap, backend, table,
                     _as_config(fwd_config, FwdConfig), _as_config(bwd_config, BwdConfig), bias_requires_grad,
-                    window=window)
+                    window=window, deterministic=deterministic)
     dq, dk, dv, dbias = plan.backward(dout, query, key, value, out, lse, mask, bias,
                                       activity if plan.fills_activity else None, dlse, bias_requires_grad)
     return dq, dk, dv, dbias if dbias is not None else query.new_empty(0)
@@ -112,7 +117,7 @@ def attention_bwd(
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, query, key, value, out, lse, mask, bias, is_causal, softmax_scale, softcap,
                         bias_requires_grad, backend, table, fwd_config, bwd_config, activity=None, dlse=None,
-                        window=None):
+                        window=None, deterministic=False):
     dbias = bias.new_empty(bias.shape) if bias_requires_grad else query.new_empty(0)
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dbias
 
@@ -124,6 +129,7 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (is_causal, softmax_scale, softcap)
     ctx.dispatch = (backend, table, fwd_config, bwd_config)
     ctx.window = inputs[15] if len(inputs) > 15 else None
+    ctx.deterministic = inputs[16] if len(inputs) > 16 else False
     ctx.mark_non_differentiable(activity)
     ctx.set_materialize_grads(False)  # an lse the loss does not use sends None, not zeros
 
@@ -137,9 +143,9 @@ def _backward(ctx, dout, dlse, _dactivity):
         dout = torch.zeros_like(out)
     dq, dk, dv, dbias = attention_bwd(dout, query, key, value, out, lse, mask, bias, is_causal, softmax_scale,
                                       softcap, bias_requires_grad, backend, table, fwd_config, bwd_config,
-                                      activity if mask is not None else None, dlse, ctx.window)
+                                      activity if mask is not None else None, dlse, ctx.window, ctx.deterministic)
     return (dq, dk, dv, None, dbias if bias_requires_grad else None,
-            None, None, None, None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

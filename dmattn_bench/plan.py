@@ -105,7 +105,7 @@ class AttentionPlan:
                  table: str | None, fwd_config: FwdConfig | None, bwd_config: BwdConfig | None,
                  bias_requires_grad: bool, cache_seqlens: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None, window: tuple[int, int] = NO_WINDOW,
-                 packing: Packing | None = None):
+                 packing: Packing | None = None, deterministic: bool = False):
         batch, seqlen_q, num_heads, _ = q.shape
         # a paged cache is (blocks, page, Hkv, D): its logical length is the table's pages x page
         seqlen_k = cache_length(k, block_table)
@@ -171,19 +171,30 @@ class AttentionPlan:
         self._decode_launch = None
         self._fwd_launch = None
         self._unowned = None  # a packed call's fill of the rows no sequence owns (`_packed_outputs`)
-        self._bwd_choice = None
+        self.deterministic = deterministic
+        self._bwd_choices: dict[bool, tuple] = {}  # by whether the backward must be deterministic
         self._bwd_launches: dict[tuple, object] = {}
 
     def _choose(self, direction: str, explicit):
         backend, table, _ = self._requested
         return _choose(direction_key(self._keys, direction), self.device, backend, table, explicit, self._env)
 
-    def bwd_choice(self):
+    def bwd_deterministic(self) -> bool:
+        """Whether this backward must give bitwise-identical gradients on every run: the call asked
+        (`deterministic`) or `torch.use_deterministic_algorithms(True)` is on."""
+        return self.deterministic or torch.are_deterministic_algorithms_enabled()
+
+    def bwd_choice(self, deterministic: bool = False):
         """The backward's (backend, config), chosen on first use: a call that never runs a backward
-        never looks it up."""
-        if self._bwd_choice is None:
-            self._bwd_choice = self._choose("bwd", self._requested[2])
-        return self._bwd_choice
+        never looks it up. `deterministic`: a config marked non-deterministic (DESIGN.md §1) runs
+        in its fixed order instead (`BwdConfig.ordered`)."""
+        choice = self._bwd_choices.get(deterministic)
+        if choice is None:
+            backend, config = self._choose("bwd", self._requested[2])
+            if deterministic and not config.deterministic:
+                config = config.ordered()
+            choice = self._bwd_choices[deterministic] = (backend, config)
+        return choice
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -286,8 +297,9 @@ class AttentionPlan:
         if dout.stride(-1) != 1:
             dout = dout.contiguous()  # a copy of the incoming gradient, never of an input
         # the incoming gradients' layouts vary between callers (an expanded dout, an lse gradient)
+        deterministic = self.bwd_deterministic()
         layout = (dout.stride(), dout.data_ptr() & 15, None if dlse is None else (dlse.stride(), dlse.data_ptr() & 15),
-                  bias_requires_grad)
+                  bias_requires_grad, deterministic)
         launch = self._bwd_launches.get(layout)
         if launch is not None:  # a Triton plan: once compiled, it allocates and launches in one native call
             grads = launch.allocate_and_run(dout, q, k, v, out, lse, mask, bias, activity, dlse)
@@ -303,7 +315,7 @@ class AttentionPlan:
                 if grad is not None:
                     grad.zero_()  # no visible key anywhere: nothing flows back
             return dq, dk, dv, grad_bias
-        backend, config = self.bwd_choice()
+        backend, config = self.bwd_choice(deterministic)
         packed = {} if self.packing is None else {"sequences": sequences}
         if backend.backward_plan is None:
             extra = dict(packed) if dlse is None else {"dlse": dlse, **packed}

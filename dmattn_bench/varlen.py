@@ -37,7 +37,8 @@ def flash_dmattn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              is_causal: bool = False, window_size: tuple[int, int] = plans.NO_WINDOW,
                              softcap: float = 0.0, softmax_scale: float | None = None, return_lse: bool = False,
                              seqused_k: torch.Tensor | None = None, *, backend: str = "auto", table: str | None = None,
-                             fwd_config: FwdConfig | None = None, bwd_config: BwdConfig | None = None):
+                             fwd_config: FwdConfig | None = None, bwd_config: BwdConfig | None = None,
+                             deterministic: bool = False):
     """Flash attention over packed sequences with a boolean dynamic mask and an additive learnable bias.
 
     Args:
@@ -61,7 +62,7 @@ def flash_dmattn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         softcap, softmax_scale, return_lse: as in `flash_dmattn_func`.
         seqused_k: (N,) int32, the keys sequence s uses (from cu_seqlens_k[s]), as FlashAttention's.
         backend: "auto" (the dispatch table, else the default), "triton" or "reference".
-        table, fwd_config, bwd_config: as in `flash_dmattn_func`.
+        table, fwd_config, bwd_config, deterministic: as in `flash_dmattn_func`.
 
     Returns:
         out (total_q, H, D) in q's dtype, or (out, lse) with `return_lse`, lse (H, total_q) fp32.
@@ -72,6 +73,7 @@ def flash_dmattn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             what it got and what is expected.
     """
     checks.check_flag("return_lse", return_lse)
+    checks.check_flag("deterministic", deterministic)
     if backend == "reference":
         checks.check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask,
                                  attn_bias, is_causal, window_size, softcap, softmax_scale, seqused_k, backend,
@@ -91,7 +93,7 @@ def flash_dmattn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             plans.python_tensor_layouts(q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqused_k),
             "varlen", type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k, type(is_causal), is_causal,
             window_size, type(softmax_scale), softmax_scale, type(softcap), softcap, backend, table, fwd_config,
-            bwd_config, bias_grad)
+            bwd_config, bias_grad, deterministic)
         cached = plans.PLANS.get(signature)  # (plan, the mask's and bias's layouts)
     except (AttributeError, TypeError):  # not a tensor, an unhashable option: the checks say which
         signature = cached = None
@@ -112,7 +114,7 @@ def flash_dmattn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                                    _packed_view(attn_bias, layouts[1]), is_causal=is_causal, softmax_scale=scale,
                                    softcap=float(softcap), backend=backend, table=table, fwd_config=fwd_config,
                                    bwd_config=bwd_config, bias_requires_grad=bias_grad, window=tuple(window_size),
-                                   packing=packing)
+                                   packing=packing, deterministic=deterministic)
         cached = (plan, layouts)
         if signature is not None:
             plans.PLANS.put(signature, cached)

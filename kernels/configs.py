@@ -9,7 +9,7 @@ field, instead of deep inside a compiler. A backend's `is_supported` adds its ow
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -109,6 +109,12 @@ class BwdConfig:
             backward): a CTA walks every query head of its KV group (flash_bwd_ws.cu's
             BWD_KV_GROUP), dK and dV summed in its registers, instead of a CTA per query head
             writing an fp32 share that the launcher sums.
+        nondeterministic_dq: 1 (a kernel knob of the CUDA warp-specialized backward): each key
+            block adds its dQ share to the fp32 sum as soon as it is made, in no set order,
+            instead of waiting its turn (flash_bwd_ws.cu's BWD_DQ_UNORDERED). dQ then differs
+            between runs in its last bits: the one configuration DESIGN.md §1 lets a table mark
+            non-deterministic, and the name in the entry is that mark. Under
+            `torch.use_deterministic_algorithms(True)` the backward runs without it (`ordered`).
     """
 
     block_m: int = 32
@@ -118,6 +124,7 @@ class BwdConfig:
     num_warps: int = 4
     num_stages: int = 1
     kv_group: int = field(default=0, metadata={"minimum": 0})
+    nondeterministic_dq: int = field(default=0, metadata={"minimum": 0})
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -125,8 +132,22 @@ class BwdConfig:
     def to_dict(self) -> dict[str, int]:
         return {name: value for name, value in asdict(self).items() if value or name not in BWD_KNOBS}
 
+    def knobs_on(self) -> tuple[str, ...]:
+        """The kernel knobs this config sets, in label order (none: the plain backward)."""
+        return tuple(name for name in BWD_KNOBS if getattr(self, name))
 
-BWD_KNOBS = ("kv_group",)  # BwdConfig's kernel knobs
+    @property
+    def deterministic(self) -> bool:
+        """Whether every run gives bitwise-identical gradients (DESIGN.md §1)."""
+        return not self.nondeterministic_dq
+
+    def ordered(self) -> "BwdConfig":
+        """This config with dQ summed in its fixed order: deterministic, and runnable wherever this
+        one is (the knob only drops a wait)."""
+        return replace(self, nondeterministic_dq=0)
+
+
+BWD_KNOBS = ("kv_group", "nondeterministic_dq")  # BwdConfig's kernel knobs
 KNOBS = {FwdConfig: FWD_KNOBS, BwdConfig: BWD_KNOBS}  # each config class's knobs, in label order
 
 

@@ -105,6 +105,18 @@ def test_return_attn_probs_raises_naming_it():
         compat.flash_dmattn_func(q, k, v, return_attn_probs=True)
 
 
+@pytest.mark.parametrize("deterministic, passed", [(None, False), (False, False), (True, True)])
+def test_deterministic_is_passed_on(monkeypatch, deterministic, passed):
+    """flash-dmattn's and FlashAttention's `deterministic` reach `dmattn_bench.flash_dmattn_func`
+    (a table's config marked non-deterministic then runs in order)."""
+    seen = []
+    monkeypatch.setattr(compat.api, "flash_dmattn_func", lambda *args, **kwargs: seen.append(kwargs["deterministic"]))
+    q, k, v = (t.detach() for t in qkv(1, 2, 2, 8, 8, 16))
+    compat.flash_dmattn_func(q, k, v, deterministic=deterministic)
+    compat.flash_attn_func(q, k, v, deterministic=deterministic)
+    assert seen == [passed, passed]
+
+
 def test_noop_arguments_are_accepted():
     B, H, Lq, Lk, D = 1, 2, 9, 9, 16
     q, k, v = (t.detach() for t in qkv(B, H, H, Lq, Lk, D))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dmattn_bench.registry import get_backend
-from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, Packing
+from dmattn_bench.space import AttentionShape, BwdConfig, FwdConfig, Packing, config_label
 from dmattn_bench.tiles import default_entries
 from dmattn_kernels.cuda import backward, build, driver, forward, params, rules, shared_memory, variants
 
@@ -1269,5 +1269,46 @@ def test_a_kv_group_builds_into_the_warp_specialized_backward_with_its_parameter
     for window, packed in ((False, False), (True, False), (False, True)):
         flags = variants.backward_variant(grouped, 128, torch.bfloat16, torch.bfloat16, is_causal=not window,
                                           softcap=0.0, window=window, packed=packed, **common)
+        assert _parameter_sizes(build.build("bwd_ws", "sm90", flags)) == [
+            ctypes.sizeof(params.bwd_ws_params_type(window, packed))] * 3
+
+
+def test_nondeterministic_dq_is_a_knob_of_the_warp_specialized_backward_the_table_names():
+    """BwdConfig.nondeterministic_dq (flash_bwd_ws.cu's BWD_DQ_UNORDERED): supported on the
+    warp-specialized backward's shapes (transposed and with a KV group too), refused naming why
+    on any other CUDA backward and by the Triton backend; its label, and so the table entry,
+    says it, and `ordered` is the same config without it."""
+    unordered = replace(WS_BWD, nondeterministic_dq=1)
+    shape = AttentionShape(2, 256, 256, 8, 2, 128, is_causal=True)
+    for config in (unordered, replace(unordered, kv_group=1)):
+        assert rules.is_supported(config, shape) is None
+    assert rules.is_supported(replace(TRANSPOSED_BWD, nondeterministic_dq=1), replace(shape, head_dim=192)) is None
+    assert "a knob of the warp-specialized backward only" in rules.is_supported(
+        BwdConfig(32, 64, 64, 32, 4, 2, nondeterministic_dq=1), shape)
+    assert "nondeterministic_dq: knobs of the CUDA warp-specialized backward" in get_backend("triton").is_supported(
+        unordered, shape)
+    assert config_label(unordered).endswith(" nondeterministic_dq") and unordered.to_dict()["nondeterministic_dq"] == 1
+    assert not unordered.deterministic and unordered.ordered() == WS_BWD and WS_BWD.deterministic
+    common = dict(arch="sm90", is_causal=True, has_mask=False, softcap=0.0, group=1, dbias=None)
+    assert "-DBWD_DQ_UNORDERED=1" in variants.backward_variant(unordered, 128, torch.bfloat16, None, **common)
+    assert not any("BWD_DQ_UNORDERED" in flag for flag in variants.backward_variant(WS_BWD, 128, torch.bfloat16,
+                                                                                       None, **common))
+
+
+@needs_nvcc
+def test_nondeterministic_dq_builds_into_every_warp_specialized_backward_with_its_parameter_blocks(cubin_cache):
+    """BWD_DQ_UNORDERED adds no parameter: dense, windowed, packed, KV-group and transposed
+    variants take the blocks they take without it."""
+    unordered = replace(WS_BWD, nondeterministic_dq=1)
+    per_key = dict(has_mask=True, mask_tiles=shared_memory.TILES_OF_KEYS, bias_tiles=shared_memory.TILES_OF_KEYS,
+                   dbias=(False, torch.float32))
+    calls = [(unordered, 128, 1, False, False), (unordered, 128, 1, True, False), (unordered, 128, 1, False, True),
+             (replace(unordered, kv_group=1), 128, 4, False, False),
+             (replace(TRANSPOSED_BWD, nondeterministic_dq=1), 192, 1, False, False)]
+    for config, head_dim, group, window, packed in calls:
+        flags = variants.backward_variant(config, head_dim, torch.bfloat16, torch.bfloat16, arch="sm90",
+                                          is_causal=not window, softcap=0.0, group=group, window=window,
+                                          packed=packed, **per_key)
+        assert "-DBWD_DQ_UNORDERED=1" in flags
         assert _parameter_sizes(build.build("bwd_ws", "sm90", flags)) == [
             ctypes.sizeof(params.bwd_ws_params_type(window, packed))] * 3

@@ -204,16 +204,22 @@ def test_the_overlapped_forward_runs_the_full_suite_s_packed_sequences(dtype, co
 
 # The warp-specialized backward (flash_bwd_ws.cu) is the CUDA backward that runs a window: two
 # consumers (128 keys a block) and one (64), each also with a KV group a CTA (kv_group: the suite's
-# cases with one query head a KV head run with two, `validator.grouped_for`).
+# cases with one query head a KV head run with two, `validator.grouped_for`), and two consumers
+# adding dQ in no set order (nondeterministic_dq; the validator judges its repeat run's dQ by the
+# bound instead of bitwise), with and without a KV group.
 WINDOW_BACKWARD_CONFIGS = {"bwd64x128w12s2": BwdConfig(64, 128, 64, 128, 12, 2),
                            "bwd64x64w8s2": BwdConfig(64, 64, 64, 64, 8, 2),
                            "bwd64x128w12s2-kv-group": BwdConfig(64, 128, 64, 128, 12, 2, kv_group=1),
-                           "bwd64x64w8s2-kv-group": BwdConfig(64, 64, 64, 64, 8, 2, kv_group=1)}
+                           "bwd64x64w8s2-kv-group": BwdConfig(64, 64, 64, 64, 8, 2, kv_group=1),
+                           "bwd64x128w12s2-nondeterministic-dq": BwdConfig(64, 128, 64, 128, 12, 2,
+                                                                          nondeterministic_dq=1),
+                           "bwd64x128w12s2-kv-group-nondeterministic-dq": BwdConfig(64, 128, 64, 128, 12, 2, kv_group=1,
+                                                                                   nondeterministic_dq=1)}
 KV_GROUP_CONFIGS = {name: config for name, config in WINDOW_BACKWARD_CONFIGS.items() if config.kv_group}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("config", ["bwd64x128w12s2", "bwd64x64w8s2"])
+@pytest.mark.parametrize("config", ["bwd64x128w12s2", "bwd64x64w8s2", "bwd64x128w12s2-nondeterministic-dq"])
 def test_the_warp_specialized_backward_passes_the_full_suite(dtype, config, record_property):
     """The backward alone (the reference's out and lse), every case of the full suite at its own
     head dim where the config takes it (the suite's D32, D40, D72 and D96 among them) and at each
@@ -235,7 +241,9 @@ def test_the_warp_specialized_backward_passes_the_full_suite(dtype, config, reco
 
 
 TRANSPOSED_BACKWARD_CONFIGS = {"bwd64x96w12s1": BwdConfig(64, 96, 64, 96, 12, 1),
-                               "bwd64x64w12s2": BwdConfig(64, 64, 64, 64, 12, 2)}
+                               "bwd64x64w12s2": BwdConfig(64, 64, 64, 64, 12, 2),
+                               "bwd64x96w12s1-nondeterministic-dq": BwdConfig(64, 96, 64, 96, 12, 1,
+                                                                             nondeterministic_dq=1)}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -853,6 +861,43 @@ def test_the_warp_specialized_backward_as_the_first_cuda_work_of_a_thread():
     thread.join()
     assert on_thread and all(torch.equal(on_thread[name], expected[name]) for name in expected)
     assert torch.isfinite(expected["dbias"]).all()
+
+
+@pytest.mark.parametrize("how", ["argument", "torch-switch"])
+def test_a_call_that_must_be_deterministic_runs_a_nondeterministic_dq_config_in_its_order(how):
+    """With `deterministic=True`, or under `torch.use_deterministic_algorithms(True)`, a backward
+    config marked nondeterministic_dq gives the ordered config's gradients bitwise, run after run;
+    without either, its own: dK and dV bitwise the ordered config's, dQ within an fp32 sum's
+    reordering of it (causal D128, 16 key blocks a query tile at most)."""
+    from dmattn_kernels.cuda import arch_of
+
+    ordered = BwdConfig(64, 128, 64, 128, 12, 2)
+    if arch_of(torch.device("cuda")) != "sm90":
+        pytest.skip("the warp-specialized backward runs on SM90 only")
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, dout = (torch.randn(2, 2048, 4, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+                     for _ in range(4))
+
+    def grads(config: BwdConfig, deterministic: bool = False) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        flash_dmattn_func(*leaves, is_causal=True, backend="cuda", bwd_config=config,
+                          deterministic=deterministic).backward(dout)
+        return [leaf.grad for leaf in leaves]
+
+    expected = grads(ordered)
+    unordered = replace(ordered, nondeterministic_dq=1)
+    if how == "argument":
+        runs = [grads(unordered, deterministic=True) for _ in range(3)]
+    else:
+        torch.use_deterministic_algorithms(True)
+        try:
+            runs = [grads(unordered) for _ in range(3)]
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(got, want) for run in runs for got, want in zip(run, expected))
+    dq, dk, dv = grads(unordered)
+    assert torch.equal(dk, expected[1]) and torch.equal(dv, expected[2])
+    assert torch.isfinite(dq).all() and (dq.float() - expected[0].float()).abs().max() <= 2 ** -6 * dq.abs().max()
 
 
 def test_the_warp_specialized_kernels_write_every_slice_in_any_section_order(monkeypatch):

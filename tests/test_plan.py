@@ -229,6 +229,45 @@ def test_plans_match_the_compiled_op_path_bitwise():
         assert torch.equal(eager, op_out) and torch.equal(eager_lse, op_lse)
 
 
+def test_a_backward_that_must_be_deterministic_runs_a_nondeterministic_config_in_its_order(monkeypatch):
+    """A backward choice marked nondeterministic_dq (DESIGN.md §1) runs as chosen unless the call
+    passes deterministic=True or `torch.use_deterministic_algorithms(True)` is on, when its
+    ordered config runs; the plan answers the torch switch at each backward, not once."""
+    from types import SimpleNamespace
+
+    from dmattn_bench.registry import get_backend
+    from dmattn_bench.space import BwdConfig
+
+    unordered = BwdConfig(64, 128, 64, 128, 12, 2, nondeterministic_dq=1)
+    reference, ran = get_backend("reference"), []
+
+    def backward(*args, config, **kwargs):  # the reference's gradients, the config noted
+        ran.append(config)
+        reference.backward(*args, config=None, **kwargs)
+
+    chooser = SimpleNamespace(name="recorder", backward_plan=None, backward=backward)
+    choose = plan.AttentionPlan._choose
+    monkeypatch.setattr(plan.AttentionPlan, "_choose", lambda self, direction, explicit: (
+        (chooser, unordered) if direction == "bwd" else choose(self, direction, explicit)))
+    plan.clear()
+    q, k, v, _, _ = _inputs(7, grad=True)
+
+    def step(**options):
+        flash_dmattn_func(q, k, v, is_causal=True, **options).sum().backward()
+
+    step()
+    step(deterministic=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        step()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    step()
+    assert ran == [unordered, unordered.ordered(), unordered.ordered(), unordered]
+    with pytest.raises(TypeError, match="deterministic: got str 'yes', expected True or False"):
+        flash_dmattn_func(q, k, v, deterministic="yes")
+
+
 # -- what the public entry rejects, and the zero-length results it defines ---------------------------
 
 

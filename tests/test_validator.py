@@ -146,6 +146,34 @@ def test_nondeterminism_is_a_mismatch():
     assert "bitwise" in result.reason
 
 
+def _drifting(dq_gap: float = 0.0, dk_gap: float = 0.0, second_dq_off: float = 0.0):
+    """A backward whose dq moves by `dq_gap` and dk by `dk_gap` each call (a sum's last bits in
+    another order), and whose second run's dq is off by `second_dq_off` more."""
+    calls = []
+
+    def backward(*args, dq, dk, **kw):
+        REFERENCE.backward(*args, dq=dq, dk=dk, **kw)
+        calls.append(1)
+        dq.add_(dq_gap * len(calls) + (second_dq_off if len(calls) == 2 else 0.0))
+        dk.add_(dk_gap * len(calls))
+
+    return _broken(backward=backward)
+
+
+UNORDERED_BWD = dataclasses.replace(SMALL_BWD, nondeterministic_dq=1)
+
+
+@pytest.mark.parametrize("drift, bwd_config, status", [
+    (dict(dq_gap=1e-9), UNORDERED_BWD, "ok"),              # dq's bits may change between runs
+    (dict(dq_gap=1e-9), SMALL_BWD, "mismatch"),            # not without the mark
+    (dict(dq_gap=1e-9, dk_gap=1e-9), UNORDERED_BWD, "mismatch"),  # dk's may not
+    (dict(second_dq_off=1.0), UNORDERED_BWD, "mismatch"),  # the second run's dq is judged by the bound
+])
+def test_a_config_marked_nondeterministic_may_change_dq_alone_between_runs(drift, bwd_config, status):
+    result = check_case(_drifting(**drift), CASE, torch.float32, "cpu", SMALL_FWD, bwd_config)
+    assert result.status == status, result.reason
+
+
 @pytest.mark.parametrize(
     "exc, status",
     [

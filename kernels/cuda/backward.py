@@ -218,7 +218,8 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
     and counters are a query head's `packed_head_tiles`, the counters zeroed here, and the dQ
     kernel writes zeros for the tiles no block visits. With `config.kv_group` the kernel's slices
     are KV heads (BWD_KV_GROUP), each walking its group's query heads; the dQ kernel's stay query
-    heads."""
+    heads. With `config.nondeterministic_dq` every share is added, so every sum starts at zero:
+    the delta kernel zeroes them, a packed call's here."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     columns = tile_columns(config, head_dim, "sm90")  # the kernel's BLOCK_D: D80 and D96 on tiles of 128
     heads_per_cta = num_heads // k.shape[2] if config.kv_group else 1  # a KV group's query heads, or one
@@ -226,14 +227,16 @@ def _run_warp_specialized_backward(launcher: Launcher, config: BwdConfig, params
         slices, rows, keys = batch * num_heads, seqlen_q, k.shape[1]
         tiles = (slices, triton.cdiv(seqlen_q, config.block_m))
         dq_sum = torch.empty((*tiles, config.block_m * columns), dtype=torch.float32, device=q.device)
-        dq_sum[:, :unvisited_query_tiles(seqlen_q, k.shape[1], config.block_m, is_causal, window_sides)].zero_()
+        if not config.nondeterministic_dq:  # with it the delta kernel zeroes every sum
+            dq_sum[:, :unvisited_query_tiles(seqlen_q, k.shape[1], config.block_m, is_causal, window_sides)].zero_()
         dq_counter = torch.empty(tiles, dtype=torch.int32, device=q.device)  # the delta kernel zeroes them
     else:
         slices, rows, keys = packing.num_sequences * num_heads, packing.max_seqlen_q, packing.max_seqlen_k
         if slices == 0 or rows == 0 or keys == 0:  # no sequence, or every one empty: dQ, dK, dV stay zero
             return
         tiles = (num_heads, packed_head_tiles(seqlen_q, config.block_m, packing.num_sequences))
-        dq_sum = torch.empty((*tiles, config.block_m * columns), dtype=torch.float32, device=q.device)
+        allocate = torch.zeros if config.nondeterministic_dq else torch.empty  # every share is added
+        dq_sum = allocate((*tiles, config.block_m * columns), dtype=torch.float32, device=q.device)
         dq_counter = torch.zeros(tiles, dtype=torch.int32, device=q.device)
     driver = the_driver()
     maps = {name: driver.tensor_map(t, ROWS_OF, box_rows, TMA_LINE, TMA_LINE)

@@ -36,6 +36,13 @@
 // dmattn_bwd_ws_delta_kernel computes delta and zeroes the counters before, and
 // dmattn_bwd_ws_dq_kernel scales the sums into dQ after.
 //
+// Unordered dQ (BWD_DQ_UNORDERED; BwdConfig.nondeterministic_dq): every block adds its share as
+// soon as it is made, waiting for no counter, and warp 2 waits only until the bulk copy has read
+// the share (not until the adds land), so dQ's last bits depend on the blocks' timing. The delta
+// kernel zeroes the sums instead of the counters (a packed call's the launcher). The wait costs
+// at most (H200, the tree's order against adds in no order, the backward alone) 14% on W1, 4.5%
+// on W2 and 5.6% on W3: results/cuda/h200-bwd-dq-order-probe.md.
+//
 // Sliding window (HAS_WINDOW: FlashAttention's window_size, as common.cuh's Inputs hold it): a
 // block walks only the query tiles [m_begin, m_end) whose rows' windows reach its keys, and the
 // query tiles it skips are outside the loop, as in the forward. Tile m is then visited by the
@@ -105,8 +112,8 @@
 // so each warp's store fills 256 contiguous bytes (the dQ kernel reads rows and columns back).
 //
 // Compile-time parameters: those of common.cuh (WGMMA 1), BLOCK_M, BLOCK_N, SCORE_STAGES,
-// MASK_TILES, BIAS_TILES, DBIAS_TMA, HAS_WINDOW, PACKED, BWD_KV_GROUP, DKV_TRANSPOSED, and
-// flash_bwd.cu's HAS_DBIAS, DBIAS_ROWS, DBIAS_FP32 and DKV_FP32.
+// MASK_TILES, BIAS_TILES, DBIAS_TMA, HAS_WINDOW, PACKED, BWD_KV_GROUP, BWD_DQ_UNORDERED,
+// DKV_TRANSPOSED, and flash_bwd.cu's HAS_DBIAS, DBIAS_ROWS, DBIAS_FP32 and DKV_FP32.
 
 #include <cuda.h>  // CUtensorMap
 
@@ -707,6 +714,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         }
 #endif
         barrier_wait(&dq_full[buffer], (step / DQ_BUFFERS) & 1);
+#if BWD_DQ_UNORDERED
+        float* sum = sums + int64_t(m) * BLOCK_M * BLOCK_D;
+        const uint32_t share = shared_address(dq_smem + buffer * BLOCK_M * BLOCK_D);
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                     :: "l"(sum), "r"(share), "n"(DQ_SHARE_BYTES) : "memory");
+        bulk_commit();
+        bulk_wait<0, true>();  // the share is read: its buffer is free
+#else
         int added;  // blocks 0 .. n_block - 1 visit tile m too (their m_begin is no later)
         do asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(added) : "l"(counters + m) : "memory");
 #if HAS_WINDOW
@@ -730,6 +745,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
         bulk_commit();
         bulk_wait<0, false>();  // in global memory: the next block's turn
         asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" :: "l"(counters + m) : "memory");
+#endif
         barrier_arrive(&dq_empty[buffer]);
       }
     }
@@ -1081,11 +1097,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dmattn_bwd_ws_kernel(co
 // for the kernel above.
 extern "C" __global__ void __launch_bounds__(THREADS) dmattn_bwd_ws_delta_kernel(const __grid_constant__ BwdWsParams p) {
   store_deltas(p.bwd);
-#if !PACKED  // a packed call's counters are per sequence's tile: the launcher zeroes them
+#if !PACKED  // a packed call's counters and sums are per sequence's tile: the launcher zeroes them
   const int seqlen_q = p.bwd.in.seqlen_q, m_tiles = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
   const int first = blockIdx.x * DELTA_ROWS_PER_BLOCK, end = min(first + DELTA_ROWS_PER_BLOCK, seqlen_q);
+#if BWD_DQ_UNORDERED
+  // the sums of the query tiles whose first row is among this CTA's rows
+  const int first_tile = (first + BLOCK_M - 1) / BLOCK_M, end_tile = (end + BLOCK_M - 1) / BLOCK_M;
+  constexpr int TILE_CHUNKS = BLOCK_M * BLOCK_D / 4;  // a tile's sum in float4s
+  float4* sums = reinterpret_cast<float4*>(p.dq_sum + (int64_t(blockIdx.y) * m_tiles + first_tile) * BLOCK_M * BLOCK_D);
+  for (int chunk = threadIdx.x; chunk < (end_tile - first_tile) * TILE_CHUNKS; chunk += THREADS)
+    sums[chunk] = make_float4(0.f, 0.f, 0.f, 0.f);
+#else
   const int m = (first + BLOCK_M - 1) / BLOCK_M + threadIdx.x;
   if (m * BLOCK_M < end) p.dq_counter[blockIdx.y * m_tiles + m] = 0;
+#endif
 #endif
 }
 

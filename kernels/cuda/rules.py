@@ -177,6 +177,10 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
         reason = kv_group_reason(config, shape.num_heads // shape.num_heads_kv)
         if reason:
             return reason
+    if isinstance(config, BwdConfig) and config.nondeterministic_dq and not _is_warp_specialized_shape(config):
+        return (f"nondeterministic_dq=1: a knob of the warp-specialized backward only (block_m {WS_BWD_BLOCK_M} on "
+                f"block_n / 16 + {WARPGROUP} warps), not of {config.block_m}x{config.block_n} on {config.num_warps} "
+                "warps")
     if isinstance(config, BwdConfig) and _is_warp_specialized_shape(config):  # `backward_warp_specialized`
         return _warp_specialized_backward_reason(config, shape.head_dim)
     if _is_warp_specialized_shape(config):  # the SM90 warp-specialized forward (`warp_specialized`)

@@ -182,8 +182,9 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
     `staged_tiles`; by default tiles of rows), and stores dBias rows of the input dtype by TMA
     where the target's layout allows (`dbias_tma`) and dS is dBias (no softcap); a sliding window
     (`window`) adds HAS_WINDOW, packed sequences (`packed`: no mask or bias of query rows, the
-    caller's check, `backward_packed_reason`) PACKED, and the knob `kv_group` BWD_KV_GROUP (dK
-    and dV summed over the group in the kernel: not DKV_FP32; no staged tiles, no dBias by TMA).
+    caller's check, `backward_packed_reason`) PACKED, the knob `kv_group` BWD_KV_GROUP (dK
+    and dV summed over the group in the kernel: not DKV_FP32; no staged tiles, no dBias by TMA),
+    and the knob `nondeterministic_dq` BWD_DQ_UNORDERED.
     The transposed layout (`rules.transposed_backward`) adds DKV_TRANSPOSED and stages nothing:
     the mask and bias from global memory, dBias stored by its threads.
 
@@ -206,6 +207,7 @@ def backward_variant(config: BwdConfig, head_dim: int, dtype: torch.dtype, bias_
         own.update(_swizzle_padding(head_dim))
         own.update({name: True for name, on in (("HAS_WINDOW", window), ("PACKED", packed),
                                                 ("BWD_KV_GROUP", config.kv_group),
+                                                ("BWD_DQ_UNORDERED", config.nondeterministic_dq),
                                                 ("DKV_TRANSPOSED", transposed_backward(config, head_dim, arch))) if on})
     else:
         own = dict(DKDV_BLOCK_M=config.block_m, DQ_BLOCK_N=config.block_n_dq, WGMMA=uses_wgmma(config, head_dim, arch))

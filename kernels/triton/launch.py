@@ -58,8 +58,9 @@ def is_supported(config: FwdConfig | BwdConfig | DecodeConfig, shape: AttentionS
     if isinstance(config, FwdConfig) and config.knobs_on():
         return ("overlap, persistent and tma_store are knobs of the CUDA warp-specialized forward; the Triton "
                 "forward has none (leave them 0)")
-    if isinstance(config, BwdConfig) and config.kv_group:
-        return "kv_group is a knob of the CUDA warp-specialized backward; the Triton backward has none (leave it 0)"
+    if isinstance(config, BwdConfig) and config.knobs_on():
+        return (f"{' and '.join(config.knobs_on())}: knobs of the CUDA warp-specialized backward; the Triton "
+                "backward has none (leave them 0)")
     if isinstance(config, DecodeConfig):  # num_splits is checked when the config is built
         blocks = ["block_n"]
     else:
