@@ -66,7 +66,7 @@ grep '"direction": "bwd"' "$logs/nvidia-h200-sm90.yaml.trials.jsonl" | grep '"st
 import sys, json
 for r in map(json.loads, sys.stdin):
     print(r['id'], r['median_ms'])"
-python3 benchmarks/ship/knob_entries.py "$table" nondeterministic_dq "$out/nondeterministic-entries.yaml"
+python3 -m benchmarks knob-entries "$table" nondeterministic_dq "$out/nondeterministic-entries.yaml"
 for dtype in bf16 fp16; do
   start=$SECONDS
   timeout 100 dmattn-bench verify --table "$out/nondeterministic-entries.yaml" --dtype $dtype --suite full --no-ledger \

@@ -38,7 +38,7 @@ dmattn-bench tune --backend all --space "$out/cuda-fwd-tma-ab.yaml" --space "$ou
   --out /tmp/nvidia-h200-sm90.yaml --format json > "$logs/tune.json" 2> "$logs/tune.txt"
 echo "tune rc $? in $((SECONDS - start)) s"
 cp /tmp/nvidia-h200-sm90.yaml $table && cp /tmp/nvidia-h200-sm90.yaml.trials.jsonl "$logs/"; pack
-python3 benchmarks/ship/knob_entries.py "$table" tma_store "$out/tma-store-entries.yaml"
+python3 -m benchmarks knob-entries "$table" tma_store "$out/tma-store-entries.yaml"
 for dtype in bf16 fp16; do
   start=$SECONDS
   dmattn-bench verify --table "$out/tma-store-entries.yaml" --dtype $dtype --suite full --no-ledger \
