@@ -49,8 +49,20 @@ def check_fields(config) -> None:
             raise ValueError(f"{type(config).__name__}.{item.name}: got {value!r}, {problem}")
 
 
+class _Knobs:
+    """What a config class with kernel knobs (`KNOBS`: each 0 or 1, off by default) answers."""
+
+    def to_dict(self) -> dict[str, int]:
+        """Its fields, the knobs only where on (an entry written before a knob existed reads the same)."""
+        return {name: value for name, value in asdict(self).items() if value or name not in KNOBS[type(self)]}
+
+    def knobs_on(self) -> tuple[str, ...]:
+        """The kernel knobs this config sets, in label order (none: the plain kernel)."""
+        return tuple(name for name in KNOBS[type(self)] if getattr(self, name))
+
+
 @dataclass(frozen=True)
-class FwdConfig:
+class FwdConfig(_Knobs):
     """Forward kernel tiles, and the kernel knobs of the CUDA warp-specialized forward.
 
     A knob is 0 (off) or 1 (on); off, the kernel compiles to the code the knob was added to, so
@@ -83,19 +95,12 @@ class FwdConfig:
     def __post_init__(self) -> None:
         check_fields(self)
 
-    def to_dict(self) -> dict[str, int]:
-        return {name: value for name, value in asdict(self).items() if value or name not in FWD_KNOBS}
-
-    def knobs_on(self) -> tuple[str, ...]:
-        """The kernel knobs this config sets, in label order (none: the plain forward)."""
-        return tuple(name for name in FWD_KNOBS if getattr(self, name))
-
 
 FWD_KNOBS = ("overlap", "persistent", "tma_store")  # FwdConfig's kernel knobs, in label order
 
 
 @dataclass(frozen=True)
-class BwdConfig:
+class BwdConfig(_Knobs):
     """Backward kernel tiles: one program per key block for dK/dV(/dBias), one per query block for dQ.
 
     Attributes:
@@ -129,12 +134,6 @@ class BwdConfig:
     def __post_init__(self) -> None:
         check_fields(self)
 
-    def to_dict(self) -> dict[str, int]:
-        return {name: value for name, value in asdict(self).items() if value or name not in BWD_KNOBS}
-
-    def knobs_on(self) -> tuple[str, ...]:
-        """The kernel knobs this config sets, in label order (none: the plain backward)."""
-        return tuple(name for name in BWD_KNOBS if getattr(self, name))
 
     @property
     def deterministic(self) -> bool:

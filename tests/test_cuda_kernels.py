@@ -1285,6 +1285,8 @@ def test_nondeterministic_dq_is_a_knob_of_the_warp_specialized_backward_the_tabl
     assert rules.is_supported(replace(TRANSPOSED_BWD, nondeterministic_dq=1), replace(shape, head_dim=192)) is None
     assert "a knob of the warp-specialized backward only" in rules.is_supported(
         BwdConfig(32, 64, 64, 32, 4, 2, nondeterministic_dq=1), shape)
+    assert rules.is_supported(BwdConfig(32, 64, 64, 32, 4, 2, kv_group=1, nondeterministic_dq=1), shape).startswith(
+        "kv_group=1 and nondeterministic_dq=1: a knob of the warp-specialized backward only")
     assert "nondeterministic_dq: knobs of the CUDA warp-specialized backward" in get_backend("triton").is_supported(
         unordered, shape)
     assert config_label(unordered).endswith(" nondeterministic_dq") and unordered.to_dict()["nondeterministic_dq"] == 1

@@ -173,14 +173,10 @@ def is_supported(config: FwdConfig | BwdConfig, shape: AttentionShape) -> str | 
         reason = knob_reason(config)
         if reason:
             return reason
-    if isinstance(config, BwdConfig) and config.kv_group:
-        reason = kv_group_reason(config, shape.num_heads // shape.num_heads_kv)
+    if isinstance(config, BwdConfig) and config.knobs_on():
+        reason = bwd_knob_reason(config, shape.num_heads // shape.num_heads_kv)
         if reason:
             return reason
-    if isinstance(config, BwdConfig) and config.nondeterministic_dq and not _is_warp_specialized_shape(config):
-        return (f"nondeterministic_dq=1: a knob of the warp-specialized backward only (block_m {WS_BWD_BLOCK_M} on "
-                f"block_n / 16 + {WARPGROUP} warps), not of {config.block_m}x{config.block_n} on {config.num_warps} "
-                "warps")
     if isinstance(config, BwdConfig) and _is_warp_specialized_shape(config):  # `backward_warp_specialized`
         return _warp_specialized_backward_reason(config, shape.head_dim)
     if _is_warp_specialized_shape(config):  # the SM90 warp-specialized forward (`warp_specialized`)
@@ -239,13 +235,16 @@ def knob_reason(config: FwdConfig) -> str | None:
     return None
 
 
-def kv_group_reason(config: BwdConfig, group: int) -> str | None:
-    """`is_supported` for the backward's knob `kv_group` (flash_bwd_ws.cu's BWD_KV_GROUP: a CTA
-    walks its KV group's query heads): the warp-specialized backward's, on a GQA call."""
+def bwd_knob_reason(config: BwdConfig, group: int) -> str | None:
+    """`is_supported` for the backward's kernel knobs: `kv_group` (flash_bwd_ws.cu's BWD_KV_GROUP:
+    a CTA walks its KV group's query heads) and `nondeterministic_dq` (BWD_DQ_UNORDERED) (each 0
+    or 1: `BwdConfig`), on the warp-specialized backward only, and a KV group only of a GQA call
+    (`group` query heads a KV head)."""
     if not _is_warp_specialized_shape(config):
-        return (f"kv_group=1: a knob of the warp-specialized backward only (block_m {WS_BWD_BLOCK_M} on block_n / 16 + "
+        knobs = " and ".join(f"{name}=1" for name in config.knobs_on())
+        return (f"{knobs}: a knob of the warp-specialized backward only (block_m {WS_BWD_BLOCK_M} on block_n / 16 + "
                 f"{WARPGROUP} warps), not of {config.block_m}x{config.block_n} on {config.num_warps} warps")
-    if group == 1:
+    if config.kv_group and group == 1:
         return "kv_group=1 needs grouped query heads (num_heads > num_heads_kv): each KV head has one query head here"
     return None
 
