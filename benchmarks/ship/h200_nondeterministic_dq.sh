@@ -8,11 +8,11 @@
 #       (`tune --exhaustive`, Triton given one config, a trial a key), merged into the shipped
 #       table (OUT/logs/<table>); then the table's nondeterministic_dq entries verified with the
 #       full suite in bf16 and, as fp16 keys, in fp16
-#   bash benchmarks/ship/h200_nondeterministic_dq.sh OUT rest ws128|d192   # the same for the
-#       table's other warp-specialized CUDA backward keys but the window and packed ones (the
-#       sweep's classes): ws128 the 18 keys on 64x128 w12 s2; d192 the two D192 keys on 64x96 w12
-#       s1, then the verify of every nondeterministic_dq entry (run it on the table ws128 wrote;
-#       journals OUT/logs/rest-*.trials.jsonl)
+#   bash benchmarks/ship/h200_nondeterministic_dq.sh OUT rest ws128|d192|kv_group   # the same for
+#       the table's other warp-specialized CUDA backward keys: ws128 the sweep's 18 on 64x128 w12
+#       s2; d192 its two D192 keys on 64x96 w12 s1; kv_group the D128 window and packed keys on
+#       64x128 w12 s2 kv_group; the last two then verify every nondeterministic_dq entry (run each
+#       on the table the one before wrote; journals OUT/logs/rest-*.trials.jsonl)
 #   bash benchmarks/ship/h200_nondeterministic_dq.sh OUT bench [JOURNAL]  # with JOURNAL (the tune
 #       step's, results/tune/h200-nondeterministic-dq.trials.jsonl) that tune resumed first, so
 #       the shipped table gets its entries without timing anything again; then W1-W3 against every
@@ -96,9 +96,17 @@ ws128:
 d192:
   - {tokens: 16384, heads: 16, head_dim: [192], seqlen: [4096], causal: [true, false], gqa_ratio: [4],
      variants: [{mask: none, bias: none}], dtype: [bf16]}
+kv_group:  # varlen.yaml's D128 window keys and its packed one without mask or bias
+  - {tokens: 16384, heads: 16, head_dim: [128], seqlen: [8192], window: [[1023, 0]], causal: [true], gqa_ratio: [4],
+     variants: [{mask: none, bias: none}, {mask: none, bias: per_key, bias_grad: true}], dtype: [bf16]}
+  - {heads: 16, head_dim: [128], documents: [[4096, 700, 2900, 1500, 3100, 1024, 1964, 1100]], causal: [true],
+     gqa_ratio: [4], variants: [{mask: none, bias: none}], dtype: [bf16]}
 YAML
     if [ "${3:-}" = ws128 ]; then
       ab_tune rest-ws128 "$WS_128, kv_group: [0], nondeterministic_dq: [0, 1]}" "$out/rest.yaml" ws128 560
+    elif [ "${3:-}" = kv_group ]; then
+      ab_tune rest-kv-group "$WS_128, kv_group: [1], nondeterministic_dq: [0, 1]}" "$out/rest.yaml" kv_group 200
+      verify_knob_entries
     else
       ab_tune rest-d192 "{block_m: [64], block_n: [96], block_m_dq: [64], block_n_dq: [96], num_warps: [12], \
 num_stages: [1], kv_group: [0], nondeterministic_dq: [0, 1]}" "$out/rest.yaml" d192 150
