@@ -134,7 +134,6 @@ class BwdConfig(_Knobs):
     def __post_init__(self) -> None:
         check_fields(self)
 
-
     @property
     def deterministic(self) -> bool:
         """Whether every run gives bitwise-identical gradients (DESIGN.md §1)."""
