@@ -7,7 +7,7 @@
 #       untimed knob out; Triton given one config of those keys' class, a trial a key), merged into
 #       the shipped table; then the table's tma_store entries verified with the full suite in bf16
 #       and, as fp16 keys, in fp16
-# (the bench of W1-W3 on the table: h200_rescale_threshold.sh OUT ship)
+# (the bench of W1-W3 on the table: h200_overlap_change.sh OUT ship)
 # Logs (and the table) go to OUT/logs.tgz.
 set -uo pipefail
 out=$1

@@ -36,6 +36,15 @@ __device__ __forceinline__ float tree_reduce(float (&v)[N], Op op) {
     for (int i = 0; i + (1 << level) < N; i += 2 << level) v[i] = op(v[i], v[i + (1 << level)]);
   return v[0];
 }
+
+#if !HAS_WINDOW
+// The last key `row` reaches (-1 past the queries): without a window, `rule.reached(row, col)`
+// is `col <= last_reached(rule, row)`, one test a position of a tile instead of three.
+__device__ __forceinline__ int last_reached(const ScoreRule& rule, int row) {
+  if (row >= rule.seqlen_q) return -1;
+  return IS_CAUSAL ? min(rule.seqlen_k - 1, row + rule.offset) : rule.seqlen_k - 1;
+}
+#endif
 #endif
 
 // S of one key tile -> scores, in place: -inf where excluded. REACH == false is a tile the
@@ -70,6 +79,9 @@ __device__ __forceinline__ void scores(float (&s)[MT][N8][4], const ScoreRule& r
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = warp_row0 + mt * 16 + g + r * 8, col = col0 + n * 8 + 2 * t;
+#if FWD_OVERLAP && !HAS_WINDOW
+          const int last = last_reached(rule, row);
+#endif
           uint16_t kept = 0x0101;  // a staged mask pair
           if (HAS_MASK && MASK_ROWS)
             kept = *reinterpret_cast<const uint16_t*>(
@@ -77,7 +89,11 @@ __device__ __forceinline__ void scores(float (&s)[MT][N8][4], const ScoreRule& r
           const float2 bias = unpack2(bias_pairs[2 * h + r]);
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
+#if FWD_OVERLAP && !HAS_WINDOW
+            bool allowed = !REACH || col + e <= last;
+#else
             bool allowed = !REACH || rule.reached(row, col + e);
+#endif
             // a mask in global memory is read only where reached: past the sequences it may not exist
             if (HAS_MASK)
               allowed = allowed && (MASK_ROWS ? ((kept >> (8 * e)) & 0xff) != 0

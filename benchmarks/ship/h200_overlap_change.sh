@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The overlapped forward's rescale threshold (fwd_steps.cuh's softmax_tile: a row's max moves
-# only past 2^8 in P) on a lent H200:
-#   bash benchmarks/ship/h200_rescale_threshold.sh OUT tier   # the overlapped forward's GPU tier suites
-#       (full suite, windows, packed sequences, bf16 and fp16) and its native programs
-#   bash benchmarks/ship/h200_rescale_threshold.sh OUT ship   # the H200 table's entries whose code changed
-#       (its 30 overlapped forward entries) verified with the full suite and restamped, then W1-W3
+# A change to the overlapped forward's code (flash_fwd_ws.cu or fwd_steps.cuh under FWD_OVERLAP:
+# the rescale threshold, the one-test reach of `scores`) shipped on a lent H200:
+#   bash benchmarks/ship/h200_overlap_change.sh OUT tier [EXPR]   # the overlapped forward's GPU tier
+#       suites (full suite, windows, packed sequences, bf16 and fp16) and its native programs; EXPR
+#       (pytest -k) narrows them, e.g. "not windows" for a change under `!HAS_WINDOW`
+#   bash benchmarks/ship/h200_overlap_change.sh OUT ship   # the H200 table's entries whose code changed
+#       (its overlapped forward entries) verified with the full suite and restamped, then W1-W3
 #       against every peer on the table (results/bench/h200.{json,md,png})
 # Logs go to OUT/logs.tgz.
 set -uo pipefail
-out=$1; step=$2
+out=$1; step=$2; narrow=${3:-}
 table=results/tables/nvidia-h200-sm90.yaml
 logs=$out/logs; mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
@@ -17,7 +18,7 @@ pack() { tar czf "$out/logs.tgz" -C "$out" logs; }
 start=$SECONDS
 if [ "$step" = tier ]; then
   DMATTN_TEST_GPU=1 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_cuda_kernels.py \
-    -k "overlap or native_program" -n 8 -rA > "$logs/gpu-tier.txt" 2>&1
+    -k "(overlap or native_program)${narrow:+ and ($narrow)}" -n 8 -rA > "$logs/gpu-tier.txt" 2>&1
   echo "gpu tier rc $? ($(tail -1 "$logs/gpu-tier.txt")) in $((SECONDS - start)) s"; pack
   exit
 fi
