@@ -59,6 +59,7 @@ verify_knob_entries() {
   pack
 }
 WS_128="{block_m: [64], block_n: [128], block_m_dq: [64], block_n_dq: [128], num_warps: [12], num_stages: [2]"
+PEERS_SPACE="$WS_128, kv_group: [0, 1], nondeterministic_dq: [0, 1]}"  # W1-W3's keys: the tune and bench steps
 start=$SECONDS
 case $step in
   tune)
@@ -67,13 +68,13 @@ case $step in
     echo "gpu tier rc $? ($(tail -1 "$logs/gpu-tier.txt")) in $((SECONDS - start)) s"; pack
     grep -E "^FAILED|^ERROR" "$logs/gpu-tier.txt" | head
     start=$SECONDS
-    ab_tune nvidia-h200-sm90 "$WS_128, kv_group: [0, 1], nondeterministic_dq: [0, 1]}" \
-      configs/workloads/peers-tune.yaml default 200
+    ab_tune nvidia-h200-sm90 "$PEERS_SPACE" configs/workloads/peers-tune.yaml default 200
     verify_knob_entries ;;
   rest)
-    # the table's CUDA backward keys of the sweep's classes that W1-W3 leave out (default.yaml's
-    # `sweep` grid and the GQA 1 / 8 rows of `shipped`), each listed: a key whose entry is Triton's
-    # stays out, as the merged tune would replace it by the best of these few candidates
+    # the table's CUDA backward keys that W1-W3 leave out (ws128 and d192: default.yaml's `sweep`
+    # grid and the GQA 1 / 8 rows of `shipped`; kv_group: varlen.yaml's), each listed: a key whose
+    # entry is Triton's stays out, as the merged tune would replace it by the best of these few
+    # candidates
     cat > "$out/rest.yaml" <<'YAML'
 ws128:
   - {tokens: 16384, heads: 16, head_dim: [80, 96], seqlen: [4096], causal: [true, false], gqa_ratio: [4],
@@ -102,21 +103,21 @@ kv_group:  # varlen.yaml's D128 window keys and its packed one without mask or b
   - {heads: 16, head_dim: [128], documents: [[4096, 700, 2900, 1500, 3100, 1024, 1964, 1100]], causal: [true],
      gqa_ratio: [4], variants: [{mask: none, bias: none}], dtype: [bf16]}
 YAML
-    if [ "${3:-}" = ws128 ]; then
-      ab_tune rest-ws128 "$WS_128, kv_group: [0], nondeterministic_dq: [0, 1]}" "$out/rest.yaml" ws128 560
-    elif [ "${3:-}" = kv_group ]; then
-      ab_tune rest-kv-group "$WS_128, kv_group: [1], nondeterministic_dq: [0, 1]}" "$out/rest.yaml" kv_group 200
-      verify_knob_entries
-    else
-      ab_tune rest-d192 "{block_m: [64], block_n: [96], block_m_dq: [64], block_n_dq: [96], num_warps: [12], \
+    case ${3:-} in
+      ws128) ab_tune rest-ws128 "$WS_128, kv_group: [0], nondeterministic_dq: [0, 1]}" "$out/rest.yaml" ws128 560 ;;
+      kv_group)
+        ab_tune rest-kv-group "$WS_128, kv_group: [1], nondeterministic_dq: [0, 1]}" "$out/rest.yaml" kv_group 200
+        verify_knob_entries ;;
+      d192)
+        ab_tune rest-d192 "{block_m: [64], block_n: [96], block_m_dq: [64], block_n_dq: [96], num_warps: [12], \
 num_stages: [1], kv_group: [0], nondeterministic_dq: [0, 1]}" "$out/rest.yaml" d192 150
-      verify_knob_entries
-    fi ;;
+        verify_knob_entries ;;
+      *) echo "rest: ws128, d192 or kv_group (got '${3:-}')" >&2; exit 2 ;;
+    esac ;;
   bench)
     if [ -n "${3:-}" ]; then
       cp "$3" /tmp/nvidia-h200-sm90.yaml.trials.jsonl
-      ab_tune nvidia-h200-sm90 "$WS_128, kv_group: [0, 1], nondeterministic_dq: [0, 1]}" \
-        configs/workloads/peers-tune.yaml default 200 --resume
+      ab_tune nvidia-h200-sm90 "$PEERS_SPACE" configs/workloads/peers-tune.yaml default 200 --resume
       start=$SECONDS
     fi
     dmattn-bench bench --peers ours-cuda,flex,flex-small-bwd,sdpa-efficient,sdpa-flash-dense,sdpa-cudnn-dense \
