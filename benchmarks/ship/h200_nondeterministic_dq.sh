@@ -20,11 +20,7 @@
 # Logs (and the table) go to OUT/logs.tgz.
 set -uo pipefail
 out=$1; step=$2
-table=results/tables/nvidia-h200-sm90.yaml
-logs=$out/logs; mkdir -p "$logs"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$logs/install.txt" 2>&1
-pack() { tar czf "$out/logs.tgz" -C "$out" logs; }
+source "$(dirname "$0")/h200_setup.sh"
 cat > "$out/triton-bwd-one.yaml" <<'YAML'
 backend: triton
 direction: bwd

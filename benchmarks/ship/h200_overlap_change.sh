@@ -10,11 +10,7 @@
 # Logs go to OUT/logs.tgz.
 set -uo pipefail
 out=$1; step=$2; narrow=${3:-}
-table=results/tables/nvidia-h200-sm90.yaml
-logs=$out/logs; mkdir -p "$logs"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$logs/install.txt" 2>&1
-pack() { tar czf "$out/logs.tgz" -C "$out" logs; }
+source "$(dirname "$0")/h200_setup.sh"
 start=$SECONDS
 if [ "$step" = tier ]; then
   DMATTN_TEST_GPU=1 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_cuda_kernels.py \
