@@ -6,7 +6,8 @@
 //
 // FWD_OVERLAP (flash_fwd_ws.cu's overlapped consumers only; flash_fwd.cu is never built with it)
 // splits the online softmax into `softmax_tile`, `rows_moved` and `rescale_rows`, so that acc is
-// rescaled apart from the exps, and keeps scores as dots where the scale can go into the exp.
+// rescaled apart from the exps, keeps scores as dots where the scale can go into the exp, and
+// without a window tests a position's reach against its row's last key (`last_reached`).
 #pragma once
 
 #include "common.cuh"
