@@ -16,10 +16,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
+
+from dmattn_kernels.compile_into import CompileFailed, compile_into
 
 KERNEL_DIR = Path(__file__).parent
 # each includes common.cuh; "fwd_ws" and "bwd_ws" are the SM90 warp-specialized kernels
@@ -91,16 +91,9 @@ def build(direction: str, arch: str, flags: tuple[str, ...]) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        output = Path(scratch) / target.name
-        command = [nvcc(), *NVCC_OPTIONS, f"-I{KERNEL_DIR}", f"-arch={ARCH_FLAGS[arch]}", *flags, "-o", str(output),
-                   str(SOURCES[direction])]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise CudaBuildError(f"nvcc timed out after {NVCC_TIMEOUT_S} s ({' '.join(flags)})") from None
-        if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
-            raise CudaBuildError(f"nvcc failed for {arch} {' '.join(flags)}: {errors[0] if errors else done.returncode}")
-        os.replace(output, target)
-    return target
+    command = [nvcc(), *NVCC_OPTIONS, f"-I{KERNEL_DIR}", f"-arch={ARCH_FLAGS[arch]}", *flags, "-o", str(target),
+               str(SOURCES[direction])]
+    try:
+        return compile_into(target, command, NVCC_TIMEOUT_S)
+    except CompileFailed as failure:
+        raise CudaBuildError(f"nvcc failed for {arch} {' '.join(flags)}: {failure}") from None

@@ -35,16 +35,16 @@ import importlib.util
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from dmattn_kernels.compile_into import CompileFailed, compile_into
 
 SOURCE = Path(__file__).with_name("native_launch.cpp")
 MODULE_NAME = "dmattn_native"
@@ -128,18 +128,10 @@ def _compile(target: Path) -> Path:
         raise RuntimeError(f"no C++ compiler ({command[0]}; set CXX)")
     print("dmattn-bench: building the native launch path (once per torch and Python version, about 15 s)",
           file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        output = Path(scratch) / target.name
-        command[command.index(str(target))] = str(output)
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the C++ compiler timed out after {BUILD_TIMEOUT_S} s") from None
-        if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
-            raise RuntimeError(f"the C++ compiler failed: {errors[0] if errors else done.returncode}")
-        os.replace(output, target)
-    return target
+    try:
+        return compile_into(target, command, BUILD_TIMEOUT_S)
+    except CompileFailed as failure:
+        raise RuntimeError(f"the C++ compiler failed: {failure}") from None
 
 
 def _load(path: Path):
