@@ -11,10 +11,9 @@ import torch
 
 from dmattn_bench import compat, flash_dmattn_func
 from dmattn_bench.reference import attention
+from tests.test_api import F32, TOL, assert_close
 
-F32, F64 = torch.float32, torch.float64
 EMPTY = inspect.Parameter.empty
-TOL = 1e-4  # max abs error relative to max(1, max|ref|), as in test_api.py
 
 # (name, default) in order, all positional-or-keyword, copied from flash-dmattn 1.2.2
 # (PyPI sdist flash_dmattn-1.2.2.tar.gz, sha256 19187214989acc5c93269c54a27dda61d734c8d8091e30ab0d62f98ff1e3f265;
@@ -31,17 +30,6 @@ TRITON_DMATTN_FUNC_1_2 = [
     ("query", EMPTY), ("key", EMPTY), ("value", EMPTY), ("attn_mask", None), ("attn_bias", None),
     ("is_causal", False), ("softmax_scale", None),
 ]
-
-
-def assert_close(actual, expected, what):
-    a, e = actual.detach().to(F64), expected.detach().to(F64)
-    err = (a - e).abs()
-    bound = TOL * max(1.0, e.abs().max().item())
-    worst = err.max().item()
-    if not worst <= bound:
-        idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
-        raise AssertionError(f"{what}: max abs err {worst:.3e} at {idx} > bound {bound:.3e} "
-                             f"(ratio {worst / bound:.2f})")
 
 
 def qkv(B, H, Hkv, Lq, Lk, D):
@@ -90,13 +78,13 @@ def test_causal_lq_lt_lk_is_bottom_right(fn):
     B, H, Lq, Lk, D = 1, 2, 5, 21, 16
     q, k, v = (t.detach() for t in qkv(B, H, H, Lq, Lk, D))
     out = fn(q, k, v, is_causal=True)
-    assert_close(out, attention(q, k, v, is_causal=True), "bottom-right causal")
+    assert_close(out, attention(q, k, v, is_causal=True), F32, "bottom-right causal")
     # The same rule spelled out: query i sees keys j <= i + Lk - Lq. Top-left (j <= i, what
     # flash-dmattn's Triton kernel does) would differ by a wide margin.
     rows, cols = torch.arange(Lq)[:, None], torch.arange(Lk)[None, :]
     bottom_right, top_left = cols <= rows + Lk - Lq, cols <= rows
-    assert_close(out, attention(q, k, v, bottom_right), "explicit bottom-right mask")
-    assert (out - attention(q, k, v, top_left)).abs().max() > 10 * TOL
+    assert_close(out, attention(q, k, v, bottom_right), F32, "explicit bottom-right mask")
+    assert (out - attention(q, k, v, top_left)).abs().max() > 10 * TOL[F32]
 
 
 def test_return_attn_probs_raises_naming_it():
@@ -128,4 +116,4 @@ def test_noop_arguments_are_accepted():
     # softcap=None disables soft-capping, as in flash-dmattn
     assert torch.equal(compat.flash_dmattn_func(q, k, v, softcap=None), flash_dmattn_func(q, k, v))
     assert_close(compat.flash_dmattn_func(q, k, v), attention(q, k, v, softmax_scale=1 / math.sqrt(D)),
-                 "defaults")
+                 F32, "defaults")

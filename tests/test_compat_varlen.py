@@ -11,10 +11,9 @@ import torch
 
 from dmattn_bench import compat, flash_dmattn_func, flash_dmattn_varlen_func
 from dmattn_bench.reference import attention, varlen_attention
+from tests.test_api import F32, assert_close
 
-F64 = torch.float64
 EMPTY = inspect.Parameter.empty
-TOL = 1e-4  # max abs error relative to max(1, max|ref|), as in test_api.py
 
 # (name, default) in order, all positional-or-keyword, from Dao-AILab/flash-attention
 # flash_attn/flash_attn_interface.py (commit 005300258a22).
@@ -38,17 +37,6 @@ EXTENSIONS = {
 # Packed sequences: a zero-length one and lengths that divide no tile.
 LENGTHS = [5, 0, 1, 9, 7]
 H, HKV, D = 4, 2, 16
-
-
-def assert_close(actual, expected, what):
-    a, e = actual.detach().to(F64), expected.detach().to(F64)
-    err = (a - e).abs()
-    bound = TOL * max(1.0, e.abs().max().item())
-    worst = err.max().item()
-    if not worst <= bound:
-        idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
-        raise AssertionError(f"{what}: max abs err {worst:.3e} at {idx} > bound {bound:.3e} "
-                             f"(ratio {worst / bound:.2f})")
 
 
 def packed(requires_grad=False):
@@ -95,21 +83,21 @@ def test_varlen_with_transformers_keywords_equals_native_and_reference():
     expected = run(varlen_attention, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
                    is_causal=True, softmax_scale=0.3, window_size=window, softcap=5.0)
     for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), got, expected):
-        assert_close(a, b, name)
+        assert_close(a, b, F32, name)
 
 
 def test_varlen_positional_defaults_and_lengths_as_tensors():
     q, k, v, cu, longest = packed()
     out = compat.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, 0.0, None, True, [2, 1])
     assert_close(out, varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True, window_size=(2, 1)),
-                 "positional, window as a list")
+                 F32, "positional, window as a list")
     # transformers derives max lengths from position ids as 0-dim tensors
     longest_t = (cu[1:] - cu[:-1]).max()
     as_tensors = compat.flash_attn_varlen_func(q, k, v, cu, cu, longest_t, longest_t)
     assert torch.equal(as_tensors, flash_dmattn_varlen_func(q, k, v, cu, cu, longest, longest))
     used = torch.tensor([3, 0, 1, 9, 2], dtype=torch.int32)
     assert_close(compat.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, seqused_k=used),
-                 varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True, seqused_k=used), "seqused_k")
+                 varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True, seqused_k=used), F32, "seqused_k")
 
 
 def test_dense_equals_native_with_window_mask_and_bias():
@@ -132,7 +120,7 @@ def test_dense_equals_native_with_window_mask_and_bias():
         assert torch.equal(a, b), f"{name} differs from dmattn_bench.flash_dmattn_func"
     plain = compat.flash_attn_func(q.detach(), k.detach(), v.detach(), 0.0, None, True, (3, 2))
     assert_close(plain, attention(q.detach(), k.detach(), v.detach(), is_causal=True, window_size=(3, 2)),
-                 "positional, no mask")
+                 F32, "positional, no mask")
 
 
 CALLS = {
@@ -176,10 +164,10 @@ def test_transformers_flash_path_runs_on_the_compat_functions(monkeypatch):
     positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     expected = varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True, window_size=(3, 0))
     out = forward(q[None], k[None], v[None], position_ids=positions, sliding_window=4)
-    assert_close(out[0], expected, "packed by position ids, sliding window 4")
+    assert_close(out[0], expected, F32, "packed by position ids, sliding window 4")
     out = forward(q[None], k[None], v[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
                   max_length_k=longest)
-    assert_close(out[0], varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True), "FlashAttentionKwargs")
+    assert_close(out[0], varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True), F32, "FlashAttentionKwargs")
 
     B, L = 2, 11
     q2, k2, v2 = (torch.randn(B, L, heads, D) for heads in (H, HKV, HKV))
@@ -187,6 +175,6 @@ def test_transformers_flash_path_runs_on_the_compat_functions(monkeypatch):
     padding[1, :4] = False  # left padding: the unpad path
     out = forward(q2, k2, v2, padding)
     assert_close(out[padding], attention(q2, k2, v2, padding[:, None, None, :], is_causal=True)[padding],
-                 "unpadded rows")
+                 F32, "unpadded rows")
     out = forward(q2, k2, v2, sliding_window=3, softcap=4.0)
-    assert_close(out, attention(q2, k2, v2, is_causal=True, window_size=(2, 0), softcap=4.0), "dense")
+    assert_close(out, attention(q2, k2, v2, is_causal=True, window_size=(2, 0), softcap=4.0), F32, "dense")

@@ -16,18 +16,9 @@ from dmattn_bench import api  # noqa: E402
 from dmattn_bench.integrations.transformers import (  # noqa: E402
     ATTN_IMPLEMENTATION, attention_forward, register,
 )
+from tests.test_api import F32, assert_close  # noqa: E402
 
-F64 = torch.float64
-TOL = 1e-4  # max abs error relative to max(1, max|ref|), as in test_api.py
 NUM_LAYERS = 2
-
-
-def assert_close(actual, expected, what):
-    a, e = actual.detach().to(F64), expected.detach().to(F64)
-    err = (a - e).abs()
-    bound = TOL * max(1.0, e.abs().max().item())
-    worst = err.max().item()
-    assert worst <= bound, f"{what}: max abs err {worst:.3e} > bound {bound:.3e} (ratio {worst / bound:.2f})"
 
 
 def tiny_llama(attn_implementation):
@@ -81,7 +72,7 @@ def test_llama_left_padding_matches_eager_forward_and_backward(api_calls):
     assert len(api_calls) == NUM_LAYERS, f"got {len(api_calls)} calls, expected one per layer"
     ref_logits = eager(input_ids=input_ids, attention_mask=attention_mask).logits
     assert torch.isfinite(logits).all()
-    assert_close(logits[kept], ref_logits[kept], "logits at non-padded positions")
+    assert_close(logits[kept], ref_logits[kept], F32, "logits at non-padded positions")
 
     # Padded query rows see no key at all (ours: 0, eager: a uniform average), so the loss reads
     # only non-padded positions; the weights' gradients then must agree.
@@ -89,7 +80,7 @@ def test_llama_left_padding_matches_eager_forward_and_backward(api_calls):
     ref_logits[kept].square().mean().backward()
     for (name, p), ref in zip(ours.named_parameters(), eager.parameters()):
         assert p.grad is not None and torch.isfinite(p.grad).all(), f"{name}: non-finite gradient"
-        assert_close(p.grad, ref.grad, f"d{name}")
+        assert_close(p.grad, ref.grad, F32, f"d{name}")
 
 
 def _eval_pair():
@@ -106,7 +97,7 @@ def test_llama_without_mask_uses_causal_rule(api_calls):
     input_ids = torch.randint(0, 128, (1, 10))
     with torch.no_grad():
         logits = ours(input_ids=input_ids).logits
-        assert_close(logits, eager(input_ids=input_ids).logits, "logits")
+        assert_close(logits, eager(input_ids=input_ids).logits, F32, "logits")
     assert [c["is_causal"] for c in api_calls] == [True] * NUM_LAYERS
 
 
@@ -148,7 +139,7 @@ def test_mask_conversion_and_layout(api_calls):
     expected = api.flash_dmattn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep,
                                      softmax_scale=0.2)
     assert torch.equal(out_bool, expected)
-    assert_close(out_float, expected, "additive float mask as attn_bias")
+    assert_close(out_float, expected, F32, "additive float mask as attn_bias")
 
 
 def test_dropout_raises_naming_it():

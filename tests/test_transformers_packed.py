@@ -13,21 +13,12 @@ transformers = pytest.importorskip("transformers")
 
 from dmattn_bench import api, varlen  # noqa: E402
 from dmattn_bench.integrations import transformers as integration  # noqa: E402
+from tests.test_api import F32, assert_close  # noqa: E402
 
-F64 = torch.float64
-TOL = 1e-4  # max abs error relative to max(1, max|ref|), as in test_api.py
 NUM_LAYERS = 2
 VOCAB = 128
 LENGTHS = [5, 1, 9, 7]  # documents of one packed row: one of a single token, none a tile's multiple
 SLIDING_WINDOW = 4  # shorter than most documents, so that it cuts
-
-
-def assert_close(actual, expected, what):
-    a, e = actual.detach().to(F64), expected.detach().to(F64)
-    err = (a - e).abs()
-    bound = TOL * max(1.0, e.abs().max().item())
-    worst = err.max().item()
-    assert worst <= bound, f"{what}: max abs err {worst:.3e} > bound {bound:.3e} (ratio {worst / bound:.2f})"
 
 
 def tiny(kind, attn_implementation):
@@ -109,14 +100,14 @@ def test_packed_row_equals_each_document_alone(kind, given, calls):
         assert call["cu_seqlens_q"] == call["cu_seqlens_k"] == CU_SEQLENS
         assert call["is_causal"] and call["window_size"] == window and call["max_seqlen_q"] == max(LENGTHS)
     alone = [ref(input_ids=d[None]).logits[0] for d in docs]
-    assert_close(logits[0], torch.cat(alone), "packed logits")
+    assert_close(logits[0], torch.cat(alone), F32, "packed logits")
 
     # a training step: the packed row's loss is the documents' losses summed
     logits[0].square().mean(-1).sum().backward()
     sum(a.square().mean(-1).sum() for a in alone).backward()
     for (name, p), r in zip(ours.named_parameters(), ref.parameters()):
         assert p.grad is not None and torch.isfinite(p.grad).all(), f"{name}: non-finite gradient"
-        assert_close(p.grad, r.grad, f"d{name}")
+        assert_close(p.grad, r.grad, F32, f"d{name}")
 
 
 def test_packed_call_takes_views_of_the_row(calls):
@@ -139,7 +130,7 @@ def test_mistral_sliding_window_matches_sdpa(calls):
     input_ids = torch.randint(0, VOCAB, (1, 13))
     with torch.no_grad():
         logits = ours(input_ids=input_ids).logits
-        assert_close(logits, ref(input_ids=input_ids).logits, "logits")
+        assert_close(logits, ref(input_ids=input_ids).logits, F32, "logits")
     # transformers' sliding-window mask is checked once and replaced by the window: no mask read
     assert [(c["kind"], c["attn_mask"], c["window_size"], c["is_causal"]) for c in calls] == \
         [("dense", None, (SLIDING_WINDOW - 1, 0), True)] * NUM_LAYERS
@@ -173,7 +164,7 @@ def test_a_mask_with_padding_is_read_as_before(calls):
     kept = attention_mask.bool()
     with torch.no_grad():
         logits = ours(input_ids=input_ids, attention_mask=attention_mask).logits
-        assert_close(logits[kept], ref(input_ids=input_ids, attention_mask=attention_mask).logits[kept], "logits")
+        assert_close(logits[kept], ref(input_ids=input_ids, attention_mask=attention_mask).logits[kept], F32, "logits")
     assert all(c["kind"] == "dense" and c["attn_mask"] is not None for c in calls)
 
 
