@@ -9,34 +9,19 @@ import torch
 import yaml
 
 from dmattn_bench import tiles
-from dmattn_bench.dispatch import lookup, stamps
-from dmattn_bench.dispatch.lookup import clear_cache, similarity_distance, table_entry, by_category, use_table
+from dmattn_bench.dispatch import stamps
+from dmattn_bench.dispatch.lookup import similarity_distance, table_entry, by_category
 from dmattn_bench.dispatch.table import Entry, TableError, load_table, table_from_dict
 from dmattn_bench.hardware import CPU_FINGERPRINT
 from dmattn_bench.space import BwdConfig, FwdConfig, Packing, TableKey, seqlen_bucket, window_bucket
-from dmattn_bench.tuning.table_writer import dump_table, new_table, table_to_dict
+from dmattn_bench.tuning.table_writer import table_to_dict
 from dmattn_bench.tuning.workloads import Workload, load_workloads, workload_of_key
+from tests.test_dispatch import fresh_dispatcher, write  # noqa: F401  (fresh_dispatcher: an autouse fixture)
 
 DENSE = TableKey("fwd", "fp32", 32, True, "none", "none", 1, 64, 64)
 PACKED = dataclasses.replace(DENSE, packed=True)
 WINDOWED = dataclasses.replace(DENSE, window=16)
 TUNED = FwdConfig(32, 16, 1, 1)  # not the interpreter's default (16x16): a table hit shows
-
-
-@pytest.fixture(autouse=True)
-def fresh_dispatcher(monkeypatch, tmp_path):
-    monkeypatch.setattr(lookup, "SHIPPED_TABLES_DIR", tmp_path / "shipped")
-    monkeypatch.delenv(lookup.ENV_VAR, raising=False)
-    use_table(None)
-    clear_cache()
-    yield
-    use_table(None)
-    clear_cache()
-
-
-def _write(path, entries) -> str:
-    dump_table(new_table(entries, CPU_FINGERPRINT, interpreter=True), path)
-    return str(path)
 
 
 # -- window_bucket ----------------------------------------------------------------------------------
@@ -79,7 +64,7 @@ def test_categorical_separates_packed_and_windowed_keys():
 def test_table_round_trip_with_and_without_the_new_fields(tmp_path):
     entries = [Entry(DENSE, "triton", TUNED, {}), Entry(PACKED, "triton", TUNED, {}),
                Entry(dataclasses.replace(WINDOWED, direction="bwd"), "triton", BwdConfig(16, 16, 16, 16, 1, 1), {})]
-    path = _write(tmp_path / "t.yaml", entries)
+    path = write(tmp_path / "t.yaml", entries)
     document = yaml.safe_load(open(path))
     written = {tuple(sorted(item["key"])) for item in document["entries"]}
     assert ("bias", "causal", "direction", "dtype", "gqa_ratio", "head_dim", "mask", "seqlen_k_bucket",
@@ -199,7 +184,7 @@ def test_lookup_never_crosses_packed_or_window(wanted, held, tmp_path):
     entries = [Entry(dataclasses.replace(held, seqlen_q_bucket=n, seqlen_k_bucket=n), "triton", TUNED, {})
                for n in (32, 64, 128)]
     assert table_entry(wanted, by_category(entries)) is None
-    path = _write(tmp_path / "t.yaml", entries)
+    path = write(tmp_path / "t.yaml", entries)
     choice = tiles.choose(wanted, "cpu", table=path)
     assert choice.source == "default" and choice.config != TUNED
 
@@ -209,7 +194,7 @@ def test_lookup_finds_a_packed_and_a_windowed_entry(tmp_path):
     nearby span stands in for another (the most-similar rule)."""
     entries = [Entry(dataclasses.replace(PACKED, seqlen_q_bucket=128, seqlen_k_bucket=128), "triton", TUNED, {}),
                Entry(WINDOWED, "triton", FwdConfig(16, 32, 1, 1), {})]
-    path = _write(tmp_path / "t.yaml", entries)
+    path = write(tmp_path / "t.yaml", entries)
     assert tiles.choose(PACKED, "cpu", table=path).config == TUNED
     assert tiles.choose(WINDOWED, "cpu", table=path).config == FwdConfig(16, 32, 1, 1)
     assert tiles.choose(dataclasses.replace(WINDOWED, window=32), "cpu", table=path).config == FwdConfig(16, 32, 1, 1)
